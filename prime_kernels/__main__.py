@@ -1,0 +1,5 @@
+import sys
+
+from prime_kernels_core.cli import main
+
+sys.exit(main())

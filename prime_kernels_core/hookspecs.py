@@ -1,0 +1,24 @@
+"""The hooks a prime-kernels plugin implements. Its entry point (group ``prime_kernels``) names the module holding them."""
+import pluggy
+
+hookspec = pluggy.HookspecMarker("prime_kernels")
+
+
+@hookspec
+def prime_kernels_declare():
+    """Return the KernelSpecs this plugin ships (prime_kernels_core.manifest.declare); never import compiled code here."""
+
+
+@hookspec(firstresult=True)
+def prime_kernels_extra_check(kernel, device):
+    """Return a sentence saying why ``kernel`` cannot run on ``device`` (a Target), or None; runs after every core rule."""
+
+
+@hookspec
+def prime_kernels_sample_inputs(kernel, device):
+    """Return [(op_name, args, kwargs)] for the conformance kit: fake-tensor runs and torch.library.opcheck on ``device``."""
+
+
+@hookspec
+def prime_kernels_surface_samples(kernel, device):
+    """Return [(callable, args, kwargs)]: Python-surface calls that torch.compile(fullgraph=True) must trace."""

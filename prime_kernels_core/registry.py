@@ -1,0 +1,323 @@
+"""Discovery of installed plugins and the gating rules that say whether a kernel can run here, and if not, why.
+
+Every public function here returns a reason instead of raising: status and gating never raise.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import os
+import re
+import sys
+from collections import defaultdict
+from functools import lru_cache
+
+import pluggy
+
+from . import hookspecs
+from .manifest import KernelSpec
+
+ENTRY_POINT_GROUP = "prime_kernels"
+DISABLE_ENV = "PRIME_KERNELS_DISABLE"
+ALLOW_ENV = "PRIME_KERNELS_PLUGINS"
+AVAILABLE = "available"
+
+
+class KernelUnavailableError(RuntimeError):
+    """Raised by load() with the gating reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where a kernel would run: the CPU, or CUDA device ``index`` of compute ``capability``."""
+
+    kind: str
+    index: int | None = None
+    capability: tuple[int, int] | None = None
+
+    def __str__(self) -> str:
+        if self.kind == "cpu":
+            return "cpu"
+        return f"cuda:{self.index} (sm_{self.capability[0]}{self.capability[1]})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One row of discovery: a declared kernel, or a plugin that failed before declaring any."""
+
+    name: str
+    distribution: str
+    version: str
+    spec: KernelSpec | None = None
+    error: str | None = None
+    manager: pluggy.PluginManager | None = None
+
+
+# ---------------------------------------------------------------- discovery
+
+def _allowed(ep, dist_name: str) -> bool:
+    allow = os.environ.get(ALLOW_ENV)
+    if allow is None:
+        return True
+    names = {n.strip() for n in allow.split(",") if n.strip()}
+    return ep.name in names or dist_name in names
+
+
+def _plugin_entry_points():
+    """(distribution name, version, entry point) for each plugin, first copy of each distribution on sys.path only."""
+    seen = set()
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"] or "?"
+        key = re.sub(r"[-_.]+", "-", name).lower()
+        if key in seen:
+            continue
+        seen.add(key)
+        for ep in dist.entry_points:
+            if ep.group == ENTRY_POINT_GROUP and _allowed(ep, name):
+                yield name, dist.version, ep
+
+
+def _declare(dist_name: str, version: str, ep) -> list[Entry]:
+    """Import one plugin's hook module in its own PluginManager, so one plugin's failure touches no other."""
+    try:
+        manager = pluggy.PluginManager(ENTRY_POINT_GROUP)
+        manager.add_hookspecs(hookspecs)
+        manager.register(ep.load(), name=f"{dist_name}:{ep.name}")
+        manager.check_pending()
+        specs = [s for result in manager.hook.prime_kernels_declare() for s in result]
+        if not specs:
+            raise ValueError("its prime_kernels_declare hook declared no kernel")
+        return [
+            Entry(s.name, dist_name, version, dataclasses.replace(s, distribution=dist_name, version=version), None, manager)
+            for s in specs
+        ]
+    except Exception as exc:  # a broken plugin is a row, never an abort
+        return [Entry(ep.name, dist_name, version, error=f"{type(exc).__name__}: {exc}")]
+
+
+def _clashes(entries: list[Entry]) -> dict[int, str]:
+    """For each entry index whose kernel name or namespace another distribution also claims, the sentence saying so."""
+    claims = defaultdict(list)
+    for i, entry in enumerate(entries):
+        if entry.spec is not None:
+            claims[("kernel name", entry.spec.name)].append(i)
+            claims[("namespace", entry.spec.namespace)].append(i)
+    reasons = {}
+    for (what, value), indices in claims.items():
+        dists = {(entries[i].distribution, entries[i].version) for i in indices}
+        if len(dists) > 1:
+            named = " and ".join(f"{d} {v}" for d, v in sorted(dists))
+            for i in indices:
+                reasons.setdefault(
+                    i, f"{what} '{value}' is claimed by both {named}; uninstall one of them (neither was imported)"
+                )
+    return reasons
+
+
+@lru_cache(maxsize=1)
+def _discover() -> tuple[tuple[Entry, ...], dict]:
+    entries = [e for dist, version, ep in _plugin_entry_points() for e in _declare(dist, version, ep)]
+    return tuple(entries), _clashes(entries)
+
+
+def refresh() -> None:
+    """Forget discovery and import results, e.g. after installing a plugin into a running process."""
+    _discover.cache_clear()
+    _import_module.cache_clear()
+
+
+def entries() -> tuple[Entry, ...]:
+    """Every discovered row, in discovery order."""
+    return _discover()[0]
+
+
+def _find(name: str) -> tuple[Entry | None, str | None]:
+    found, clashes = _discover()
+    for i, entry in enumerate(found):
+        if entry.name == name:
+            return entry, clashes.get(i)
+    return None, None
+
+
+# ---------------------------------------------------------------- targets
+
+def resolve_target(device=None) -> Target | str:
+    """A Target for ``device`` (None, an index, "cuda:N", "cpu", a torch.device or a Target), or why there is none."""
+    if isinstance(device, Target):
+        return device
+    try:
+        import torch
+
+        if device is None:
+            if not torch.cuda.is_available():
+                return "no CUDA device is visible to this process (torch.cuda.is_available() is False)"
+            device = torch.cuda.current_device()
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if device.type == "cpu":
+            return Target("cpu")
+        if device.type != "cuda":
+            return f"device type {device.type!r} is not supported; use a CUDA device or 'cpu'"
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = device.index if device.index is not None else (torch.cuda.current_device() if count else 0)
+        if index >= count:
+            return f"no CUDA device cuda:{index} is visible to this process (it sees {count})"
+        return Target("cuda", index, tuple(torch.cuda.get_device_capability(index)))
+    except Exception as exc:
+        return f"could not resolve device {device!r}: {type(exc).__name__}: {exc}"
+
+
+def arch_runs_on(arch: str, capability: tuple[int, int]) -> bool:
+    """Whether code built for ``arch`` ("9.0a", "10.0f", "8.0") runs on a device of ``capability``.
+
+    Arch-specific ("a") code runs only on its exact capability; family ("f") and plain code on later minors of the major.
+    """
+    match = re.fullmatch(r"(\d+)\.(\d+)([af]?)", arch)
+    if not match:
+        return False
+    major, minor, suffix = int(match[1]), int(match[2]), match[3]
+    if suffix == "a":
+        return (major, minor) == tuple(capability)
+    return major == capability[0] and capability[1] >= minor
+
+
+# ---------------------------------------------------------------- gating
+
+def _major_minor(version: str | None) -> str | None:
+    return ".".join(version.split("+")[0].split(".")[:2]) if version else None
+
+
+def _foreign_namespace_reason(spec: KernelSpec) -> str | None:
+    if spec.extension in sys.modules:
+        return None
+    import torch
+
+    prefix = spec.namespace + "::"
+    taken = sorted(op for op in torch._C._dispatch_get_all_op_names() if op.startswith(prefix))
+    if taken:
+        return (
+            f"torch.ops namespace '{spec.namespace}' is already registered in this process by something other than "
+            f"{spec.distribution} (found {', '.join(taken[:3])}); importing {spec.extension} would abort the process"
+        )
+    return None
+
+
+def _abi_reason(spec: KernelSpec, target: Target | str) -> str | None:
+    import torch
+
+    built_torch, built_cuda = _major_minor(spec.build.get("torch")), spec.build.get("torch_cuda")
+    running_torch, running_cuda = _major_minor(torch.__version__), torch.version.cuda
+    if built_torch != running_torch:
+        return (
+            f"{spec.name} was built against torch {built_torch} but this process runs torch {running_torch}; "
+            f"rebuild {spec.distribution} against the running torch"
+        )
+    cuda_built = not spec.build.get("cuda_skipped")
+    if cuda_built and not (isinstance(target, Target) and target.kind == "cpu") and built_cuda != running_cuda:
+        return (
+            f"{spec.name} was built against CUDA {built_cuda} but this process runs torch with CUDA {running_cuda}; "
+            f"rebuild {spec.distribution} against the running torch"
+        )
+    return None
+
+
+@lru_cache(maxsize=None)
+def _import_module(module: str):
+    """(module, None) or (None, reason), imported once per process."""
+    try:
+        return importlib.import_module(module), None
+    except Exception as exc:
+        text = f"{type(exc).__name__}: {exc}"
+        symbol = re.search(r"undefined symbol: (\S+)", text)
+        if symbol:
+            import torch
+
+            return None, (
+                f"importing {module} failed with an undefined symbol ({symbol[1]}): its compiled extension does not "
+                f"match the running torch {torch.__version__}; rebuild it against this torch"
+            )
+        return None, f"importing {module} failed: {text}"
+
+
+def _reason(name: str, device, import_module: bool) -> str | None:
+    disabled = {n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",")}
+    if name in disabled:
+        return f"disabled by {DISABLE_ENV}"
+    entry, clash = _find(name)
+    if entry is None:
+        return f"no installed plugin declares a kernel named '{name}'"
+    if entry.error:  # rule 1
+        return f"plugin {entry.distribution} {entry.version} failed to load: {entry.error}"
+    spec = entry.spec
+    if clash:  # rule 2
+        return clash
+    foreign = _foreign_namespace_reason(spec)  # rule 3
+    if foreign:
+        return foreign
+    target = resolve_target(device)
+    if spec.build is None:  # rule 4
+        return f"{spec.name} is not compiled: {spec.distribution} has no build record (was it built with prime_kernels_core.build?)"
+    wants_cuda = not (isinstance(target, Target) and target.kind == "cpu")
+    if wants_cuda and spec.build.get("cuda_skipped"):
+        return f"{spec.name} was built without CUDA: {spec.build['cuda_skipped']}"
+    abi = _abi_reason(spec, target)  # rule 5
+    if abi:
+        return abi
+    if isinstance(target, str):  # rule 6
+        return target
+    if target.kind == "cuda":  # rule 7
+        built = spec.build.get("archs") or []
+        if not any(arch_runs_on(a, target.capability) for a in built):
+            major, minor = target.capability
+            return f"{spec.name} is compiled for {', '.join(built) or 'no arch'}, this device is sm_{major}{minor}"
+    if import_module:  # rule 8
+        _, failure = _import_module(spec.module)
+        if failure:
+            return failure
+    try:  # rule 9
+        return entry.manager.hook.prime_kernels_extra_check(kernel=name, device=target)
+    except Exception as exc:
+        return f"{spec.distribution}'s extra check raised {type(exc).__name__}: {exc}"
+
+
+def unavailable_reason(name: str, device=None) -> str | None:
+    """None when ``name`` can run on ``device``, else one sentence saying what was found and what is needed."""
+    try:
+        return _reason(name, device, import_module=True)
+    except Exception as exc:  # gating never raises
+        return f"checking {name} failed unexpectedly: {type(exc).__name__}: {exc}"
+
+
+def is_available(name: str, device=None) -> bool:
+    return unavailable_reason(name, device) is None
+
+
+def status(device=None) -> dict[str, str]:
+    """{kernel name: "available" or the reason}; never raises."""
+    try:
+        names = dict.fromkeys(e.name for e in entries())
+    except Exception as exc:
+        return {"<discovery>": f"plugin discovery failed: {type(exc).__name__}: {exc}"}
+    return {n: unavailable_reason(n, device) or AVAILABLE for n in names}
+
+
+def spec(name: str) -> KernelSpec:
+    """The declared spec of ``name`` (names, namespace, ops, archs, build record, distribution)."""
+    entry, _ = _find(name)
+    if entry is None or entry.spec is None:
+        raise KernelUnavailableError(unavailable_reason(name, "cpu"))
+    return entry.spec
+
+
+def load(name: str, device=None):
+    """The kernel's Python module; raises KernelUnavailableError with the reason when it cannot run on ``device``."""
+    reason = unavailable_reason(name, device)
+    if reason:
+        raise KernelUnavailableError(reason)
+    return _import_module(spec(name).module)[0]
+
+
+def log_status(logger, device=None) -> None:
+    """One line per kernel, for a trainer's start-up log."""
+    for name, state in status(device).items():
+        logger.info("prime-kernels: %s: %s", name, state)

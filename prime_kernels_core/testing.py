@@ -1,0 +1,81 @@
+"""The conformance kit: ``assert_conforms(name)`` for any installed plugin, and the error-ratio rule for numerics."""
+from __future__ import annotations
+
+import torch
+
+from . import registry
+from .contracts import ShapeContract
+
+
+def relative_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    """‖actual − reference‖ / ‖reference‖ in float64 (‖·‖ Frobenius; NaN anywhere gives NaN)."""
+    diff = actual.detach().double().cpu() - reference.detach().double().cpu()
+    scale = reference.detach().double().cpu().norm()
+    return float(diff.norm() / scale) if scale > 0 else float(diff.norm())
+
+
+def assert_error_ratio(label: str, actual, baseline, reference, max_ratio: float = 1.0) -> float:
+    """Assert ``actual``'s error against ``reference`` is at most ``max_ratio`` × ``baseline``'s; print the margin."""
+    ours, theirs = relative_error(actual, reference), relative_error(baseline, reference)
+    ratio = ours / theirs if theirs > 0 else (0.0 if ours == 0 else float("inf"))
+    print(f"{label}: error {ours:.3e}, PyTorch path {theirs:.3e}, ratio {ratio:.3f} (limit {max_ratio})")
+    assert ratio <= max_ratio, f"{label}: error {ours:.3e} is {ratio:.3f}x the PyTorch path's {theirs:.3e} (limit {max_ratio})"
+    return ratio
+
+
+def _qualified(namespace: str, op: str) -> str:
+    return f"{namespace}::{op}"
+
+
+def _registered_ops(namespace: str) -> set[str]:
+    prefix = namespace + "::"
+    return {n[len(prefix):].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix)}
+
+
+def _hook_results(entry, hook: str, **kwargs) -> list:
+    return [item for result in getattr(entry.manager.hook, hook)(**kwargs) for item in result]
+
+
+def _devices(name: str) -> list[str]:
+    return ["cpu"] + (["cuda"] if registry.is_available(name) else [])
+
+
+def assert_conforms(name: str, compile_backend: str = "aot_eager") -> None:
+    """Check the plugin declaring ``name`` against the framework's contract; raise AssertionError naming the failure."""
+    reason = registry.unavailable_reason(name, "cpu")
+    assert reason is None, f"{name}: the CPU implementation must always be available, but: {reason}"
+    module = registry.load(name, "cpu")
+    spec = registry.spec(name)
+    entry = next(e for e in registry.entries() if e.name == name)
+
+    declared = {op for e in registry.entries() if e.spec and e.distribution == spec.distribution
+                and e.spec.namespace == spec.namespace for op in e.spec.ops}
+    registered = _registered_ops(spec.namespace)
+    assert set(spec.ops) <= registered, f"{name}: declared ops {sorted(set(spec.ops) - registered)} are not registered"
+    assert registered <= declared, f"{name}: undeclared ops {sorted(registered - declared)} in namespace {spec.namespace}"
+
+    for op in spec.trainable:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(_qualified(spec.namespace, op), "Autograd"), (
+            f"{name}: op {op} is declared trainable but has no autograd registration"
+        )
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for device in _devices(name):
+        samples = _hook_results(entry, "prime_kernels_sample_inputs", kernel=name, device=device)
+        sampled = {op for op, _, _ in samples}
+        assert sampled >= set(spec.ops), f"{name}: no sample inputs for ops {sorted(set(spec.ops) - sampled)} on {device}"
+        for op_name, args, kwargs in samples:
+            op = getattr(getattr(torch.ops, spec.namespace), op_name).default
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                fake = lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
+                op(*map(fake, args), **{k: fake(v) for k, v in kwargs.items()})
+            torch.library.opcheck(op, args, kwargs)
+
+        for fn, args, kwargs in _hook_results(entry, "prime_kernels_surface_samples", kernel=name, device=device):
+            torch._dynamo.reset()
+            expected = fn(*args, **kwargs)
+            got = torch.compile(fn, fullgraph=True, backend=compile_backend)(*args, **kwargs)
+            torch.testing.assert_close(got, expected, equal_nan=True)
+
+    assert isinstance(module, ShapeContract), f"{name}: {spec.module} does not export unsupported_shape_reason"

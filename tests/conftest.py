@@ -1,0 +1,72 @@
+"""Throwaway plugin distributions: a real ``*.dist-info`` with ``entry_points.txt`` on a temporary sys.path entry."""
+import json
+import textwrap
+
+import pytest
+
+import prime_kernels
+from prime_kernels_core import registry
+
+DEFAULT_RECORD = object()
+
+
+def _running_record(**overrides):
+    import torch
+
+    record = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "archs": ["9.0a"], "cuda_skipped": None}
+    record.update(overrides)
+    return record
+
+
+@pytest.fixture
+def plugin_dir(tmp_path, monkeypatch):
+    """Returns make(dist, kernel=..., ...) which writes one plugin distribution; only these are discovered."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    made = []
+
+    def make(dist, kernel="demo", namespace=None, version="0.1.0", archs=("9.0a",), record=DEFAULT_RECORD,
+             hooks="", ops_source="", import_error=None):
+        package = dist.replace("-", "_")
+        pkg = tmp_path / package
+        pkg.mkdir()
+        (pkg / "__init__.py").write_text("")
+        namespace = namespace or f"pk_test_{package}"
+        (pkg / "kernel.toml").write_text(textwrap.dedent(f"""\
+            version = "{version}"
+            [{kernel}]
+            description = "test kernel"
+            namespace = "{namespace}"
+            ops = ["op_a"]
+            module = "{package}.ops"
+            archs = {json.dumps(list(archs))}
+        """))
+        if record is DEFAULT_RECORD:
+            (pkg / "_build_record.json").write_text(json.dumps(_running_record(archs=list(archs))))
+        elif record is not None:
+            (pkg / "_build_record.json").write_text(json.dumps(record))
+        (pkg / "ops.py").write_text(
+            f"raise ImportError({import_error!r})\n" if import_error else
+            ops_source or "def unsupported_shape_reason(n):\n    return None if n % 8 == 0 else f'n={n}, needs a multiple of 8'\n"
+        )
+        (pkg / "plugin.py").write_text(
+            "from prime_kernels_core import hookimpl, manifest\n\n"
+            "@hookimpl\ndef prime_kernels_declare():\n    return manifest.declare(__file__)\n" + textwrap.dedent(hooks)
+        )
+        info = tmp_path / f"{package}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        (info / "entry_points.txt").write_text(f"[prime_kernels]\n{kernel} = {package}.plugin\n")
+        made.append(dist)
+        monkeypatch.setenv(registry.ALLOW_ENV, ",".join(made))
+        registry.refresh()
+        return package
+
+    monkeypatch.setenv(registry.ALLOW_ENV, "")
+    registry.refresh()
+    yield make
+    registry.refresh()
+
+
+@pytest.fixture
+def api():
+    return prime_kernels

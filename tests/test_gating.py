@@ -1,0 +1,186 @@
+"""Every gating rule, through real entry points of throwaway distributions. Each test fails if its rule is removed."""
+import pytest
+import torch
+
+from prime_kernels_core.registry import Target, arch_runs_on
+
+SM90 = Target("cuda", 0, (9, 0))
+
+
+def test_available_on_cpu_and_matching_gpu(plugin_dir, api):
+    plugin_dir("pk-good")
+    assert api.unavailable_reason("demo", "cpu") is None
+    assert api.unavailable_reason("demo", SM90) is None
+    assert api.is_available("demo", "cpu")
+    assert api.load("demo", "cpu").unsupported_shape_reason(16) is None
+
+
+def test_unknown_kernel_is_a_reason(plugin_dir, api):
+    plugin_dir("pk-good2")
+    assert api.unavailable_reason("nope", "cpu") == "no installed plugin declares a kernel named 'nope'"
+    with pytest.raises(api.KernelUnavailableError, match="nope"):
+        api.load("nope", "cpu")
+
+
+def test_rule1_broken_import_beside_good_plugin(plugin_dir, api, tmp_path):
+    plugin_dir("pk-fine", kernel="fine")
+    broken = plugin_dir("pk-broken", kernel="broken")
+    (tmp_path / broken / "plugin.py").write_text("raise RuntimeError('boom at import')\n")
+    api.refresh()
+    status = api.status("cpu")
+    assert status["fine"] == "available"
+    assert status["broken"] == "plugin pk-broken 0.1.0 failed to load: RuntimeError: boom at import"
+    assert api.load("fine", "cpu") is not None
+
+
+def test_rule1_hook_raising(plugin_dir, api, tmp_path):
+    plugin_dir("pk-hookok", kernel="hookok")
+    package = plugin_dir("pk-hookraise", kernel="hookraise")
+    (tmp_path / package / "plugin.py").write_text(
+        "from prime_kernels_core import hookimpl\n\n"
+        "@hookimpl\ndef prime_kernels_declare():\n    raise ValueError('manifest unreadable')\n"
+    )
+    api.refresh()
+    assert api.unavailable_reason("hookraise", "cpu") == (
+        "plugin pk-hookraise 0.1.0 failed to load: ValueError: manifest unreadable")
+    assert api.unavailable_reason("hookok", "cpu") is None
+
+
+@pytest.mark.parametrize("same", ["namespace", "kernel"])
+def test_rule2_two_distributions_one_claim(plugin_dir, api, same):
+    if same == "namespace":
+        plugin_dir("pk-first", kernel="first", namespace="pk_shared_ns", version="1.0.0")
+        plugin_dir("pk-second", kernel="second", namespace="pk_shared_ns", version="2.0.0")
+        names, expected = ("first", "second"), "namespace 'pk_shared_ns'"
+    else:
+        plugin_dir("pk-kfirst", kernel="same", version="1.0.0")
+        plugin_dir("pk-ksecond", kernel="same", version="2.0.0")
+        names, expected = ("same",), "kernel name 'same'"
+    for name in names:
+        reason = api.unavailable_reason(name, "cpu")
+        assert expected in reason and "1.0.0" in reason and "2.0.0" in reason, reason
+    import sys
+
+    assert not any(m.endswith(".ops") and m.startswith("pk_") and ("first" in m or "second" in m) for m in sys.modules)
+
+
+def test_rule3_namespace_preregistered_in_process(plugin_dir, api):
+    lib = torch.library.Library("pk_test_prereg", "DEF")
+    lib.define("squat(Tensor x) -> Tensor")
+    plugin_dir("pk-prereg", namespace="pk_test_prereg")
+    reason = api.unavailable_reason("demo", "cpu")
+    assert reason.startswith("torch.ops namespace 'pk_test_prereg' is already registered"), reason
+    assert "pk_test_prereg::squat" in reason
+
+
+def test_rule4_not_compiled(plugin_dir, api):
+    plugin_dir("pk-unbuilt", record=None)
+    assert "is not compiled" in api.unavailable_reason("demo", "cpu")
+
+
+def test_rule4_cuda_skipped_at_build(plugin_dir, api):
+    import torch
+
+    plugin_dir("pk-cpuonly", record={"torch": torch.__version__, "torch_cuda": torch.version.cuda, "archs": [],
+                                     "cuda_skipped": "no nvcc was found (CUDA_HOME=None)"})
+    assert api.unavailable_reason("demo", SM90) == "demo was built without CUDA: no nvcc was found (CUDA_HOME=None)"
+    assert api.unavailable_reason("demo", "cpu") is None
+
+
+def test_rule5_abi_mismatch_checked_before_import(plugin_dir, api):
+    plugin_dir("pk-oldtorch", record={"torch": "1.13.0+cu117", "torch_cuda": "11.7", "archs": ["9.0a"],
+                                      "cuda_skipped": None}, import_error="undefined symbol: _ZN3c10 would crash")
+    reason = api.unavailable_reason("demo", SM90)
+    assert reason.startswith("demo was built against torch 1.13 but this process runs torch"), reason
+
+
+def test_rule5_cuda_mismatch(plugin_dir, api):
+    import torch
+
+    plugin_dir("pk-oldcuda", record={"torch": torch.__version__, "torch_cuda": "11.8", "archs": ["9.0a"],
+                                     "cuda_skipped": None})
+    assert "was built against CUDA 11.8" in api.unavailable_reason("demo", SM90)
+
+
+def test_rule6_no_such_cuda_device(plugin_dir, api):
+    plugin_dir("pk-nodev")
+    reason = api.unavailable_reason("demo", "cuda:64")
+    assert reason.startswith("no CUDA device cuda:64 is visible to this process"), reason
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+def test_rule6_default_device_without_gpu(plugin_dir, api):
+    plugin_dir("pk-nogpu")
+    assert api.unavailable_reason("demo") == "no CUDA device is visible to this process (torch.cuda.is_available() is False)"
+    assert api.status() == {"demo": api.unavailable_reason("demo")}
+
+
+def test_rule7_arch_mismatch(plugin_dir, api):
+    plugin_dir("pk-hopper", archs=("9.0a",))
+    assert api.unavailable_reason("demo", Target("cuda", 0, (10, 0))) == "demo is compiled for 9.0a, this device is sm_100"
+    assert api.unavailable_reason("demo", SM90) is None
+
+
+@pytest.mark.parametrize("arch,capability,runs", [
+    ("9.0a", (9, 0), True), ("9.0a", (10, 0), False), ("10.0a", (10, 3), False), ("10.0f", (10, 3), True),
+    ("8.0", (8, 6), True), ("8.0", (9, 0), False), ("12.0a", (12, 0), True), ("junk", (9, 0), False),
+])
+def test_arch_matching(arch, capability, runs):
+    assert arch_runs_on(arch, capability) is runs
+
+
+def test_rule8_import_failure_translated(plugin_dir, api):
+    plugin_dir("pk-badso", import_error="/x/_C.so: undefined symbol: _ZN3c1017RegisterOperators")
+    reason = api.unavailable_reason("demo", "cpu")
+    assert "undefined symbol (_ZN3c1017RegisterOperators)" in reason and "rebuild it against this torch" in reason
+
+
+def test_rule8_other_import_failure(plugin_dir, api):
+    plugin_dir("pk-badimport", import_error="libfoo.so: cannot open shared object file")
+    assert api.unavailable_reason("demo", "cpu") == (
+        "importing pk_badimport.ops failed: ImportError: libfoo.so: cannot open shared object file")
+
+
+def test_rule9_extra_check(plugin_dir, api):
+    plugin_dir("pk-extra", hooks="""
+        @hookimpl
+        def prime_kernels_extra_check(kernel, device):
+            return f"{kernel} needs 2 GPUs, found 1" if device.kind == "cuda" else None
+    """)
+    assert api.unavailable_reason("demo", SM90) == "demo needs 2 GPUs, found 1"
+    assert api.unavailable_reason("demo", "cpu") is None
+
+
+def test_disabled_by_env(plugin_dir, api, monkeypatch):
+    plugin_dir("pk-disabled")
+    monkeypatch.setenv("PRIME_KERNELS_DISABLE", "other,demo")
+    assert api.unavailable_reason("demo", "cpu") == "disabled by PRIME_KERNELS_DISABLE"
+    with pytest.raises(api.KernelUnavailableError, match="disabled by PRIME_KERNELS_DISABLE"):
+        api.load("demo", "cpu")
+
+
+def test_allow_list_limits_discovery(plugin_dir, api, monkeypatch):
+    plugin_dir("pk-a", kernel="ka")
+    plugin_dir("pk-b", kernel="kb")
+    monkeypatch.setenv("PRIME_KERNELS_PLUGINS", "pk-b")
+    api.refresh()
+    assert set(api.status("cpu")) == {"kb"}
+
+
+def test_status_never_raises(plugin_dir, api):
+    plugin_dir("pk-weird")
+    assert isinstance(api.status(object()), dict)
+    assert "could not resolve device" in api.unavailable_reason("demo", object())
+    assert api.unavailable_reason("demo", "meta") == "device type 'meta' is not supported; use a CUDA device or 'cpu'"
+
+
+def test_spec_and_log_status(plugin_dir, api, caplog):
+    import logging
+
+    plugin_dir("pk-spec", version="0.3.0")
+    spec = api.spec("demo")
+    assert (spec.distribution, spec.version, spec.ops, spec.archs) == ("pk-spec", "0.3.0", ("op_a",), ("9.0a",))
+    assert spec.build["archs"] == ["9.0a"]
+    with caplog.at_level(logging.INFO):
+        api.log_status(logging.getLogger("trainer"), device="cpu")
+    assert "prime-kernels: demo: available" in caplog.text
