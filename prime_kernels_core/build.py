@@ -199,7 +199,8 @@ def setup_plugin(root: str | Path | None = None, **setup_kwargs) -> None:
     import setuptools
     from torch.utils import cpp_extension
 
-    root = Path(root or Path(sys.argv[0]).resolve().parent)
+    # The calling setup.py's own __file__: under PEP 517 (setuptools.build_meta) sys.argv[0] is the backend's hook script.
+    root = Path(root or Path(sys._getframe(1).f_globals.get("__file__") or sys.argv[0]).resolve().parent)
     os.chdir(root)  # setuptools wants source paths relative to setup.py
     toolchain = detect_toolchain()
     plan = extension_plan(root, toolchain)

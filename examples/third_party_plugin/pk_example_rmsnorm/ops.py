@@ -1,0 +1,81 @@
+"""Fused residual-add + RMSNorm: ``residual_rmsnorm(x, residual, weight, eps) -> (y, new_residual)``.
+
+    new_residual = x + residual                                    (in x's dtype)
+    y = new_residual / sqrt(mean(new_residual², -1) + eps) * weight  (computed in fp32, returned in x's dtype)
+
+Importing this module loads the compiled extension, which registers ``torch.ops.pk_example.residual_rmsnorm`` (CPU
+always, CUDA when the build had a toolkit). Reach it through ``prime_kernels.load("residual_rmsnorm")`` to get a
+reason instead of an ImportError when it cannot run.
+"""
+from __future__ import annotations
+
+import torch
+
+from prime_kernels_core import manifest
+
+from . import _C  # noqa: F401  (loads the shared library; its static TORCH_LIBRARY blocks register the op)
+
+# The shape contract. Constants come from the installed kernel.toml, the same table the build compiled in.
+CONSTANTS = manifest.constants("pk_example_rmsnorm", "residual_rmsnorm")
+BLOCK_THREADS: int = CONSTANTS["BLOCK_THREADS"]  # threads per row (one CUDA block per row)
+
+
+def unsupported_shape_reason(hidden_size: int) -> str | None:
+    """None when the kernel handles rows of ``hidden_size`` elements, else why not.
+
+    One block of BLOCK_THREADS threads strides over a row, so any positive hidden size works.
+    """
+    if hidden_size < 1:
+        return f"residual_rmsnorm needs a positive hidden size (x's last dimension), got {hidden_size}"
+    return None
+
+
+@torch.library.register_fake("pk_example::residual_rmsnorm")
+def _(x, residual, weight, eps):
+    torch._check(residual.shape == x.shape, lambda: f"residual must have x's shape {tuple(x.shape)}")
+    torch._check(weight.dim() == 1 and weight.shape[0] == x.shape[-1], lambda: "weight must have shape [D]")
+    return x.new_empty(x.shape), x.new_empty(x.shape)  # contiguous, as the real kernels return
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, weight, eps = inputs
+    _, new_residual = output
+    ctx.save_for_backward(new_residual, weight)
+    ctx.eps = eps
+    ctx.residual_dtype = residual.dtype
+
+
+def _backward(ctx, grad_y, grad_new_residual):
+    """Closed-form RMSNorm backward in fp32; the add passes its gradient to x and residual unchanged."""
+    new_residual, weight = ctx.saved_tensors
+    h = new_residual.float()
+    rstd = torch.rsqrt(h.square().mean(-1, keepdim=True) + ctx.eps)
+    h_hat = h * rstd
+    grad_h = grad_weight = None
+    if grad_y is not None:
+        g = grad_y.float()
+        g_hat = g * weight.float()
+        grad_h = rstd * (g_hat - h_hat * (g_hat * h_hat).mean(-1, keepdim=True))
+        if ctx.needs_input_grad[2]:
+            grad_weight = (g * h_hat).reshape(-1, h.shape[-1]).sum(0).to(weight.dtype)
+    if grad_new_residual is not None:
+        grad_h = grad_new_residual.float() if grad_h is None else grad_h + grad_new_residual.float()
+    if grad_h is None:
+        return None, None, grad_weight, None
+    return grad_h.to(new_residual.dtype), grad_h.to(ctx.residual_dtype), grad_weight, None
+
+
+torch.library.register_autograd("pk_example::residual_rmsnorm", _backward, setup_context=_setup_context)
+
+
+def residual_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6):
+    """(y, new_residual) for x, residual [..., D] and weight [D], all of one dtype and device."""
+    return torch.ops.pk_example.residual_rmsnorm(x, residual, weight, eps)
+
+
+def residual_rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6):
+    """The same computation as plain PyTorch ops: the baseline for tests (and the float64 reference, given float64)."""
+    new_residual = x + residual
+    h = new_residual.float() if new_residual.dtype != torch.float64 else new_residual
+    y = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps) * weight.to(h.dtype)
+    return y.to(x.dtype), new_residual

@@ -1,0 +1,298 @@
+// fused_logp: per-token log-probability of the label and entropy of softmax(logits / T), forward and backward.
+//
+// Op schemas (namespace fused_logp) and the CPU implementations. The CUDA implementations live in
+// cuda/fused_logp.cu and share the argument checks defined here (fused_logp_detail::check_*).
+//
+//   logp_entropy(Tensor logits, Tensor labels, float temperature, Tensor? token_temperature, int ignore_index,
+//                bool return_entropy, bool check_labels) -> (Tensor logp, Tensor entropy, Tensor stats)
+//     logits [N, V] (fp32/bf16/fp16, last dim stride 1, any row stride), labels [N] (int64/int32),
+//     token_temperature None or fp32 [N]; the temperature of token i is temperature * token_temperature[i].
+//     z = logits / T;  logp = z_y - logsumexp(z);  entropy = logsumexp(z) - sum softmax(z) * z.
+//     logp fp32 [N]; entropy fp32 [N] (shape [0] when return_entropy is false);
+//     stats float64 [N, 2] = (logsumexp(z), sum softmax(z) * z) per token, saved for the backward.
+//     Tokens with label == ignore_index: logp 0, entropy 0 (stats 0).
+//     A label outside [0, V) that is not ignore_index is an error naming the first offending position. On CUDA the
+//     kernel writes NaN for such a token, never reads out of bounds, and records the smallest offending position in
+//     a device word; with check_labels the op reads that word back (a 8-byte device->host copy, i.e. a sync) and
+//     raises. check_labels=false skips the read-back (no sync: CUDA-graph capture, no-sync training loops) and
+//     leaves NaN in the outputs of such tokens. On CPU labels are always checked.
+//
+//   logp_entropy_backward(Tensor grad_logp, Tensor? grad_entropy, Tensor logits, Tensor labels, float temperature,
+//                         Tensor? token_temperature, Tensor stats, int ignore_index) -> Tensor grad_logits
+//     grad_logits [N, V] contiguous, logits' dtype:
+//       p = exp(z - lse);  grad = (g_logp * (onehot(y) - p) - g_ent * p * (z - sum_pz)) / T
+//     zero for ignored tokens. Reads logits once, writes the gradient once; never writes logits.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <type_traits>
+
+#ifndef FUSED_LOGP_MAX_VOCAB_SIZE
+#error "FUSED_LOGP_MAX_VOCAB_SIZE must come from kernel.toml ([fused_logp.constants])"
+#endif
+#ifndef FUSED_LOGP_MAX_NUM_TOKENS
+#error "FUSED_LOGP_MAX_NUM_TOKENS must come from kernel.toml ([fused_logp.constants])"
+#endif
+
+namespace fused_logp_detail {
+
+// Checks shared by the CPU and CUDA forward. Returns nothing; every failure names the argument, expected and found.
+void check_forward_args(const at::Tensor& logits, const at::Tensor& labels, double temperature,
+                        const std::optional<at::Tensor>& token_temperature) {
+  TORCH_CHECK(logits.dim() == 2, "fused_logp: logits must be 2-D [N, V], got ", logits.dim(), "-D with shape ",
+              logits.sizes());
+  const auto st = logits.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
+              "fused_logp: logits dtype must be float32, bfloat16 or float16, got ", st);
+  const int64_t N = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V >= 1, "fused_logp: logits vocab size (last dim) must be >= 1, got ", V);
+  TORCH_CHECK(V <= int64_t(FUSED_LOGP_MAX_VOCAB_SIZE), "fused_logp: logits vocab size must be <= ",
+              int64_t(FUSED_LOGP_MAX_VOCAB_SIZE), ", got ", V);
+  TORCH_CHECK(N <= int64_t(FUSED_LOGP_MAX_NUM_TOKENS), "fused_logp: number of tokens must be <= ",
+              int64_t(FUSED_LOGP_MAX_NUM_TOKENS), ", got ", N);
+  TORCH_CHECK(V == 1 || logits.stride(1) == 1, "fused_logp: logits last dim must have stride 1, got stride ",
+              logits.stride(1));
+  TORCH_CHECK(labels.dim() == 1, "fused_logp: labels must be 1-D [N], got ", labels.dim(), "-D with shape ",
+              labels.sizes());
+  TORCH_CHECK(labels.scalar_type() == at::kLong || labels.scalar_type() == at::kInt,
+              "fused_logp: labels dtype must be int64 or int32, got ", labels.scalar_type());
+  TORCH_CHECK(labels.size(0) == N, "fused_logp: labels must have N = ", N, " entries (logits rows), got ",
+              labels.size(0));
+  TORCH_CHECK(labels.device() == logits.device(), "fused_logp: labels must be on logits' device ", logits.device(),
+              ", got ", labels.device());
+  TORCH_CHECK(std::isfinite(temperature) && temperature > 0.0, "fused_logp: temperature must be finite and > 0, got ",
+              temperature);
+  if (token_temperature.has_value()) {
+    const auto& tt = *token_temperature;
+    TORCH_CHECK(tt.scalar_type() == at::kFloat, "fused_logp: token_temperature dtype must be float32, got ",
+                tt.scalar_type());
+    TORCH_CHECK(tt.dim() == 1 && tt.size(0) == N, "fused_logp: token_temperature must have shape [", N,
+                "] (one per token), got ", tt.sizes());
+    TORCH_CHECK(tt.device() == logits.device(), "fused_logp: token_temperature must be on logits' device ",
+                logits.device(), ", got ", tt.device());
+  }
+}
+
+void check_backward_args(const at::Tensor& grad_logp, const std::optional<at::Tensor>& grad_entropy,
+                         const at::Tensor& logits, const at::Tensor& labels, double temperature,
+                         const std::optional<at::Tensor>& token_temperature, const at::Tensor& stats) {
+  check_forward_args(logits, labels, temperature, token_temperature);
+  const int64_t N = logits.size(0);
+  TORCH_CHECK(grad_logp.dim() == 1 && grad_logp.size(0) == N, "fused_logp: grad_logp must have shape [", N,
+              "], got ", grad_logp.sizes());
+  TORCH_CHECK(grad_logp.is_floating_point(), "fused_logp: grad_logp must be floating point, got ",
+              grad_logp.scalar_type());
+  TORCH_CHECK(grad_logp.device() == logits.device(), "fused_logp: grad_logp must be on logits' device ",
+              logits.device(), ", got ", grad_logp.device());
+  if (grad_entropy.has_value()) {
+    const auto& ge = *grad_entropy;
+    TORCH_CHECK(ge.dim() == 1 && ge.size(0) == N, "fused_logp: grad_entropy must have shape [", N, "], got ",
+                ge.sizes());
+    TORCH_CHECK(ge.is_floating_point(), "fused_logp: grad_entropy must be floating point, got ", ge.scalar_type());
+    TORCH_CHECK(ge.device() == logits.device(), "fused_logp: grad_entropy must be on logits' device ",
+                logits.device(), ", got ", ge.device());
+  }
+  TORCH_CHECK(stats.scalar_type() == at::kDouble, "fused_logp: stats must be float64 (from logp_entropy), got ",
+              stats.scalar_type());
+  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == N && stats.size(1) == 2, "fused_logp: stats must have shape [",
+              N, ", 2], got ", stats.sizes());
+  TORCH_CHECK(stats.device() == logits.device(), "fused_logp: stats must be on logits' device ", logits.device(),
+              ", got ", stats.device());
+}
+
+[[noreturn]] void fail_bad_label(int64_t position, int64_t value, int64_t V, int64_t ignore_index) {
+  TORCH_CHECK(false, "fused_logp: labels[", position, "] = ", value, " is out of range: labels must be in [0, ", V,
+              ") or equal ignore_index (", ignore_index, ")");
+}
+
+}  // namespace fused_logp_detail
+
+namespace {
+
+using fused_logp_detail::check_backward_args;
+using fused_logp_detail::check_forward_args;
+
+template <typename label_t>
+int64_t first_bad_label(const label_t* lab, int64_t N, int64_t V, int64_t ignore_index) {
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t y = static_cast<int64_t>(lab[i]);
+    if (y != ignore_index && (y < 0 || y >= V)) return i;
+  }
+  return -1;
+}
+
+int64_t cpu_check_labels(const at::Tensor& labels, int64_t V, int64_t ignore_index) {
+  const int64_t N = labels.size(0);
+  int64_t bad = -1;
+  if (labels.scalar_type() == at::kLong)
+    bad = first_bad_label(labels.data_ptr<int64_t>(), N, V, ignore_index);
+  else
+    bad = first_bad_label(labels.data_ptr<int32_t>(), N, V, ignore_index);
+  return bad;
+}
+
+inline int64_t label_at(const at::Tensor& labels, int64_t i) {
+  return labels.scalar_type() == at::kLong ? labels.data_ptr<int64_t>()[i]
+                                           : static_cast<int64_t>(labels.data_ptr<int32_t>()[i]);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cpu(const at::Tensor& logits_in, const at::Tensor& labels_in,
+                                                                double temperature,
+                                                                const std::optional<at::Tensor>& token_temperature,
+                                                                int64_t ignore_index, bool return_entropy,
+                                                                bool /*check_labels: always checked on CPU*/) {
+  check_forward_args(logits_in, labels_in, temperature, token_temperature);
+  TORCH_CHECK(logits_in.device().is_cpu(), "fused_logp: CPU implementation got logits on ", logits_in.device());
+  const int64_t N = logits_in.size(0), V = logits_in.size(1);
+  const at::Tensor labels = labels_in.contiguous();
+  const int64_t bad = cpu_check_labels(labels, V, ignore_index);
+  if (bad >= 0) fused_logp_detail::fail_bad_label(bad, label_at(labels, bad), V, ignore_index);
+
+  const auto fopt = logits_in.options().dtype(at::kFloat);
+  at::Tensor logp = at::empty({N}, fopt);
+  at::Tensor entropy = at::empty({return_entropy ? N : 0}, fopt);
+  at::Tensor stats = at::empty({N, 2}, logits_in.options().dtype(at::kDouble));
+  if (N == 0) return {logp, entropy, stats};
+
+  const at::Tensor logits = V == 1 ? logits_in.contiguous() : logits_in;  // V == 1 may come with any stride
+  at::Tensor tt;
+  if (token_temperature.has_value()) tt = token_temperature->contiguous();
+  const float* ttp = tt.defined() ? tt.data_ptr<float>() : nullptr;
+  float* lp = logp.data_ptr<float>();
+  float* ep = return_entropy ? entropy.data_ptr<float>() : nullptr;
+  double* sp = stats.data_ptr<double>();
+  const int64_t rs = logits.stride(0);
+  const double inf = std::numeric_limits<double>::infinity();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "fused_logp_forward_cpu", [&] {
+    const scalar_t* x0 = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t y = label_at(labels, i);
+        if (y == ignore_index) {
+          lp[i] = 0.f;
+          if (ep) ep[i] = 0.f;
+          sp[2 * i] = 0.0;
+          sp[2 * i + 1] = 0.0;
+          continue;
+        }
+        const double T = temperature * (ttp ? static_cast<double>(ttp[i]) : 1.0);
+        const scalar_t* x = x0 + i * rs;
+        // Max of z (NaN-propagating), then s = sum exp(z - m), t = sum exp(z - m) (z - m), all in double.
+        double m = -inf;
+        bool has_nan = false;
+        for (int64_t j = 0; j < V; ++j) {
+          const double z = static_cast<double>(static_cast<float>(x[j]));
+          if (std::isnan(z)) has_nan = true;
+          if (z > m) m = z;
+        }
+        double lse, spz;
+        if (has_nan) {
+          lse = spz = nan;
+        } else if (m == -inf) {  // every logit is -inf: softmax undefined
+          lse = -inf;
+          spz = nan;
+        } else if (m == inf) {
+          lse = spz = nan;
+        } else {
+          double s = 0.0, t = 0.0;
+          for (int64_t j = 0; j < V; ++j) {
+            const double d = (static_cast<double>(static_cast<float>(x[j])) - m) / T;
+            const double e = std::exp(d);
+            if (e != 0.0) {
+              s += e;
+              t += e * d;
+            }
+          }
+          lse = m / T + std::log(s);
+          spz = m / T + t / s;
+        }
+        const double zy = static_cast<double>(static_cast<float>(x[y])) / T;
+        lp[i] = static_cast<float>(zy - lse);
+        if (ep) ep[i] = static_cast<float>(lse - spz);
+        sp[2 * i] = lse;
+        sp[2 * i + 1] = spz;
+      }
+    });
+  });
+  return {logp, entropy, stats};
+}
+
+at::Tensor logp_entropy_backward_cpu(const at::Tensor& grad_logp_in, const std::optional<at::Tensor>& grad_entropy_in,
+                                     const at::Tensor& logits_in, const at::Tensor& labels_in, double temperature,
+                                     const std::optional<at::Tensor>& token_temperature, const at::Tensor& stats_in,
+                                     int64_t ignore_index) {
+  check_backward_args(grad_logp_in, grad_entropy_in, logits_in, labels_in, temperature, token_temperature, stats_in);
+  TORCH_CHECK(logits_in.device().is_cpu(), "fused_logp: CPU implementation got logits on ", logits_in.device());
+  const int64_t N = logits_in.size(0), V = logits_in.size(1);
+  at::Tensor grad = at::empty({N, V}, logits_in.options());
+  if (N == 0) return grad;
+  const at::Tensor labels = labels_in.contiguous();
+  const int64_t bad = cpu_check_labels(labels, V, ignore_index);
+  if (bad >= 0) fused_logp_detail::fail_bad_label(bad, label_at(labels, bad), V, ignore_index);
+  const at::Tensor logits = V == 1 ? logits_in.contiguous() : logits_in;
+  const at::Tensor g = grad_logp_in.to(at::kDouble).contiguous();
+  at::Tensor ge;
+  if (grad_entropy_in.has_value()) ge = grad_entropy_in->to(at::kDouble).contiguous();
+  const at::Tensor stats = stats_in.contiguous();
+  at::Tensor tt;
+  if (token_temperature.has_value()) tt = token_temperature->contiguous();
+  const float* ttp = tt.defined() ? tt.data_ptr<float>() : nullptr;
+  const double* gp = g.data_ptr<double>();
+  const double* gep = ge.defined() ? ge.data_ptr<double>() : nullptr;
+  const double* sp = stats.data_ptr<double>();
+  const int64_t rs = logits.stride(0);
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "fused_logp_backward_cpu", [&] {
+    const scalar_t* x0 = logits.data_ptr<scalar_t>();
+    scalar_t* g0 = grad.data_ptr<scalar_t>();
+    at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        scalar_t* gr = g0 + i * V;
+        const int64_t y = label_at(labels, i);
+        if (y == ignore_index) {
+          for (int64_t j = 0; j < V; ++j) gr[j] = scalar_t(0.f);
+          continue;
+        }
+        const scalar_t* x = x0 + i * rs;
+        const double T = temperature * (ttp ? static_cast<double>(ttp[i]) : 1.0);
+        const double lse = sp[2 * i], spz = sp[2 * i + 1];
+        const double k1 = gp[i] / T;
+        const double k2 = gep ? gep[i] / T : 0.0;
+        for (int64_t j = 0; j < V; ++j) {
+          const double z = static_cast<double>(static_cast<float>(x[j])) / T;
+          const double p = std::exp(z - lse);
+          // Entropy term as p * (z - sum_pz): exactly 0 where p == 0 (z = -inf), never p * (log p + H).
+          const double ent = (p == 0.0) ? 0.0 : k2 * p * (z - spz);
+          double gv = -k1 * p - ent;
+          if (j == y) gv += k1;
+          gr[j] = static_cast<scalar_t>(static_cast<float>(gv));
+        }
+      }
+    });
+  });
+  return grad;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(fused_logp, m) {
+  m.def(
+      "logp_entropy(Tensor logits, Tensor labels, float temperature, Tensor? token_temperature, int ignore_index, "
+      "bool return_entropy, bool check_labels) -> (Tensor logp, Tensor entropy, Tensor stats)");
+  m.def(
+      "logp_entropy_backward(Tensor grad_logp, Tensor? grad_entropy, Tensor logits, Tensor labels, float temperature, "
+      "Tensor? token_temperature, Tensor stats, int ignore_index) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fused_logp, CPU, m) {
+  m.impl("logp_entropy", &logp_entropy_cpu);
+  m.impl("logp_entropy_backward", &logp_entropy_backward_cpu);
+}

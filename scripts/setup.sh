@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh machine: a venv with torch, the core, and every plugin built once as a wheel
+# (python -m build --no-isolation, against the torch in the venv) and installed from that wheel.
+# Prints the venv's python path last. A plugin is rebuilt only when its sources or the build kit change.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${PRIME_KERNELS_VENV:-.venv}
+wheelhouse=${PRIME_KERNELS_WHEELHOUSE:-dist}
+log() { echo "[setup] $*" >&2; }
+
+[ -x "$venv/bin/python" ] || { log "creating $venv"; python3 -m venv "$venv"; }
+py="$venv/bin/python"
+log "installing torch and build tools"
+"$py" -m pip install -q --disable-pip-version-check torch==2.14.1 pluggy pytest ninja build wheel "setuptools>=64" numpy >&2
+# --no-build-isolation everywhere: an isolated build would pull another torch and produce a wheel that fails at import.
+"$py" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps --force-reinstall . >&2
+
+kit_hash=$(cat prime_kernels_core/build.py prime_kernels_core/manifest.py prime_kernels_core/csrc/* | sha1sum | cut -c1-12)
+for plugin in plugins/*/ examples/*/; do
+  [ -f "$plugin/pyproject.toml" ] || continue
+  hash=$( (cd "$plugin" && find . -type f -not -path './build/*' -not -path '*/__pycache__/*' -not -name '*.so' \
+           -not -name '_build_record.json' -not -path '*.egg-info*' | sort | xargs sha1sum; echo "$kit_hash") | sha1sum | cut -c1-12)
+  out="$wheelhouse/$(basename "$plugin")-$hash"
+  if ! ls "$out"/*.whl >/dev/null 2>&1; then
+    log "building $plugin (wheel into $out)"
+    start=$(date +%s)
+    rm -rf "$plugin/build"
+    "$py" -m build --wheel --no-isolation --outdir "$out" "$plugin" >&2
+    log "built $plugin in $(( $(date +%s) - start )) s"
+  fi
+  "$py" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$out"/*.whl >&2
+done
+echo "$py"

@@ -1,0 +1,101 @@
+"""The build kit's decisions (pure functions, any toolchain) and its manifest handling."""
+import textwrap
+
+import pytest
+
+from prime_kernels_core import build
+from prime_kernels_core.build import Toolchain, cuda_skip_reason
+
+GOOD = Toolchain("2.14.1+cu130", "13.0", "/usr/local/cuda", "13.0")
+
+
+def test_suitable_toolchain_builds():
+    assert cuda_skip_reason(GOOD, ["9.0a", "10.0a"]) is None
+
+
+@pytest.mark.parametrize("toolchain,archs,expected", [
+    (Toolchain("2.14.1+cpu", None, "/usr/local/cuda", "13.0"), ["9.0a"], "torch 2.14.1+cpu is a CPU-only build"),
+    (Toolchain("2.14.1+cu130", "13.0", None, None), ["9.0a"],
+     "no nvcc was found (CUDA_HOME=None); install the CUDA 13.0 toolkit"),
+    (Toolchain("2.14.1+cu130", "13.0", "/usr/local/cuda", "12.8"), ["9.0a"],
+     "nvcc is CUDA 12.8 but torch 2.14.1+cu130 was built with CUDA 13.0; the CUDA majors must match"),
+    (Toolchain("2.7.0+cu126", "12.6", "/usr/local/cuda", "12.6"), ["10.0a"],
+     "nvcc 12.6 cannot build 10.0a; it needs CUDA 12.8 or newer"),
+    (GOOD, ["sm90"], "arch 'sm90' is not of the form MAJOR.MINOR[a|f] (e.g. 9.0a)"),
+    (GOOD, [], "no CUDA arch was requested"),
+])
+def test_unsuitable_toolchains_skip_with_a_sentence(toolchain, archs, expected):
+    assert cuda_skip_reason(toolchain, archs) == expected
+
+
+def test_gencode_is_one_per_arch_and_no_ptx():
+    assert build.gencode_flags(["9.0a", "10.0a"]) == [
+        "-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_100a,code=sm_100a"]
+
+
+def test_arch_override(monkeypatch):
+    monkeypatch.setenv(build.ARCH_ENV, "9.0a;10.0a")
+    assert build.requested_archs(["9.0a"]) == ["9.0a", "10.0a"]
+    monkeypatch.delenv(build.ARCH_ENV)
+    assert build.requested_archs(["9.0a"]) == ["9.0a"]
+
+
+def test_native_arch_without_a_device(monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        monkeypatch.setenv(build.ARCH_ENV, "native")
+        assert build.requested_archs([]) == [f"{major}.{minor}a"]
+    else:
+        monkeypatch.setenv(build.ARCH_ENV, "native")
+        assert build.requested_archs(["9.0a"]) == "PRIME_KERNELS_ARCH=native but no CUDA device is visible to the build"
+
+
+def test_abi_tag():
+    assert build.abi_tag(GOOD, True) == "cu130torch2.14"
+    assert build.abi_tag(GOOD, False) == "cputorch2.14"
+
+
+def _write_plugin(root, constants="BLOCK_M = 128\nUSE_TMA = true", cuda='["csrc/k.cu"]'):
+    (root / "pk_plan").mkdir()
+    (root / "pk_plan" / "kernel.toml").write_text(textwrap.dedent(f"""\
+        version = "0.2.0"
+        [moe]
+        namespace = "pk_plan"
+        ops = ["run"]
+        module = "pk_plan.ops"
+        archs = ["9.0a", "10.0a"]
+        sources.cpu = ["csrc/k.cpp"]
+        sources.cuda = {cuda}
+        extra_nvcc_flags = ["-DNDEBUG"]
+        [moe.constants]
+    """) + constants + "\n")
+
+
+def test_plan_compiles_manifest_constants_and_archs(tmp_path, monkeypatch):
+    monkeypatch.delenv(build.ARCH_ENV, raising=False)
+    _write_plugin(tmp_path)
+    plan = build.extension_plan(tmp_path, GOOD)
+    assert plan["version"] == "0.2.0+cu130torch2.14"
+    assert plan["cpu_sources"] == ["csrc/k.cpp"] and plan["cuda_sources"] == ["csrc/k.cu"]
+    assert "-DMOE_BLOCK_M=128" in plan["cxx_flags"] and "-DMOE_USE_TMA=1" in plan["nvcc_flags"]
+    assert plan["nvcc_flags"][:3] == ["-std=c++20", "-gencode=arch=compute_100a,code=sm_100a",
+                                      "-gencode=arch=compute_90a,code=sm_90a"]
+    assert plan["cuda_skipped"] is None and plan["archs"] == ["10.0a", "9.0a"]
+
+
+def test_plan_skips_cuda_but_keeps_cpu(tmp_path, monkeypatch):
+    monkeypatch.delenv(build.ARCH_ENV, raising=False)
+    _write_plugin(tmp_path)
+    plan = build.extension_plan(tmp_path, Toolchain("2.14.1+cu130", "13.0", None, None))
+    assert plan["cuda_sources"] == [] and plan["nvcc_flags"] == [] and plan["archs"] == []
+    assert plan["cpu_sources"] == ["csrc/k.cpp"]
+    assert plan["version"] == "0.2.0+cputorch2.14"
+    assert plan["cuda_skipped"].startswith("no nvcc was found")
+
+
+def test_string_constants_are_refused(tmp_path):
+    _write_plugin(tmp_path, constants='NAME = "x"')
+    with pytest.raises(build.BuildError, match="constant moe.NAME must be a number or boolean"):
+        build.extension_plan(tmp_path, GOOD)

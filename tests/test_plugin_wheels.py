@@ -1,0 +1,90 @@
+"""The installed plugins as CI builds them: wheel contents, a real CPU-only build, and a clash between two copies."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import prime_kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "third_party_plugin"
+WHEELHOUSE = os.environ.get("PRIME_KERNELS_WHEELHOUSE")
+WHEELS = sorted(Path(ROOT, WHEELHOUSE).glob("*/*.whl")) if WHEELHOUSE else []
+
+
+@pytest.mark.skipif(not WHEELHOUSE, reason="PRIME_KERNELS_WHEELHOUSE is unset (scripts/test.sh sets it)")
+def test_every_plugin_has_a_wheel():
+    built = {w.parent.name.rsplit("-", 1)[0] for w in WHEELS}
+    expected = {p.parent.name for p in [*ROOT.glob("plugins/*/pyproject.toml"), *ROOT.glob("examples/*/pyproject.toml")]}
+    assert built >= expected, f"no wheel for {sorted(expected - built)} in {WHEELHOUSE}"
+
+
+@pytest.mark.parametrize("wheel", WHEELS, ids=lambda w: w.name)
+def test_wheel_contents(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    package = next(n.split("/")[0] for n in names if n.endswith("/kernel.toml"))
+    for required in ("__init__.py", "plugin.py", "ops.py", "kernel.toml", "_build_record.json"):
+        assert f"{package}/{required}" in names, f"{wheel.name} lacks {package}/{required}"
+    assert any(n.startswith(f"{package}/_C") and n.endswith(".so") for n in names), f"{wheel.name} lacks _C"
+    assert not any("csrc/" in n for n in names), f"{wheel.name} ships its csrc/ build input"
+    record = json.loads(zipfile.ZipFile(wheel).read(f"{package}/_build_record.json"))
+    tag = "cu" + record["torch_cuda"].replace(".", "") if not record["cuda_skipped"] else "cpu"
+    assert f"+{tag}torch" in wheel.name, f"{wheel.name} does not carry its ABI ({tag})"
+
+
+def _build_example(tmp_path, **env):
+    source = tmp_path / "src"
+    shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.so", "_build_record.json", "tests"))
+    return subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path / "out"), str(source)],
+        capture_output=True, text=True, env=dict(os.environ, **env),
+    )
+
+
+SKIP = "prime-kernels: skipping CUDA for pk_example_rmsnorm: no nvcc was found (CUDA_HOME=/nonexistent)"
+
+
+def test_missing_nvcc_fails_the_build_under_require(tmp_path):
+    done = _build_example(tmp_path, CUDA_HOME="/nonexistent", PRIME_KERNELS_REQUIRE="1")
+    assert done.returncode != 0
+    assert f"{SKIP} (PRIME_KERNELS_REQUIRE=1 makes this an error)" in done.stdout + done.stderr
+
+
+def test_missing_nvcc_skips_cuda_and_status_says_why(tmp_path):
+    done = _build_example(tmp_path, CUDA_HOME="/nonexistent")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert SKIP in done.stdout + done.stderr
+    (wheel,) = (tmp_path / "out").glob("*.whl")
+    assert "+cputorch" in wheel.name
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)], check=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), *sys.path]), PRIME_KERNELS_PLUGINS="pk-example-rmsnorm")
+    rows = json.loads(subprocess.run([sys.executable, "-m", "prime_kernels", "--json", "--device", "cuda:0"],
+                                     capture_output=True, text=True, env=env, check=True).stdout)
+    assert rows[0]["reason"] == "residual_rmsnorm was built without CUDA: no nvcc was found (CUDA_HOME=/nonexistent)"
+
+
+def test_second_copy_of_a_namespace_is_a_clash_not_an_abort(tmp_path, monkeypatch):
+    import pk_example_rmsnorm
+
+    installed = Path(pk_example_rmsnorm.__file__).parent
+    shutil.copytree(installed, tmp_path / "pk_example_fork", ignore=shutil.ignore_patterns("__pycache__"))
+    info = tmp_path / "pk_example_fork-9.9.9.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pk-example-fork\nVersion: 9.9.9\n")
+    (info / "entry_points.txt").write_text("[prime_kernels]\nresidual_rmsnorm = pk_example_fork.plugin\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PRIME_KERNELS_PLUGINS", "pk-example-rmsnorm,pk-example-fork")
+    prime_kernels.refresh()
+    try:
+        reason = prime_kernels.status("cpu")["residual_rmsnorm"]
+        assert "namespace 'pk_example' is claimed by both pk-example-fork 9.9.9 and pk-example-rmsnorm" in reason or \
+            "kernel name 'residual_rmsnorm' is claimed by both pk-example-fork 9.9.9 and pk-example-rmsnorm" in reason
+        assert "pk_example_fork._C" not in sys.modules
+    finally:
+        prime_kernels.refresh()
