@@ -195,13 +195,12 @@ def build_record(plan: dict, toolchain: Toolchain) -> dict:
 
 
 def setup_plugin(root: str | Path | None = None, **setup_kwargs) -> None:
-    """The whole of a plugin's setup.py. ``root`` defaults to the directory of the calling setup.py."""
+    """The whole of a plugin's setup.py. ``root`` defaults to the working directory, where setup.py runs."""
     import setuptools
     from torch.utils import cpp_extension
 
-    # The calling setup.py's own __file__: under PEP 517 (setuptools.build_meta) sys.argv[0] is the backend's hook script.
-    root = Path(root or Path(sys._getframe(1).f_globals.get("__file__") or sys.argv[0]).resolve().parent)
-    os.chdir(root)  # setuptools wants source paths relative to setup.py
+    # pip and python -m build run setup.py from its own directory; setuptools wants sources relative to it.
+    root = Path(root) if root else Path.cwd()
     toolchain = detect_toolchain()
     plan = extension_plan(root, toolchain)
     if plan["cuda_skipped"]:

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The GPU harness, for a bare H200 machine (torch preinstalled, no network):
+#   bash scripts/gpu_check.sh OUT_DIR [build] [test] [sanitize] [bench]     (default: all four)
+# Installs the core and every plugin from the working tree (no build isolation, no index), runs the gpu-marked tests,
+# compute-sanitizer memcheck + racecheck on each plugin's small-shape script, the benchmarks (with peers from .peers/
+# when present), and prints a short table last. JSON and logs go to OUT_DIR.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: gpu_check.sh OUT_DIR [build] [test] [sanitize] [bench]}; shift
+phases=${*:-build test sanitize bench}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+pip_offline() { "$py" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-build-isolation "$@"; }
+plugins=$(ls -d plugins/*/ examples/*/ 2>/dev/null | while read -r p; do [ -f "$p/pyproject.toml" ] && echo "$p"; done)
+phase() { case " $phases " in *" $1 "*) return 0;; *) return 1;; esac; }
+results="$out/phases.tsv"; : > "$results"
+record() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$results"; }
+
+if [ -d .peers ]; then
+  for part in .peers/*.part_aa; do [ -e "$part" ] && cat "${part%.part_aa}".part_* > "${part%.part_aa}"; done
+  "$py" -m pip install -q --no-index --no-deps --target /tmp/peers .peers/*.whl >/dev/null 2>&1
+  export PYTHONPATH=/tmp/peers:/tmp/peers/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+if phase build; then
+  start=$(date +%s)
+  pip_offline . && record build core ok
+  for p in $plugins; do
+    ( s=$(date +%s); rm -rf "$p/build"
+      if pip_offline "$p" > "$out/build-$(basename "$p").log" 2>&1; then r=ok; else r=FAILED; fi
+      record build "$(basename "$p") ($(( $(date +%s) - s )) s)" "$r" ) &
+  done
+  wait
+  echo "[gpu_check] build took $(( $(date +%s) - start )) s"
+  "$py" -m prime_kernels | tee "$out/status.txt"
+  "$py" -m prime_kernels --json > "$out/status.json"
+fi
+
+if phase test; then
+  "$py" -m pytest -m gpu tests plugins/*/tests examples/*/tests -q -p no:cacheprovider -rs \
+    --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
+  record test "pytest -m gpu" "$(tail -n 1 "$out/gpu-tests.log")"
+fi
+
+if phase sanitize; then
+  for script in plugins/*/tests/sanitize_*.py examples/*/tests/sanitize_*.py; do
+    [ -f "$script" ] || continue
+    for tool in memcheck racecheck; do
+      name="$(basename "$script" .py)-$tool"
+      timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 3 "$py" "$script" > "$out/$name.log" 2>&1
+      code=$?
+      record sanitize "$name" "exit $code; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$name.log" | tail -n 1)"
+    done
+  done
+fi
+
+if phase bench; then
+  for bench in bench/bench_*.py; do
+    [ -f "$bench" ] || continue
+    name=$(basename "$bench" .py)
+    timeout 420 "$py" "$bench" --json "$out/$name.json" 2>&1 | tee "$out/$name.log"
+    record bench "$name" "exit ${PIPESTATUS[0]}"
+  done
+fi
+
+echo; echo "== gpu_check summary =="
+"$py" -c 'import torch,subprocess; print(torch.cuda.get_device_name(), "| torch", torch.__version__, "| commit", subprocess.run(["git","rev-parse","--short","HEAD"],capture_output=True,text=True).stdout.strip() or "?")' 2>/dev/null
+column -t -s $'\t' "$results"
