@@ -52,7 +52,8 @@ def detect_toolchain() -> Toolchain:
 
     cuda_home = cpp_extension.CUDA_HOME
     nvcc_version = None
-    if cuda_home and Path(cuda_home, "bin", "nvcc").exists():
+    # torch guesses CUDA_HOME from the nvcc on PATH; a wrapper script there yields a directory with no toolkit in it.
+    if cuda_home and Path(cuda_home, "bin", "nvcc").exists() and Path(cuda_home, "include", "cuda_runtime.h").exists():
         text = subprocess.run([str(Path(cuda_home, "bin", "nvcc")), "--version"], capture_output=True, text=True).stdout
         found = re.search(r"release (\d+\.\d+)", text)
         nvcc_version = found[1] if found else None
@@ -85,7 +86,7 @@ def cuda_skip_reason(toolchain: Toolchain, archs: list[str]) -> str | None:
     if toolchain.torch_cuda is None:
         return f"torch {toolchain.torch_version} is a CPU-only build"
     if not toolchain.nvcc_version:
-        return f"no nvcc was found (CUDA_HOME={toolchain.cuda_home}); install the CUDA {toolchain.torch_cuda} toolkit"
+        return f"no CUDA toolkit was found (CUDA_HOME={toolchain.cuda_home} has no bin/nvcc and include/cuda_runtime.h)"
     if _version_tuple(toolchain.nvcc_version)[0] != _version_tuple(toolchain.torch_cuda)[0]:
         return (
             f"nvcc is CUDA {toolchain.nvcc_version} but torch {toolchain.torch_version} was built with CUDA "

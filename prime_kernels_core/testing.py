@@ -40,6 +40,28 @@ def _devices(name: str) -> list[str]:
     return ["cpu"] + (["cuda"] if registry.is_available(name) else [])
 
 
+def _floating_outputs(out) -> list[torch.Tensor]:
+    items = out if isinstance(out, (tuple, list)) else [out]
+    return [t for t in items if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _assert_compiles_like_eager(name, fn, args, kwargs, backend) -> None:
+    """torch.compile(fullgraph=True) traces ``fn``; outputs and, for inputs that require grad, gradients match eager."""
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    results = []
+    for run in (fn, torch.compile(fn, fullgraph=True, backend=backend)):
+        torch._dynamo.reset()
+        outputs = _floating_outputs(run(*args, **kwargs))
+        grads = []
+        if leaves:
+            weights = torch.Generator(leaves[0].device).manual_seed(0)  # the same output weights for both runs
+            total = sum((o * torch.randn(o.shape, generator=weights, device=o.device, dtype=o.dtype)).sum()
+                        for o in outputs if o.requires_grad)
+            grads = list(torch.autograd.grad(total, leaves))
+        results.append([o.detach() for o in outputs] + grads)
+    torch.testing.assert_close(results[1], results[0], equal_nan=True, msg=lambda m: f"{name}: compiled != eager: {m}")
+
+
 def assert_conforms(name: str, compile_backend: str = "aot_eager") -> None:
     """Check the plugin declaring ``name`` against the framework's contract; raise AssertionError naming the failure."""
     reason = registry.unavailable_reason(name, "cpu")
@@ -73,9 +95,6 @@ def assert_conforms(name: str, compile_backend: str = "aot_eager") -> None:
             torch.library.opcheck(op, args, kwargs)
 
         for fn, args, kwargs in _hook_results(entry, "prime_kernels_surface_samples", kernel=name, device=device):
-            torch._dynamo.reset()
-            expected = fn(*args, **kwargs)
-            got = torch.compile(fn, fullgraph=True, backend=compile_backend)(*args, **kwargs)
-            torch.testing.assert_close(got, expected, equal_nan=True)
+            _assert_compiles_like_eager(name, fn, args, kwargs, compile_backend)
 
     assert isinstance(module, ShapeContract), f"{name}: {spec.module} does not export unsupported_shape_reason"

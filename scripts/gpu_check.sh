@@ -10,6 +10,8 @@ out=${1:?usage: gpu_check.sh OUT_DIR [build] [test] [sanitize] [bench]}; shift
 phases=${*:-build test sanitize bench}
 mkdir -p "$out"
 py=${PYTHON:-python3}
+# The image's default CXX wraps g++ with a static libstdc++: extensions built with it crash formatting a TORCH_CHECK.
+[ -x /usr/bin/g++ ] && export CXX=/usr/bin/g++ CC=/usr/bin/gcc
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 pip_offline() { "$py" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-build-isolation "$@"; }
 plugins=$(ls -d plugins/*/ examples/*/ 2>/dev/null | while read -r p; do [ -f "$p/pyproject.toml" ] && echo "$p"; done)

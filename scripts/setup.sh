@@ -7,6 +7,8 @@ cd "$(dirname "$0")/.."
 venv=${PRIME_KERNELS_VENV:-.venv}
 wheelhouse=${PRIME_KERNELS_WHEELHOUSE:-dist}
 log() { echo "[setup] $*" >&2; }
+# torch guesses CUDA_HOME from the nvcc on PATH, which may be a wrapper outside the toolkit.
+[ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ] && export CUDA_HOME=/usr/local/cuda
 
 [ -x "$venv/bin/python" ] || { log "creating $venv"; python3 -m venv "$venv"; }
 py="$venv/bin/python"

@@ -16,7 +16,7 @@ def test_suitable_toolchain_builds():
 @pytest.mark.parametrize("toolchain,archs,expected", [
     (Toolchain("2.14.1+cpu", None, "/usr/local/cuda", "13.0"), ["9.0a"], "torch 2.14.1+cpu is a CPU-only build"),
     (Toolchain("2.14.1+cu130", "13.0", None, None), ["9.0a"],
-     "no nvcc was found (CUDA_HOME=None); install the CUDA 13.0 toolkit"),
+     "no CUDA toolkit was found (CUDA_HOME=None has no bin/nvcc and include/cuda_runtime.h)"),
     (Toolchain("2.14.1+cu130", "13.0", "/usr/local/cuda", "12.8"), ["9.0a"],
      "nvcc is CUDA 12.8 but torch 2.14.1+cu130 was built with CUDA 13.0; the CUDA majors must match"),
     (Toolchain("2.7.0+cu126", "12.6", "/usr/local/cuda", "12.6"), ["10.0a"],
@@ -92,7 +92,7 @@ def test_plan_skips_cuda_but_keeps_cpu(tmp_path, monkeypatch):
     assert plan["cuda_sources"] == [] and plan["nvcc_flags"] == [] and plan["archs"] == []
     assert plan["cpu_sources"] == ["csrc/k.cpp"]
     assert plan["version"] == "0.2.0+cputorch2.14"
-    assert plan["cuda_skipped"].startswith("no nvcc was found")
+    assert plan["cuda_skipped"].startswith("no CUDA toolkit was found")
 
 
 def test_string_constants_are_refused(tmp_path):

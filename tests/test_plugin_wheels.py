@@ -46,7 +46,7 @@ def _build_example(tmp_path, **env):
     )
 
 
-SKIP = "prime-kernels: skipping CUDA for pk_example_rmsnorm: no nvcc was found (CUDA_HOME=/nonexistent)"
+SKIP = "prime-kernels: skipping CUDA for pk_example_rmsnorm: no CUDA toolkit was found (CUDA_HOME=/nonexistent has no bin/nvcc and include/cuda_runtime.h)"
 
 
 def test_missing_nvcc_fails_the_build_under_require(tmp_path):
@@ -66,7 +66,7 @@ def test_missing_nvcc_skips_cuda_and_status_says_why(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), *sys.path]), PRIME_KERNELS_PLUGINS="pk-example-rmsnorm")
     rows = json.loads(subprocess.run([sys.executable, "-m", "prime_kernels", "--json", "--device", "cuda:0"],
                                      capture_output=True, text=True, env=env, check=True).stdout)
-    assert rows[0]["reason"] == "residual_rmsnorm was built without CUDA: no nvcc was found (CUDA_HOME=/nonexistent)"
+    assert rows[0]["reason"] == "residual_rmsnorm was built without CUDA: no CUDA toolkit was found (CUDA_HOME=/nonexistent has no bin/nvcc and include/cuda_runtime.h)"
 
 
 def test_second_copy_of_a_namespace_is_a_clash_not_an_abort(tmp_path, monkeypatch):

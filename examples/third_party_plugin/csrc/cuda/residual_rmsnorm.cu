@@ -1,9 +1,9 @@
 // pk_example::residual_rmsnorm on CUDA: one block per row, fp32 (float64 for float64) math, x's dtype in memory.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <climits>
@@ -82,7 +82,7 @@ std::tuple<at::Tensor, at::Tensor> residual_rmsnorm_cuda(const at::Tensor& x, co
   const int64_t rows = x.numel() / hidden;
   if (rows == 0) return {y, new_residual};
   TORCH_CHECK(rows <= INT_MAX, "residual_rmsnorm (CUDA): at most ", INT_MAX, " rows (one block each), got ", rows);
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "residual_rmsnorm_cuda", [&] {
     residual_rmsnorm_kernel<scalar_t><<<static_cast<unsigned int>(rows), kBlockThreads, 0, stream>>>(
