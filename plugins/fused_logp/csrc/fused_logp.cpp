@@ -9,7 +9,8 @@
 //     token_temperature None or fp32 [N]; the temperature of token i is temperature * token_temperature[i].
 //     z = logits / T;  logp = z_y - logsumexp(z);  entropy = logsumexp(z) - sum softmax(z) * z.
 //     logp fp32 [N]; entropy fp32 [N] (shape [0] when return_entropy is false);
-//     stats float64 [N, 2] = (logsumexp(z), sum softmax(z) * z) per token, saved for the backward.
+//     stats float64 [N, 2] = (logsumexp(z), sum softmax(z) * z) per token, saved for the backward (the second column
+//     is 0 when return_entropy is false: the backward then takes no grad_entropy).
 //     Tokens with label == ignore_index: logp 0, entropy 0 (stats 0).
 //     A label outside [0, V) that is not ignore_index is an error naming the first offending position. On CUDA the
 //     kernel writes NaN for such a token, never reads out of bounds, and records the smallest offending position in
@@ -27,6 +28,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -137,6 +139,24 @@ int64_t cpu_check_labels(const at::Tensor& labels, int64_t V, int64_t ignore_ind
   return bad;
 }
 
+// double -> logits' dtype with one correct rounding: for bf16/fp16 round to odd in float first (float has more than
+// two extra bits), so the second rounding cannot double-round.
+inline uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+template <typename scalar_t>
+inline scalar_t round_from_double(double d) {
+  float f = static_cast<float>(d);
+  if constexpr (!std::is_same_v<scalar_t, float>) {
+    if (static_cast<double>(f) != d && std::isfinite(f) && (float_bits(f) & 1u) == 0)
+      f = std::nextafter(f, static_cast<float>(d > static_cast<double>(f) ? INFINITY : -INFINITY));
+  }
+  return static_cast<scalar_t>(f);
+}
+
 inline int64_t label_at(const at::Tensor& labels, int64_t i) {
   return labels.scalar_type() == at::kLong ? labels.data_ptr<int64_t>()[i]
                                            : static_cast<int64_t>(labels.data_ptr<int32_t>()[i]);
@@ -218,7 +238,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cpu(const at::Tensor
         lp[i] = static_cast<float>(zy - lse);
         if (ep) ep[i] = static_cast<float>(lse - spz);
         sp[2 * i] = lse;
-        sp[2 * i + 1] = spz;
+        sp[2 * i + 1] = ep ? spz : 0.0;  // like CUDA, which tracks sum p*z only when entropy is requested
       }
     });
   });
@@ -270,10 +290,10 @@ at::Tensor logp_entropy_backward_cpu(const at::Tensor& grad_logp_in, const std::
           const double z = static_cast<double>(static_cast<float>(x[j])) / T;
           const double p = std::exp(z - lse);
           // Entropy term as p * (z - sum_pz): exactly 0 where p == 0 (z = -inf), never p * (log p + H).
-          const double ent = (p == 0.0) ? 0.0 : k2 * p * (z - spz);
+          const double ent = (gep == nullptr || p == 0.0) ? 0.0 : k2 * p * (z - spz);
           double gv = -k1 * p - ent;
           if (j == y) gv += k1;
-          gr[j] = static_cast<scalar_t>(static_cast<float>(gv));
+          gr[j] = round_from_double<scalar_t>(gv);
         }
       }
     });

@@ -11,11 +11,11 @@ def prime_kernels_declare():
 def prime_kernels_sample_inputs(kernel, device):
     from . import samples
 
-    return samples.op_samples(device)
+    return samples.op_samples(kernel, device)
 
 
 @hookimpl
 def prime_kernels_surface_samples(kernel, device):
     from . import samples
 
-    return samples.surface_samples(device)
+    return samples.surface_samples(kernel, device)

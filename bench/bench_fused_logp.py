@@ -1,0 +1,217 @@
+"""GPU benchmark of fused_logp (never a test): forward with entropy, forward+backward, peak extra memory, against the
+memory floor from the copy bandwidth measured in the same run, and peers where importable.
+
+    python bench/bench_fused_logp.py [--json PATH] [--quick] [--no-compile]
+
+Timing: triton.testing.do_bench median; data larger than L2; fresh randn*3 bf16 logits per shape.
+Floor: fwd reads logits once; fwd+bwd reads them twice and writes the gradient once (bytes / copy bandwidth).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+
+import torch
+
+SHAPES = [(16384, 151936), (1024, 151936), (65536, 151936), (16384, 32000)]
+
+
+def do_bench(fn, grad_to_none=None, warmup=25, rep=100):
+    from triton.testing import do_bench as tdb
+
+    return tdb(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second of a 2 GiB device-to-device copy."""
+    n = 2 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    ms = do_bench(lambda: b.copy_(a))
+    del a, b
+    return 2 * n / (ms * 1e-3)
+
+
+def peak_extra(fn) -> int:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def free():
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def make_peers(no_compile: bool):
+    """name -> (fwd(x, y), fwd_bwd(x, y) or None, note); entries missing become 'not installed'."""
+    from prime_kernels_fused_logp.reference import logp_entropy_reference
+
+    peers: dict = {}
+
+    def naive_fwd(x, y):
+        return logp_entropy_reference(x, y)
+
+    def naive_fb(x, y):
+        lp, ent = logp_entropy_reference(x, y)
+        (lp.sum() + ent.sum()).backward()
+
+    peers["naive fp32"] = (naive_fwd, naive_fb, "log_softmax(x.float()) gather + entropy")
+    if no_compile:
+        peers["compiled fp32"] = None
+    else:
+        cf = torch.compile(naive_fwd, dynamic=False)
+
+        def comp_fb(x, y):
+            lp, ent = cf(x, y)
+            (lp.sum() + ent.sum()).backward()
+
+        peers["compiled fp32"] = (cf, comp_fb, "torch.compile of the naive path")
+    try:
+        from liger_kernel.transformers import LigerCrossEntropyLoss
+
+        ce = LigerCrossEntropyLoss(reduction="none")
+
+        def liger_fwd(x, y):
+            return -ce(x, y)
+
+        def liger_fb(x, y):
+            (-ce(x, y)).sum().backward()
+
+        peers["liger CE"] = (liger_fwd, liger_fb, "LigerCrossEntropyLoss(reduction='none'), logp only")
+    except Exception as e:  # noqa: BLE001
+        peers["liger CE"] = f"not installed ({type(e).__name__})"
+    try:
+        from quack import cross_entropy as quack_ce  # type: ignore
+
+        def quack_fwd(x, y):
+            return -quack_ce(x, y)
+
+        def quack_fb(x, y):
+            (-quack_ce(x, y)).sum().backward()
+
+        peers["quack CE"] = (quack_fwd, quack_fb, "quack.cross_entropy, logp only")
+    except Exception as e:  # noqa: BLE001
+        peers["quack CE"] = f"not installed ({type(e).__name__})"
+    try:
+        import cut_cross_entropy  # noqa: F401
+
+        peers["cut-cross-entropy"] = "not applicable (fuses the classifier matmul; takes hidden states, not logits)"
+    except Exception as e:  # noqa: BLE001
+        peers["cut-cross-entropy"] = f"not installed ({type(e).__name__})"
+    return peers
+
+
+def bench_shape(n, v, bw, peers, results):
+    from prime_kernels_fused_logp.ops import logp_entropy
+
+    elem = 2  # bf16
+    floor_fwd = n * v * elem / bw * 1e3
+    floor_fb = 3 * n * v * elem / bw * 1e3
+    x = (torch.randn(n, v, device="cuda", dtype=torch.bfloat16) * 3)
+    y = torch.randint(0, v, (n,), device="cuda")
+    row = {"N": n, "V": v, "floor_fwd_ms": floor_fwd, "floor_fwd_bwd_ms": floor_fb}
+
+    def ours_fwd():
+        return logp_entropy(x, y, check_labels=False)
+
+    def ours_fwd_checked():
+        return logp_entropy(x, y)
+
+    xg = x.detach().requires_grad_()
+
+    def ours_fb():
+        lp, ent = logp_entropy(xg, y, check_labels=False)
+        (lp.sum() + ent.sum()).backward()
+
+    row["ours_fwd_ms"] = do_bench(ours_fwd)
+    row["ours_fwd_checked_ms"] = do_bench(ours_fwd_checked)
+    row["ours_fwd_mem_bytes"] = peak_extra(ours_fwd)
+    row["ours_fwd_bwd_ms"] = do_bench(ours_fb, grad_to_none=[xg])
+    xg.grad = None
+    row["ours_fwd_bwd_mem_bytes"] = peak_extra(ours_fb)
+    xg.grad = None
+    free()
+    print(f"N={n} V={v}: fwd {row['ours_fwd_ms']:.3f} ms (floor {floor_fwd:.3f}, x{row['ours_fwd_ms'] / floor_fwd:.3f}; "
+          f"checked {row['ours_fwd_checked_ms']:.3f}), fwd+bwd {row['ours_fwd_bwd_ms']:.3f} ms (floor {floor_fb:.3f}, "
+          f"x{row['ours_fwd_bwd_ms'] / floor_fb:.3f}), extra mem fwd {row['ours_fwd_mem_bytes'] / 2**20:.1f} MiB, "
+          f"fwd+bwd {row['ours_fwd_bwd_mem_bytes'] / 2**30:.2f} GiB", flush=True)
+    row["peers"] = {}
+    big = n * v >= 65536 * 151936
+    for name, peer in peers.items():
+        if not isinstance(peer, tuple):
+            row["peers"][name] = peer or "skipped (--no-compile)"
+            continue
+        fwd, fb, note = peer
+        entry = {"note": note}
+        if big and name in ("naive fp32", "compiled fp32"):
+            row["peers"][name] = "skipped: fp32 copies of 65536x151936 logits exceed GPU memory"
+            continue
+        for key, fn, g in (("fwd_ms", lambda: fwd(x, y), None), ("fwd_bwd_ms", lambda: fb(xg, y), [xg])):
+            try:
+                entry[key] = do_bench(fn, grad_to_none=g)
+                base = row["ours_fwd_ms"] if key == "fwd_ms" else row["ours_fwd_bwd_ms"]
+                entry[key.replace("_ms", "_ratio")] = entry[key] / base
+                if key == "fwd_bwd_ms":
+                    xg.grad = None
+                    entry["fwd_bwd_mem_bytes"] = peak_extra(fn)
+            except torch.cuda.OutOfMemoryError:
+                entry[key] = "OOM"
+            except Exception as e:  # noqa: BLE001
+                entry[key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+            xg.grad = None
+            free()
+        row["peers"][name] = entry
+        print(f"  {name}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in entry.items()
+                                        if k != "note"), flush=True)
+    results.append(row)
+    del x, xg, y
+    free()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="write results to this path")
+    ap.add_argument("--quick", action="store_true", help="main shape only")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_fused_logp: needs a CUDA device")
+    torch.manual_seed(torch.seed() % 2**31)
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.3f} TB/s (read + write, 2 GiB)", flush=True)
+    peers = make_peers(args.no_compile)
+    results = []
+    for n, v in SHAPES[:1] if args.quick else SHAPES:
+        bench_shape(n, v, bw, peers, results)
+
+    print("\n| N | V | fwd ms | fwd/floor | fwd+bwd ms | fwd+bwd/floor | " + " | ".join(
+        f"{p} fwd / fwd+bwd (x ours)" for p in peers) + " |")
+    print("|" + "---|" * (6 + len(peers)))
+    for r in results:
+        cells = [str(r["N"]), str(r["V"]), f"{r['ours_fwd_ms']:.3f}", f"{r['ours_fwd_ms'] / r['floor_fwd_ms']:.3f}",
+                 f"{r['ours_fwd_bwd_ms']:.3f}", f"{r['ours_fwd_bwd_ms'] / r['floor_fwd_bwd_ms']:.3f}"]
+        for p in peers:
+            e = r["peers"][p]
+            if isinstance(e, dict):
+                f = e.get("fwd_ratio")
+                b = e.get("fwd_bwd_ratio")
+                cells.append(f"{f:.2f}x / {b:.2f}x" if isinstance(f, float) and isinstance(b, float)
+                             else f"{e.get('fwd_ms')} / {e.get('fwd_bwd_ms')}")
+            else:
+                cells.append(e.split(" (")[0].split(":")[0])
+        print("| " + " | ".join(cells) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_bandwidth_Bps": bw, "torch": torch.__version__,
+                       "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

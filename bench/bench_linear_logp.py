@@ -1,0 +1,165 @@
+"""GPU benchmark of linear_logp (never a test): logp + entropy straight from hidden states and the lm_head weight,
+forward and forward+backward, peak memory above the inputs, against the bf16 matmul ceiling measured in the same run.
+
+    python bench/bench_linear_logp.py [--json PATH] [--quick]
+
+Timing: triton.testing.do_bench median. Ceiling: an 8192^3 bf16 torch.mm. Floors: 2NHV / ceiling (forward),
+8NHV / ceiling (forward + backward: recompute + two gradient GEMMs). Peers where importable (try/except):
+naive (h @ W.T + fp32 log_softmax), chunked PyTorch (8192-wide vocab chunks, online lse + entropy, checkpointed),
+Liger LigerFusedLinearCrossEntropyLoss(reduction="none"), cut-cross-entropy linear_cross_entropy(reduction="none").
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+
+import torch
+
+MAIN = (8192, 4096, 151936)
+SHAPES = [MAIN, (8192, 2048, 151936), (8192, 5120, 151936), (8192, 4096, 32000), (2048, 4096, 151936),
+          (32768, 4096, 151936)]
+T = 0.7
+
+
+def do_bench(fn, warmup=5, rep=40):
+    from triton.testing import do_bench as tdb
+
+    return tdb(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def free():
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def peak_extra(fn) -> int:
+    free()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def matmul_ceiling() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: a @ b, warmup=10, rep=100)
+    return 2 * 8192**3 / (ms * 1e-3)
+
+
+def naive(h, w, y):
+    ls = torch.log_softmax((h @ w.t()).float() / T, dim=-1)
+    return ls.gather(1, y[:, None]).squeeze(1), -(ls.exp() * ls).sum(-1)
+
+
+def chunked(h, w, y, chunk=8192):
+    from torch.utils.checkpoint import checkpoint
+
+    def part(h, wc, local, inside):
+        z = (h @ wc.t()).float() / T
+        lse = torch.logsumexp(z, -1)
+        p = torch.exp(z - lse[:, None])
+        zy = torch.where(inside, z.gather(1, local[:, None]).squeeze(1), torch.zeros_like(lse))
+        return lse, (p * z).sum(-1), zy
+
+    lses, spzs, zy = [], [], 0
+    for v0 in range(0, w.shape[0], chunk):
+        v1 = min(w.shape[0], v0 + chunk)
+        inside = (y >= v0) & (y < v1)
+        local = torch.where(inside, y - v0, torch.zeros_like(y))
+        lse, spz, z = checkpoint(part, h, w[v0:v1], local, inside, use_reentrant=False)
+        lses.append(lse)
+        spzs.append(spz)
+        zy = zy + z
+    lse_c = torch.stack(lses)
+    lse = torch.logsumexp(lse_c, 0)
+    spz = (torch.exp(lse_c - lse) * torch.stack(spzs)).sum(0)
+    return zy - lse, lse - spz
+
+
+def make_peers():
+    peers = {"naive": lambda h, w, y: naive(h, w, y), "chunked PyTorch": lambda h, w, y: chunked(h, w, y)}
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss(reduction="none")
+        peers["Liger FLCE (no entropy, T=1)"] = lambda h, w, y: (liger(w, h, y),)
+    except Exception as e:  # noqa: BLE001
+        print(f"Liger not available: {type(e).__name__}")
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+
+        peers["CCE (no entropy, T=1)"] = lambda h, w, y: (linear_cross_entropy(h, w, y, reduction="none"),)
+    except Exception as e:  # noqa: BLE001
+        print(f"cut-cross-entropy not available: {type(e).__name__}")
+    return peers
+
+
+def measure(fn, h, w, y, backward: bool):
+    def run():
+        out = fn(h, w, y)
+        if backward:
+            loss = sum(o.float().sum() for o in out if o is not None)
+            loss.backward()
+            h.grad = w.grad = None
+        return out
+
+    try:
+        ms = do_bench(run)
+        mem = peak_extra(run)
+        return ms, mem
+    except torch.OutOfMemoryError:
+        free()
+        return None, None
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", help="write results to this path")
+    ap.add_argument("--quick", action="store_true", help="main shape only, no peers")
+    args = ap.parse_args()
+    from prime_kernels_fused_logp.linear_ops import linear_logp_entropy
+
+    ceiling = matmul_ceiling()
+    print(f"{torch.cuda.get_device_name()}: bf16 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s (8192^3)")
+    results, summary = [], [f"ceiling {ceiling / 1e12:.0f} TFLOP/s"]
+    ours = lambda h, w, y: linear_logp_entropy(h, w, y, T)  # noqa: E731
+    peers = {} if args.quick else make_peers()
+    for shape in [MAIN] if args.quick else SHAPES:
+        n, hs, v = shape
+        free()
+        h = (torch.randn(n, hs, device="cuda") / hs**0.25).bfloat16().requires_grad_()
+        w = (torch.randn(v, hs, device="cuda") / hs**0.25).bfloat16().requires_grad_()
+        y = torch.randint(0, v, (n,), device="cuda")
+        flops = 2 * n * hs * v
+        floor_f, floor_fb = flops / ceiling * 1e3, 4 * flops / ceiling * 1e3
+        entries = {"ours": ours, **(peers if shape == MAIN else {})}
+        for name, fn in entries.items():
+            with torch.no_grad():
+                hf, wf = h.detach(), w.detach()
+                f_ms, f_mem = measure(fn, hf, wf, y, False)
+            fb_ms, fb_mem = measure(fn, h, w, y, True)
+            if fb_mem is not None:  # beyond inputs and gradients: the grads themselves are outputs
+                fb_mem -= 2 * (h.numel() + w.numel())
+            row = {"impl": name, "N": n, "H": hs, "V": v, "fwd_ms": f_ms, "fwd_bwd_ms": fb_ms, "fwd_peak_extra": f_mem,
+                   "fwd_bwd_peak_extra": fb_mem, "floor_fwd_ms": floor_f, "floor_fwd_bwd_ms": floor_fb}
+            results.append(row)
+            fmt = lambda ms, fl: "OOM" if ms is None else f"{ms:7.2f} ms ({fl / ms * 1e-9:5.0f} TFLOP/s)"  # noqa: E731
+            line = (f"{name:28s} N={n:5d} H={hs} V={v}: fwd {fmt(f_ms, flops)} floor {floor_f:.2f}; fwd+bwd "
+                    f"{fmt(fb_ms, 4 * flops)} floor {floor_fb:.2f}; peak extra fwd "
+                    f"{(f_mem or 0) / 2**30:.2f} GiB, fwd+bwd {(fb_mem or 0) / 2**30:.2f} GiB")
+            print(line)
+            if name == "ours" or shape == MAIN:
+                summary.append(line)
+        del h, w, y
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ceiling_flops": ceiling,
+                       "results": results, "summary": summary}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,799 @@
+// fused_logp CUDA implementations (schemas and semantics: ../fused_logp.cpp).
+//
+// Forward: one pass over each row of logits, 16-byte vector loads (a scalar head and tail where the row is not 16-byte
+// aligned), online max m, s = sum 2^a, t = sum 2^a * a with a = (x - m) * log2(e) / T per thread; per-element exp in
+// fp32 (ex2.approx), per-vector partial sums in fp32, running sums in double; block combine in double; lse, sum p*z,
+// entropy and logp = x_y / T - lse are formed in double. When there are too few rows to fill the GPU a row is split
+// over several blocks (grid.y) that write partial (m, s, t) to a small workspace, and a second kernel combines them.
+// Backward: one read of logits, one write of the gradient; p = 2^(x*c - lse*log2e) with the exponent formed exactly
+// (two-float constants, FMA product splitting) and the remaining low part applied as a first-order correction.
+//
+// Labels: a label outside [0, V) that is not ignore_index never causes an out-of-bounds read; the forward writes NaN
+// for that token and atomicMin's its row into a device word. With check_labels the host reads that word back (one
+// 8-byte device->host copy, which synchronises the stream) and raises naming the first offending position;
+// check_labels=false skips the copy so the op stays capturable in CUDA graphs and sync-free (the NaN remains).
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <optional>
+#include <type_traits>
+
+#ifndef FUSED_LOGP_BLOCK_THREADS
+#error "FUSED_LOGP_BLOCK_THREADS must come from kernel.toml ([fused_logp.constants])"
+#endif
+#ifndef FUSED_LOGP_VEC_UNROLL
+#error "FUSED_LOGP_VEC_UNROLL must come from kernel.toml ([fused_logp.constants])"
+#endif
+#ifndef FUSED_LOGP_SPLIT_MIN_ELEMS
+#error "FUSED_LOGP_SPLIT_MIN_ELEMS must come from kernel.toml ([fused_logp.constants])"
+#endif
+#ifndef FUSED_LOGP_MAX_SPLITS
+#error "FUSED_LOGP_MAX_SPLITS must come from kernel.toml ([fused_logp.constants])"
+#endif
+
+namespace fused_logp_detail {
+void check_forward_args(const at::Tensor& logits, const at::Tensor& labels, double temperature,
+                        const std::optional<at::Tensor>& token_temperature);
+void check_backward_args(const at::Tensor& grad_logp, const std::optional<at::Tensor>& grad_entropy,
+                         const at::Tensor& logits, const at::Tensor& labels, double temperature,
+                         const std::optional<at::Tensor>& token_temperature, const at::Tensor& stats);
+[[noreturn]] void fail_bad_label(int64_t position, int64_t value, int64_t V, int64_t ignore_index);
+}  // namespace fused_logp_detail
+
+namespace {
+
+constexpr int kThreads = FUSED_LOGP_BLOCK_THREADS;
+constexpr int kUnroll = FUSED_LOGP_VEC_UNROLL;
+constexpr int kWarps = kThreads / 32;
+static_assert(kThreads % 32 == 0 && kThreads >= 64 && kThreads <= 1024, "BLOCK_THREADS: a multiple of 32 in [64, 1024]");
+static_assert(kUnroll >= 1 && kUnroll <= 8, "VEC_UNROLL in [1, 8]");
+static_assert(FUSED_LOGP_MAX_SPLITS >= 1 && FUSED_LOGP_MAX_SPLITS <= 65535, "MAX_SPLITS in [1, 65535]");
+
+constexpr double kLog2e = 1.4426950408889634074;
+constexpr double kLn2 = 0.69314718055994530942;
+// Exponent clamp (log2 units): 2^-256 is 0 in fp32, and a clamped -inf/NaN difference gives e = 0 and e * a = 0.
+constexpr float kMinExponent = -256.f;
+
+__device__ __forceinline__ float ex2(float a) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(a));
+  return r;
+}
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// ---- element types: 16-byte vector <-> floats -------------------------------------------------------------------
+template <typename T>
+struct Elem;
+template <>
+struct Elem<float> {
+  static constexpr int kVec = 4;
+  __device__ __forceinline__ static void unpack(const uint4& v, float (&f)[4]) {
+    f[0] = __uint_as_float(v.x);
+    f[1] = __uint_as_float(v.y);
+    f[2] = __uint_as_float(v.z);
+    f[3] = __uint_as_float(v.w);
+  }
+  __device__ __forceinline__ static uint4 pack(const float (&f)[4]) {
+    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
+  }
+  __device__ __forceinline__ static float vmax(const uint4& v) {
+    return fmax_nan(fmax_nan(__uint_as_float(v.x), __uint_as_float(v.y)), fmax_nan(__uint_as_float(v.z), __uint_as_float(v.w)));
+  }
+  __device__ __forceinline__ static float load(const float* p) { return __ldg(p); }
+  __device__ __forceinline__ static void store(float* p, float v) { *p = v; }
+};
+template <>
+struct Elem<__nv_bfloat16> {
+  static constexpr int kVec = 8;
+  __device__ __forceinline__ static void unpack2(uint32_t w, float& lo, float& hi) {
+    lo = __uint_as_float(w << 16);
+    hi = __uint_as_float(w & 0xffff0000u);
+  }
+  __device__ __forceinline__ static void unpack(const uint4& v, float (&f)[8]) {
+    unpack2(v.x, f[0], f[1]);
+    unpack2(v.y, f[2], f[3]);
+    unpack2(v.z, f[4], f[5]);
+    unpack2(v.w, f[6], f[7]);
+  }
+  __device__ __forceinline__ static uint32_t pack2(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __device__ __forceinline__ static uint4 pack(const float (&f)[8]) {
+    return make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
+  }
+  // NaN-propagating max of the 8 values, on packed pairs (exact: max needs no rounding).
+  __device__ __forceinline__ static float vmax(const uint4& v) {
+    const __nv_bfloat162 m = __hmax2_nan(__hmax2_nan(as2(v.x), as2(v.y)), __hmax2_nan(as2(v.z), as2(v.w)));
+    float lo, hi;
+    unpack2(*reinterpret_cast<const uint32_t*>(&m), lo, hi);
+    return fmax_nan(lo, hi);
+  }
+  __device__ __forceinline__ static __nv_bfloat162 as2(uint32_t w) { return *reinterpret_cast<__nv_bfloat162*>(&w); }
+  __device__ __forceinline__ static float load(const __nv_bfloat16* p) {
+    const unsigned short u = __ldg(reinterpret_cast<const unsigned short*>(p));
+    return __uint_as_float(static_cast<uint32_t>(u) << 16);
+  }
+  __device__ __forceinline__ static void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+};
+template <>
+struct Elem<__half> {
+  static constexpr int kVec = 8;
+  __device__ __forceinline__ static void unpack2(uint32_t w, float& lo, float& hi) {
+    __half2 h = *reinterpret_cast<__half2*>(&w);
+    const float2 f = __half22float2(h);
+    lo = f.x;
+    hi = f.y;
+  }
+  __device__ __forceinline__ static void unpack(const uint4& v, float (&f)[8]) {
+    unpack2(v.x, f[0], f[1]);
+    unpack2(v.y, f[2], f[3]);
+    unpack2(v.z, f[4], f[5]);
+    unpack2(v.w, f[6], f[7]);
+  }
+  __device__ __forceinline__ static uint32_t pack2(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __device__ __forceinline__ static uint4 pack(const float (&f)[8]) {
+    return make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
+  }
+  __device__ __forceinline__ static float vmax(const uint4& v) {
+    const __half2 m = __hmax2_nan(__hmax2_nan(as2(v.x), as2(v.y)), __hmax2_nan(as2(v.z), as2(v.w)));
+    float lo, hi;
+    unpack2(*reinterpret_cast<const uint32_t*>(&m), lo, hi);
+    return fmax_nan(lo, hi);
+  }
+  __device__ __forceinline__ static __half2 as2(uint32_t w) { return *reinterpret_cast<__half2*>(&w); }
+  __device__ __forceinline__ static float load(const __half* p) { return __half2float(__ldg(p)); }
+  __device__ __forceinline__ static void store(__half* p, float v) { *p = __float2half_rn(v); }
+};
+
+__device__ __forceinline__ int64_t imin64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// Where a row's 16-byte-aligned body starts: elements before it are the scalar head.
+template <typename T>
+__device__ __forceinline__ int head_elems(const T* row, int V) {
+  const int h = static_cast<int>(((16u - (reinterpret_cast<uintptr_t>(row) & 15u)) & 15u) / sizeof(T));
+  return h < V ? h : V;
+}
+
+// ---- forward ----------------------------------------------------------------------------------------------------
+// Per-thread online state: m the running max (raw logit units), s = sum 2^a, t = sum 2^a * a, a = (x - m) * c,
+// c = log2(e) / T. A NaN logit turns s and t into NaN and m into +inf (so later vectors take the fast path).
+struct Acc {
+  float m;
+  double s, t;
+};
+
+template <bool kWithT>
+__device__ __forceinline__ void acc_rescale(Acc& A, float mn, float c_hi, float c_lo) {
+  if (mn != mn) {
+    A.s = A.t = __longlong_as_double(0x7ff8000000000000ll);
+    A.m = __int_as_float(0x7f800000);
+    return;
+  }
+  if (A.m != __int_as_float(0xff800000)) {  // s, t are 0 while m is -inf: nothing to rescale
+    const float dm = A.m - mn;
+    const float a = fmaf(dm, c_hi, dm * c_lo);
+    const double r = static_cast<double>(ex2(a));
+    if (kWithT) A.t = r * (A.t + static_cast<double>(a) * A.s);
+    A.s = r * A.s;
+  }
+  A.m = mn;
+}
+
+// Clamped update: exact for every input (-inf logits, a row whose max is still -inf, NaN).
+template <int kN, bool kWithT>
+__device__ __forceinline__ void acc_update_clamped(Acc& A, const float (&f)[kN], float c_hi, float c_lo) {
+  float vm = f[0];
+#pragma unroll
+  for (int k = 1; k < kN; ++k) vm = fmax_nan(vm, f[k]);
+  const float mn = fmax_nan(A.m, vm);
+  if (mn != A.m) acc_rescale<kWithT>(A, mn, c_hi, c_lo);
+  float sv = 0.f, tv = 0.f;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {
+    const float d = f[k] - A.m;
+    const float a = fmaxf(fmaf(d, c_hi, d * c_lo), kMinExponent);  // -inf/NaN difference -> e = 0, e * a = 0
+    const float e = ex2(a);
+    sv += e;
+    if (kWithT) tv = fmaf(e, a, tv);
+  }
+  A.s += static_cast<double>(sv);
+  if (kWithT) A.t += static_cast<double>(tv);
+}
+
+// Hot path for one vector whose NaN-propagating max is vm. No per-element clamp: a -inf logit gives e = 0 and
+// e * a = NaN, which the per-vector check catches and redoes the vector through the clamped path (rare).
+template <int kN, bool kWithT>
+__device__ __forceinline__ void acc_update(Acc& A, const float (&f)[kN], float vm, float c_hi, float c_lo) {
+  const float mn = fmax_nan(A.m, vm);
+  if (mn != A.m) acc_rescale<kWithT>(A, mn, c_hi, c_lo);
+  const float m = A.m;
+  static_assert(kN >= 2, "vector path");
+  float s0, s1, t0 = 0.f, t1 = 0.f;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {
+    const float d = f[k] - m;  // exact for logits within 2^24 ulps of the max
+    const float a = fmaf(d, c_hi, d * c_lo);
+    const float e = ex2(a);
+    if (k < 2) {  // start the two chains without adding to 0 (which the compiler may not fold away)
+      (k ? s1 : s0) = e;
+      if (kWithT) (k ? t1 : t0) = e * a;
+    } else if (k & 1) {
+      s1 += e;
+      if (kWithT) t1 = fmaf(e, a, t1);
+    } else {
+      s0 += e;
+      if (kWithT) t0 = fmaf(e, a, t0);
+    }
+  }
+  const float sv = s0 + s1, tv = t0 + t1;
+  const float chk = kWithT ? sv + tv : sv;
+  if (chk != chk) {
+    acc_update_clamped<kN, kWithT>(A, f, c_hi, c_lo);
+    return;
+  }
+  A.s += static_cast<double>(sv);
+  if (kWithT) A.t += static_cast<double>(tv);
+}
+
+template <typename label_t>
+struct FwdParams {
+  const void* logits;
+  int64_t row_stride;
+  int V;
+  int splits;
+  int vec_per_split;
+  const label_t* labels;
+  const float* token_temperature;  // nullable
+  double temperature;
+  int64_t ignore_index;
+  float* logp;
+  float* entropy;  // nullable
+  double* stats;   // [N, 2]
+  double* partial; // [N, splits, 3] when splits > 1
+  unsigned long long* bad;  // nullable: smallest row with an out-of-range label
+};
+
+__device__ __forceinline__ double row_temperature(double temperature, const float* tt, int64_t row) {
+  return tt ? temperature * static_cast<double>(tt[row]) : temperature;
+}
+
+// Final per-row outputs from (M, s, t) relative to M.
+template <typename scalar_t, typename label_t>
+__device__ void finalize_row(const FwdParams<label_t>& p, int64_t row, int64_t y, double M, double s, double t,
+                             double T) {
+  const double nan = __longlong_as_double(0x7ff8000000000000ll);
+  const double inf = __longlong_as_double(0x7ff0000000000000ll);
+  if (y < 0 || y >= p.V) {  // not ignore_index (checked by the caller): never read out of bounds
+    p.logp[row] = static_cast<float>(nan);
+    if (p.entropy) p.entropy[row] = static_cast<float>(nan);
+    p.stats[2 * row] = nan;
+    p.stats[2 * row + 1] = nan;
+    if (p.bad) atomicMin(p.bad, static_cast<unsigned long long>(row));
+    return;
+  }
+  double lse, spz, ent;
+  if (M == inf || s != s) {  // NaN or +inf logit in the row
+    lse = spz = ent = nan;
+  } else if (s == 0.0) {  // every logit -inf
+    lse = -inf;
+    spz = ent = nan;
+  } else {
+    const double ls = log(s);
+    const double mean = kLn2 * t / s;  // sum p (z - M/T)
+    lse = M / T + ls;
+    spz = p.entropy ? M / T + mean : 0.0;  // t is only tracked when entropy is requested
+    ent = ls - mean;
+  }
+  const scalar_t* x = reinterpret_cast<const scalar_t*>(p.logits) + row * p.row_stride;
+  const double zy = static_cast<double>(Elem<scalar_t>::load(x + y)) / T;
+  p.logp[row] = static_cast<float>(zy - lse);
+  if (p.entropy) p.entropy[row] = static_cast<float>(ent);
+  p.stats[2 * row] = lse;
+  p.stats[2 * row + 1] = spz;
+}
+
+template <typename scalar_t, typename label_t>
+__device__ __forceinline__ void write_ignored(const FwdParams<label_t>& p, int64_t row) {
+  p.logp[row] = 0.f;
+  if (p.entropy) p.entropy[row] = 0.f;
+  p.stats[2 * row] = 0.0;
+  p.stats[2 * row + 1] = 0.0;
+}
+
+template <typename scalar_t, typename label_t, bool kWithT>
+__global__ void __launch_bounds__(kThreads) fused_logp_fwd_kernel(const FwdParams<label_t> p) {
+  using E = Elem<scalar_t>;
+  constexpr int kVec = E::kVec;
+  const int64_t row = blockIdx.x;
+  const int split = blockIdx.y;
+  const int tid = threadIdx.x;
+  const int64_t y = static_cast<int64_t>(p.labels[row]);
+  if (y == p.ignore_index) {  // ignored token: no read of its logits at all
+    if (p.splits == 1 && tid == 0) write_ignored<scalar_t>(p, row);
+    return;
+  }
+  const double T = row_temperature(p.temperature, p.token_temperature, row);
+  const double c = kLog2e / T;
+  const float c_hi = static_cast<float>(c);
+  const float c_lo = static_cast<float>(c - static_cast<double>(c_hi));
+  const int V = p.V;
+  const scalar_t* x = reinterpret_cast<const scalar_t*>(p.logits) + row * p.row_stride;
+  const int head = head_elems(x, V);
+  const int nvec = (V - head) / kVec;
+  const int tail0 = head + nvec * kVec;
+
+  Acc A{__int_as_float(0xff800000), 0.0, 0.0};
+  if (split == 0 && tid < head) {
+    const float f[1] = {E::load(x + tid)};
+    acc_update_clamped<1, kWithT>(A, f, c_hi, c_lo);
+  }
+  if (split == p.splits - 1 && tid < V - tail0) {
+    const float f[1] = {E::load(x + tail0 + tid)};
+    acc_update_clamped<1, kWithT>(A, f, c_hi, c_lo);
+  }
+  const uint4* xv = reinterpret_cast<const uint4*>(x + head);
+  const int vb = split * p.vec_per_split;
+  const int ve = min(nvec, vb + p.vec_per_split);
+  int v = vb + tid;
+  for (; v + (kUnroll - 1) * kThreads < ve; v += kUnroll * kThreads) {
+    uint4 r[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) r[u] = __ldg(xv + v + u * kThreads);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      float f[kVec];
+      E::unpack(r[u], f);
+      acc_update<kVec, kWithT>(A, f, E::vmax(r[u]), c_hi, c_lo);
+    }
+  }
+  for (; v < ve; v += kThreads) {
+    const uint4 r = __ldg(xv + v);
+    float f[kVec];
+    E::unpack(r, f);
+    acc_update<kVec, kWithT>(A, f, E::vmax(r), c_hi, c_lo);
+  }
+
+  // Block combine: the max first, then every thread rescales its (s, t) to it once (double), then two sums.
+  __shared__ float sh_m[kWarps];
+  __shared__ double sh_s[kWarps], sh_t[kWarps];
+  const int lane = tid & 31, warp = tid >> 5;
+  float M = A.m;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) M = fmax_nan(M, __shfl_xor_sync(0xffffffffu, M, o));
+  if (lane == 0) sh_m[warp] = M;
+  __syncthreads();
+  M = sh_m[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) M = fmax_nan(M, sh_m[w]);
+  double s = 0.0, t = 0.0;
+  if (A.m != __int_as_float(0xff800000)) {  // else this thread saw only -inf (or nothing): contributes 0
+    if (M == __int_as_float(0x7f800000)) {
+      s = t = __longlong_as_double(0x7ff8000000000000ll);
+    } else {
+      const double da = (static_cast<double>(A.m) - static_cast<double>(M)) * c;  // <= 0, log2 units
+      const double r = exp2(da);
+      s = r * A.s;
+      if (kWithT) t = r * (A.t + da * A.s);
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (kWithT) t += __shfl_xor_sync(0xffffffffu, t, o);
+  }
+  if (lane == 0) {
+    sh_s[warp] = s;
+    sh_t[warp] = t;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    s = sh_s[0];
+    t = sh_t[0];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) {
+      s += sh_s[w];
+      t += sh_t[w];
+    }
+    if (p.splits == 1) {
+      finalize_row<scalar_t>(p, row, y, static_cast<double>(M), s, t, T);
+    } else {
+      double* q = p.partial + (row * p.splits + split) * 3;
+      q[0] = static_cast<double>(M);
+      q[1] = s;
+      q[2] = t;
+    }
+  }
+}
+
+// Split-vocab combine: one thread per row merges the row's partial (M, s, t).
+template <typename scalar_t, typename label_t, bool kWithT>
+__global__ void __launch_bounds__(128) fused_logp_combine_kernel(const FwdParams<label_t> p, int64_t N) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (row >= N) return;
+  const int64_t y = static_cast<int64_t>(p.labels[row]);
+  if (y == p.ignore_index) {
+    write_ignored<scalar_t>(p, row);
+    return;
+  }
+  const double T = row_temperature(p.temperature, p.token_temperature, row);
+  const double c = kLog2e / T;
+  const double* q = p.partial + row * p.splits * 3;
+  double M = q[0];
+  for (int k = 1; k < p.splits; ++k) M = fmax(M, q[3 * k]);  // partial maxima are never NaN (NaN -> +inf)
+  const double inf = __longlong_as_double(0x7ff0000000000000ll);
+  double s = 0.0, t = 0.0;
+  if (M == inf) {
+    s = t = __longlong_as_double(0x7ff8000000000000ll);
+  } else {
+    for (int k = 0; k < p.splits; ++k) {
+      const double mk = q[3 * k];
+      if (mk == -inf) continue;
+      const double da = (mk - M) * c;
+      const double r = exp2(da);
+      s += r * q[3 * k + 1];
+      if (kWithT) t += r * (q[3 * k + 2] + da * q[3 * k + 1]);
+    }
+  }
+  finalize_row<scalar_t>(p, row, y, M, s, t, T);
+}
+
+// ---- backward ---------------------------------------------------------------------------------------------------
+template <typename label_t>
+struct BwdParams {
+  const void* logits;
+  int64_t row_stride;
+  void* grad;  // [N, V] contiguous
+  int V;
+  int splits;
+  int vec_per_split;
+  const label_t* labels;
+  const float* token_temperature;
+  double temperature;
+  int64_t ignore_index;
+  const float* grad_logp;
+  const float* grad_entropy;  // nullable
+  const double* stats;
+};
+
+// Per-row constants of the backward, all in fp32 pairs: exponent of p is x * c - L, with c = c_hi + c_lo and
+// L = lse * log2(e) = L_hi + L_lo; the entropy factor (z - sum_pz) * log2(e) is x * c - S likewise.
+struct BwdRow {
+  float c_hi, c_lo, L_hi, L_lo, S_hi, S_lo, k1, k2;  // k1 = g_logp / T, k2 = g_ent * ln2 / T
+};
+
+// 2^(hi + lo), |lo| << 1, to about 1 ulp: range reduction by rint, degree-7 Taylor polynomial of 2^f on |f| <= 1/2
+// (truncation < 1e-8 relative). Used for fp32 logits, whose fp32 gradient shows ex2.approx's ~2-ulp error (e.g. at a
+// dominant logit, where p rounds to 1); bf16/fp16 gradients round far above that, so they keep ex2.approx.
+__device__ __forceinline__ float exp2_accurate(float hi, float lo) {
+  const bool under = hi < -200.f;  // result 0 (false for NaN, which stays NaN)
+  hi = fmax_nan(hi, -200.f);
+  const float j = rintf(hi);
+  const float f = under ? 0.f : __fadd_rn(__fsub_rn(hi, j), lo);  // hi - j is exact
+  float q = 1.5252733804059841e-05f;         // ln2^7 / 7!
+  q = fmaf(q, f, 1.5403530393381606e-04f);   // ln2^6 / 6!
+  q = fmaf(q, f, 1.3333558146428443e-03f);   // ln2^5 / 5!
+  q = fmaf(q, f, 9.6181291076284772e-03f);   // ln2^4 / 4!
+  q = fmaf(q, f, 5.5504108664821580e-02f);   // ln2^3 / 3!
+  q = fmaf(q, f, 2.4022650695910071e-01f);   // ln2^2 / 2!
+  q = fmaf(q, f, 6.9314718055994531e-01f);   // ln2
+  q = fmaf(q, f, 1.0f);
+  const int ji = static_cast<int>(j);
+  const float scale = ji < -126 ? 0.f : __int_as_float((ji + 127) << 23);  // p <= 1: ji <= 0 here (-200 when under)
+  return q * scale;
+}
+
+template <bool kWithEnt, bool kAccurateExp, bool kIsLabel = false>
+__device__ __forceinline__ float grad_elem(const BwdRow& R, float x_in, float& hi_out) {
+  // A -inf logit becomes -1e30 (p = 0 exactly, every intermediate finite). NaN needs no care here: a NaN logit made
+  // the row's lse NaN in the forward, so the whole row's gradient is NaN anyway.
+  const float x = fmaxf(x_in, -1.0e30f);
+  // Exponent x*c - L as an unevaluated pair hi + lo, exact to ~2^-48 relative: x*c_hi = ph + pl exactly (FMA), then
+  // TwoSum(ph, -L_hi). Without it, hi's rounding (|hi| * 2^-25) makes small p as inexact as log_softmax's rounded
+  // logp does, and bf16/fp16 gradients then misround as often as the fp32 PyTorch path's.
+  // (__fmul_rn / __fadd_rn / __fsub_rn: no contraction into FMAs, which would break the error-free transforms.)
+  const float ph = __fmul_rn(x, R.c_hi);
+  const float pl = fmaf(x, R.c_hi, -ph);
+  const float w = fmaf(x, R.c_lo, pl);
+  const float hi = __fsub_rn(ph, R.L_hi);
+  const float bv = __fsub_rn(hi, ph);
+  const float err = __fadd_rn(__fsub_rn(ph, __fsub_rn(hi, bv)), __fsub_rn(-R.L_hi, bv));
+  const float lo = (w - R.L_lo) + err;
+  hi_out = hi;
+  float p;
+  if (kAccurateExp) {
+    p = exp2_accurate(hi, lo);
+  } else {
+    const float p0 = ex2(hi);
+    p = fmaf(p0, lo * static_cast<float>(kLn2), p0);
+  }
+  if (kIsLabel) {  // k1 (1 - p) - k2 p b, with 1 - p exact for p >= 1/2
+    const float q = kWithEnt ? p * fmaxf((ph - R.S_hi) + (w - R.S_lo), -3.0e38f) : 0.f;
+    return fmaf(R.k1, 1.f - p, -R.k2 * q);
+  }
+  if (!kWithEnt) return -R.k1 * p;
+  const float b = fmaxf((ph - R.S_hi) + (w - R.S_lo), -3.0e38f);  // -inf logit: p = 0 and p * b = 0
+  return -fmaf(R.k2, p * b, R.k1 * p);
+}
+
+template <typename scalar_t, typename label_t, bool kWithEnt>
+__global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParams<label_t> p) {
+  using E = Elem<scalar_t>;
+  constexpr int kVec = E::kVec;
+  const int64_t row = blockIdx.x;
+  const int split = blockIdx.y;
+  const int tid = threadIdx.x;
+  const int V = p.V;
+  const scalar_t* x = reinterpret_cast<const scalar_t*>(p.logits) + row * p.row_stride;
+  scalar_t* g = reinterpret_cast<scalar_t*>(p.grad) + row * static_cast<int64_t>(V);
+  const int64_t y64 = static_cast<int64_t>(p.labels[row]);
+  const bool ignored = (y64 == p.ignore_index);
+  const bool bad = !ignored && (y64 < 0 || y64 >= V);
+  const int y = (ignored || bad) ? -1 : static_cast<int>(y64);
+
+  BwdRow R;
+  if (!ignored) {
+    const double T = row_temperature(p.temperature, p.token_temperature, row);
+    const double c = kLog2e / T;
+    R.c_hi = static_cast<float>(c);
+    R.c_lo = static_cast<float>(c - static_cast<double>(R.c_hi));
+    const double L = p.stats[2 * row] * kLog2e, S = p.stats[2 * row + 1] * kLog2e;
+    R.L_hi = static_cast<float>(L);
+    R.L_lo = static_cast<float>(L - static_cast<double>(R.L_hi));
+    R.S_hi = static_cast<float>(S);
+    R.S_lo = static_cast<float>(S - static_cast<double>(R.S_hi));
+    const double nan = __longlong_as_double(0x7ff8000000000000ll);
+    R.k1 = static_cast<float>(bad ? nan : static_cast<double>(p.grad_logp[row]) / T);
+    R.k2 = kWithEnt ? static_cast<float>(static_cast<double>(p.grad_entropy[row]) * kLn2 / T) : 0.f;
+  }
+  auto one = [&](int j, float xv) -> float {
+    float hi;
+    return j == y ? grad_elem<kWithEnt, true, true>(R, xv, hi) : grad_elem<kWithEnt, true>(R, xv, hi);
+  };
+
+  const int head = head_elems(x, V);
+  if ((reinterpret_cast<uintptr_t>(x) & 15u) != (reinterpret_cast<uintptr_t>(g) & 15u)) {
+    // Input and output rows differ in 16-byte alignment (strided logits): scalar path over this split's range.
+    const int64_t span = static_cast<int64_t>(p.vec_per_split) * kVec;
+    const int64_t lo = imin64(V, split * span);
+    const int64_t hi = split == p.splits - 1 ? V : imin64(V, (split + 1) * span);
+    for (int64_t j = lo + tid; j < hi; j += kThreads)
+      E::store(g + j, ignored ? 0.f : one(static_cast<int>(j), E::load(x + j)));
+    return;
+  }
+  const int nvec = (V - head) / kVec;
+  const int tail0 = head + nvec * kVec;
+  if (split == 0 && tid < head) E::store(g + tid, ignored ? 0.f : one(tid, E::load(x + tid)));
+  if (split == p.splits - 1 && tid < V - tail0)
+    E::store(g + tail0 + tid, ignored ? 0.f : one(tail0 + tid, E::load(x + tail0 + tid)));
+  const uint4* xv = reinterpret_cast<const uint4*>(x + head);
+  uint4* gv = reinterpret_cast<uint4*>(g + head);
+  const int vb = split * p.vec_per_split;
+  const int ve = min(nvec, vb + p.vec_per_split);
+  if (ignored) {
+    for (int v = vb + tid; v < ve; v += kThreads) gv[v] = make_uint4(0u, 0u, 0u, 0u);
+    return;
+  }
+  auto process = [&](int v, const uint4& r) {
+    float f[kVec];
+    E::unpack(r, f);
+    constexpr bool kAlwaysAccurate = std::is_same<scalar_t, float>::value;
+    float hmax = -3.0e38f;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      float hi;
+      f[k] = grad_elem<kWithEnt, kAlwaysAccurate>(R, f[k], hi);
+      hmax = fmaxf(hmax, hi);
+    }
+    // bf16/fp16 use ex2.approx, except in the (at most one per row) vector holding a probability above ~1/2, where its
+    // ~2-ulp error would show in 1 - p at the label and in p at a dominant logit: redo that vector accurately.
+    if (!kAlwaysAccurate && hmax > -1.5f) {
+      E::unpack(r, f);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        float hi;
+        f[k] = grad_elem<kWithEnt, true>(R, f[k], hi);
+      }
+    }
+    const int j0 = head + v * kVec;
+    if (static_cast<unsigned>(y - j0) < static_cast<unsigned>(kVec)) {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k)
+        if (j0 + k == y) {
+          float xk[kVec], hi;
+          E::unpack(r, xk);
+          f[k] = grad_elem<kWithEnt, true, true>(R, xk[k], hi);
+        }
+    }
+    __stcs(gv + v, E::pack(f));
+  };
+  int v = vb + tid;
+  for (; v + (kUnroll - 1) * kThreads < ve; v += kUnroll * kThreads) {
+    uint4 r[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) r[u] = __ldg(xv + v + u * kThreads);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) process(v + u * kThreads, r[u]);
+  }
+  for (; v < ve; v += kThreads) process(v, __ldg(xv + v));
+}
+
+// ---- host -------------------------------------------------------------------------------------------------------
+template <typename F>
+void dispatch_scalar(at::ScalarType st, F&& f) {
+  switch (st) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(__nv_bfloat16{}); break;
+    case at::kHalf: f(__half{}); break;
+    default: TORCH_CHECK(false, "fused_logp: unsupported logits dtype ", st);
+  }
+}
+template <typename F>
+void dispatch_label(at::ScalarType st, F&& f) {
+  if (st == at::kLong)
+    f(int64_t{});
+  else
+    f(int32_t{});
+}
+
+// Blocks per row: 1 when the rows alone fill the GPU (two waves of resident blocks), else enough splits for that,
+// each at least SPLIT_MIN_ELEMS logits, at most MAX_SPLITS.
+int choose_splits(int64_t N, int64_t V) {
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t target = 2LL * sms * (2048 / kThreads);
+  if (N >= target) return 1;
+  int64_t s = (target + N - 1) / N;
+  s = std::min<int64_t>(s, FUSED_LOGP_MAX_SPLITS);
+  s = std::min<int64_t>(s, std::max<int64_t>(1, V / FUSED_LOGP_SPLIT_MIN_ELEMS));
+  return static_cast<int>(std::max<int64_t>(1, s));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cuda(const at::Tensor& logits_in, const at::Tensor& labels_in,
+                                                                 double temperature,
+                                                                 const std::optional<at::Tensor>& token_temperature,
+                                                                 int64_t ignore_index, bool return_entropy,
+                                                                 bool check_labels) {
+  fused_logp_detail::check_forward_args(logits_in, labels_in, temperature, token_temperature);
+  TORCH_CHECK(logits_in.is_cuda(), "fused_logp: CUDA implementation got logits on ", logits_in.device());
+  c10::cuda::CUDAGuard guard(logits_in.device());
+  const int64_t N = logits_in.size(0), V = logits_in.size(1);
+  const auto fopt = logits_in.options().dtype(at::kFloat);
+  at::Tensor logp = at::empty({N}, fopt);
+  at::Tensor entropy = at::empty({return_entropy ? N : 0}, fopt);
+  at::Tensor stats = at::empty({N, 2}, logits_in.options().dtype(at::kDouble));
+  if (N == 0) return {logp, entropy, stats};
+
+  const at::Tensor logits = V == 1 ? logits_in.contiguous() : logits_in;
+  const at::Tensor labels = labels_in.contiguous();
+  at::Tensor tt;
+  if (token_temperature.has_value()) tt = token_temperature->contiguous();
+  auto stream = at::cuda::getCurrentCUDAStream();
+
+  at::Tensor bad;
+  if (check_labels) {
+    bad = at::empty({1}, logits.options().dtype(at::kLong));
+    C10_CUDA_CHECK(cudaMemsetAsync(bad.data_ptr(), 0xff, sizeof(int64_t), stream));  // "none" = all ones
+  }
+  const int splits = choose_splits(N, V);
+  at::Tensor partial;
+  if (splits > 1) partial = at::empty({N, splits, 3}, logits.options().dtype(at::kDouble));
+
+  dispatch_scalar(logits.scalar_type(), [&](auto s_tag) {
+    using scalar_t = decltype(s_tag);
+    constexpr int kVec = Elem<scalar_t>::kVec;
+    dispatch_label(labels.scalar_type(), [&](auto l_tag) {
+      using label_t = decltype(l_tag);
+      FwdParams<label_t> p;
+      p.logits = logits.data_ptr();
+      p.row_stride = logits.stride(0);
+      p.V = static_cast<int>(V);
+      p.splits = splits;
+      p.vec_per_split = static_cast<int>((V / kVec + splits - 1) / splits);
+      p.labels = labels.data_ptr<label_t>();
+      p.token_temperature = tt.defined() ? tt.data_ptr<float>() : nullptr;
+      p.temperature = temperature;
+      p.ignore_index = ignore_index;
+      p.logp = logp.data_ptr<float>();
+      p.entropy = return_entropy ? entropy.data_ptr<float>() : nullptr;
+      p.stats = stats.data_ptr<double>();
+      p.partial = splits > 1 ? partial.data_ptr<double>() : nullptr;
+      p.bad = check_labels ? reinterpret_cast<unsigned long long*>(bad.data_ptr<int64_t>()) : nullptr;
+      const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>(splits));
+      // The entropy gradient needs sum p*z, so t is tracked whenever entropy is requested.
+      if (return_entropy) {
+        fused_logp_fwd_kernel<scalar_t, label_t, true><<<grid, kThreads, 0, stream>>>(p);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        if (splits > 1) {
+          fused_logp_combine_kernel<scalar_t, label_t, true><<<static_cast<unsigned>((N + 127) / 128), 128, 0, stream>>>(p, N);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+      } else {
+        fused_logp_fwd_kernel<scalar_t, label_t, false><<<grid, kThreads, 0, stream>>>(p);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        if (splits > 1) {
+          fused_logp_combine_kernel<scalar_t, label_t, false><<<static_cast<unsigned>((N + 127) / 128), 128, 0, stream>>>(p, N);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+      }
+    });
+  });
+
+  if (check_labels) {
+    const int64_t first = bad.item<int64_t>();  // one 8-byte device->host copy: synchronises the stream
+    if (first != -1) fused_logp_detail::fail_bad_label(first, labels[first].item<int64_t>(), V, ignore_index);
+  }
+  return {logp, entropy, stats};
+}
+
+at::Tensor logp_entropy_backward_cuda(const at::Tensor& grad_logp_in, const std::optional<at::Tensor>& grad_entropy_in,
+                                      const at::Tensor& logits_in, const at::Tensor& labels_in, double temperature,
+                                      const std::optional<at::Tensor>& token_temperature, const at::Tensor& stats_in,
+                                      int64_t ignore_index) {
+  fused_logp_detail::check_backward_args(grad_logp_in, grad_entropy_in, logits_in, labels_in, temperature,
+                                         token_temperature, stats_in);
+  TORCH_CHECK(logits_in.is_cuda(), "fused_logp: CUDA implementation got logits on ", logits_in.device());
+  c10::cuda::CUDAGuard guard(logits_in.device());
+  const int64_t N = logits_in.size(0), V = logits_in.size(1);
+  at::Tensor grad = at::empty({N, V}, logits_in.options());
+  if (N == 0) return grad;
+  const at::Tensor logits = V == 1 ? logits_in.contiguous() : logits_in;
+  const at::Tensor labels = labels_in.contiguous();
+  const at::Tensor g = grad_logp_in.to(at::kFloat).contiguous();
+  at::Tensor ge;
+  if (grad_entropy_in.has_value()) ge = grad_entropy_in->to(at::kFloat).contiguous();
+  const at::Tensor stats = stats_in.contiguous();
+  at::Tensor tt;
+  if (token_temperature.has_value()) tt = token_temperature->contiguous();
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int splits = choose_splits(N, V);
+
+  dispatch_scalar(logits.scalar_type(), [&](auto s_tag) {
+    using scalar_t = decltype(s_tag);
+    constexpr int kVec = Elem<scalar_t>::kVec;
+    dispatch_label(labels.scalar_type(), [&](auto l_tag) {
+      using label_t = decltype(l_tag);
+      BwdParams<label_t> p;
+      p.logits = logits.data_ptr();
+      p.row_stride = logits.stride(0);
+      p.grad = grad.data_ptr();
+      p.V = static_cast<int>(V);
+      p.splits = splits;
+      p.vec_per_split = static_cast<int>((V / kVec + splits - 1) / splits);
+      p.labels = labels.data_ptr<label_t>();
+      p.token_temperature = tt.defined() ? tt.data_ptr<float>() : nullptr;
+      p.temperature = temperature;
+      p.ignore_index = ignore_index;
+      p.grad_logp = g.data_ptr<float>();
+      p.grad_entropy = ge.defined() ? ge.data_ptr<float>() : nullptr;
+      p.stats = stats.data_ptr<double>();
+      const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>(splits));
+      if (ge.defined())
+        fused_logp_bwd_kernel<scalar_t, label_t, true><<<grid, kThreads, 0, stream>>>(p);
+      else
+        fused_logp_bwd_kernel<scalar_t, label_t, false><<<grid, kThreads, 0, stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return grad;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused_logp, CUDA, m) {
+  m.impl("logp_entropy", &logp_entropy_cuda);
+  m.impl("logp_entropy_backward", &logp_entropy_backward_cuda);
+}

@@ -1,0 +1,496 @@
+// linear_logp: shared device code of the fused lm_head + log-softmax kernels (sm_90a: TMA + wgmma, warp-specialised).
+//
+// One CTA owns one token tile (BLOCK_N rows of hidden) and a contiguous range of vocab tiles (BLOCK_V rows of the
+// weight). For each vocab tile it computes the logits tile hidden_tile @ weight_tile^T with wgmma (fp32 accumulate)
+// over H in BLOCK_K steps, fed by a STAGES-deep TMA ring (warpgroup 0 produces, warpgroups 1 and 2 consume 64 rows
+// each), then runs the epilogue on the accumulator registers:
+//   forward:  per-row online (max, sum exp, sum exp * (z - max)) in log2 units and the label logit, flushed once per
+//             CTA as per-split partials that linear_logp_combine merges;
+//   backward: dZ = [g_logp (onehot - p) - g_ent p (z - sum_pz)] / T written as a bf16/fp16 tile of a bounded chunk
+//             buffer that the host then multiplies with cuBLAS (grad_hidden += dZ W_chunk, grad_W_chunk = dZ^T h).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#ifndef LINEAR_LOGP_BLOCK_N
+#error "LINEAR_LOGP_BLOCK_N must come from kernel.toml ([linear_logp.constants])"
+#endif
+#ifndef LINEAR_LOGP_BLOCK_V
+#error "LINEAR_LOGP_BLOCK_V must come from kernel.toml ([linear_logp.constants])"
+#endif
+#ifndef LINEAR_LOGP_BLOCK_K
+#error "LINEAR_LOGP_BLOCK_K must come from kernel.toml ([linear_logp.constants])"
+#endif
+#ifndef LINEAR_LOGP_STAGES
+#error "LINEAR_LOGP_STAGES must come from kernel.toml ([linear_logp.constants])"
+#endif
+#ifndef LINEAR_LOGP_GROUP_TOKEN_TILES
+#error "LINEAR_LOGP_GROUP_TOKEN_TILES must come from kernel.toml ([linear_logp.constants])"
+#endif
+#ifndef LINEAR_LOGP_MAX_SPLITS
+#error "LINEAR_LOGP_MAX_SPLITS must come from kernel.toml ([linear_logp.constants])"
+#endif
+
+namespace linear_logp {
+
+constexpr int BN = LINEAR_LOGP_BLOCK_N;
+constexpr int BV = LINEAR_LOGP_BLOCK_V;
+constexpr int BK = LINEAR_LOGP_BLOCK_K;
+constexpr int STAGES = LINEAR_LOGP_STAGES;
+// The code below is written for these tile numbers: two consumer warpgroups of wgmma.m64n256k16, K tiles of
+// 64 16-bit elements = one 128-byte swizzle row.
+static_assert(BN == 128, "BLOCK_N must be 128 (two consumer warpgroups of 64 rows)");
+static_assert(BV == 256, "BLOCK_V must be 256 (wgmma m64n256k16)");
+static_assert(BK == 64, "BLOCK_K must be 64 (one 128-byte swizzle row of 16-bit elements)");
+static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be in [2, 4] (shared memory)");
+
+constexpr int NUM_THREADS = 384;
+constexpr int A_BYTES = BN * BK * 2;
+constexpr int B_BYTES = BV * BK * 2;
+constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024 /* alignment slack */ + 2 * STAGES * 8 /* mbarriers */;
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+
+struct Params {
+  // shapes
+  int n_rows;         // rows of hidden handled by this launch: [row0, row0 + n_rows)
+  int row0;
+  int vocab;          // V
+  int k_tiles;        // ceil(H / BK)
+  int vt_begin;       // vocab tiles handled by this launch: [vt_begin, vt_end)
+  int vt_end;
+  int tiles_per_split;
+  int splits;         // S
+  int token_tiles;    // ceil(n_rows / BN)
+  int group;          // token tiles per rasterisation group
+  // per-token inputs (indexed by absolute row)
+  const int64_t* labels;
+  const float* token_temperature;  // nullable
+  const float* bias;               // nullable, fp32 [V]
+  float temperature;
+  int64_t ignore_index;
+  // forward outputs: partials [S, n_rows] (log2 units) and the label logit (log2 units) [n_rows]
+  float* part_m;
+  float* part_s;
+  float* part_u;
+  float* zy;
+  // backward inputs/outputs
+  const float* stats;       // [N, 2] (lse, sum_pz), natural units
+  const float* grad_logp;   // [N] fp32
+  const float* grad_ent;    // [N] fp32, nullable
+  void* dz;                 // [n_rows, ldz] of the input dtype; column c holds vocab vt_begin * BV + c
+  int64_t ldz;
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// PTX wrappers
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred P1;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@!P1 bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accumulator reads/writes across the asynchronous wgmma boundaries.
+__device__ __forceinline__ void fence_acc(float* d) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  uint64_t d = static_cast<uint64_t>((addr & 0x3FFFF) >> 4);
+  d |= static_cast<uint64_t>(1) << 16;
+  d |= static_cast<uint64_t>(1024 >> 4) << 32;
+  d |= static_cast<uint64_t>(1) << 62;
+  return d;
+}
+
+__device__ __forceinline__ void wgmma_m64n256k16_bf16(float* d, uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+__device__ __forceinline__ void wgmma_m64n256k16_f16(float* d, uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+template <typename T>
+struct Mma;
+template <>
+struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float* d, uint64_t a, uint64_t b, int scale_d) {
+    wgmma_m64n256k16_bf16(d, a, b, scale_d);
+  }
+  static __device__ __forceinline__ uint32_t pack(float x, float y) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ void store1(void* p, float x) { *static_cast<__nv_bfloat16*>(p) = __float2bfloat16_rn(x); }
+};
+template <>
+struct Mma<__half> {
+  static __device__ __forceinline__ void run(float* d, uint64_t a, uint64_t b, int scale_d) {
+    wgmma_m64n256k16_f16(d, a, b, scale_d);
+  }
+  static __device__ __forceinline__ uint32_t pack(float x, float y) {
+    __half2 v = __floats2half2_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ void store1(void* p, float x) { *static_cast<__half*>(p) = __float2half_rn(x); }
+};
+
+// Merge the online state (m, s, u) = (max, sum 2^(z-m), sum 2^(z-m) (z-m)) (log2 units) with another one.
+// An empty state is (-inf, 0, 0); s > 0 implies m finite.
+__device__ __forceinline__ void merge_state(float& m, float& s, float& u, float m2, float s2, float u2) {
+  const float M = fmaxf(m, m2);
+  if (M == -INFINITY) return;
+  const float d1 = s > 0.f ? m - M : 0.f;
+  const float d2 = s2 > 0.f ? m2 - M : 0.f;
+  const float a1 = ex2(d1), a2 = ex2(d2);
+  u = a1 * (u + d1 * s) + a2 * (u2 + d2 * s2);
+  s = a1 * s + a2 * s2;
+  m = M;
+}
+
+// Accumulator register i of a thread holds row (warp * 16 + lane / 4 + 8 * ((i / 2) % 2)) and column
+// (8 * (i / 4) + 2 * (lane % 4) + i % 2) of its warpgroup's 64 x 256 tile.
+template <typename T, bool BWD>
+__global__ void __launch_bounds__(NUM_THREADS, 1)
+    linear_logp_kernel(const __grid_constant__ CUtensorMap tm_h, const __grid_constant__ CUtensorMap tm_w,
+                       const Params p) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t bars = base + STAGES * STAGE_BYTES;
+  auto full_bar = [&](int s) { return bars + 8u * s; };
+  auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
+
+  // Grouped rasterisation: consecutive CTAs take `group` token tiles x all splits, so the CTAs resident together
+  // share a few hidden tiles (re-read from L2 for every vocab tile) and stream the same weight tiles.
+  const int b = blockIdx.x;
+  const int group_size = p.group * p.splits;
+  const int first = (b / group_size) * p.group;
+  const int r = b % group_size;
+  const int gcur = min(p.group, p.token_tiles - first);
+  const int tok_tile = first + r % gcur;
+  const int split = r / gcur;
+  const int vt0 = p.vt_begin + split * p.tiles_per_split;
+  const int vt1 = min(vt0 + p.tiles_per_split, p.vt_end);
+  const int row_tile = p.row0 + tok_tile * BN;
+
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full_bar(s), 1);
+      mbar_init(empty_bar(s), 8);  // lane 0 of each of the 8 consumer warps
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tm_h)) : "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tm_w)) : "memory");
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {  // producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (threadIdx.x == 0) {
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int vt = vt0; vt < vt1; ++vt) {
+        for (int k = 0; k < p.k_tiles; ++k) {
+          mbar_wait(empty_bar(stage), phase ^ 1u);
+          mbar_expect_tx(full_bar(stage), STAGE_BYTES);
+          const uint32_t a = base + stage * STAGE_BYTES;
+          tma_load_2d(a, &tm_h, full_bar(stage), k * BK, row_tile);
+          tma_load_2d(a + A_BYTES, &tm_w, full_bar(stage), k * BK, vt * BV);
+          if (++stage == STAGES) {
+            stage = 0;
+            phase ^= 1u;
+          }
+        }
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+
+  const int ctid = threadIdx.x - 128 * warpgroup;
+  const int warp = ctid / 32, lane = ctid % 32, quad = lane & 3;
+  const int row_end = p.row0 + p.n_rows;
+
+  int row[2];
+  bool row_ok[2];
+  float c[2];      // log2(e) / T: z (log2 units) = acc * c + bias * c
+  int64_t y[2];
+  float lse2[2], spz2[2], k1[2], k2[2];  // backward only
+  float m[2], s[2], u[2];                 // forward only
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row[h] = row_tile + (warpgroup - 1) * 64 + warp * 16 + (lane >> 2) + 8 * h;
+    row_ok[h] = row[h] < row_end;
+    const int rr = row_ok[h] ? row[h] : p.row0;
+    const float temp = p.temperature * (p.token_temperature ? p.token_temperature[rr] : 1.f);
+    c[h] = LOG2E / temp;
+    y[h] = p.labels[rr];
+    m[h] = -INFINITY;
+    s[h] = 0.f;
+    u[h] = 0.f;
+    if constexpr (BWD) {
+      if (!row_ok[h] || y[h] == p.ignore_index) {
+        lse2[h] = INFINITY;  // p = 0 and dZ = 0 on the whole row
+        spz2[h] = 0.f;
+        k1[h] = 0.f;
+        k2[h] = 0.f;
+      } else {
+        lse2[h] = p.stats[2 * rr] * LOG2E;
+        k1[h] = p.grad_logp[rr] / temp;
+        spz2[h] = p.grad_ent ? p.stats[2 * rr + 1] * LOG2E : 0.f;
+        k2[h] = p.grad_ent ? p.grad_ent[rr] * (LN2 / temp) : 0.f;
+      }
+    }
+  }
+
+  float acc[128];
+  int stage = 0;
+  uint32_t phase = 0;
+  const uint32_t a_off = (warpgroup - 1) * 64 * BK * 2;
+  for (int vt = vt0; vt < vt1; ++vt) {
+    int prev = 0;
+    for (int k = 0; k < p.k_tiles; ++k) {
+      mbar_wait(full_bar(stage), phase);
+      const uint32_t st = base + stage * STAGE_BYTES;
+      const uint64_t da = smem_desc(st + a_off), db = smem_desc(st + A_BYTES);
+      fence_acc(acc);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) Mma<T>::run(acc, da + 2 * kk, db + 2 * kk, (k > 0 || kk > 0) ? 1 : 0);
+      wgmma_commit();
+      fence_acc(acc);
+      wgmma_wait<1>();
+      fence_acc(acc);
+      if (k > 0 && lane == 0) mbar_arrive(empty_bar(prev));
+      prev = stage;
+      if (++stage == STAGES) {
+        stage = 0;
+        phase ^= 1u;
+      }
+    }
+    wgmma_wait<0>();
+    fence_acc(acc);
+    if (lane == 0) mbar_arrive(empty_bar(prev));
+
+    // ---------------- epilogue on the 64 x 256 fp32 tile of this warpgroup ----------------
+    const int v0 = vt * BV;
+    const bool partial = v0 + BV > p.vocab;
+    const int lim = p.vocab - v0;  // columns >= lim are outside the vocabulary
+    float tmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < BV / 8; ++j) {
+      const int col = 8 * j + 2 * quad;
+      float b0 = 0.f, b1 = 0.f;
+      if (p.bias) {
+        if (!partial) {
+          const float2 bb = *reinterpret_cast<const float2*>(p.bias + v0 + col);
+          b0 = bb.x;
+          b1 = bb.y;
+        } else {
+          b0 = col < lim ? p.bias[v0 + col] : 0.f;
+          b1 = col + 1 < lim ? p.bias[v0 + col + 1] : 0.f;
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float z0 = (acc[4 * j + 2 * h] + b0) * c[h];
+        float z1 = (acc[4 * j + 2 * h + 1] + b1) * c[h];
+        if (partial) {
+          z0 = col < lim ? z0 : -INFINITY;
+          z1 = col + 1 < lim ? z1 : -INFINITY;
+        }
+        acc[4 * j + 2 * h] = z0;
+        acc[4 * j + 2 * h + 1] = z1;
+        tmax[h] = fmaxf(tmax[h], fmaxf(z0, z1));
+      }
+    }
+
+    if constexpr (!BWD) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // the label logit: exactly one thread of the whole grid holds it
+        const int64_t ly = y[h] - v0;
+        if (row_ok[h] && ly >= 0 && ly < BV && ((ly >> 1) & 3) == quad) {
+          const int jj = static_cast<int>(ly >> 3), e = static_cast<int>(ly & 1);
+          float val = 0.f;
+#pragma unroll
+          for (int j = 0; j < BV / 8; ++j)
+            if (j == jj) val = e ? acc[4 * j + 2 * h + 1] : acc[4 * j + 2 * h];
+          p.zy[row[h] - p.row0] = val;
+        }
+        const float m_new = fmaxf(m[h], tmax[h]);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        const float d = s[h] > 0.f ? m[h] - m_use : 0.f;
+        const float alpha = ex2(d);
+        u[h] = alpha * (u[h] + d * s[h]);
+        s[h] *= alpha;
+        m[h] = m_new;
+        float s0 = 0.f, s1 = 0.f, u0 = 0.f, u1 = 0.f;
+#pragma unroll
+        for (int j = 0; j < BV / 8; ++j) {
+          const float x0 = acc[4 * j + 2 * h] - m_use, x1 = acc[4 * j + 2 * h + 1] - m_use;
+          const float e0 = ex2(x0), e1 = ex2(x1);
+          s0 += e0;
+          s1 += e1;
+          // -inf logits (masked columns, -inf bias) have e = 0 and must add 0, not 0 * -inf
+          u0 = fmaf(e0, fmaxf(x0, -1e30f), u0);
+          u1 = fmaf(e1, fmaxf(x1, -1e30f), u1);
+        }
+        s[h] += s0 + s1;
+        u[h] += u0 + u1;
+      }
+    } else {
+      const int col_base = v0 - p.vt_begin * BV;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (!row_ok[h]) continue;
+        const int64_t ly64 = y[h] - v0;
+        const int ly = (ly64 >= 0 && ly64 < BV) ? static_cast<int>(ly64) : -1;
+        char* out = static_cast<char*>(p.dz) + 2 * ((row[h] - p.row0) * p.ldz + col_base);
+#pragma unroll
+        for (int j = 0; j < BV / 8; ++j) {
+          const int col = 8 * j + 2 * quad;
+          float g[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float z = acc[4 * j + 2 * h + e];
+            const float pr = ex2(z - lse2[h]);
+            const float t = fmaxf(z - spz2[h], -1e30f);
+            g[e] = -pr * fmaf(k2[h], t, k1[h]);
+            if (col + e == ly) g[e] += k1[h];
+          }
+          if (!partial) {
+            *reinterpret_cast<uint32_t*>(out + 2 * col) = Mma<T>::pack(g[0], g[1]);
+          } else {
+            if (col < lim) Mma<T>::store1(out + 2 * col, g[0]);
+            if (col + 1 < lim) Mma<T>::store1(out + 2 * col + 2, g[1]);
+          }
+        }
+      }
+    }
+  }
+
+  if constexpr (!BWD) {
+    // merge the 4 lanes holding a row, then one lane writes this split's partial for the row
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int off = 1; off <= 2; off <<= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m[h], off);
+        const float s2 = __shfl_xor_sync(0xffffffffu, s[h], off);
+        const float u2 = __shfl_xor_sync(0xffffffffu, u[h], off);
+        merge_state(m[h], s[h], u[h], m2, s2, u2);
+      }
+      if (quad == 0 && row_ok[h]) {
+        const int64_t idx = static_cast<int64_t>(split) * p.n_rows + (row[h] - p.row0);
+        p.part_m[idx] = m[h];
+        p.part_s[idx] = s[h];
+        p.part_u[idx] = u[h];
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Host helpers (header-only: both translation units include them).
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda).
+inline EncodeTiledFn encode_tiled_fn() {
+  static const EncodeTiledFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q);
+    return (err == cudaSuccess && q == cudaDriverEntryPointSuccess) ? reinterpret_cast<EncodeTiledFn>(f) : nullptr;
+  }();
+  return fn;
+}
+
+// A 2-D map over a row-major [rows, cols] 16-bit matrix, boxes of box_rows x BK with 128-byte swizzle; reads past
+// the edges are zero-filled (the partial token/vocab/K tiles rely on it). Returns a CUresult (0 on success).
+inline int make_tmap(CUtensorMap* map, const void* ptr, bool bf16, int64_t rows, int64_t cols, int64_t row_stride,
+                     int box_rows) {
+  const EncodeTiledFn fn = encode_tiled_fn();
+  if (fn == nullptr) return -1;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_stride) * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(BK), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t estr[2] = {1, 1};
+  return static_cast<int>(fn(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+                             const_cast<void*>(ptr), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
+}
+
+inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+// Vocab tiles per CTA for `token_tiles` x `vocab_tiles` work on `sms` SMs: the split count (<= max_splits) that
+// minimises waves x tiles per CTA (ties: fewer splits, i.e. fewer partials).
+inline int choose_tiles_per_split(int token_tiles, int vocab_tiles, int sms, int max_splits) {
+  int best_tpc = vocab_tiles;
+  int64_t best_cost = INT64_MAX;
+  for (int s = 1; s <= vocab_tiles && s <= max_splits; ++s) {
+    const int tpc = ceil_div(vocab_tiles, s);
+    const int se = ceil_div(vocab_tiles, tpc);
+    const int64_t waves = ceil_div(static_cast<int64_t>(token_tiles) * se, sms);
+    const int64_t cost = waves * tpc;
+    if (cost < best_cost) {
+      best_cost = cost;
+      best_tpc = tpc;
+    }
+  }
+  return best_tpc;
+}
+
+}  // namespace linear_logp

@@ -1,0 +1,130 @@
+// linear_logp forward on CUDA (sm_90a): the fused GEMM + online logsumexp/entropy kernel (linear_logp.cuh,
+// BWD = false) over (token tile x vocab split), then linear_logp_combine merging the per-split partials.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+#include "linear_logp.cuh"
+
+namespace linear_logp_detail {
+void check_forward_args(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
+                        double temperature, const std::optional<at::Tensor>& token_temperature,
+                        const std::optional<at::Tensor>& bias);
+void check_cuda_contract(const at::Tensor& hidden, const at::Tensor& weight);
+}  // namespace linear_logp_detail
+
+namespace linear_logp {
+
+// Merge the S per-split partials of each row (in split order: deterministic) into logp, entropy and stats.
+__global__ void linear_logp_combine(Params p, int N, float* logp, float* entropy, float* stats) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= N) return;
+  const int64_t y = p.labels[i];
+  if (y == p.ignore_index) {
+    logp[i] = 0.f;
+    if (entropy) entropy[i] = 0.f;
+    stats[2 * i] = 0.f;
+    stats[2 * i + 1] = 0.f;
+    return;
+  }
+  float m = -INFINITY, s = 0.f, u = 0.f;
+  for (int k = 0; k < p.splits; ++k) {
+    const int64_t idx = static_cast<int64_t>(k) * N + i;
+    merge_state(m, s, u, p.part_m[idx], p.part_s[idx], p.part_u[idx]);
+  }
+  const float log2s = log2f(s);
+  const float lse2 = m + log2s;
+  const float mean_dev = u / s;  // sum p (z - m), log2 units
+  const bool bad = y < 0 || y >= p.vocab;
+  logp[i] = bad ? NAN : ((p.zy[i] - m) - log2s) * LN2;
+  if (entropy) entropy[i] = bad ? NAN : (log2s - mean_dev) * LN2;
+  stats[2 * i] = lse2 * LN2;
+  stats[2 * i + 1] = (m + mean_dev) * LN2;
+}
+
+template <typename T>
+void launch_main(const CUtensorMap& tm_h, const CUtensorMap& tm_w, const Params& p, cudaStream_t stream) {
+  auto kernel = linear_logp_kernel<T, false>;
+  const bool configured =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES) == cudaSuccess;
+  TORCH_CHECK(configured, "linear_logp: cannot reserve ", SMEM_BYTES, " bytes of shared memory for the forward kernel");
+  const int64_t grid = static_cast<int64_t>(p.token_tiles) * p.splits;
+  kernel<<<static_cast<unsigned>(grid), NUM_THREADS, SMEM_BYTES, stream>>>(tm_h, tm_w, p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace linear_logp
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_cuda(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels_in, double temperature,
+    const std::optional<at::Tensor>& token_temperature, const std::optional<at::Tensor>& bias, int64_t ignore_index,
+    bool return_entropy) {
+  using namespace linear_logp;
+  linear_logp_detail::check_forward_args(hidden, weight, labels_in, temperature, token_temperature, bias);
+  linear_logp_detail::check_cuda_contract(hidden, weight);
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0);
+  const auto f32 = hidden.options().dtype(at::kFloat);
+  at::Tensor logp = at::empty({N}, f32);
+  at::Tensor entropy = at::empty({return_entropy ? N : 0}, f32);
+  at::Tensor stats = at::empty({N, 2}, f32);
+  if (N == 0) return {logp, entropy, stats};
+
+  const at::Tensor labels = labels_in.to(at::kLong).contiguous();
+  std::optional<at::Tensor> tt, b32;
+  if (token_temperature.has_value()) tt = token_temperature->contiguous();
+  if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
+
+  const bool bf16 = hidden.scalar_type() == at::kBFloat16;
+  CUtensorMap tm_h, tm_w;
+  TORCH_CHECK(make_tmap(&tm_h, hidden.data_ptr(), bf16, N, H, hidden.stride(0), BN) == 0,
+              "linear_logp: cuTensorMapEncodeTiled failed for hidden");
+  TORCH_CHECK(make_tmap(&tm_w, weight.data_ptr(), bf16, V, H, weight.stride(0), BV) == 0,
+              "linear_logp: cuTensorMapEncodeTiled failed for weight");
+
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  Params p{};
+  p.n_rows = static_cast<int>(N);
+  p.row0 = 0;
+  p.vocab = static_cast<int>(V);
+  p.k_tiles = ceil_div(H, BK);
+  p.vt_begin = 0;
+  p.vt_end = ceil_div(V, BV);
+  p.token_tiles = ceil_div(N, BN);
+  p.tiles_per_split = choose_tiles_per_split(p.token_tiles, p.vt_end, sms, LINEAR_LOGP_MAX_SPLITS);
+  p.splits = ceil_div(p.vt_end, p.tiles_per_split);
+  p.group = LINEAR_LOGP_GROUP_TOKEN_TILES;
+  p.labels = labels.data_ptr<int64_t>();
+  p.token_temperature = tt ? tt->data_ptr<float>() : nullptr;
+  p.bias = b32 ? b32->data_ptr<float>() : nullptr;
+  p.temperature = static_cast<float>(temperature);
+  p.ignore_index = ignore_index;
+  // workspace: 3 partials per (split, row) + the label logit per row
+  at::Tensor ws = at::empty({(3 * static_cast<int64_t>(p.splits) + 1) * N}, f32);
+  float* w = ws.data_ptr<float>();
+  p.part_m = w;
+  p.part_s = w + p.splits * N;
+  p.part_u = w + 2 * p.splits * N;
+  p.zy = w + 3 * p.splits * N;
+
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (bf16)
+    launch_main<__nv_bfloat16>(tm_h, tm_w, p, stream);
+  else
+    launch_main<__half>(tm_h, tm_w, p, stream);
+  linear_logp_combine<<<ceil_div(N, 256), 256, 0, stream>>>(p, static_cast<int>(N), logp.data_ptr<float>(),
+                                                            return_entropy ? entropy.data_ptr<float>() : nullptr,
+                                                            stats.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {logp, entropy, stats};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused_logp, CUDA, m) { m.impl("linear_logp_entropy", &linear_logp_entropy_cuda); }

@@ -1,0 +1,371 @@
+// linear_logp: per-token log-probability of the label and entropy of softmax((hidden @ weight^T + bias) / T), straight
+// from the hidden states and the lm_head weight, without materialising the [N, V] logits.
+//
+// Op schemas (namespace fused_logp, a fragment of csrc/fused_logp.cpp's library) and the CPU implementations. The
+// CUDA implementations live in cuda/linear_logp_{fwd,bwd}.cu and share the argument checks defined here.
+//
+//   linear_logp_entropy(Tensor hidden, Tensor weight, Tensor labels, float temperature, Tensor? token_temperature,
+//                       Tensor? bias, int ignore_index, bool return_entropy) -> (Tensor logp, Tensor entropy, Tensor stats)
+//     hidden [N, H], weight [V, H] (same dtype: bfloat16, float16; float32 on CPU only), labels [N] int64/int32,
+//     token_temperature None or fp32 [N] (temperature of token i = temperature * token_temperature[i]), bias None or
+//     floating [V]. z = (hidden @ weight^T + bias) / T; logp = z_y - logsumexp(z); entropy = logsumexp(z) - sum p z.
+//     logp fp32 [N]; entropy fp32 [N] ([0] when return_entropy is false); stats fp32 [N, 2] = (logsumexp(z),
+//     sum softmax(z) z) for the backward. Ignored tokens: 0 everywhere. A label outside [0, V) that is not
+//     ignore_index is an error on CPU; on CUDA it gives NaN logp and entropy (no device sync).
+//
+//   linear_logp_entropy_backward(Tensor grad_logp, Tensor? grad_entropy, Tensor hidden, Tensor weight, Tensor labels,
+//       float temperature, Tensor? token_temperature, Tensor? bias, Tensor stats, int ignore_index, bool[3] output_mask,
+//       bool grad_weight_fp32) -> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)
+//     dZ = [g_logp (onehot(y) - p) - g_ent p (z - sum_pz)] / T, recomputed from hidden and weight with the saved stats;
+//     grad_hidden = dZ @ weight (hidden's dtype), grad_weight = dZ^T @ hidden (hidden's dtype, or fp32 with
+//     grad_weight_fp32), grad_bias = sum_rows dZ (bias dtype), each accumulated in fp32 or wider. An output whose
+//     output_mask entry is false (or grad_bias without a bias) is returned as an empty tensor of shape [0].
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#ifndef LINEAR_LOGP_CPU_BLOCK_V
+#error "LINEAR_LOGP_CPU_BLOCK_V must come from kernel.toml ([linear_logp.constants])"
+#endif
+#ifndef LINEAR_LOGP_HIDDEN_ALIGN
+#error "LINEAR_LOGP_HIDDEN_ALIGN must come from kernel.toml ([linear_logp.constants])"
+#endif
+#ifndef LINEAR_LOGP_PTR_ALIGN_BYTES
+#error "LINEAR_LOGP_PTR_ALIGN_BYTES must come from kernel.toml ([linear_logp.constants])"
+#endif
+#ifndef LINEAR_LOGP_MAX_VOCAB_SIZE
+#error "LINEAR_LOGP_MAX_VOCAB_SIZE must come from kernel.toml ([linear_logp.constants])"
+#endif
+#ifndef LINEAR_LOGP_MAX_NUM_TOKENS
+#error "LINEAR_LOGP_MAX_NUM_TOKENS must come from kernel.toml ([linear_logp.constants])"
+#endif
+
+namespace linear_logp_detail {
+
+static void check_same_device(const at::Tensor& t, const at::Tensor& hidden, const char* name) {
+  TORCH_CHECK(t.device() == hidden.device(), "linear_logp: ", name, " must be on hidden's device ", hidden.device(),
+              ", got ", t.device());
+}
+
+void check_forward_args(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
+                        double temperature, const std::optional<at::Tensor>& token_temperature,
+                        const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(hidden.dim() == 2, "linear_logp: hidden must be 2-D [N, H], got ", hidden.dim(), "-D with shape ",
+              hidden.sizes());
+  TORCH_CHECK(weight.dim() == 2, "linear_logp: weight must be 2-D [V, H], got ", weight.dim(), "-D with shape ",
+              weight.sizes());
+  const auto st = hidden.scalar_type();
+  TORCH_CHECK(st == at::kBFloat16 || st == at::kHalf || st == at::kFloat,
+              "linear_logp: hidden dtype must be bfloat16 or float16 (float32 on CPU), got ", st);
+  TORCH_CHECK(weight.scalar_type() == st, "linear_logp: weight dtype must equal hidden's (", st, "), got ",
+              weight.scalar_type());
+  const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0);
+  TORCH_CHECK(weight.size(1) == H, "linear_logp: weight must have H = ", H, " columns (hidden's last dim), got shape ",
+              weight.sizes());
+  TORCH_CHECK(H >= 1, "linear_logp: hidden size (last dim of hidden) must be >= 1, got ", H);
+  TORCH_CHECK(V >= 1, "linear_logp: weight vocab size (rows) must be >= 1, got ", V);
+  TORCH_CHECK(V <= int64_t(LINEAR_LOGP_MAX_VOCAB_SIZE), "linear_logp: weight vocab size must be <= ",
+              int64_t(LINEAR_LOGP_MAX_VOCAB_SIZE), ", got ", V);
+  TORCH_CHECK(N <= int64_t(LINEAR_LOGP_MAX_NUM_TOKENS), "linear_logp: number of tokens must be <= ",
+              int64_t(LINEAR_LOGP_MAX_NUM_TOKENS), ", got ", N);
+  check_same_device(weight, hidden, "weight");
+  TORCH_CHECK(labels.dim() == 1, "linear_logp: labels must be 1-D [N], got ", labels.dim(), "-D with shape ",
+              labels.sizes());
+  TORCH_CHECK(labels.scalar_type() == at::kLong || labels.scalar_type() == at::kInt,
+              "linear_logp: labels dtype must be int64 or int32, got ", labels.scalar_type());
+  TORCH_CHECK(labels.size(0) == N, "linear_logp: labels must have N = ", N, " entries (hidden rows), got ",
+              labels.size(0));
+  check_same_device(labels, hidden, "labels");
+  TORCH_CHECK(std::isfinite(temperature) && temperature > 0.0, "linear_logp: temperature must be finite and > 0, got ",
+              temperature);
+  if (token_temperature.has_value()) {
+    const auto& tt = *token_temperature;
+    TORCH_CHECK(tt.scalar_type() == at::kFloat, "linear_logp: token_temperature dtype must be float32, got ",
+                tt.scalar_type());
+    TORCH_CHECK(tt.dim() == 1 && tt.size(0) == N, "linear_logp: token_temperature must have shape [", N,
+                "] (one per token), got ", tt.sizes());
+    check_same_device(tt, hidden, "token_temperature");
+  }
+  if (bias.has_value()) {
+    const auto& b = *bias;
+    TORCH_CHECK(b.is_floating_point(), "linear_logp: bias must be floating point, got ", b.scalar_type());
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == V, "linear_logp: bias must have shape [", V, "] (weight rows), got ",
+                b.sizes());
+    check_same_device(b, hidden, "bias");
+  }
+}
+
+void check_backward_args(const at::Tensor& grad_logp, const std::optional<at::Tensor>& grad_entropy,
+                         const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
+                         double temperature, const std::optional<at::Tensor>& token_temperature,
+                         const std::optional<at::Tensor>& bias, const at::Tensor& stats) {
+  check_forward_args(hidden, weight, labels, temperature, token_temperature, bias);
+  const int64_t N = hidden.size(0);
+  TORCH_CHECK(grad_logp.dim() == 1 && grad_logp.size(0) == N, "linear_logp: grad_logp must have shape [", N,
+              "], got ", grad_logp.sizes());
+  TORCH_CHECK(grad_logp.is_floating_point(), "linear_logp: grad_logp must be floating point, got ",
+              grad_logp.scalar_type());
+  check_same_device(grad_logp, hidden, "grad_logp");
+  if (grad_entropy.has_value()) {
+    const auto& ge = *grad_entropy;
+    TORCH_CHECK(ge.dim() == 1 && ge.size(0) == N, "linear_logp: grad_entropy must have shape [", N, "], got ",
+                ge.sizes());
+    TORCH_CHECK(ge.is_floating_point(), "linear_logp: grad_entropy must be floating point, got ", ge.scalar_type());
+    check_same_device(ge, hidden, "grad_entropy");
+  }
+  TORCH_CHECK(stats.scalar_type() == at::kFloat, "linear_logp: stats must be float32 (from linear_logp_entropy), got ",
+              stats.scalar_type());
+  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == N && stats.size(1) == 2, "linear_logp: stats must have shape [",
+              N, ", 2], got ", stats.sizes());
+  check_same_device(stats, hidden, "stats");
+}
+
+// The CUDA kernels' shape contract (mirrored by linear_ops.unsupported_shape_reason): TMA needs 16-byte aligned base
+// pointers and row strides, the dtype is 16-bit, the last dim is contiguous.
+void check_cuda_contract(const at::Tensor& hidden, const at::Tensor& weight) {
+  const auto st = hidden.scalar_type();
+  TORCH_CHECK(st == at::kBFloat16 || st == at::kHalf, "linear_logp: on CUDA hidden and weight must be bfloat16 or "
+              "float16, got ", st);
+  const int64_t H = hidden.size(1);
+  TORCH_CHECK(H % LINEAR_LOGP_HIDDEN_ALIGN == 0, "linear_logp: hidden size H = ", H, " must be a multiple of ",
+              LINEAR_LOGP_HIDDEN_ALIGN, " on CUDA (16-byte rows for TMA)");
+  for (const auto* t : {&hidden, &weight}) {
+    const char* name = t == &hidden ? "hidden" : "weight";
+    TORCH_CHECK(t->size(0) <= 1 || t->stride(0) % LINEAR_LOGP_HIDDEN_ALIGN == 0, "linear_logp: ", name,
+                " row stride must be a multiple of ", LINEAR_LOGP_HIDDEN_ALIGN, " elements on CUDA, got ",
+                t->stride(0));
+    TORCH_CHECK(t->stride(1) == 1, "linear_logp: ", name, " last dim must have stride 1 on CUDA, got ", t->stride(1));
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % LINEAR_LOGP_PTR_ALIGN_BYTES == 0, "linear_logp: ", name,
+                " data pointer must be ", LINEAR_LOGP_PTR_ALIGN_BYTES, "-byte aligned on CUDA");
+  }
+}
+
+}  // namespace linear_logp_detail
+
+namespace {
+
+using linear_logp_detail::check_backward_args;
+using linear_logp_detail::check_forward_args;
+
+constexpr int64_t kBlockV = LINEAR_LOGP_CPU_BLOCK_V;
+
+int64_t label_at(const at::Tensor& labels, int64_t i) {
+  return labels.scalar_type() == at::kLong ? labels.data_ptr<int64_t>()[i]
+                                           : static_cast<int64_t>(labels.data_ptr<int32_t>()[i]);
+}
+
+struct Inputs {
+  at::Tensor h, w, b, labels, tt;  // fp32 contiguous copies (bias may be undefined)
+  int64_t N, H, V;
+  double temperature;
+  double T(int64_t i) const {
+    return temperature * (tt.defined() ? static_cast<double>(tt.data_ptr<float>()[i]) : 1.0);
+  }
+};
+
+Inputs prepare(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels, double temperature,
+               const std::optional<at::Tensor>& token_temperature, const std::optional<at::Tensor>& bias) {
+  Inputs in;
+  in.h = hidden.to(at::kFloat).contiguous();
+  in.w = weight.to(at::kFloat).contiguous();
+  if (bias.has_value()) in.b = bias->to(at::kFloat).contiguous();
+  in.labels = labels.contiguous();
+  if (token_temperature.has_value()) in.tt = token_temperature->contiguous();
+  in.N = hidden.size(0);
+  in.H = hidden.size(1);
+  in.V = weight.size(0);
+  in.temperature = temperature;
+  return in;
+}
+
+// z[j - j0] for j in [j0, j1) of token i, in double.
+void logits_block(const Inputs& in, int64_t i, int64_t j0, int64_t j1, double invT, double* z) {
+  const float* h = in.h.data_ptr<float>() + i * in.H;
+  const float* w = in.w.data_ptr<float>();
+  const float* b = in.b.defined() ? in.b.data_ptr<float>() : nullptr;
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* wr = w + j * in.H;
+    double acc = 0.0;
+    for (int64_t k = 0; k < in.H; ++k) acc += static_cast<double>(h[k]) * static_cast<double>(wr[k]);
+    if (b) acc += b[j];
+    z[j - j0] = acc * invT;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_cpu(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels, double temperature,
+    const std::optional<at::Tensor>& token_temperature, const std::optional<at::Tensor>& bias, int64_t ignore_index,
+    bool return_entropy) {
+  check_forward_args(hidden, weight, labels, temperature, token_temperature, bias);
+  const Inputs in = prepare(hidden, weight, labels, temperature, token_temperature, bias);
+  const int64_t N = in.N, V = in.V;
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t y = label_at(in.labels, i);
+    TORCH_CHECK(y == ignore_index || (y >= 0 && y < V), "linear_logp: labels[", i, "] = ", y,
+                " is out of range: labels must be in [0, ", V, ") or equal ignore_index (", ignore_index, ")");
+  }
+  const auto f32 = hidden.options().dtype(at::kFloat);
+  at::Tensor logp = at::empty({N}, f32), entropy = at::empty({return_entropy ? N : 0}, f32),
+             stats = at::empty({N, 2}, f32);
+  float* lp = logp.data_ptr<float>();
+  float* ep = return_entropy ? entropy.data_ptr<float>() : nullptr;
+  float* sp = stats.data_ptr<float>();
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> z(kBlockV);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t y = label_at(in.labels, i);
+      if (y == ignore_index) {
+        lp[i] = 0.f;
+        if (ep) ep[i] = 0.f;
+        sp[2 * i] = sp[2 * i + 1] = 0.f;
+        continue;
+      }
+      const double invT = 1.0 / in.T(i);
+      // online over vocab blocks: m = running max, s = sum exp(z - m), u = sum exp(z - m) (z - m)
+      double m = -std::numeric_limits<double>::infinity(), s = 0.0, u = 0.0, zy = 0.0;
+      for (int64_t j0 = 0; j0 < V; j0 += kBlockV) {
+        const int64_t j1 = std::min(V, j0 + kBlockV);
+        logits_block(in, i, j0, j1, invT, z.data());
+        double bm = m;
+        for (int64_t j = j0; j < j1; ++j) bm = std::max(bm, z[j - j0]);
+        if (y >= j0 && y < j1) zy = z[y - j0];
+        if (bm == -std::numeric_limits<double>::infinity()) continue;
+        if (s > 0.0) {
+          const double d = m - bm, a = std::exp(d);
+          u = a * (u + d * s);
+          s *= a;
+        }
+        m = bm;
+        for (int64_t j = j0; j < j1; ++j) {
+          const double x = z[j - j0] - m;
+          const double e = std::exp(x);
+          s += e;
+          if (e > 0.0) u += e * x;
+        }
+      }
+      const double lse = m + std::log(s);
+      const double mean = u / s;
+      lp[i] = static_cast<float>(zy - lse);
+      if (ep) ep[i] = static_cast<float>(std::log(s) - mean);
+      sp[2 * i] = static_cast<float>(lse);
+      sp[2 * i + 1] = static_cast<float>(m + mean);
+    }
+  });
+  return {logp, entropy, stats};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_backward_cpu(
+    const at::Tensor& grad_logp, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
+    const at::Tensor& weight, const at::Tensor& labels, double temperature,
+    const std::optional<at::Tensor>& token_temperature, const std::optional<at::Tensor>& bias, const at::Tensor& stats,
+    int64_t ignore_index, std::array<bool, 3> output_mask, bool grad_weight_fp32) {
+  check_backward_args(grad_logp, grad_entropy, hidden, weight, labels, temperature, token_temperature, bias, stats);
+  const Inputs in = prepare(hidden, weight, labels, temperature, token_temperature, bias);
+  const int64_t N = in.N, H = in.H, V = in.V;
+  const bool need_h = output_mask[0], need_w = output_mask[1], need_b = output_mask[2] && bias.has_value();
+  const auto dtype = hidden.scalar_type();
+  const at::Tensor glp = grad_logp.to(at::kDouble).contiguous();
+  const at::Tensor ge = grad_entropy.has_value() ? grad_entropy->to(at::kDouble).contiguous() : at::Tensor();
+  const at::Tensor st = stats.to(at::kDouble).contiguous();
+  const double* gp = glp.data_ptr<double>();
+  const double* gep = ge.defined() ? ge.data_ptr<double>() : nullptr;
+  const double* sp = st.data_ptr<double>();
+  const float* h = in.h.data_ptr<float>();
+  const float* w = in.w.data_ptr<float>();
+
+  std::vector<double> gh(need_h ? N * H : 0, 0.0);
+  at::Tensor gw = at::empty({need_w ? V : 0, need_w ? H : 0}, at::kDouble);
+  at::Tensor gb = at::empty({need_b ? V : 0}, at::kDouble);
+  std::vector<double> dz(N * kBlockV);
+  if (need_h || need_w || need_b) {
+    for (int64_t j0 = 0; j0 < V; j0 += kBlockV) {
+      const int64_t j1 = std::min(V, j0 + kBlockV), nb = j1 - j0;
+      // dZ block [N, nb]
+      at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          double* d = dz.data() + i * kBlockV;
+          const int64_t y = label_at(in.labels, i);
+          if (y == ignore_index) {
+            std::fill(d, d + nb, 0.0);
+            continue;
+          }
+          const double T = in.T(i);
+          logits_block(in, i, j0, j1, 1.0 / T, d);
+          const double lse = sp[2 * i], spz = sp[2 * i + 1];
+          const double k1 = gp[i] / T, k2 = gep ? gep[i] / T : 0.0;
+          for (int64_t j = j0; j < j1; ++j) {
+            const double z = d[j - j0];
+            const double p = std::exp(z - lse);
+            double g = (p == 0.0) ? 0.0 : -p * (k1 + k2 * (z - spz));  // never p * (log p + H)
+            if (j == y) g += k1;
+            d[j - j0] = g;
+          }
+        }
+      });
+      if (need_h) {
+        at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; ++i) {
+            double* out = gh.data() + i * H;
+            for (int64_t j = 0; j < nb; ++j) {
+              const double g = dz[i * kBlockV + j];
+              if (g == 0.0) continue;
+              const float* wr = w + (j0 + j) * H;
+              for (int64_t k = 0; k < H; ++k) out[k] += g * wr[k];
+            }
+          }
+        });
+      }
+      if (need_w || need_b) {
+        double* gwp = need_w ? gw.data_ptr<double>() : nullptr;
+        double* gbp = need_b ? gb.data_ptr<double>() : nullptr;
+        at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
+          std::vector<double> row(H);
+          for (int64_t j = begin; j < end; ++j) {
+            std::fill(row.begin(), row.end(), 0.0);
+            double sb = 0.0;
+            for (int64_t i = 0; i < N; ++i) {
+              const double g = dz[i * kBlockV + j];
+              sb += g;
+              if (!gwp || g == 0.0) continue;
+              const float* hr = h + i * H;
+              for (int64_t k = 0; k < H; ++k) row[k] += g * hr[k];
+            }
+            if (gwp) std::copy(row.begin(), row.end(), gwp + (j0 + j) * H);
+            if (gbp) gbp[j0 + j] = sb;
+          }
+        });
+      }
+    }
+  }
+  const auto opts = hidden.options();
+  at::Tensor grad_h = need_h ? at::from_blob(gh.data(), {N, H}, at::kDouble).to(dtype) : at::empty({0}, opts);
+  at::Tensor grad_w = need_w ? gw.to(grad_weight_fp32 ? at::kFloat : dtype) : at::empty({0}, opts);
+  at::Tensor grad_b = need_b ? gb.to(bias->scalar_type()) : at::empty({0}, opts);
+  return {grad_h, grad_w, grad_b};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fused_logp, m) {
+  m.def(
+      "linear_logp_entropy(Tensor hidden, Tensor weight, Tensor labels, float temperature, Tensor? token_temperature, "
+      "Tensor? bias, int ignore_index, bool return_entropy) -> (Tensor logp, Tensor entropy, Tensor stats)");
+  m.def(
+      "linear_logp_entropy_backward(Tensor grad_logp, Tensor? grad_entropy, Tensor hidden, Tensor weight, "
+      "Tensor labels, float temperature, Tensor? token_temperature, Tensor? bias, Tensor stats, int ignore_index, "
+      "bool[3] output_mask, bool grad_weight_fp32) -> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)");
+}
+
+TORCH_LIBRARY_IMPL(fused_logp, CPU, m) {
+  m.impl("linear_logp_entropy", &linear_logp_entropy_cpu);
+  m.impl("linear_logp_entropy_backward", &linear_logp_entropy_backward_cpu);
+}

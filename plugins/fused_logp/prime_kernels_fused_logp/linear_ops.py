@@ -1,0 +1,223 @@
+"""Log-probabilities and entropy straight from hidden states and the lm_head weight (issue 5).
+
+``linear_logp_entropy(hidden, weight, labels, temperature)`` computes, per token, with z = (hidden @ weight.T + bias) / T,
+``logp = z_y - logsumexp(z)`` and ``entropy = logsumexp(z) - sum softmax(z) z`` in fp32, without materialising the
+[N, V] logits, differentiable in hidden, weight and bias. The ops are ``torch.ops.fused_logp.linear_logp_entropy``
+and ``linear_logp_entropy_backward`` (CPU: C++, CUDA sm_90a: TMA + wgmma; see docs/notes/linear_logp.md).
+"""
+from __future__ import annotations
+
+import torch
+
+from prime_kernels_core import manifest
+from prime_kernels_core.contracts import UnsupportedShapeError
+
+from . import _C  # noqa: F401  (registers the ops)
+
+_CONSTANTS = manifest.constants("prime_kernels_fused_logp", "linear_logp")
+BLOCK_N: int = _CONSTANTS["BLOCK_N"]
+BLOCK_V: int = _CONSTANTS["BLOCK_V"]
+BLOCK_K: int = _CONSTANTS["BLOCK_K"]
+STAGES: int = _CONSTANTS["STAGES"]
+MAX_SPLITS: int = _CONSTANTS["MAX_SPLITS"]
+DZ_CHUNK_ELEMS: int = _CONSTANTS["DZ_CHUNK_ELEMS"]
+HIDDEN_ALIGN: int = _CONSTANTS["HIDDEN_ALIGN"]
+PTR_ALIGN_BYTES: int = _CONSTANTS["PTR_ALIGN_BYTES"]
+MAX_VOCAB_SIZE: int = _CONSTANTS["MAX_VOCAB_SIZE"]
+MAX_NUM_TOKENS: int = _CONSTANTS["MAX_NUM_TOKENS"]
+CUDA_DTYPES = (torch.bfloat16, torch.float16)
+
+_ops = torch.ops.fused_logp
+
+
+def workspace_bytes(num_tokens: int, vocab_size: int, hidden_size: int, backward: bool = False) -> int:
+    """Device memory the CUDA ops allocate beyond their inputs and outputs (upper bound, excluding cuBLAS's own)."""
+    if not backward:
+        return (3 * MAX_SPLITS + 1) * 4 * num_tokens + 12 * num_tokens  # partials + label logit, stats
+    rows = min(num_tokens, max(BLOCK_N, DZ_CHUNK_ELEMS // BLOCK_V // BLOCK_N * BLOCK_N))
+    dz = min(DZ_CHUNK_ELEMS, rows * ((vocab_size + BLOCK_V - 1) // BLOCK_V) * BLOCK_V) * 2
+    return dz + 4 * num_tokens * hidden_size + 4 * vocab_size  # + fp32 grad_hidden accumulator, fp32 grad_bias
+
+
+def unsupported_shape_reason(hidden_size: int, vocab_size: int, num_tokens: int | None = None,
+                             dtype: torch.dtype = torch.bfloat16, *, device: str | torch.device = "cuda",
+                             hidden: torch.Tensor | None = None, weight: torch.Tensor | None = None) -> str | None:
+    """None when the kernel on ``device`` handles these shapes, else one sentence saying what was found and what is needed.
+
+    Pass the 2-D ``hidden`` [N, H] and ``weight`` [V, H] to also check their strides and data-pointer alignment.
+    """
+    if hidden_size < 1:
+        return f"hidden_size must be >= 1, got {hidden_size}"
+    if not 1 <= vocab_size <= MAX_VOCAB_SIZE:
+        return f"vocab_size must be in [1, {MAX_VOCAB_SIZE}], got {vocab_size}"
+    if num_tokens is not None and num_tokens > MAX_NUM_TOKENS:
+        return f"num_tokens must be <= {MAX_NUM_TOKENS}, got {num_tokens}"
+    if torch.device(device).type != "cuda":
+        if dtype not in CUDA_DTYPES + (torch.float32,):
+            return f"dtype must be bfloat16, float16 or float32 on CPU, got {dtype}"
+        return None
+    if dtype not in CUDA_DTYPES:
+        return f"dtype must be bfloat16 or float16 on CUDA, got {dtype}"
+    if hidden_size % HIDDEN_ALIGN:
+        return (f"hidden_size must be a multiple of {HIDDEN_ALIGN} on CUDA (16-byte rows for TMA), "
+                f"got {hidden_size}")
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if t is None:
+            continue
+        if t.stride(-1) != 1:
+            return f"{name} last dim must have stride 1 on CUDA, got stride {t.stride(-1)}"
+        if t.shape[0] > 1 and t.stride(0) % HIDDEN_ALIGN:
+            return f"{name} row stride must be a multiple of {HIDDEN_ALIGN} elements on CUDA, got {t.stride(0)}"
+        if t.data_ptr() % PTR_ALIGN_BYTES:
+            return f"{name} data pointer must be {PTR_ALIGN_BYTES}-byte aligned on CUDA"
+    return None
+
+
+@torch.library.register_fake("fused_logp::linear_logp_entropy")
+def _linear_logp_entropy_fake(hidden, weight, labels, temperature, token_temperature, bias, ignore_index,
+                              return_entropy):
+    n = hidden.shape[0]
+    return (hidden.new_empty((n,), dtype=torch.float32), hidden.new_empty((n if return_entropy else 0,), dtype=torch.float32),
+            hidden.new_empty((n, 2), dtype=torch.float32))
+
+
+@torch.library.register_fake("fused_logp::linear_logp_entropy_backward")
+def _linear_logp_entropy_backward_fake(grad_logp, grad_entropy, hidden, weight, labels, temperature,
+                                       token_temperature, bias, stats, ignore_index, output_mask, grad_weight_fp32):
+    gh = hidden.new_empty(hidden.shape) if output_mask[0] else hidden.new_empty((0,))
+    gw = (hidden.new_empty(weight.shape, dtype=torch.float32 if grad_weight_fp32 else hidden.dtype)
+          if output_mask[1] else hidden.new_empty((0,)))
+    gb = bias.new_empty(bias.shape) if (output_mask[2] and bias is not None) else hidden.new_empty((0,))
+    return gh, gw, gb
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, labels, temperature, token_temperature, bias, ignore_index, return_entropy = inputs
+    _, _, stats = output
+    ctx.save_for_backward(hidden, weight, labels, token_temperature, bias, stats)
+    ctx.temperature = temperature
+    ctx.ignore_index = ignore_index
+    ctx.return_entropy = return_entropy
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, grad_logp, grad_entropy, grad_stats):
+    hidden, weight, labels, token_temperature, bias, stats = ctx.saved_tensors
+    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[5]]
+    if not any(mask):
+        return (None,) * 8
+    if grad_logp is None:
+        grad_logp = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    if not ctx.return_entropy:
+        grad_entropy = None
+    gh, gw, gb = _ops.linear_logp_entropy_backward(grad_logp, grad_entropy, hidden, weight, labels, ctx.temperature,
+                                                   token_temperature, bias, stats, ctx.ignore_index, mask, False)
+    return (gh if mask[0] else None, gw if mask[1] else None, None, None, None, gb if mask[2] else None, None, None)
+
+
+torch.library.register_autograd("fused_logp::linear_logp_entropy", _backward, setup_context=_setup_context)
+
+
+def _flatten(hidden, weight, labels, temperature, bias):
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
+        raise ValueError(f"hidden must be a tensor [..., H], got {type(hidden).__name__}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-D tensor [V, H], got {getattr(weight, 'shape', type(weight).__name__)}")
+    if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"labels must have hidden's leading shape {tuple(hidden.shape[:-1])}, "
+                         f"got {tuple(getattr(labels, 'shape', ()))}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [V, {hidden.shape[-1]}] (hidden size of hidden), got {tuple(weight.shape)}")
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    l1 = labels.reshape(-1)
+    token_temperature = None
+    if isinstance(temperature, torch.Tensor):
+        if temperature.dim() == 0:
+            token_temperature = temperature.to(torch.float32).expand(l1.shape[0]).contiguous()
+        elif tuple(temperature.shape) == tuple(labels.shape):
+            token_temperature = temperature.to(torch.float32).reshape(-1)
+        else:
+            raise ValueError(f"temperature must be a float, a 0-d tensor or a tensor of labels' shape "
+                             f"{tuple(labels.shape)}, got shape {tuple(temperature.shape)}")
+        temperature = 1.0
+    elif not isinstance(temperature, (int, float)):
+        raise ValueError(f"temperature must be a float or a tensor, got {type(temperature).__name__}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
+        raise ValueError(f"bias must be a tensor of shape [{weight.shape[0]}], got {getattr(bias, 'shape', bias)}")
+    return h2, l1, float(temperature), token_temperature
+
+
+def linear_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                        temperature: float | torch.Tensor = 1.0, *, bias: torch.Tensor | None = None,
+                        ignore_index: int = -100, return_entropy: bool = True, fallback: str | None = None,
+                        chunk_size: int = 8192):
+    """(logp, entropy) of shape labels.shape, fp32; entropy is None when return_entropy is False.
+
+    hidden [..., H] and weight [V, H] in bfloat16/float16 (float32 on CPU), labels [...] integer, temperature a float
+    or an fp32 tensor (0-d or labels' shape; not differentiated). Ignored tokens give 0 and no gradient.
+    On CUDA, shapes outside the kernel's contract (``unsupported_shape_reason``) raise UnsupportedShapeError unless
+    ``fallback="chunked"``: vocab chunks of ``chunk_size`` logits through the logits op ``fused_logp::logp_entropy``,
+    merged by logsumexp, each chunk recomputed in the backward.
+    """
+    h2, l1, temp, token_temperature = _flatten(hidden, weight, labels, temperature, bias)
+    if fallback not in (None, "chunked"):
+        raise ValueError(f'fallback must be None or "chunked", got {fallback!r}')
+    reason = unsupported_shape_reason(h2.shape[1], weight.shape[0], h2.shape[0], h2.dtype, device=h2.device,
+                                      hidden=h2 if h2.is_cuda else None, weight=weight if weight.is_cuda else None)
+    if reason is not None:
+        if fallback != "chunked":
+            raise UnsupportedShapeError(f"linear_logp_entropy: {reason} (pass fallback=\"chunked\" to use the logits op)")
+        logp, entropy = _chunked(h2, weight, l1, temp, token_temperature, bias, ignore_index, chunk_size)
+    else:
+        logp, entropy, _ = _ops.linear_logp_entropy(h2, weight, l1, temp, token_temperature, bias, ignore_index,
+                                                    return_entropy)
+    shape = labels.shape
+    return logp.reshape(shape), (entropy.reshape(shape) if return_entropy else None)
+
+
+def _chunked(h2, weight, l1, temperature, token_temperature, bias, ignore_index, chunk_size):
+    """The fallback: per vocab chunk, logits -> fused_logp::logp_entropy, merged by logsumexp (checkpointed chunks)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from . import ops as _logits_ops  # noqa: F401  (autograd of fused_logp::logp_entropy)
+
+    n, V = h2.shape[0], weight.shape[0]
+    labels = l1.to(torch.int64)
+    ignored = labels == ignore_index
+    tvec = temperature * (token_temperature if token_temperature is not None
+                          else torch.ones(n, dtype=torch.float32, device=h2.device))
+
+    def chunk(h, w, b, local):
+        logits = h @ w.t() if b is None else torch.addmm(b.to(h.dtype), h, w.t())
+        lp, ent, _ = _ops.logp_entropy(logits, local, temperature, token_temperature, -1, True, False)
+        zsel = logits.gather(1, local[:, None]).squeeze(1).float() / tvec
+        lse = zsel - lp
+        return lse, lse - ent, zsel  # logsumexp, sum p z, the selected logit
+
+    lses, spzs, zy = [], [], torch.zeros(n, dtype=torch.float32, device=h2.device)
+    for v0 in range(0, V, chunk_size):
+        v1 = min(V, v0 + chunk_size)
+        inside = (labels >= v0) & (labels < v1)
+        local = torch.where(inside, labels - v0, torch.zeros_like(labels))
+        b = None if bias is None else bias[v0:v1]
+        lse, spz, zsel = checkpoint(chunk, h2, weight[v0:v1], b, local, use_reentrant=False)
+        lses.append(lse)
+        spzs.append(spz)
+        zy = torch.where(inside, zsel, zy)
+    lse_c, spz_c = torch.stack(lses), torch.stack(spzs)
+    lse = torch.logsumexp(lse_c, dim=0)
+    spz = (torch.exp(lse_c - lse) * spz_c).sum(0)
+    zero = torch.zeros_like(lse)
+    return torch.where(ignored, zero, zy - lse), torch.where(ignored, zero, lse - spz)
+
+
+def linear_logp_entropy_backward(grad_logp, grad_entropy, hidden, weight, labels, temperature=1.0, *, bias=None,
+                                 stats, ignore_index=-100, needs=(True, True, True), grad_weight_fp32=False):
+    """The backward op directly (e.g. ``grad_weight_fp32=True`` for an fp32 grad_weight, which autograd would cast
+    back to weight's dtype): (grad_hidden, grad_weight, grad_bias), None where not requested."""
+    h2, l1, temp, token_temperature = _flatten(hidden, weight, labels, temperature, bias)
+    ge = None if grad_entropy is None else grad_entropy.reshape(-1)
+    mask = [bool(needs[0]), bool(needs[1]), bool(needs[2]) and bias is not None]
+    gh, gw, gb = _ops.linear_logp_entropy_backward(grad_logp.reshape(-1), ge, h2, weight, l1, temp, token_temperature,
+                                                   bias, stats, ignore_index, mask, grad_weight_fp32)
+    return (gh.reshape(hidden.shape) if mask[0] else None, gw if mask[1] else None, gb if mask[2] else None)

@@ -1,0 +1,175 @@
+"""fused_logp: per-token log-probability of the label and entropy of softmax(logits / T), without materialising
+log_softmax. ``logp_entropy`` is the public function; ``torch.ops.fused_logp.logp_entropy`` /
+``logp_entropy_backward`` are the registered ops (schemas documented in csrc/fused_logp.cpp).
+
+Shape contract: the constants below come from kernel.toml (what the build compiled in), and
+``unsupported_shape_reason`` is the one place the kernel's limits live.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from . import _C  # noqa: F401  (loads the shared library; its TORCH_LIBRARY blocks register torch.ops.fused_logp.*)
+
+
+def _read_constants() -> dict:
+    try:
+        from prime_kernels_core.manifest import constants
+    except ImportError:  # framework not installed: read our own manifest directly
+        import tomllib
+
+        with open(Path(__file__).with_name("kernel.toml"), "rb") as f:
+            return dict(tomllib.load(f)["fused_logp"].get("constants", {}))
+    return constants("prime_kernels_fused_logp", "fused_logp")
+
+
+CONSTANTS = _read_constants()
+BLOCK_THREADS: int = CONSTANTS["BLOCK_THREADS"]
+VEC_UNROLL: int = CONSTANTS["VEC_UNROLL"]
+SPLIT_MIN_ELEMS: int = CONSTANTS["SPLIT_MIN_ELEMS"]
+MAX_SPLITS: int = CONSTANTS["MAX_SPLITS"]
+MAX_VOCAB_SIZE: int = CONSTANTS["MAX_VOCAB_SIZE"]
+MAX_NUM_TOKENS: int = CONSTANTS["MAX_NUM_TOKENS"]
+
+_op = torch.ops.fused_logp.logp_entropy
+_op_backward = torch.ops.fused_logp.logp_entropy_backward
+
+
+def unsupported_shape_reason(vocab_size: int, num_tokens: int = 1) -> str | None:
+    """None when ``logp_entropy`` handles logits of ``num_tokens`` rows of ``vocab_size``; else one sentence why not."""
+    if vocab_size < 1:
+        return f"vocab_size is {vocab_size}; fused_logp needs vocab_size >= 1"
+    if vocab_size > MAX_VOCAB_SIZE:
+        return f"vocab_size is {vocab_size}; fused_logp indexes a row with 32-bit integers and needs vocab_size <= {MAX_VOCAB_SIZE}"
+    if num_tokens < 0:
+        return f"num_tokens is {num_tokens}; fused_logp needs num_tokens >= 0"
+    if num_tokens > MAX_NUM_TOKENS:
+        return f"num_tokens is {num_tokens}; fused_logp launches one grid row per token and needs num_tokens <= {MAX_NUM_TOKENS}"
+    return None
+
+
+# ---- fake (meta) implementations, for torch.compile / FakeTensor --------------------------------------------------
+@torch.library.register_fake("fused_logp::logp_entropy")
+def _logp_entropy_fake(logits, labels, temperature, token_temperature, ignore_index, return_entropy, check_labels):
+    torch._check(logits.dim() == 2, lambda: f"fused_logp: logits must be 2-D [N, V], got {logits.dim()}-D")
+    torch._check(
+        logits.dtype in (torch.float32, torch.bfloat16, torch.float16),
+        lambda: f"fused_logp: logits dtype must be float32, bfloat16 or float16, got {logits.dtype}",
+    )
+    torch._check(labels.dim() == 1, lambda: f"fused_logp: labels must be 1-D [N], got {labels.dim()}-D")
+    torch._check(
+        labels.dtype in (torch.int64, torch.int32), lambda: f"fused_logp: labels dtype must be int64 or int32, got {labels.dtype}"
+    )
+    n = logits.shape[0]
+    torch._check(labels.shape[0] == n, lambda: f"fused_logp: labels must have N = {n} entries, got {labels.shape[0]}")
+    logp = logits.new_empty((n,), dtype=torch.float32)
+    entropy = logits.new_empty((n if return_entropy else 0,), dtype=torch.float32)
+    stats = logits.new_empty((n, 2), dtype=torch.float64)
+    return logp, entropy, stats
+
+
+@torch.library.register_fake("fused_logp::logp_entropy_backward")
+def _logp_entropy_backward_fake(
+    grad_logp, grad_entropy, logits, labels, temperature, token_temperature, stats, ignore_index
+):
+    torch._check(logits.dim() == 2, lambda: f"fused_logp: logits must be 2-D [N, V], got {logits.dim()}-D")
+    return logits.new_empty(logits.shape)
+
+
+# ---- autograd -------------------------------------------------------------------------------------------------------
+def _setup_context(ctx, inputs, output):
+    logits, labels, temperature, token_temperature, ignore_index, return_entropy, _check_labels = inputs
+    ctx.save_for_backward(logits, labels, token_temperature, output[2])
+    ctx.temperature = temperature
+    ctx.ignore_index = ignore_index
+    ctx.return_entropy = return_entropy
+
+
+def _backward(ctx, grad_logp, grad_entropy, _grad_stats):
+    logits, labels, token_temperature, stats = ctx.saved_tensors
+    grad_logits = None
+    if ctx.needs_input_grad[0]:
+        grad_logits = _op_backward(
+            grad_logp,
+            grad_entropy if ctx.return_entropy else None,
+            logits,
+            labels,
+            ctx.temperature,
+            token_temperature,
+            stats,
+            ctx.ignore_index,
+        )
+    # No gradient for labels, temperatures (the per-token temperature is treated as a constant) or the flags.
+    return grad_logits, None, None, None, None, None, None
+
+
+torch.library.register_autograd("fused_logp::logp_entropy", _backward, setup_context=_setup_context)
+
+
+# ---- public surface -------------------------------------------------------------------------------------------------
+def logp_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    *,
+    ignore_index: int = -100,
+    return_entropy: bool = True,
+    check_labels: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probability of each label and entropy of each token's distribution, at a sampling temperature.
+
+    With z = logits / temperature: ``logp = z[label] - logsumexp(z)`` and ``entropy = logsumexp(z) - sum softmax(z) z``,
+    both float32 with logits' leading shape (entropy is None when ``return_entropy`` is false). Differentiable w.r.t.
+    logits (the gradient has logits' dtype); the backward re-reads logits instead of saving probabilities.
+
+    logits: [..., V] float32/bfloat16/float16 (a last dim that is not stride-1 is made contiguous).
+    labels: int64/int32 with logits' leading shape. Tokens whose label is ``ignore_index`` get logp 0, entropy 0 and a
+        zero gradient. Any other label outside [0, V) raises, naming the first offending flat position; on CUDA this
+        check reads one device word back (a stream sync). ``check_labels=False`` skips that read (no sync, CUDA-graph
+        capturable); such tokens then get NaN instead of an error. On CPU labels are always checked.
+    temperature: a positive float, or a float32 tensor with logits' leading shape (one temperature per token; no
+        gradient flows to it).
+    """
+    if logits.dim() < 1:
+        raise ValueError(f"fused_logp: logits must have at least 1 dim [..., V], got a {logits.dim()}-D tensor")
+    vocab = logits.shape[-1]
+    lead = logits.shape[:-1]
+    if vocab < 1:
+        raise ValueError(f"fused_logp: logits vocab size (last dim) must be >= 1, got {vocab}")
+    if labels.shape != lead:
+        raise ValueError(
+            f"fused_logp: labels shape {tuple(labels.shape)} must equal logits' leading shape {tuple(lead)}"
+        )
+    x = logits.reshape(-1, vocab)
+    if vocab > 1 and x.stride(-1) != 1:
+        x = x.contiguous()
+    if isinstance(temperature, torch.Tensor):
+        if temperature.shape != lead:
+            raise ValueError(
+                f"fused_logp: per-token temperature shape {tuple(temperature.shape)} must equal logits' leading shape "
+                f"{tuple(lead)}"
+            )
+        token_temperature = temperature.detach().reshape(-1)
+        scalar_t = 1.0
+    else:
+        token_temperature = None
+        scalar_t = float(temperature)
+    logp, entropy, _stats = _op(
+        x, labels.reshape(-1), scalar_t, token_temperature, int(ignore_index), bool(return_entropy), bool(check_labels)
+    )
+    logp = logp.reshape(lead)
+    return logp, (entropy.reshape(lead) if return_entropy else None)
+
+
+__all__ = [
+    "logp_entropy",
+    "unsupported_shape_reason",
+    "BLOCK_THREADS",
+    "VEC_UNROLL",
+    "SPLIT_MIN_ELEMS",
+    "MAX_SPLITS",
+    "MAX_VOCAB_SIZE",
+    "MAX_NUM_TOKENS",
+]

@@ -1,0 +1,330 @@
+"""linear_logp: numerics against float64 of log_softmax((hidden @ weight.T + bias) / T) on the same 16-bit inputs (error
+no larger than 1.5x the PyTorch bf16-matmul + fp32-softmax path's), gradients likewise (relative Frobenius), autograd
+(needs_input_grad, tied embedding), opcheck, torch.compile, error messages. CPU tests run everywhere;
+``@pytest.mark.gpu`` tests need CUDA (and an sm_90 build). Seed printed; replay with LINEAR_LOGP_TEST_SEED=<seed>."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from prime_kernels_core.testing import assert_conforms, assert_error_ratio
+
+from prime_kernels_fused_logp import linear_ops
+from prime_kernels_fused_logp.linear_ops import linear_logp_entropy, unsupported_shape_reason
+
+SEED = int(os.environ.get("LINEAR_LOGP_TEST_SEED", time.time_ns() % 2**31))
+print(f"linear_logp tests: seed {SEED}")
+CUDA = torch.cuda.is_available()
+gpu = [pytest.mark.gpu, pytest.mark.kernel("linear_logp")]
+MAX_RATIO = 1.5
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(SEED)
+
+
+def _paths(h, w, y, T, bias=None, ignore_index=-100, dtype64=False):
+    """(logp, entropy) of the PyTorch path: 16-bit matmul + fp32 softmax; with dtype64, the float64 reference."""
+    if dtype64:
+        z = h.double() @ w.double().t()
+        if bias is not None:
+            z = z + bias.double()
+    else:
+        z = h @ w.t() if bias is None else torch.addmm(bias.to(h.dtype), h, w.t())
+        z = z.float()
+    Tt = T if not isinstance(T, torch.Tensor) else T.to(z.dtype).reshape(-1, 1)
+    ls = torch.log_softmax(z / Tt, dim=-1)
+    ok = y != ignore_index
+    lp = ls.gather(1, torch.where(ok, y, 0)[:, None]).squeeze(1)
+    ent = -(ls.exp() * ls).sum(-1)
+    zero = torch.zeros_like(lp)
+    return torch.where(ok, lp, zero), torch.where(ok, ent, zero)
+
+
+def _inputs(n, h, v, dtype, device, scale=1.0, ignore=0.0, ignore_index=-100):
+    hid = (torch.randn(n, h, device=device) * scale / h**0.25).to(dtype)
+    w = (torch.randn(v, h, device=device) / h**0.25).to(dtype)
+    y = torch.randint(0, v, (n,), device=device)
+    if ignore:
+        y[torch.rand(n, device=device) < ignore] = ignore_index
+    return hid, w, y
+
+
+def check_numerics(n, h, v, dtype=torch.bfloat16, device="cpu", T=0.7, scale=1.0, bias=False, ignore=0.1,
+                   per_token=False, ignore_index=-100, grads=True, label=""):
+    hid, w, y = _inputs(n, h, v, dtype, device, scale, ignore, ignore_index)
+    b = torch.randn(v, device=device) if bias else None
+    if per_token:
+        T = torch.rand(n, device=device) + 0.4
+    tag = f"{label or 'case'} n={n} h={h} v={v} {str(dtype)[6:]} {device}"
+    leaves = [t.detach().requires_grad_() for t in (hid, w)] + ([b.detach().requires_grad_()] if bias else [])
+    lp, ent = linear_logp_entropy(leaves[0], leaves[1], y, T, bias=leaves[2] if bias else None,
+                                  ignore_index=ignore_index)
+    refs = [t.detach().double().requires_grad_() for t in leaves]
+    lp64, ent64 = _paths(refs[0], refs[1], y, T, refs[2] if bias else None, ignore_index, dtype64=True)
+    base = [t.detach().requires_grad_() for t in leaves]
+    lpb, entb = _paths(base[0], base[1], y, T, base[2] if bias else None, ignore_index)
+    assert_error_ratio(f"{tag} logp", lp, lpb, lp64, MAX_RATIO)
+    assert_error_ratio(f"{tag} entropy", ent, entb, ent64, MAX_RATIO)
+    assert lp.dtype == torch.float32 and ent.dtype == torch.float32
+    ok = y != ignore_index
+    assert torch.all(lp[~ok] == 0) and torch.all(ent[~ok] == 0)
+    if not grads:
+        return
+    g1, g2 = torch.randn(n, device=device), torch.randn(n, device=device)
+    (lp * g1 + ent * g2).sum().backward()
+    (lp64 * g1.double() + ent64 * g2.double()).sum().backward()
+    (lpb * g1 + entb * g2).sum().backward()
+    for name, ours, ref, bl in zip(("grad_hidden", "grad_weight", "grad_bias"), leaves, refs, base):
+        assert ours.grad.dtype == ours.dtype
+        assert_error_ratio(f"{tag} {name}", ours.grad, bl.grad, ref.grad, MAX_RATIO)
+
+
+# ---- CPU numerics ---------------------------------------------------------------------------------------------------
+def test_small_random():
+    check_numerics(33, 64, 1000, label="small")
+
+
+def test_vocab_32001():
+    check_numerics(12, 32, 32001, label="V=32001", grads=False)
+    check_numerics(6, 16, 32001, label="V=32001 grads")
+
+
+def test_tokens_not_multiple_of_tile():
+    check_numerics(linear_ops.BLOCK_N + 3, 16, 300, label="N=BLOCK_N+3")
+
+
+def test_peaked():
+    check_numerics(20, 64, 500, scale=12.0, T=0.5, label="peaked")
+
+
+def test_ignored_and_custom_ignore_index():
+    check_numerics(40, 32, 257, ignore=0.5, label="ignored")
+    check_numerics(40, 32, 257, ignore=0.3, ignore_index=5, label="ignore_index=5")
+
+
+def test_per_token_temperature_and_bias():
+    check_numerics(24, 32, 700, per_token=True, label="per-token T")
+    check_numerics(24, 32, 700, bias=True, label="bias")
+
+
+def test_fp16():
+    check_numerics(17, 48, 333, dtype=torch.float16, label="fp16")
+
+
+def test_leading_dims_and_no_entropy():
+    hid, w, y = _inputs(12, 16, 50, torch.bfloat16, "cpu")
+    lp, ent = linear_logp_entropy(hid.reshape(3, 4, 16), w, y.reshape(3, 4), 0.9)
+    lp2, ent2 = linear_logp_entropy(hid, w, y, 0.9, return_entropy=False)
+    assert lp.shape == (3, 4) and ent2 is None
+    torch.testing.assert_close(lp.reshape(-1), lp2)
+
+
+def test_tied_embedding():
+    """weight also used as the input embedding: both gradient contributions accumulate into weight.grad."""
+    n, h, v = 10, 16, 90
+    w = (torch.randn(v, h) / 2).bfloat16()
+    ids, y = torch.randint(0, v, (n,)), torch.randint(0, v, (n,))
+    proj = torch.randn(h, h).bfloat16()
+
+    def loss(weight, fused):
+        hid = torch.nn.functional.embedding(ids, weight) @ proj
+        if fused:
+            lp, ent = linear_logp_entropy(hid, weight, y, 0.8)
+        else:
+            lp, ent = _paths(hid, weight, y, 0.8, dtype64=weight.dtype == torch.float64)
+        return (lp - 0.1 * ent).sum()
+
+    ours, ref, base = w.clone().requires_grad_(), w.double().requires_grad_(), w.clone().requires_grad_()
+    loss(ours, True).backward()
+    proj64 = proj
+    proj = proj64.double()
+    loss(ref, False).backward()
+    proj = proj64
+    loss(base, False).backward()
+    assert_error_ratio("tied embedding grad_weight", ours.grad, base.grad, ref.grad, MAX_RATIO)
+
+
+def test_needs_input_grad():
+    hid, w, y = _inputs(9, 16, 77, torch.bfloat16, "cpu")
+    full = [t.clone().requires_grad_() for t in (hid, w)]
+    lp, ent = linear_logp_entropy(*full, y, 0.7)
+    (lp + ent).sum().backward()
+    frozen_w = hid.clone().requires_grad_()
+    lp, ent = linear_logp_entropy(frozen_w, w, y, 0.7)
+    (lp + ent).sum().backward()
+    torch.testing.assert_close(frozen_w.grad, full[0].grad, rtol=0, atol=0)
+    frozen_h = w.clone().requires_grad_()
+    lp, ent = linear_logp_entropy(hid, frozen_h, y, 0.7)
+    (lp + ent).sum().backward()
+    torch.testing.assert_close(frozen_h.grad, full[1].grad, rtol=0, atol=0)
+    # the backward op itself honours the mask: empty outputs where not requested
+    _, _, stats = torch.ops.fused_logp.linear_logp_entropy(hid, w, y, 0.7, None, None, -100, True)
+    gh, gw, gb = torch.ops.fused_logp.linear_logp_entropy_backward(
+        torch.ones(9), None, hid, w, y, 0.7, None, None, stats, -100, [True, False, False], False)
+    assert gh.shape == hid.shape and gw.numel() == 0 and gb.numel() == 0
+
+
+def test_grad_weight_fp32():
+    hid, w, y = _inputs(9, 16, 77, torch.bfloat16, "cpu")
+    _, _, stats = torch.ops.fused_logp.linear_logp_entropy(hid, w, y, 0.7, None, None, -100, True)
+    _, gw, _ = linear_ops.linear_logp_entropy_backward(torch.ones(9), torch.ones(9), hid, w, y, 0.7, stats=stats,
+                                                       grad_weight_fp32=True)
+    _, gw16, _ = linear_ops.linear_logp_entropy_backward(torch.ones(9), torch.ones(9), hid, w, y, 0.7, stats=stats)
+    assert gw.dtype == torch.float32 and gw16.dtype == torch.bfloat16
+    torch.testing.assert_close(gw.bfloat16(), gw16, rtol=0, atol=0)
+
+
+def test_conforms():
+    assert_conforms("linear_logp")
+
+
+def test_compile_fullgraph():
+    hid, w, y = _inputs(8, 16, 40, torch.bfloat16, "cpu")
+    T = torch.rand(8) + 0.5
+
+    def fn(h, w):
+        lp, ent = linear_logp_entropy(h, w, y, T, ignore_index=-100)
+        return (lp * 2 + ent).sum()
+
+    torch._dynamo.reset()
+    a = [t.clone().requires_grad_() for t in (hid, w)]
+    b = [t.clone().requires_grad_() for t in (hid, w)]
+    fn(*a).backward()
+    torch.compile(fn, fullgraph=True, backend="aot_eager")(*b).backward()
+    for x, z in zip(a, b):
+        torch.testing.assert_close(x.grad, z.grad)
+
+
+def test_errors_name_the_argument():
+    hid, w, y = _inputs(4, 16, 30, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="labels"):
+        linear_logp_entropy(hid, w, y[:3], 1.0)
+    with pytest.raises(ValueError, match="weight"):
+        linear_logp_entropy(hid, w[:, :8], y, 1.0)
+    with pytest.raises(ValueError, match="temperature"):
+        linear_logp_entropy(hid, w, y, torch.ones(3))
+    with pytest.raises(ValueError, match="bias"):
+        linear_logp_entropy(hid, w, y, 1.0, bias=torch.zeros(29))
+    with pytest.raises(RuntimeError, match="weight dtype"):
+        linear_logp_entropy(hid, w.half(), y, 1.0)
+    with pytest.raises(RuntimeError, match="temperature"):
+        linear_logp_entropy(hid, w, y, -1.0)
+    with pytest.raises(RuntimeError, match=r"labels\[2\]"):
+        linear_logp_entropy(hid, w, torch.tensor([0, 1, 30, 2]), 1.0)
+    with pytest.raises(RuntimeError, match="token_temperature"):
+        torch.ops.fused_logp.linear_logp_entropy(hid, w, y, 1.0, torch.ones(3), None, -100, True)
+    with pytest.raises(ValueError, match="fallback"):
+        linear_logp_entropy(hid, w, y, 1.0, fallback="nope")
+
+
+def test_shape_contract():
+    assert unsupported_shape_reason(4096, 151936) is None
+    assert "multiple of" in unsupported_shape_reason(4100, 1000)
+    assert "dtype" in unsupported_shape_reason(4096, 1000, dtype=torch.float32)
+    assert unsupported_shape_reason(4100, 1000, device="cpu") is None
+    assert "vocab_size" in unsupported_shape_reason(64, 0)
+    from prime_kernels_core.contracts import ShapeContract
+
+    assert isinstance(linear_ops, ShapeContract)
+
+
+def test_chunked_fallback_matches():
+    pytest.importorskip("prime_kernels_fused_logp.ops")
+    hid, w, y = _inputs(10, 16, 300, torch.bfloat16, "cpu", ignore=0.2)
+    b = torch.randn(300)
+    a = [t.clone().requires_grad_() for t in (hid, w, b)]
+    c = [t.clone().requires_grad_() for t in (hid, w, b)]
+    lp, ent = linear_logp_entropy(a[0], a[1], y, 0.7, bias=a[2])
+    h2, l1, temp, tt = linear_ops._flatten(c[0], c[1], y, 0.7, c[2])
+    lpc, entc = linear_ops._chunked(h2, c[1], l1, temp, tt, c[2], -100, 128)
+    torch.testing.assert_close(lpc, lp, rtol=2e-2, atol=2e-2)  # chunked rounds logits to bf16
+    torch.testing.assert_close(entc, ent, rtol=2e-2, atol=2e-2)
+    (lp + ent).sum().backward()
+    (lpc + entc).sum().backward()
+    for x, z in zip(a, c):
+        assert (x.grad.double() - z.grad.double()).norm() / x.grad.double().norm() < 3e-2
+
+
+# ---- GPU ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_small(dtype):
+    check_numerics(64, 64, 1000, dtype=dtype, device="cuda", label="gpu small")
+    check_numerics(linear_ops.BLOCK_N + 5, 128, 32001, dtype=dtype, device="cuda", label="gpu N=BLOCK_N+5",
+                   bias=True, per_token=True)
+    check_numerics(300, 200, 777, dtype=dtype, device="cuda", label="gpu H=200 (partial K tile)", ignore=0.3)
+    check_numerics(50, 64, 500, dtype=dtype, device="cuda", scale=12.0, T=0.5, label="gpu peaked")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("n", [256, 300])
+def test_gpu_qwen_vocab(n):
+    check_numerics(n, 4096, 151936, device="cuda", T=0.7, label="gpu V=151936 H=4096")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_multi_chunk_backward_and_determinism():
+    """N large enough that the backward's dZ buffer holds fewer vocab tiles than V (several chunks)."""
+    n = 4096
+    v = 3 * (linear_ops.DZ_CHUNK_ELEMS // n) + 1000
+    check_numerics(n, 64, v, device="cuda", label="gpu multi-chunk", ignore=0.05)
+    hid, w, y = _inputs(n, 64, v, torch.bfloat16, "cuda")
+    outs = []
+    for _ in range(2):
+        a = [t.clone().requires_grad_() for t in (hid, w)]
+        lp, ent = linear_logp_entropy(*a, y, 0.7)
+        (lp + ent).sum().backward()
+        outs.append((lp, ent, a[0].grad, a[1].grad))
+    for x, z in zip(*outs):
+        assert torch.equal(x, z)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_matches_cpu_and_misc():
+    hid, w, y = _inputs(70, 64, 1234, torch.bfloat16, "cpu", ignore=0.2)
+    T = torch.rand(70) + 0.5
+    lp_c, ent_c = linear_logp_entropy(hid, w, y, T)
+    lp_g, ent_g = linear_logp_entropy(hid.cuda(), w.cuda(), y.cuda(), T.cuda())
+    torch.testing.assert_close(lp_g.cpu(), lp_c, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ent_g.cpu(), ent_c, rtol=1e-4, atol=1e-4)
+    # out-of-range label on CUDA: NaN, no error, no out-of-bounds access
+    yb = y.cuda().clone()
+    yb[3] = 5000
+    lp_b, _ = linear_logp_entropy(hid.cuda(), w.cuda(), yb, 1.0)
+    assert torch.isnan(lp_b[3]) and not torch.isnan(lp_b[torch.arange(70, device="cuda") != 3]).any()
+    # an unsupported shape: a reason, or the chunked fallback when asked
+    h_bad, w_bad = hid[:, :60].cuda(), w[:, :60].cuda()
+    with pytest.raises(ValueError, match="multiple of"):
+        linear_logp_entropy(h_bad, w_bad, y.cuda(), 1.0)
+    if _has_logits_ops():
+        lp_f, _ = linear_logp_entropy(h_bad, w_bad, y.cuda(), 1.0, fallback="chunked")
+        lp_r, _ = linear_logp_entropy(h_bad.cpu(), w_bad.cpu(), y, 1.0)
+        torch.testing.assert_close(lp_f.cpu(), lp_r, rtol=2e-2, atol=2e-2)
+    # frozen weight / frozen hidden on CUDA
+    a = hid.cuda().requires_grad_()
+    lp, ent = linear_logp_entropy(a, w.cuda(), y.cuda(), 0.7)
+    (lp + ent).sum().backward()
+    assert a.grad is not None and a.grad.dtype == torch.bfloat16
+    # compile on CUDA
+    torch._dynamo.reset()
+    f = torch.compile(lambda h, w: linear_logp_entropy(h, w, y.cuda(), 0.7)[0].sum(), fullgraph=True,
+                      backend="aot_eager")
+    torch.testing.assert_close(f(hid.cuda(), w.cuda()), lp_g.sum() * 0 + linear_logp_entropy(
+        hid.cuda(), w.cuda(), y.cuda(), 0.7)[0].sum())
+
+
+def _has_logits_ops():
+    try:
+        import prime_kernels_fused_logp.ops  # noqa: F401
+        return True
+    except ImportError:
+        return False
