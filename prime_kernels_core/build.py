@@ -183,6 +183,16 @@ def extension_plan(root: Path, toolchain: Toolchain) -> dict:
     }
 
 
+def announce_skip(plan: dict) -> None:
+    """Say why CUDA is skipped; under PRIME_KERNELS_REQUIRE=1 a skip fails the build instead."""
+    if not plan["cuda_skipped"]:
+        return
+    message = f"prime-kernels: skipping CUDA for {plan['package']}: {plan['cuda_skipped']}"
+    if os.environ.get(REQUIRE_ENV) == "1":
+        raise BuildError(f"{message} ({REQUIRE_ENV}=1 makes this an error)")
+    print(message, file=sys.stderr)
+
+
 def build_record(plan: dict, toolchain: Toolchain) -> dict:
     return {
         "torch": toolchain.torch_version,
@@ -204,11 +214,7 @@ def setup_plugin(root: str | Path | None = None, **setup_kwargs) -> None:
     root = Path(root) if root else Path.cwd()
     toolchain = detect_toolchain()
     plan = extension_plan(root, toolchain)
-    if plan["cuda_skipped"]:
-        message = f"prime-kernels: skipping CUDA for {plan['package']}: {plan['cuda_skipped']}"
-        if os.environ.get(REQUIRE_ENV) == "1":
-            raise BuildError(f"{message} ({REQUIRE_ENV}=1 makes this an error)")
-        print(message, file=sys.stderr)
+    announce_skip(plan)
     record = build_record(plan, toolchain)
 
     extension_type = cpp_extension.CUDAExtension if plan["cuda_sources"] else cpp_extension.CppExtension

@@ -3,6 +3,8 @@ import textwrap
 
 import pytest
 
+import prime_kernels
+
 from prime_kernels_core import build
 from prime_kernels_core.build import Toolchain, cuda_skip_reason
 
@@ -99,3 +101,40 @@ def test_string_constants_are_refused(tmp_path):
     _write_plugin(tmp_path, constants='NAME = "x"')
     with pytest.raises(build.BuildError, match="constant moe.NAME must be a number or boolean"):
         build.extension_plan(tmp_path, GOOD)
+
+
+UNSUITABLE = {
+    "cpu-only torch": Toolchain("2.14.1+cpu", None, "/usr/local/cuda", "13.0"),
+    "missing nvcc": Toolchain("2.14.1+cu130", "13.0", "/nonexistent", None),
+    "CUDA major mismatch": Toolchain("2.14.1+cu130", "13.0", "/usr/local/cuda-12.8", "12.8"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNSUITABLE))
+def test_skip_message_and_matching_status_reason(case, tmp_path, monkeypatch, capsys, plugin_dir):
+    monkeypatch.delenv(build.ARCH_ENV, raising=False)
+    monkeypatch.delenv(build.REQUIRE_ENV, raising=False)
+    source = tmp_path / "src"
+    source.mkdir()
+    _write_plugin(source)
+    toolchain = UNSUITABLE[case]
+    plan = build.extension_plan(source, toolchain)
+    build.announce_skip(plan)
+    assert f"prime-kernels: skipping CUDA for pk_plan: {plan['cuda_skipped']}" in capsys.readouterr().err
+    record = dict(build.build_record(plan, toolchain), torch=__import__("torch").__version__,
+                  torch_cuda=__import__("torch").version.cuda)  # as if built by this torch, so rule 4 is what fires
+    plugin_dir("pk-skipped-" + case.replace(" ", "-"), record=record)
+    from prime_kernels_core.registry import Target
+
+    assert prime_kernels.unavailable_reason("demo", Target("cuda", 0, (9, 0))) == (
+        f"demo was built without CUDA: {plan['cuda_skipped']}")
+
+
+@pytest.mark.parametrize("case", sorted(UNSUITABLE))
+def test_require_turns_each_skip_into_an_error(case, tmp_path, monkeypatch):
+    monkeypatch.delenv(build.ARCH_ENV, raising=False)
+    monkeypatch.setenv(build.REQUIRE_ENV, "1")
+    _write_plugin(tmp_path)
+    plan = build.extension_plan(tmp_path, UNSUITABLE[case])
+    with pytest.raises(build.BuildError, match="PRIME_KERNELS_REQUIRE=1 makes this an error"):
+        build.announce_skip(plan)
