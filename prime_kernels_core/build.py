@@ -132,6 +132,18 @@ def _build_requirement_includes(requirement: str) -> list[str]:
     raise BuildError(f"unknown build requirement {requirement!r}; known: cutlass")
 
 
+def cuda_library_includes(cuda_home: str | None) -> list[str]:
+    """Header dirs of the CUDA libraries torch ships as wheels, when the toolkit lacks them (a toolkit of nvcc and cudart
+    only): ATen/cuda/CUDAContext.h includes cuBLAS and cuSPARSE headers."""
+    if cuda_home and Path(cuda_home, "include", "cusparse.h").exists():
+        return []
+    import importlib.util
+
+    nvidia = importlib.util.find_spec("nvidia")
+    roots = [Path(p) for p in (nvidia.submodule_search_locations or [])] if nvidia else []
+    return sorted(str(d) for root in roots for d in root.glob("*/include") if (d / "cusparse.h").exists())
+
+
 def _define_value(kernel: str, key: str, value) -> str:
     if isinstance(value, bool):
         return str(int(value))
@@ -167,6 +179,8 @@ def extension_plan(root: Path, toolchain: Toolchain) -> dict:
     ]
     gather = lambda key: [x for t in kernels.values() for x in t.get(key, [])]
     includes = [str(root / d) for d in gather("include_dirs")]
+    if with_cuda:
+        includes += cuda_library_includes(toolchain.cuda_home)
     for requirement in gather("build_requires"):
         includes += _build_requirement_includes(requirement)
     std = f"-std={cxx_std.pop()}"
