@@ -69,8 +69,8 @@ def main(argv=None) -> int:
 
     table = rows(args.device, args.probe)
     print(json.dumps(table, indent=2) if args.json else format_table(table))
-    states = {r["kernel"]: r["reason"] for r in table}
-    missing = [(n, states[n] if n in states else "not installed") for n in args.require if states.get(n, "x")]
-    for name, reason in missing:
+    reasons = {r["kernel"]: r["reason"] for r in table}  # "" when available
+    missing = {n: reasons.get(n, "not installed") for n in args.require if reasons.get(n) != ""}
+    for name, reason in missing.items():
         print(f"prime-kernels: required kernel {name} is unavailable: {reason}", file=sys.stderr)
     return 1 if missing else 0
