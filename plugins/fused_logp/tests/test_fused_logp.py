@@ -10,25 +10,9 @@ import time
 
 import pytest
 import torch
-
+from prime_kernels_core.testing import assert_conforms, assert_error_ratio
 from prime_kernels_fused_logp import ops, reference
 from prime_kernels_fused_logp.ops import logp_entropy
-
-try:
-    from prime_kernels_core.testing import assert_error_ratio
-except ImportError:  # the framework is not installed (e.g. a bare GPU machine): same rule, local copy
-    def assert_error_ratio(label, actual, baseline, reference, max_ratio=1.0):
-        def err(a):
-            d = a.detach().double().cpu() - reference.detach().double().cpu()
-            s = reference.detach().double().cpu().norm()
-            return float(d.norm() / s) if s > 0 else float(d.norm())
-
-        ours, theirs = err(actual), err(baseline)
-        ratio = ours / theirs if theirs > 0 else (0.0 if ours == 0 else float("inf"))
-        print(f"{label}: error {ours:.3e}, PyTorch path {theirs:.3e}, ratio {ratio:.3f} (limit {max_ratio})")
-        assert ratio <= max_ratio, f"{label}: error {ours:.3e} is {ratio:.3f}x the PyTorch path's {theirs:.3e}"
-        return ratio
-
 
 SEED = int(os.environ.get("FUSED_LOGP_TEST_SEED", time.time_ns() % 2**31))
 print(f"fused_logp tests: seed {SEED}")
@@ -285,7 +269,11 @@ def test_shape_contract():
     assert ops.BLOCK_THREADS == table["BLOCK_THREADS"] and ops.MAX_VOCAB_SIZE == table["MAX_VOCAB_SIZE"]
 
 
-# ---- opcheck / compile --------------------------------------------------------------------------------------------
+# ---- conformance, opcheck / compile --------------------------------------------------------------------------------
+def test_conforms():
+    assert_conforms("fused_logp")
+
+
 def _op_samples(device):
     samples = []
     for dtype, ent, tt, lab_dtype in [

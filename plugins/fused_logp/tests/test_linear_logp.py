@@ -9,9 +9,7 @@ import time
 
 import pytest
 import torch
-
 from prime_kernels_core.testing import assert_conforms, assert_error_ratio
-
 from prime_kernels_fused_logp import linear_ops
 from prime_kernels_fused_logp.linear_ops import linear_logp_entropy, unsupported_shape_reason
 
