@@ -9,44 +9,13 @@ Floor: fwd reads logits once; fwd+bwd reads them twice and writes the gradient o
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 
 import torch
+from common import copy_bandwidth, do_bench, free, peak_extra
 
 SHAPES = [(16384, 151936), (1024, 151936), (65536, 151936), (16384, 32000)]
-
-
-def do_bench(fn, grad_to_none=None, warmup=25, rep=100):
-    from triton.testing import do_bench as tdb
-
-    return tdb(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second of a 2 GiB device-to-device copy."""
-    n = 2 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    b = torch.empty_like(a)
-    ms = do_bench(lambda: b.copy_(a))
-    del a, b
-    return 2 * n / (ms * 1e-3)
-
-
-def peak_extra(fn) -> int:
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
-
-
-def free():
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def make_peers(no_compile: bool):

@@ -11,43 +11,15 @@ Liger LigerFusedLinearCrossEntropyLoss(reduction="none"), cut-cross-entropy line
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 
 import torch
+from common import do_bench, free, matmul_ceiling, peak_extra
 
 MAIN = (8192, 4096, 151936)
 SHAPES = [MAIN, (8192, 2048, 151936), (8192, 5120, 151936), (8192, 4096, 32000), (2048, 4096, 151936),
           (32768, 4096, 151936)]
 T = 0.7
-
-
-def do_bench(fn, warmup=5, rep=40):
-    from triton.testing import do_bench as tdb
-
-    return tdb(fn, warmup=warmup, rep=rep, return_mode="median")
-
-
-def free():
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
-def peak_extra(fn) -> int:
-    free()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
-
-
-def matmul_ceiling() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = do_bench(lambda: a @ b, warmup=10, rep=100)
-    return 2 * 8192**3 / (ms * 1e-3)
 
 
 def naive(h, w, y):
@@ -108,7 +80,7 @@ def measure(fn, h, w, y, backward: bool):
         return out
 
     try:
-        ms = do_bench(run)
+        ms = do_bench(run, warmup=100, rep=500)  # tens of ms per call: about ten timed repeats
         mem = peak_extra(run)
         return ms, mem
     except torch.OutOfMemoryError:
