@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU harness, for a bare H200 machine (torch preinstalled, no network):
 #   bash scripts/gpu_check.sh OUT_DIR [build] [test] [sanitize] [bench]     (default: all four)
+# One device call runs at most 10 minutes: run "build test" in one call and "sanitize bench" in the next (the machine
+# keeps what the first installed while it stays warm, 30 s after a call).
 # Installs the core and every plugin from the working tree (no build isolation, no index), runs the gpu-marked tests,
 # compute-sanitizer memcheck + racecheck on each plugin's small-shape script, the benchmarks (with peers from .peers/
 # when present), and prints a short table last. JSON and logs go to OUT_DIR.
@@ -69,3 +71,4 @@ fi
 echo; echo "== gpu_check summary =="
 "$py" -c 'import torch,subprocess; print(torch.cuda.get_device_name(), "| torch", torch.__version__, "| commit", subprocess.run(["git","rev-parse","--short","HEAD"],capture_output=True,text=True).stdout.strip() or "?")' 2>/dev/null
 column -t -s $'\t' "$results"
+for log in "$out"/bench_*.log; do [ -f "$log" ] && { echo "-- $(basename "$log" .log)"; grep -E '^\||^ours' "$log" | tail -n 8; }; done
