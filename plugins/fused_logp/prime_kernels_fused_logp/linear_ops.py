@@ -150,7 +150,7 @@ def _flatten(hidden, weight, labels, temperature, bias):
 def linear_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                         temperature: float | torch.Tensor = 1.0, *, bias: torch.Tensor | None = None,
                         ignore_index: int = -100, return_entropy: bool = True, fallback: str | None = None,
-                        chunk_size: int = 8192):
+                        chunk_size: int = 8192, process_group=None, vocab_start: int | None = None):
     """(logp, entropy) of shape labels.shape, fp32; entropy is None when return_entropy is False.
 
     hidden [..., H] and weight [V, H] in bfloat16/float16 (float32 on CPU), labels [...] integer, temperature a float
@@ -158,7 +158,21 @@ def linear_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     On CUDA, shapes outside the kernel's contract (``unsupported_shape_reason``) raise UnsupportedShapeError unless
     ``fallback="chunked"``: vocab chunks of ``chunk_size`` logits through the logits op ``fused_logp::logp_entropy``,
     merged by logsumexp, each chunk recomputed in the backward.
+    process_group: a torch.distributed group over which the lm_head is sharded by vocabulary (tensor parallelism):
+    weight (and bias) are this rank's [V_local, H] rows, labels are global vocab ids, and the result is the global
+    logp and entropy; grad_hidden is summed over the group (module ``vocab_parallel``, docs/notes/vocab_parallel.md).
+    vocab_start: this rank's first global vocab id (None: derived from the local vocab sizes in group-rank order).
     """
+    if process_group is not None:
+        from .vocab_parallel import linear_logp_entropy_vocab_parallel
+
+        return linear_logp_entropy_vocab_parallel(hidden, weight, labels, temperature, bias=bias,
+                                                  ignore_index=ignore_index, return_entropy=return_entropy,
+                                                  fallback=fallback, process_group=process_group,
+                                                  vocab_start=vocab_start)
+    if vocab_start is not None:
+        raise ValueError("linear_logp_entropy: vocab_start needs a process_group (it is the first vocab id of this "
+                         "rank's shard)")
     h2, l1, temp, token_temperature = _flatten(hidden, weight, labels, temperature, bias)
     if fallback not in (None, "chunked"):
         raise ValueError(f'fallback must be None or "chunked", got {fallback!r}')

@@ -7,25 +7,13 @@ Shape contract: the constants below come from kernel.toml (what the build compil
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
+from prime_kernels_core.manifest import constants
 
 from . import _C  # noqa: F401  (loads the shared library; its TORCH_LIBRARY blocks register torch.ops.fused_logp.*)
 
 
-def _read_constants() -> dict:
-    try:
-        from prime_kernels_core.manifest import constants
-    except ImportError:  # framework not installed: read our own manifest directly
-        import tomllib
-
-        with open(Path(__file__).with_name("kernel.toml"), "rb") as f:
-            return dict(tomllib.load(f)["fused_logp"].get("constants", {}))
-    return constants("prime_kernels_fused_logp", "fused_logp")
-
-
-CONSTANTS = _read_constants()
+CONSTANTS = constants("prime_kernels_fused_logp", "fused_logp")
 BLOCK_THREADS: int = CONSTANTS["BLOCK_THREADS"]
 VEC_UNROLL: int = CONSTANTS["VEC_UNROLL"]
 SPLIT_MIN_ELEMS: int = CONSTANTS["SPLIT_MIN_ELEMS"]
@@ -117,6 +105,8 @@ def logp_entropy(
     ignore_index: int = -100,
     return_entropy: bool = True,
     check_labels: bool = True,
+    process_group=None,
+    vocab_start: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probability of each label and entropy of each token's distribution, at a sampling temperature.
 
@@ -131,7 +121,31 @@ def logp_entropy(
         capturable); such tokens then get NaN instead of an error. On CPU labels are always checked.
     temperature: a positive float, or a float32 tensor with logits' leading shape (one temperature per token; no
         gradient flows to it).
+    process_group: a torch.distributed group over which the vocabulary is sharded (tensor-parallel lm_head): logits
+        is then this rank's [..., V_local] slice, labels are global vocab ids, and the result is the global logp and
+        entropy (module ``vocab_parallel``, docs/notes/vocab_parallel.md). None (default): single rank, unchanged.
+    vocab_start: with a process_group, this rank's first global vocab id; None derives it from the ranks' local vocab
+        sizes in group-rank order.
     """
+    if process_group is not None:
+        from .vocab_parallel import logp_entropy_vocab_parallel
+
+        return logp_entropy_vocab_parallel(logits, labels, temperature, ignore_index=ignore_index,
+                                           return_entropy=return_entropy, process_group=process_group,
+                                           vocab_start=vocab_start)
+    if vocab_start is not None:
+        raise ValueError("fused_logp: vocab_start needs a process_group (the first vocab id of this rank's shard)")
+    x, labels1, scalar_t, token_temperature, lead = _flatten(logits, labels, temperature)
+    logp, entropy, _stats = _op(
+        x, labels1, scalar_t, token_temperature, int(ignore_index), bool(return_entropy), bool(check_labels)
+    )
+    logp = logp.reshape(lead)
+    return logp, (entropy.reshape(lead) if return_entropy else None)
+
+
+def _flatten(logits, labels, temperature):
+    """Checks of the public surface; (logits [N, V] stride-1 rows, labels [N], scalar T, token temperatures or None,
+    leading shape)."""
     if logits.dim() < 1:
         raise ValueError(f"fused_logp: logits must have at least 1 dim [..., V], got a {logits.dim()}-D tensor")
     vocab = logits.shape[-1]
@@ -156,11 +170,7 @@ def logp_entropy(
     else:
         token_temperature = None
         scalar_t = float(temperature)
-    logp, entropy, _stats = _op(
-        x, labels.reshape(-1), scalar_t, token_temperature, int(ignore_index), bool(return_entropy), bool(check_labels)
-    )
-    logp = logp.reshape(lead)
-    return logp, (entropy.reshape(lead) if return_entropy else None)
+    return x, labels.reshape(-1), scalar_t, token_temperature, lead
 
 
 __all__ = [
