@@ -14,6 +14,8 @@ mkdir -p "$out"
 py=${PYTHON:-python3}
 # The image's default CXX wraps g++ with a static libstdc++: extensions built with it crash formatting a TORCH_CHECK.
 [ -x /usr/bin/g++ ] && export CXX=/usr/bin/g++ CC=/usr/bin/gcc
+# Build every manifest's CUDA for this GPU, also kernels not yet enabled by default (their GPU tests run here).
+export PRIME_KERNELS_ARCH=${PRIME_KERNELS_ARCH:-native}
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 pip_offline() { "$py" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-build-isolation "$@"; }
 plugins=$(ls -d plugins/*/ examples/*/ 2>/dev/null | while read -r p; do [ -f "$p/pyproject.toml" ] && echo "$p"; done)

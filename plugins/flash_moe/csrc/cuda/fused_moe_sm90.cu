@@ -1,0 +1,455 @@
+// flash_moe on CUDA sm_90a: the fused expert GEMMs (hand-written wgmma; see docs/notes/flash_moe.md).
+//
+// Two launches of one kernel template, each CTA = one aligned block of BLOCK_M = 128 routed slots (one expert) x one
+// 256-wide column tile, 384 threads:
+//   warpgroup 0  producer: cp.async 16-byte copies into a STAGES-deep ring of 128-byte-swizzled shared memory. The A
+//                rows are gathered: row r of the block reads x[sorted_token_ids[r] / top_k] (zero-filled for -1
+//                padding), so the token permutation never touches global memory. B rows are the expert's weight
+//                rows. When a stage's copies have landed (cp.async.wait_group), each producer thread issues
+//                fence.proxy.async (its generic-proxy writes become visible to wgmma's async proxy) and arrives on
+//                the stage's "full" mbarrier (128 arrivals).
+//   warpgroups 1-2  consumers, 64 rows each: wgmma.m64n256k16 bf16 -> fp32 from both K-major swizzled tiles, one
+//                wgmma group in flight, releasing the previous stage on its "empty" mbarrier (one arrival per warp).
+// Kernel 1 (gate/up): the B tile is 128 gate rows + the 128 matching up rows, so each thread holds gate and up of
+//   the same columns: h = silu(g) * u in fp32, stored as bf16 to the intermediate [padded slots, hidden].
+// Kernel 2 (down): A = intermediate rows of the block, B = w2[e] rows; the epilogue either adds
+//   topk_weight * y (fp32) into an fp32 [M, dim] buffer with float2 atomics (fused_moe_bf16 / moe_forward), or
+//   stores y as bf16 per slot (moe_forward deterministic; the top_k slots of a token are then summed in k order).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "../flash_moe.h"
+
+#ifndef FLASH_MOE_BLOCK_N_GATE_UP
+#error "FLASH_MOE_BLOCK_N_GATE_UP must come from kernel.toml ([flash_moe.constants])"
+#endif
+#ifndef FLASH_MOE_BLOCK_N_DOWN
+#error "FLASH_MOE_BLOCK_N_DOWN must come from kernel.toml ([flash_moe.constants])"
+#endif
+#ifndef FLASH_MOE_BLOCK_K
+#error "FLASH_MOE_BLOCK_K must come from kernel.toml ([flash_moe.constants])"
+#endif
+#ifndef FLASH_MOE_STAGES
+#error "FLASH_MOE_STAGES must come from kernel.toml ([flash_moe.constants])"
+#endif
+
+namespace flash_moe {
+namespace sm90 {
+
+constexpr int BM = FLASH_MOE_BLOCK_M;
+constexpr int BN_GU = FLASH_MOE_BLOCK_N_GATE_UP;
+constexpr int BN_DOWN = FLASH_MOE_BLOCK_N_DOWN;
+constexpr int BK = FLASH_MOE_BLOCK_K;
+constexpr int STAGES = FLASH_MOE_STAGES;
+constexpr int BN = 256;  // wgmma N of both kernels
+static_assert(BM == 128, "BLOCK_M must be 128 (two consumer warpgroups of wgmma m64)");
+static_assert(2 * BN_GU == BN && BN_DOWN == BN, "BLOCK_N_GATE_UP must be 128 and BLOCK_N_DOWN 256 (m64n256k16)");
+static_assert(BK == 64, "BLOCK_K must be 64 (one 128-byte swizzle row of bf16)");
+static_assert(STAGES >= 3 && STAGES <= 4, "STAGES must be 3 or 4 (shared memory; the producer keeps STAGES-1 in flight)");
+static_assert(kDimAlign % BK == 0 && kHiddenAlign % BK == 0, "DIM_ALIGN and HIDDEN_ALIGN must be multiples of BLOCK_K");
+
+constexpr int NUM_THREADS = 384;
+constexpr int A_BYTES = BM * BK * 2;
+constexpr int B_BYTES = BN * BK * 2;
+constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int LOOKAHEAD = STAGES - 1;  // stages a producer thread keeps in flight before it signals the oldest
+constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + BM * 8 /* A row offsets */ +
+                           BM * 4 /* slots */ + 2 * STAGES * 8 /* mbarriers */;
+
+enum Mode : int { GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2 };
+
+struct Params {
+  const __nv_bfloat16* a;  // x (GATE_UP) or the intermediate (DOWN)
+  int64_t lda;
+  const __nv_bfloat16* b0;  // gate (GATE_UP) or w2 (DOWN): [E][rows][ldb]
+  const __nv_bfloat16* b1;  // up (GATE_UP)
+  int64_t b_expert_stride;
+  int64_t ldb;
+  int n_total;  // valid output columns: hidden (GATE_UP) or dim (DOWN)
+  int k_tiles;
+  int block_offset;
+  int top_k;
+  int num_experts;
+  const int* sorted;
+  const int* expert_ids;
+  const int* ntpp;
+  __nv_bfloat16* inter;  // GATE_UP output [padded, hidden]
+  int64_t ld_inter;
+  const float* topk_weights;  // DOWN_ATOMIC
+  float* acc32;               // DOWN_ATOMIC output [M, dim]
+  __nv_bfloat16* yslots;      // DOWN_SLOTS output [M * top_k, dim]
+  int64_t ld_out;             // dim
+};
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred P1;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@!P1 bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accumulator reads/writes across the asynchronous wgmma boundaries.
+__device__ __forceinline__ void fence_acc(float* d) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  uint64_t d = static_cast<uint64_t>((addr & 0x3FFFF) >> 4);
+  d |= static_cast<uint64_t>(1) << 16;
+  d |= static_cast<uint64_t>(1024 >> 4) << 32;
+  d |= static_cast<uint64_t>(1) << 62;
+  return d;
+}
+__device__ __forceinline__ void wgmma_m64n256k16_bf16(float* d, uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+// Byte offset of 16-byte chunk c of row r in a tile of 128-byte rows, 128B swizzle (the layout TMA's SWIZZLE_128B
+// writes and the descriptor above reads: chunk index XOR row index mod 8 within each 1024-byte group of 8 rows).
+__device__ __forceinline__ uint32_t swz(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
+#endif
+
+// Accumulator register i of a consumer thread holds row (warp * 16 + lane / 4 + 8 * ((i / 2) % 2)) and column
+// (8 * (i / 4) + 2 * (lane % 4) + i % 2) of its warpgroup's 64 x 256 tile.
+template <int MODE>
+__global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const Params p) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  const int block = blockIdx.y + p.block_offset;
+  const int n_tile = blockIdx.x;
+  if (block * BM >= __ldg(p.ntpp)) return;  // past the routed blocks: the whole CTA leaves
+  const int expert = __ldg(p.expert_ids + block);
+  if (expert < 0 || expert >= p.num_experts) return;
+
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  uint8_t* const gbase = smem_raw + (base - raw);
+  int64_t* const a_row = reinterpret_cast<int64_t*>(gbase + STAGES * STAGE_BYTES);
+  int* const slot_of = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + BM * 8);
+  const uint32_t bars = base + STAGES * STAGE_BYTES + BM * 12;
+  auto full_bar = [&](int s) { return bars + 8u * s; };
+  auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
+
+  if (threadIdx.x < BM) {
+    const int row = block * BM + threadIdx.x;
+    const int slot = p.sorted[row];
+    slot_of[threadIdx.x] = slot;
+    if constexpr (MODE == GATE_UP) {
+      a_row[threadIdx.x] = slot >= 0 ? static_cast<int64_t>(slot / p.top_k) * p.lda : -1;
+    } else {
+      a_row[threadIdx.x] = static_cast<int64_t>(row) * p.lda;
+    }
+  }
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full_bar(s), 128);  // every producer thread, after its own copies landed and were fenced
+      mbar_init(empty_bar(s), 8);   // lane 0 of each of the 8 consumer warps
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {  // ------------------------------- producer -------------------------------
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
+    const int c = threadIdx.x & 7;    // 16-byte chunk of the 128-byte K slice
+    const int r0 = threadIdx.x >> 3;  // rows r0 + 16 i
+    const int n0 = n_tile * (MODE == GATE_UP ? BN_GU : BN_DOWN) + r0;
+    // B rows of this thread: n0 + 16 i (GATE_UP: i < 8 from the gate weight, i >= 8 the same rows of the up weight)
+    const int64_t row16 = 16 * p.ldb;
+    const __nv_bfloat16* b0 = p.b0 + static_cast<int64_t>(expert) * p.b_expert_stride + static_cast<int64_t>(n0) * p.ldb + c * 8;
+    const __nv_bfloat16* b1 = MODE == GATE_UP ? p.b1 + (b0 - p.b0) : b0;
+    constexpr int B_ROWS_PER_SRC = MODE == GATE_UP ? BN_GU / 16 : BN / 16;
+    const int n_valid = p.n_total - n0;  // rows 16 i < n_valid are inside the matrix
+    for (int kt = 0; kt < p.k_tiles; ++kt) {
+      const int stage = kt % STAGES;
+      mbar_wait(empty_bar(stage), ((kt / STAGES) & 1) ^ 1);
+      const uint32_t st = base + stage * STAGE_BYTES;
+      const int kofs = kt * BK;
+#pragma unroll
+      for (int i = 0; i < BM / 16; ++i) {
+        const int r = r0 + 16 * i;
+        const int64_t off = a_row[r];
+        cp_async_16(st + swz(r, c), p.a + (off >= 0 ? off + kofs + c * 8 : 0), off >= 0 ? 16u : 0u);
+      }
+#pragma unroll
+      for (int i = 0; i < BN / 16; ++i) {
+        const int ii = i % B_ROWS_PER_SRC;
+        const bool ok = 16 * ii < n_valid;
+        const __nv_bfloat16* src = (i < B_ROWS_PER_SRC ? b0 : b1) + (ok ? ii * row16 + kofs : 0);
+        cp_async_16(st + A_BYTES + swz(r0 + 16 * i, c), ok ? src : p.b0, ok ? 16u : 0u);
+      }
+      cp_async_commit();
+      if (kt >= LOOKAHEAD - 1) {
+        cp_async_wait<LOOKAHEAD - 1>();
+        fence_proxy_async();
+        mbar_arrive(full_bar((kt - (LOOKAHEAD - 1)) % STAGES));
+      }
+    }
+    cp_async_wait<0>();
+    fence_proxy_async();
+    for (int kt = max(0, p.k_tiles - (LOOKAHEAD - 1)); kt < p.k_tiles; ++kt) mbar_arrive(full_bar(kt % STAGES));
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
+
+  // ------------------------------- consumers -------------------------------
+  const int wg = warpgroup - 1;
+  const int ctid = threadIdx.x - 128 * warpgroup;
+  const int warp = ctid / 32, lane = ctid % 32, quad = lane & 3;
+  float acc[128];
+  int prev = 0;
+  const uint32_t a_off = wg * 64 * 128;
+  for (int kt = 0; kt < p.k_tiles; ++kt) {
+    const int stage = kt % STAGES;
+    mbar_wait(full_bar(stage), (kt / STAGES) & 1);
+    const uint32_t st = base + stage * STAGE_BYTES;
+    const uint64_t da = smem_desc(st + a_off), db = smem_desc(st + A_BYTES);
+    fence_acc(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
+    wgmma_commit();
+    fence_acc(acc);
+    wgmma_wait<1>();
+    fence_acc(acc);
+    if (kt > 0 && lane == 0) mbar_arrive(empty_bar(prev));
+    prev = stage;
+  }
+  wgmma_wait<0>();
+  fence_acc(acc);
+
+  // ------------------------------- epilogue -------------------------------
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int lr = wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
+    if constexpr (MODE == GATE_UP) {
+      const int n0 = n_tile * BN_GU;
+      __nv_bfloat16* dst = p.inter + static_cast<int64_t>(block * BM + lr) * p.ld_inter + n0;
+#pragma unroll
+      for (int j = 0; j < BN_GU / 8; ++j) {
+        const int col = 8 * j + 2 * quad;
+        if (n0 + col < p.n_total) {  // n_total is even: col + 1 is valid too
+          const float h0 = silu_mul(acc[4 * j + 2 * h], acc[4 * (j + BN_GU / 8) + 2 * h]);
+          const float h1 = silu_mul(acc[4 * j + 2 * h + 1], acc[4 * (j + BN_GU / 8) + 2 * h + 1]);
+          *reinterpret_cast<__nv_bfloat162*>(dst + col) = __floats2bfloat162_rn(h0, h1);
+        }
+      }
+    } else {
+      const int slot = slot_of[lr];
+      if (slot < 0) continue;
+      const int n0 = n_tile * BN_DOWN;
+      if constexpr (MODE == DOWN_ATOMIC) {
+        const float w = __ldg(p.topk_weights + slot);
+        float* dst = p.acc32 + static_cast<int64_t>(slot / p.top_k) * p.ld_out + n0;
+#pragma unroll
+        for (int j = 0; j < BN_DOWN / 8; ++j) {
+          const int col = 8 * j + 2 * quad;
+          if (n0 + col < p.n_total)
+            atomicAdd(reinterpret_cast<float2*>(dst + col), make_float2(w * acc[4 * j + 2 * h], w * acc[4 * j + 2 * h + 1]));
+        }
+      } else {
+        __nv_bfloat16* dst = p.yslots + static_cast<int64_t>(slot) * p.ld_out + n0;
+#pragma unroll
+        for (int j = 0; j < BN_DOWN / 8; ++j) {
+          const int col = 8 * j + 2 * quad;
+          if (n0 + col < p.n_total)
+            *reinterpret_cast<__nv_bfloat162*>(dst + col) = __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        }
+      }
+    }
+  }
+#else
+  __trap();  // compiled for an arch other than sm_90a: the host side never launches it there
+#endif
+}
+
+template <int MODE>
+void launch(Params p, int n_tiles, int64_t blocks, cudaStream_t stream) {
+  static const bool configured = [] {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_kernel<MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
+    return true;
+  }();
+  (void)configured;
+  constexpr int64_t kMaxGridY = 65535;
+  for (int64_t b0 = 0; b0 < blocks; b0 += kMaxGridY) {
+    p.block_offset = static_cast<int>(b0);
+    const dim3 grid(n_tiles, static_cast<unsigned>(std::min(kMaxGridY, blocks - b0)));
+    moe_gemm_kernel<MODE><<<grid, NUM_THREADS, SMEM_BYTES, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+}  // namespace sm90
+
+namespace {
+
+void check_cuda_operand(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.is_cuda(), op, " (CUDA): ", name, " must be a CUDA tensor, got ", t.device());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0, op, " (CUDA): ", name,
+              " must be 16-byte aligned (cp.async), got data pointer ", t.const_data_ptr());
+}
+
+void check_device(const char* op, const at::Tensor& x) {
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.get_device()));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, x.get_device()));
+  TORCH_CHECK(major == 9 && minor == 0, op, " (CUDA): the kernels are built for sm_90a; device ", x.get_device(),
+              " is sm_", major, minor);
+}
+
+// Runs gate/up + down for gate/up views (E, hidden, dim) with unit column stride; mode DOWN_ATOMIC writes acc32
+// (zeroed here), DOWN_SLOTS writes yslots (zeroed here).
+void run(const char* op, const at::Tensor& x_in, const at::Tensor& gate_in, const at::Tensor& up_in,
+         const at::Tensor& w2_in, const at::Tensor& sorted, const at::Tensor& eids, const at::Tensor& ntpp,
+         const at::Tensor& topk_weights, const MoeShape& s, int mode, at::Tensor& result) {
+  check_device(op, x_in);
+  const auto x = x_in.contiguous();
+  const auto w2 = w2_in.contiguous();
+  auto gate = gate_in, up = up_in;
+  if (gate.stride(2) != 1 || up.stride(2) != 1 || gate.strides() != up.strides() || gate.stride(1) % 8 != 0 ||
+      gate.stride(0) % 8 != 0) {
+    gate = gate.contiguous();
+    up = up.contiguous();
+  }
+  const auto sorted_c = sorted.contiguous(), eids_c = eids.contiguous();
+  const auto tw = topk_weights.contiguous();
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"x", &x}, {"gate weight", &gate},
+                         {"up weight", &up}, {"w2", &w2}}) {
+    check_cuda_operand(op, name, *t);
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t padded = s.blocks * sm90::BM;
+  auto inter = at::empty({std::max<int64_t>(padded, 1), s.hidden}, x.options());
+  if (mode == sm90::DOWN_ATOMIC) {
+    result = at::zeros({s.M, s.dim}, x.options().dtype(at::kFloat));
+  } else {
+    result = at::zeros({s.M * s.top_k, s.dim}, x.options());
+  }
+  if (s.blocks == 0 || s.M == 0) return;
+
+  sm90::Params p{};
+  p.top_k = static_cast<int>(s.top_k);
+  p.num_experts = static_cast<int>(s.E);
+  p.sorted = sorted_c.const_data_ptr<int>();
+  p.expert_ids = eids_c.const_data_ptr<int>();
+  p.ntpp = ntpp.const_data_ptr<int>();
+  // gate/up + SwiGLU
+  p.a = reinterpret_cast<const __nv_bfloat16*>(x.const_data_ptr());
+  p.lda = s.dim;
+  p.b0 = reinterpret_cast<const __nv_bfloat16*>(gate.const_data_ptr());
+  p.b1 = reinterpret_cast<const __nv_bfloat16*>(up.const_data_ptr());
+  p.b_expert_stride = gate.stride(0);
+  p.ldb = gate.stride(1);
+  p.n_total = static_cast<int>(s.hidden);
+  p.k_tiles = static_cast<int>(s.dim / sm90::BK);
+  p.inter = reinterpret_cast<__nv_bfloat16*>(inter.mutable_data_ptr());
+  p.ld_inter = s.hidden;
+  sm90::launch<sm90::GATE_UP>(p, static_cast<int>((s.hidden + sm90::BN_GU - 1) / sm90::BN_GU), s.blocks, stream);
+  // down + combine
+  p.a = reinterpret_cast<const __nv_bfloat16*>(inter.const_data_ptr());
+  p.lda = s.hidden;
+  p.b0 = reinterpret_cast<const __nv_bfloat16*>(w2.const_data_ptr());
+  p.b1 = p.b0;
+  p.b_expert_stride = s.dim * s.hidden;
+  p.ldb = s.hidden;
+  p.n_total = static_cast<int>(s.dim);
+  p.k_tiles = static_cast<int>(s.hidden / sm90::BK);
+  p.ld_out = s.dim;
+  const int n_tiles = static_cast<int>((s.dim + sm90::BN_DOWN - 1) / sm90::BN_DOWN);
+  if (mode == sm90::DOWN_ATOMIC) {
+    p.topk_weights = tw.const_data_ptr<float>();
+    p.acc32 = result.mutable_data_ptr<float>();
+    sm90::launch<sm90::DOWN_ATOMIC>(p, n_tiles, s.blocks, stream);
+  } else {
+    p.yslots = reinterpret_cast<__nv_bfloat16*>(result.mutable_data_ptr());
+    sm90::launch<sm90::DOWN_SLOTS>(p, n_tiles, s.blocks, stream);
+  }
+}
+
+void fused_moe_bf16_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w2,
+                         const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                         const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, at::Tensor out,
+                         int64_t top_k, int64_t block_m, int64_t /*block_n*/, int64_t /*warp_n*/, int64_t /*stages*/,
+                         int64_t /*bpc*/, int64_t /*cpc*/, bool /*split*/) {
+  const char* op = "fused_moe_bf16";
+  TORCH_CHECK(w.dim() == 3 && w.size(1) % 2 == 0, op,
+              ": w must be 3-D (E, 2 * hidden, dim) with gate rows [0, hidden) and up rows [hidden, 2 * hidden), got "
+              "shape ", w.sizes());
+  const int64_t hidden = w.size(1) / 2;
+  const auto wc = w.contiguous();
+  const auto gate = wc.narrow(1, 0, hidden), up = wc.narrow(1, hidden, hidden);
+  const MoeShape s = check_moe_args(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                                    &topk_weights, top_k, block_m, "w");
+  check_out(op, out, s, x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor acc32;
+  run(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, s, sm90::DOWN_ATOMIC,
+      acc32);
+  out.copy_(acc32);
+}
+
+at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2,
+                            const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                            const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, int64_t top_k,
+                            int64_t block_m, bool deterministic) {
+  const char* op = "moe_forward";
+  const MoeShape s = check_moe_args(op, x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                                    &topk_weights, top_k, block_m, "w1/w3");
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor result;
+  run(op, x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, s,
+      deterministic ? sm90::DOWN_SLOTS : sm90::DOWN_ATOMIC, result);
+  if (!deterministic) return result.to(at::kBFloat16);
+  // fixed order: out[t] = sum over k = 0..top_k-1 of topk_weights[t, k] * y[t * top_k + k], in fp32
+  const auto y = result.view({s.M, top_k, s.dim});
+  auto acc = at::zeros({s.M, s.dim}, x.options().dtype(at::kFloat));
+  for (int64_t k = 0; k < top_k; ++k) acc.addcmul_(y.select(1, k), topk_weights.select(1, k).unsqueeze(1));
+  return acc.to(at::kBFloat16);
+}
+
+}  // namespace
+}  // namespace flash_moe
+
+TORCH_LIBRARY_IMPL(flash_moe, CUDA, m) {
+  m.impl("fused_moe_bf16", &flash_moe::fused_moe_bf16_cuda);
+  m.impl("moe_forward", &flash_moe::moe_forward_cuda);
+}

@@ -1,0 +1,222 @@
+"""flash_moe: fused MoE experts in bf16 (Hopper sm_90a kernels, a CPU implementation everywhere).
+
+Surface (compatible with the original Blackwell flash_moe, namespace ``prime_moe`` there):
+
+- ``BLOCK_M``, ``MXFP8_SCALE_BLOCK``: from kernel.toml's ``[flash_moe.constants]`` (what the build compiled in).
+- ``unsupported_shape_reason(dim, hidden_dim, *, mxfp8=False, split=True)``: the one place the alignment rules live.
+- ``moe_align(topk_ids, num_experts, block_m=BLOCK_M, bpc=1, *, expert_start=0, num_local_experts=None)``.
+- ``fused_moe_bf16(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k, ...)``:
+  writes ``out`` in place and returns it. **The op overwrites every row of ``out``** (rows of tokens with no local
+  slot become zero), in every mode, so callers need not zero it.
+- ``moe(x, w1, w2, w3, topk_ids, topk_weights, *, expert_start=0, deterministic=False)``: differentiable.
+
+Tuning keywords of the original: ``block_m`` must equal BLOCK_M (the compiled tile; checked); ``bpc`` is honoured by
+``moe_align`` (experts padded to block_m * bpc) and ignored by the GEMM (blocks are independent); ``block_n``,
+``warp_n``, ``stages``, ``cpc`` and ``split`` are accepted and ignored (the sm_90a kernels have one compiled
+configuration from kernel.toml and always run split: gate/up + SwiGLU kernel, then down + combine kernel).
+
+Numerics: bf16 inputs, fp32 accumulation, SwiGLU in fp32 on the accumulators, the intermediate stored as bf16, the
+down projection in fp32. Combine: on CUDA, ``fused_moe_bf16`` and ``moe(deterministic=False)`` add the weighted fp32
+expert outputs into an fp32 buffer with atomics (order varies run to run: not bitwise deterministic), then round once
+to bf16; ``moe(deterministic=True)`` stores each slot's expert output as bf16 and sums the top_k slots of a token in
+k order in fp32 (bitwise reproducible; its backward also reduces dx in a fixed order). The CPU path is always
+fixed-order.
+"""
+from __future__ import annotations
+
+import torch
+
+from prime_kernels_core import manifest
+
+from . import _C  # noqa: F401  (loads the shared library; its static TORCH_LIBRARY blocks register the ops)
+
+CONSTANTS = manifest.constants("prime_kernels_flash_moe", "flash_moe")
+BLOCK_M: int = CONSTANTS["BLOCK_M"]
+MXFP8_SCALE_BLOCK: int = CONSTANTS["MXFP8_SCALE_BLOCK"]
+DIM_ALIGN: int = CONSTANTS["DIM_ALIGN"]
+HIDDEN_ALIGN: int = CONSTANTS["HIDDEN_ALIGN"]
+MAX_EXPERTS: int = CONSTANTS["MAX_EXPERTS"]
+_INT32_MAX = 2**31 - 1
+
+
+def unsupported_shape_reason(dim: int, hidden_dim: int, *, mxfp8: bool = False, split: bool = True) -> str | None:
+    """None when the kernels handle model dim ``dim`` and expert hidden size ``hidden_dim``, else why not.
+
+    The GEMMs run over whole BLOCK_K tiles along K: dim (gate/up) and hidden_dim (down) must be multiples of
+    DIM_ALIGN / HIDDEN_ALIGN. ``split`` is accepted for compatibility (this plugin always runs the split pair of
+    kernels). The ops' own checks use the same words.
+    """
+    del split
+    if mxfp8:
+        return ("flash_moe: the mxfp8 path is not built yet on this plugin (bf16 only on Hopper; mxfp8 is a later "
+                "issue)")
+    if dim < 1 or hidden_dim < 1:
+        return f"flash_moe needs positive dim and hidden_dim, got dim={dim}, hidden_dim={hidden_dim}"
+    if dim % DIM_ALIGN:
+        return f"flash_moe needs dim (x's last dimension) to be a multiple of {DIM_ALIGN}, got {dim}"
+    if hidden_dim % HIDDEN_ALIGN:
+        return f"flash_moe needs hidden_dim to be a multiple of {HIDDEN_ALIGN}, got {hidden_dim}"
+    return None
+
+
+def max_padded(num_slots, num_local_experts: int, block_m: int = BLOCK_M, bpc: int = 1):
+    """Length of ``sorted_token_ids``: ceil((slots + E * (pad - 1)) / pad) * pad with pad = block_m * bpc."""
+    pad = block_m * bpc
+    return (num_slots + num_local_experts * (pad - 1) + pad - 1) // pad * pad
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fake (meta) implementations: static output shapes, so torch.compile needs no data-dependent sizes
+@torch.library.register_fake("flash_moe::moe_align")
+def _(topk_ids, num_experts, block_m, bpc, expert_start, num_local_experts):
+    torch._check(topk_ids.dim() == 2, lambda: "moe_align: topk_ids must be 2-D (M, top_k)")
+    local = num_experts - expert_start if num_local_experts < 0 else num_local_experts
+    n = max_padded(topk_ids.numel(), local, block_m, bpc)
+    return (topk_ids.new_empty(n, dtype=torch.int32), topk_ids.new_empty(n // block_m, dtype=torch.int32),
+            topk_ids.new_empty(1, dtype=torch.int32))
+
+
+@torch.library.register_fake("flash_moe::fused_moe_bf16")
+def _(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k, block_m, block_n,
+      warp_n, stages, bpc, cpc, split):
+    torch._check(out.shape == x.shape, lambda: "fused_moe_bf16: out must have x's shape (M, dim)")
+    return None
+
+
+@torch.library.register_fake("flash_moe::moe_forward")
+def _(x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k, block_m,
+      deterministic):
+    torch._check(x.dim() == 2, lambda: "moe_forward: x must be 2-D (M, dim)")
+    return x.new_empty(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, bpc: int = 1, *,
+              expert_start: int = 0, num_local_experts: int | None = None):
+    """(sorted_token_ids, expert_ids, num_tokens_post_padded) for routing ``topk_ids`` (M, top_k).
+
+    ``sorted_token_ids`` (int32, length ``max_padded``): flat slots t * top_k + k grouped by local expert, stable within
+    an expert, each expert padded to block_m * bpc with -1; ``expert_ids`` (int32, one per block of block_m): the
+    local expert of each block, -1 past ``num_tokens_post_padded`` (int32 [1]). Experts with no slot get no block.
+    Expert parallelism: ids in [expert_start, expert_start + num_local_experts) are local (id - expert_start); -1 and
+    other ranks' ids are skipped. ``num_experts`` is the global count (ids must lie in [-1, num_experts)); int64 ids are
+    converted to int32.
+    """
+    if topk_ids.dtype != torch.int32:
+        topk_ids = topk_ids.to(torch.int32)
+    return torch.ops.flash_moe.moe_align(topk_ids, num_experts, block_m, bpc, expert_start,
+                                         -1 if num_local_experts is None else num_local_experts)
+
+
+def fused_moe_bf16(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k,
+                   block_m=BLOCK_M, block_n=CONSTANTS["BLOCK_N_GATE_UP"], warp_n=64, stages=CONSTANTS["STAGES"], bpc=1,
+                   cpc=1, split=True):
+    """out[t] = sum_k topk_weights[t, k] * (silu(x_t Wg^T) * (x_t Wu^T)) W2^T over the aligned slots; returns ``out``.
+
+    x (M, dim) bf16; w (E, 2 hidden, dim) bf16, gate rows [0, hidden), up rows [hidden, 2 hidden); w2 (E, dim, hidden)
+    bf16; topk_weights (M, top_k) fp32; out (M, dim) bf16, overwritten entirely. See the module docstring for the
+    tuning keywords (accepted; only block_m is checked) and the combine's numerics.
+    """
+    torch.ops.flash_moe.fused_moe_bf16(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights,
+                                       out, top_k, block_m, block_n, warp_n, stages, bpc, cpc, split)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# moe(): forward through the fused kernels, backward in closed form with grouped GEMMs
+def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+class _MoE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, w2, w3, topk_ids, topk_weights, expert_start, num_experts, deterministic):
+        top_k = topk_ids.shape[1]
+        ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+        tw = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
+        sorted_ids, expert_ids, ntpp = torch.ops.flash_moe.moe_align(ids, num_experts, BLOCK_M, 1, expert_start,
+                                                                     w1.shape[0])
+        out = torch.ops.flash_moe.moe_forward(x, w1, w3, w2, sorted_ids, expert_ids, ntpp, tw, top_k, BLOCK_M,
+                                              deterministic)
+        ctx.save_for_backward(x, w1, w2, w3, ids, tw)
+        ctx.expert_start = expert_start
+        ctx.deterministic = deterministic
+        ctx.tw_dtype = topk_weights.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w1, w2, w3, ids, tw = ctx.saved_tensors
+        need_x, need_w1, need_w2, need_w3, _, need_tw = ctx.needs_input_grad[:6]
+        T, dim = x.shape
+        top_k = ids.shape[1]
+        E = w1.shape[0]
+        S = T * top_k
+        # slots sorted by local expert (stable); slots of no local expert go last, past offs[-1]
+        local = ids.reshape(-1).long() - ctx.expert_start
+        valid = (ids.reshape(-1) >= 0) & (local >= 0) & (local < E)
+        key = torch.where(valid, local, torch.full_like(local, E))
+        order = torch.sort(key, stable=True).indices
+        counts = torch.zeros(E + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
+        offs = torch.cumsum(counts[:E], 0).to(torch.int32)
+        ok = valid[order].unsqueeze(1)
+        tok = order // top_k
+        zero = torch.zeros((), dtype=torch.float32, device=x.device)
+        p = torch.where(ok.squeeze(1), tw.reshape(-1)[order], zero)
+
+        xs = x[tok]
+        go = grad_out.to(x.dtype)[tok]
+        g = torch.where(ok, _gmm(xs, w1.transpose(-2, -1), offs).float(), zero)   # recomputed gate projection
+        u = torch.where(ok, _gmm(xs, w3.transpose(-2, -1), offs).float(), zero)   # recomputed up projection
+        sig = torch.sigmoid(g)
+        a = g * sig
+        h = a * u
+        dh0 = torch.where(ok, _gmm(go, w2, offs).float(), zero)                  # grad_out W2, unweighted
+        grad_tw = grad_x = grad_w1 = grad_w2 = grad_w3 = None
+        if need_tw:
+            dp = (dh0 * h).sum(-1)
+            grad_tw = torch.zeros(S, dtype=torch.float32, device=x.device).index_copy_(0, order, dp)
+            grad_tw = grad_tw.view(T, top_k).to(ctx.tw_dtype)
+        if need_w2:
+            grad_w2 = _gmm((go.float() * p.unsqueeze(1)).to(x.dtype).t(), h.to(x.dtype), offs)
+        if need_x or need_w1 or need_w3:
+            dh = dh0 * p.unsqueeze(1)
+            du = (dh * a).to(x.dtype)
+            dg = (dh * u * sig * (1 + g * (1 - sig))).to(x.dtype)
+            if need_w1:
+                grad_w1 = _gmm(dg.t(), xs, offs)
+            if need_w3:
+                grad_w3 = _gmm(du.t(), xs, offs)
+            if need_x:
+                dxs = _gmm(dg, w1, offs).float() + _gmm(du, w3, offs).float()
+                dxs = torch.where(ok, dxs, zero)
+                if ctx.deterministic:  # unsort (unique indices), then sum the top_k slots of a token in k order
+                    per_slot = torch.zeros(S, dim, dtype=torch.float32, device=x.device).index_copy_(0, order, dxs)
+                    grad_x = per_slot.view(T, top_k, dim).sum(1)
+                else:
+                    grad_x = torch.zeros(T, dim, dtype=torch.float32, device=x.device).index_add_(0, tok, dxs)
+                grad_x = grad_x.to(x.dtype)
+        return grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw, None, None, None
+
+
+def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor, *, expert_start: int = 0, deterministic: bool = False,
+        num_experts: int | None = None) -> torch.Tensor:
+    """SwiGLU MoE experts: sum_k topk_weights[t, k] * (silu(x W1[e]^T) * (x W3[e]^T)) W2[e]^T, differentiable.
+
+    x (..., dim) bf16; w1 (gate), w3 (up): (E_local, hidden, dim) bf16; w2 (E_local, dim, hidden) bf16; topk_ids
+    (..., top_k) int (global ids; -1 = not routed); topk_weights (..., top_k) float. Expert parallelism: experts
+    [expert_start, expert_start + E_local) are local, other ids contribute nothing (``num_experts``: the global count
+    for the id range check; default E_local when expert_start is 0, unchecked above otherwise).
+    Forward: ``moe_align`` + ``moe_forward`` (the fused kernels; w1 and w3 are read in place, never concatenated).
+    Backward: closed form, recomputing the gate/up projections, with ``torch._grouped_mm`` (CUDA and CPU); gradients
+    only for the inputs that need them. ``deterministic=True``: fixed-order combine in the forward and a fixed-order
+    dx reduction in the backward (bitwise reproducible); False: fp32 atomics on CUDA (not bitwise reproducible).
+    """
+    lead = x.shape[:-1]
+    top_k = topk_ids.shape[-1]
+    if num_experts is None:
+        num_experts = w1.shape[0] if expert_start == 0 else _INT32_MAX
+    out = _MoE.apply(x.reshape(-1, x.shape[-1]), w1, w2, w3, topk_ids.reshape(-1, top_k),
+                     topk_weights.reshape(-1, top_k), expert_start, num_experts, deterministic)
+    return out.view(*lead, x.shape[-1])

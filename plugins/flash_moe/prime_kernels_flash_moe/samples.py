@@ -1,0 +1,66 @@
+"""Sample inputs for the conformance kit (fake-tensor runs, opcheck, torch.compile of the surface)."""
+import torch
+
+KERNEL = "flash_moe"
+
+
+def problem(device, tokens=5, dim=64, hidden=64, experts=3, top_k=2, seed=0, requires_grad=False):
+    """(x, w1, w2, w3, topk_ids, topk_weights): bf16 tensors, int32 ids with one unrouted (-1) slot."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(tokens, dim, generator=g) * 0.5).to(torch.bfloat16)
+    w1 = (torch.randn(experts, hidden, dim, generator=g) / dim**0.5).to(torch.bfloat16)
+    w3 = (torch.randn(experts, hidden, dim, generator=g) / dim**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(experts, dim, hidden, generator=g) / hidden**0.5).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(torch.int32)
+    if tokens > 1:
+        ids[1, 0] = -1
+    tw = torch.rand(tokens, top_k, generator=g).softmax(-1)
+    tensors = [t.to(device) for t in (x, w1, w2, w3, ids, tw)]
+    if requires_grad:
+        for i in (0, 1, 2, 3, 5):
+            tensors[i].requires_grad_(True)
+    return tensors
+
+
+def op_samples(kernel, device):
+    from . import ops
+
+    if kernel != KERNEL:
+        return []
+    x, w1, w2, w3, ids, tw = problem(device)
+    w = torch.cat([w1, w3], 1)
+    sorted_ids, eids, ntpp = ops.moe_align(ids, w1.shape[0])
+    x1, w11, w21, w31, ids1, tw1 = problem(device, tokens=1, experts=2, top_k=1, seed=1)
+    s1, e1, n1 = ops.moe_align(ids1, 2)
+    return [
+        ("moe_align", (ids, 3, ops.BLOCK_M, 1, 0, -1), {}),
+        ("moe_align", (ids, 3, 16, 2, 1, 2), {}),  # EP: experts [1, 3), bpc 2
+        ("moe_align", (ids[:0], 3, ops.BLOCK_M, 1, 0, -1), {}),  # no tokens
+        ("fused_moe_bf16", (x, w, w2, sorted_ids, eids, ntpp, tw, torch.empty_like(x), 2, ops.BLOCK_M, 128, 64, 4, 1,
+                            1, True), {}),
+        ("moe_forward", (x, w1, w3, w2, sorted_ids, eids, ntpp, tw, 2, ops.BLOCK_M, False), {}),
+        ("moe_forward", (x, w1, w3, w2, sorted_ids, eids, ntpp, tw, 2, ops.BLOCK_M, True), {}),
+        ("moe_forward", (x1, w11, w31, w21, s1, e1, n1, tw1, 1, ops.BLOCK_M, False), {}),
+    ]
+
+
+def surface_samples(kernel, device):
+    from . import ops
+
+    if kernel != KERNEL:
+        return []
+
+    def fused(x, w1, w2, w3, ids, tw):
+        sorted_ids, eids, ntpp = ops.moe_align(ids, w1.shape[0])
+        out = torch.empty_like(x)
+        return ops.fused_moe_bf16(x, torch.cat([w1, w3], 1), w2, sorted_ids, eids, ntpp, tw, out, ids.shape[1])
+
+    def deterministic(x, w1, w2, w3, ids, tw):
+        return ops.moe(x, w1, w2, w3, ids, tw, deterministic=True)
+
+    grad = problem(device, requires_grad=True, seed=2)
+    return [
+        (ops.moe, grad, {}),
+        (deterministic, problem(device, requires_grad=True, seed=3), {}),
+        (fused, problem(device, seed=4), {}),
+    ]

@@ -1,0 +1,291 @@
+"""flash_moe: numerics of the forward and of every gradient against a float64 expert-by-expert reference on the same
+bf16 inputs (error at most 1.5x the per-expert bf16 PyTorch path's, the path trainers use), moe_align's properties,
+the shape contract and argument checks, the conformance kit, torch.compile. CPU tests run everywhere; the
+``@pytest.mark.gpu`` tests need CUDA and an sm_90a build. ``-s`` prints the error ratios."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import prime_kernels
+from prime_kernels_core import manifest
+from prime_kernels_core.testing import assert_conforms, assert_error_ratio
+from prime_kernels_flash_moe import ops
+from prime_kernels_flash_moe.reference import moe_per_expert
+
+KERNEL = "flash_moe"
+MAX_RATIO = 1.5
+cpu = pytest.mark.kernel(KERNEL, device="cpu")
+gpu = [pytest.mark.gpu, pytest.mark.kernel(KERNEL)]
+
+
+def make(T, dim, hidden, E, top_k, device="cpu", seed=0, ids=None, num_global=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, dim, generator=g).to(torch.bfloat16)
+    w1 = (torch.randn(E, hidden, dim, generator=g) / dim**0.5).to(torch.bfloat16)
+    w3 = (torch.randn(E, hidden, dim, generator=g) / dim**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, dim, hidden, generator=g) / hidden**0.5).to(torch.bfloat16)
+    if ids is None:
+        n = num_global or E
+        ids = torch.stack([torch.randperm(n, generator=g)[:top_k] for _ in range(T)]).to(torch.int32)
+    tw = torch.rand(T, top_k, generator=g).softmax(-1)
+    return [t.to(device) for t in (x, w1, w2, w3, ids, tw)]
+
+
+def check_numerics(x, w1, w2, w3, ids, tw, label, expert_start=0, deterministic=False, grads=True):
+    leaves = [t.detach().clone().requires_grad_(grads) for t in (x, w1, w2, w3)]
+    tws = tw.detach().clone().requires_grad_(grads)
+    ours = ops.moe(*leaves, ids, tws, expert_start=expert_start, deterministic=deterministic)
+    base_leaves = [t.detach().clone().requires_grad_(grads) for t in (x, w1, w2, w3)]
+    base_tw = tw.detach().clone().requires_grad_(grads)
+    base = moe_per_expert(*base_leaves, ids, base_tw, expert_start)
+    ref_leaves = [t.detach().double().cpu().requires_grad_(grads) for t in (x, w1, w2, w3)]
+    ref_tw = tw.detach().double().cpu().requires_grad_(grads)
+    ref = moe_per_expert(*ref_leaves, ids.cpu(), ref_tw, expert_start)
+    assert ours.dtype == torch.bfloat16 and ours.shape == x.shape
+    assert_error_ratio(f"{label} forward", ours, base, ref, MAX_RATIO)
+    if not grads:
+        return ours
+    go = torch.randn(x.shape, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    g_ours = torch.autograd.grad(ours, [*leaves, tws], go.to(x.device))
+    g_base = torch.autograd.grad(base, [*base_leaves, base_tw], go.to(x.device))
+    g_ref = torch.autograd.grad(ref, [*ref_leaves, ref_tw], go.double())
+    for name, a, b, r, t in zip(("x", "w1", "w2", "w3", "topk_weights"), g_ours, g_base, g_ref, (*leaves, tws)):
+        assert a.dtype == t.dtype and a.shape == t.shape
+        if r.norm() == 0:
+            assert a.abs().max() == 0, f"{label} grad {name} should be zero"
+            continue
+        assert_error_ratio(f"{label} grad {name}", a, b, r, MAX_RATIO)
+    return ours
+
+
+def routing_cases(device):
+    """(label, problem, expert_start): the issue's cases."""
+    cases = [("E4 top2 T512", make(512, 256, 128, 4, 2, device), 0)]
+    # experts 1, 2, 5, 6, 7 receive no slot
+    ids = torch.tensor([[0, 3], [3, 4], [4, 0]] * 86, dtype=torch.int32)[:256]
+    cases.append(("idle experts", make(256, 256, 128, 8, 2, device, seed=1, ids=ids.to(device)), 0))
+    # expert 2 receives every token
+    ids = make(300, 64, 64, 4, 2, seed=2)[4]
+    ids[:, 0] = 2
+    ids[:, 1] = torch.where(ids[:, 1] == 2, 0, ids[:, 1])
+    cases.append(("one expert takes all", make(300, 256, 128, 4, 2, device, seed=2, ids=ids.to(device)), 0))
+    cases.append(("M=1", make(1, 256, 128, 4, 2, device, seed=3), 0))
+    # expert parallelism: global 8 experts, this rank holds [4, 8); some slots unrouted (-1)
+    x, w1, w2, w3, ids, tw = make(384, 256, 128, 4, 3, device, seed=4, num_global=8)
+    ids = ids.clone()
+    ids[::5, 0] = -1
+    cases.append(("EP experts [4,8) with -1", (x, w1, w2, w3, ids, tw), 4))
+    return cases
+
+
+@cpu
+@pytest.mark.parametrize("case", range(5))
+def test_cpu_numerics(case):
+    label, problem, start = routing_cases("cpu")[case]
+    check_numerics(*problem, f"cpu {label}", expert_start=start)
+
+
+@cpu
+def test_cpu_fused_op_matches_moe_and_overwrites_out():
+    x, w1, w2, w3, ids, tw = make(200, 128, 64, 4, 2, seed=5)
+    ids[3] = -1  # token 3 unrouted: its row must come back zero
+    s, e, n = ops.moe_align(ids, 4)
+    out = torch.full_like(x, float("nan"))
+    ops.fused_moe_bf16(x, torch.cat([w1, w3], 1), w2, s, e, n, tw, out, 2, block_n=64, warp_n=32, stages=3, bpc=1,
+                       cpc=2, split=False)
+    torch.testing.assert_close(out, ops.moe(x, w1, w2, w3, ids, tw), rtol=0, atol=0)
+    assert (out[3] == 0).all()
+
+
+def _check_align(ids, E, block_m, bpc=1, expert_start=0, num_local=None, device="cpu"):
+    s, e, n = ops.moe_align(ids.to(device), E, block_m, bpc, expert_start=expert_start, num_local_experts=num_local)
+    s, e, n = s.cpu(), e.cpu(), int(n.cpu()[0])
+    local_n = num_local if num_local is not None else E - expert_start
+    pad = block_m * bpc
+    S = ids.numel()
+    assert s.dtype == e.dtype == torch.int32
+    assert s.numel() == ops.max_padded(S, local_n, block_m, bpc) == (S + local_n * (pad - 1) + pad - 1) // pad * pad
+    assert e.numel() == s.numel() // block_m and n % pad == 0 and n <= s.numel()
+    flat = ids.reshape(-1).long()
+    local = flat - expert_start
+    pos = 0
+    for ex in range(local_n):
+        want = torch.nonzero((flat >= 0) & (local == ex)).squeeze(1).int()  # stable: ascending slot order
+        padded = (want.numel() + pad - 1) // pad * pad
+        assert torch.equal(s[pos:pos + want.numel()], want), f"expert {ex}: slots not grouped/stable"
+        assert (s[pos + want.numel():pos + padded] == -1).all(), f"expert {ex}: padding is not -1"
+        assert (e[pos // block_m:(pos + padded) // block_m] == ex).all()
+        pos += padded
+    assert pos == n
+    assert (s[n:] == -1).all() and (e[n // block_m:] == -1).all()
+    return s, e, n
+
+
+@cpu
+def test_moe_align_properties():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 16, (333, 4), generator=g, dtype=torch.int32)
+    _check_align(ids, 16, 128)
+    _check_align(ids, 16, 16, bpc=3)
+    ids[::7, 1] = -1
+    _check_align(ids, 16, 64, expert_start=5, num_local=6)  # EP: [5, 11), others and -1 skipped
+    _check_align(ids[:1], 16, 128)                           # M = 1
+    _check_align(ids[:0], 16, 128)                           # no tokens: no blocks
+    big = torch.randint(0, 1024, (4096, 8), generator=g, dtype=torch.int32)
+    s, e, n = _check_align(big, 1024, 128)
+    assert n <= s.numel()
+    # idle experts cost nothing: only the two used experts get blocks
+    s, e, n = _check_align(torch.tensor([[3, 900]] * 5, dtype=torch.int32), 1024, 128)
+    assert n == 256 and e[0] == 3 and e[1] == 900
+
+
+@cpu
+def test_moe_align_rejects():
+    ids = torch.zeros(4, 2, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"topk_ids must be in \[-1, num_experts=4\)"):
+        ops.moe_align(torch.full((4, 2), 4, dtype=torch.int32), 4)
+    with pytest.raises(RuntimeError, match="at most 1024 local experts"):
+        ops.moe_align(ids, 2048)
+    with pytest.raises(RuntimeError, match="topk_ids must be 2-D"):
+        torch.ops.flash_moe.moe_align(ids.view(-1), 4, 128, 1, 0, -1)
+    with pytest.raises(RuntimeError, match="topk_ids must be int32"):
+        torch.ops.flash_moe.moe_align(ids.long(), 4, 128, 1, 0, -1)
+
+
+@cpu
+def test_shape_contract():
+    c = manifest.constants("prime_kernels_flash_moe", KERNEL)
+    assert ops.BLOCK_M == c["BLOCK_M"] and ops.MXFP8_SCALE_BLOCK == c["MXFP8_SCALE_BLOCK"] == 32
+    assert ops.unsupported_shape_reason(2048, 768) is None and ops.unsupported_shape_reason(7168, 2048) is None
+    assert ops.unsupported_shape_reason(4096, 14336, split=False) is None
+    assert "mxfp8 path is not built yet" in ops.unsupported_shape_reason(2048, 768, mxfp8=True)
+    for dim, hidden in [(100, 128), (256, 96), (0, 64)]:
+        reason = ops.unsupported_shape_reason(dim, hidden)
+        with pytest.raises(prime_kernels.UnsupportedShapeError, match="flash_moe needs"):
+            prime_kernels.check_shape(ops, dim, hidden)
+        if dim == 0:
+            continue
+        x, w1, w2, w3, ids, tw = make(8, dim, hidden, 2, 1)
+        with pytest.raises(RuntimeError) as info:  # the op's own check says the same words
+            ops.moe(x, w1, w2, w3, ids, tw)
+        assert reason in str(info.value)
+
+
+@cpu
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: a.update(x=a["x"].float()), "x must be bfloat16"),
+        (lambda a: a.update(w2=a["w2"][:, :, :64]), r"w2 must have shape \(E, dim, hidden\) = \(4, 128, 128\)"),
+        (lambda a: a.update(w2=a["w2"][:3]), "w2 must have E=4 experts"),
+        (lambda a: a.update(w=a["w"][:, :, :64]), "w's last dimension must be dim=128"),
+        (lambda a: a.update(topk_weights=a["topk_weights"].double()), "topk_weights must be float32"),
+        (lambda a: a.update(topk_weights=a["topk_weights"][:, :1]), r"topk_weights must have shape \(M, top_k\)"),
+        (lambda a: a.update(block_m=64), "block_m must be BLOCK_M=128"),
+        (lambda a: a.update(out=a["out"][:, :64]), r"out must have shape \(M, dim\)"),
+        (lambda a: a.update(expert_ids=a["expert_ids"][:-1]), "expert_ids must be a 1-D int32 tensor"),
+        (lambda a: a.update(expert_ids=a["expert_ids"] + 9), r"expert_ids must be in \[-1, E=4\)"),
+    ],
+)
+def test_bad_arguments_name_the_argument(change, message):
+    x, w1, w2, w3, ids, tw = make(16, 128, 128, 4, 2)
+    s, e, n = ops.moe_align(ids, 4)
+    args = dict(x=x, w=torch.cat([w1, w3], 1), w2=w2, sorted_token_ids=s, expert_ids=e, num_tokens_post_padded=n,
+                topk_weights=tw, out=torch.empty_like(x), top_k=2)
+    change(args)
+    with pytest.raises(RuntimeError, match=message):
+        ops.fused_moe_bf16(**args)
+
+
+@cpu
+def test_conforms():
+    assert_conforms(KERNEL)
+
+
+@cpu
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_compile_forward_backward(deterministic):
+    x, w1, w2, w3, ids, tw = make(64, 128, 64, 4, 2, seed=6)
+    leaves = [t.requires_grad_() for t in (x, w1, w2, w3, tw)]
+
+    def step(x, w1, w2, w3, ids, tw):
+        return ops.moe(x, w1, w2, w3, ids, tw, deterministic=deterministic)
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        torch._dynamo.reset()
+        out = fn(x, w1, w2, w3, ids, tw)
+        results.append([out.detach(), *torch.autograd.grad(out.float().square().sum(), leaves)])
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+
+
+@cpu
+def test_needs_input_grad_subset():
+    x, w1, w2, w3, ids, tw = make(32, 128, 64, 4, 2, seed=8)
+    w2.requires_grad_()
+    out = ops.moe(x, w1, w2, w3, ids, tw)
+    (g,) = torch.autograd.grad(out.float().sum(), [w2])
+    assert g.shape == w2.shape and x.grad is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+@pytest.mark.parametrize("case", range(5))
+def test_cuda_numerics(case):
+    label, problem, start = routing_cases("cuda")[case]
+    check_numerics(*problem, f"cuda {label}", expert_start=start)
+    check_numerics(*problem, f"cuda {label} deterministic", expert_start=start, deterministic=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+@pytest.mark.parametrize("shape", [(256, 2048, 768, 16, 8), (1000, 2048, 768, 128, 8), (77, 512, 320, 8, 2)])
+def test_cuda_numerics_qwen_like(shape):
+    T, dim, hidden, E, top_k = shape
+    check_numerics(*make(T, dim, hidden, E, top_k, "cuda", seed=9), f"cuda {shape}")
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+def test_cuda_align_matches_cpu():
+    g = torch.Generator().manual_seed(1)
+    for T, E, k, start, local in [(1, 8, 2, 0, None), (4096, 128, 8, 0, None), (3000, 1024, 8, 0, None),
+                                  (777, 64, 4, 16, 16), (0, 4, 2, 0, None)]:
+        ids = torch.randint(-1, E, (T, k), generator=g, dtype=torch.int32)
+        got = ops.moe_align(ids.cuda(), E, 128, 1, expert_start=start, num_local_experts=local)
+        want = ops.moe_align(ids, E, 128, 1, expert_start=start, num_local_experts=local)
+        for a, b in zip(got, want):
+            assert torch.equal(a.cpu(), b)
+        _check_align(ids, E, 128, 2, expert_start=start, num_local=local, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+def test_cuda_fused_op_matches_cpu():
+    x, w1, w2, w3, ids, tw = make(500, 256, 192, 6, 2, seed=10)
+    s, e, n = ops.moe_align(ids, 6)
+    w = torch.cat([w1, w3], 1)
+    want = ops.fused_moe_bf16(x, w, w2, s, e, n, tw, torch.empty_like(x), 2)
+    out = torch.full_like(x, float("nan")).cuda()
+    got = ops.fused_moe_bf16(x.cuda(), w.cuda(), w2.cuda(), s.cuda(), e.cuda(), n.cuda(), tw.cuda(), out, 2)
+    base = moe_per_expert(x, w1, w2, w3, ids, tw)
+    ref = moe_per_expert(x.double(), w1.double(), w2.double(), w3.double(), ids, tw.double())
+    assert_error_ratio("cuda fused_moe_bf16", got, base, ref, MAX_RATIO)
+    torch.testing.assert_close(got.cpu(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+def test_cuda_deterministic_is_bitwise_reproducible():
+    x, w1, w2, w3, ids, tw = make(2048, 1024, 512, 32, 8, "cuda", seed=11)
+    runs = []
+    for _ in range(3):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w2, w3, tw)]
+        out = ops.moe(*leaves[:4], ids, leaves[4], deterministic=True)
+        runs.append([out, *torch.autograd.grad(out.float().square().sum(), leaves)])
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
