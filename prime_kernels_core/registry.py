@@ -239,7 +239,7 @@ def _import_module(module: str):
         return None, f"importing {module} failed: {text}"
 
 
-def _reason(name: str, device, import_module: bool) -> str | None:
+def _reason(name: str, device) -> str | None:
     disabled = {n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",")}
     if name in disabled:
         return f"disabled by {DISABLE_ENV}"
@@ -270,10 +270,9 @@ def _reason(name: str, device, import_module: bool) -> str | None:
         if not any(arch_runs_on(a, target.capability) for a in built):
             major, minor = target.capability
             return f"{spec.name} is compiled for {', '.join(built) or 'no arch'}, this device is sm_{major}{minor}"
-    if import_module:  # rule 8
-        _, failure = _import_module(spec.module)
-        if failure:
-            return failure
+    _, failure = _import_module(spec.module)  # rule 8
+    if failure:
+        return failure
     try:  # rule 9
         return entry.manager.hook.prime_kernels_extra_check(kernel=name, device=target)
     except Exception as exc:
@@ -283,7 +282,7 @@ def _reason(name: str, device, import_module: bool) -> str | None:
 def unavailable_reason(name: str, device=None) -> str | None:
     """None when ``name`` can run on ``device``, else one sentence saying what was found and what is needed."""
     try:
-        return _reason(name, device, import_module=True)
+        return _reason(name, device)
     except Exception as exc:  # gating never raises
         return f"checking {name} failed unexpectedly: {type(exc).__name__}: {exc}"
 
