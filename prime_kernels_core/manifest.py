@@ -47,9 +47,6 @@ class KernelSpec:
     distribution: str = ""
     version: str = ""
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 @lru_cache(maxsize=None)
 def load(path: str | Path) -> dict:

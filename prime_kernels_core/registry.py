@@ -36,11 +36,6 @@ class Target:
     index: int | None = None
     capability: tuple[int, int] | None = None
 
-    def __str__(self) -> str:
-        if self.kind == "cpu":
-            return "cpu"
-        return f"cuda:{self.index} (sm_{self.capability[0]}{self.capability[1]})"
-
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
