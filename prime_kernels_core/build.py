@@ -93,7 +93,7 @@ def cuda_skip_reason(toolchain: Toolchain, archs: list[str]) -> str | None:
             f"{toolchain.torch_cuda}; the CUDA majors must match"
         )
     if not archs:
-        return "no CUDA arch was requested"
+        return f"no CUDA arch was requested (the manifest lists none and {ARCH_ENV} is unset)"
     for arch in archs:
         found = re.fullmatch(r"(\d+)\.(\d+)([af]?)", arch)
         if not found:

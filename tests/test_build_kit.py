@@ -24,7 +24,7 @@ def test_suitable_toolchain_builds():
     (Toolchain("2.7.0+cu126", "12.6", "/usr/local/cuda", "12.6"), ["10.0a"],
      "nvcc 12.6 cannot build 10.0a; it needs CUDA 12.8 or newer"),
     (GOOD, ["sm90"], "arch 'sm90' is not of the form MAJOR.MINOR[a|f] (e.g. 9.0a)"),
-    (GOOD, [], "no CUDA arch was requested"),
+    (GOOD, [], "no CUDA arch was requested (the manifest lists none and PRIME_KERNELS_ARCH is unset)"),
 ])
 def test_unsuitable_toolchains_skip_with_a_sentence(toolchain, archs, expected):
     assert cuda_skip_reason(toolchain, archs) == expected
