@@ -73,4 +73,8 @@ fi
 echo; echo "== gpu_check summary =="
 "$py" -c 'import torch,subprocess; print(torch.cuda.get_device_name(), "| torch", torch.__version__, "| commit", subprocess.run(["git","rev-parse","--short","HEAD"],capture_output=True,text=True).stdout.strip() or "?")' 2>/dev/null
 column -t -s $'\t' "$results"
-for log in "$out"/bench_*.log; do [ -f "$log" ] && { echo "-- $(basename "$log" .log)"; grep -E '^\||^ours' "$log" | tail -n 8; }; done
+for log in "$out"/bench_*.log; do
+  [ -f "$log" ] || continue
+  echo "-- $(basename "$log" .log)"; grep -E '^\||^ours' "$log" | tail -n 8
+done
+! grep -qE 'FAILED|failed|exit [1-9]' "$results"
