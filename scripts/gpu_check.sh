@@ -71,7 +71,9 @@ if phase bench; then
 fi
 
 echo; echo "== gpu_check summary =="
-"$py" -c 'import torch,subprocess; print(torch.cuda.get_device_name(), "| torch", torch.__version__, "| commit", subprocess.run(["git","rev-parse","--short","HEAD"],capture_output=True,text=True).stdout.strip() or "?")' 2>/dev/null
+# The device copy of the tree has no .git: pass COMMIT=<hash> from the machine that sent it.
+commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+"$py" -c 'import sys, torch; print(torch.cuda.get_device_name(), "| torch", torch.__version__, "| commit", sys.argv[1])' "$commit"
 column -t -s $'\t' "$results"
 for log in "$out"/bench_*.log; do
   [ -f "$log" ] || continue
