@@ -1,5 +1,6 @@
 """The build kit's decisions (pure functions, any toolchain) and its manifest handling."""
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -138,3 +139,11 @@ def test_require_turns_each_skip_into_an_error(case, tmp_path, monkeypatch):
     plan = build.extension_plan(tmp_path, UNSUITABLE[case])
     with pytest.raises(build.BuildError, match="PRIME_KERNELS_REQUIRE=1 makes this an error"):
         build.announce_skip(plan)
+
+
+def test_cuda_library_headers_only_when_the_toolkit_lacks_them(tmp_path):
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "cusparse.h").write_text("")
+    assert build.cuda_library_includes(str(tmp_path)) == []
+    for include in build.cuda_library_includes(str(tmp_path / "nvcc-and-cudart-only")):
+        assert (Path(include) / "cusparse.h").exists()
