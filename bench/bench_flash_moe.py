@@ -2,10 +2,15 @@
 ``prime_kernels_flash_moe.ops.moe``, against the grouped-mm expert path (argsort permute -> torch._grouped_mm gate/up
 -> silu * up -> grouped_mm down -> weighted index_add) and the bf16 matmul ceiling, all measured in the same run.
 
-    python bench/bench_flash_moe.py [--json PATH] [--quick]
+    python bench/bench_flash_moe.py [--json PATH] [--quick] [--mxfp8-only]
 
 Timing: triton.testing.do_bench median. FLOPs = 2 T k dim 2 hidden + 2 T k hidden dim (forward); forward+backward
 counts 3x that plus the recomputed gate/up (2 T k dim 2 hidden). Routing: uniform random top-k ids, softmax weights.
+
+mxfp8 rows (DeepSeek-V3 and Qwen3-30B-A3B): ``moe(mxfp8=True)`` forward (x quantized per call, weights cached),
+the ``fused_moe_mxfp8`` op on pre-quantized operands, and ``quantize_mxfp8`` of x alone, in TFLOP/s against the fp8
+ceiling (``torch._scaled_mm`` e4m3 8192^3, per-tensor scales, bf16 out) and against the bf16 flash_moe forward, all
+measured in the same run.
 """
 from __future__ import annotations
 
@@ -24,6 +29,50 @@ SHAPES = [
     ("qwen3-30b-a3b T=65536", 65536, 128, 8, 2048, 768),
 ]
 TARGETS = {"qwen3-30b-a3b": 2.0, "deepseek-v3": 1.6, "mixtral": 1.3}
+MXFP8_SHAPES = [
+    ("deepseek-v3 mxfp8", 8192, 256, 8, 7168, 2048),
+    ("qwen3-30b-a3b mxfp8", 16384, 128, 8, 2048, 768),
+]
+
+
+def fp8_ceiling() -> float:
+    """e4m3 FLOP/s of an 8192^3 torch._scaled_mm (per-tensor scales, bf16 out) on random data."""
+    a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+    one = torch.ones((), device="cuda")
+    ms = do_bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), warmup=10, rep=100)
+    del a, b
+    free()
+    return 2 * 8192**3 / (ms * 1e-3)
+
+
+def bench_mxfp8(ops, fp8_peak):
+    rows = []
+    for name, T, E, k, dim, hidden in MXFP8_SHAPES:
+        flops = 2 * T * k * dim * 2 * hidden + 2 * T * k * hidden * dim
+        with torch.no_grad():
+            p = problem(T, E, k, dim, hidden)
+            bf16 = do_bench(lambda: ops.moe(*p))
+            mx = do_bench(lambda: ops.moe(*p, mxfp8=True))  # first call (warmup) fills the weight cache
+            xq, xs = ops.quantize_mxfp8(p[0])
+            wq, ws, w2q, w2s = ops._cached_quantized_weights(p[1], p[2], p[3])
+            s, e, n = ops.moe_align(p[4], E)
+            out = torch.empty_like(p[0])
+            fused = do_bench(lambda: ops.fused_moe_mxfp8(xq, xs, wq, ws, w2q, w2s, s, e, n, p[5], out, k))
+            quant = do_bench(lambda: ops.quantize_mxfp8(p[0]))
+        row = {"shape": name, "T": T, "E": E, "top_k": k, "dim": dim, "hidden": hidden, "mxfp8_fwd_ms": mx,
+               "mxfp8_fused_op_ms": fused, "quantize_x_ms": quant, "bf16_fwd_ms": bf16,
+               "mxfp8_fwd_tflops": flops / mx / 1e9, "mxfp8_fused_op_tflops": flops / fused / 1e9,
+               "fraction_of_fp8_ceiling": flops / fused / 1e9 / (fp8_peak / 1e12), "speedup_vs_bf16": bf16 / mx,
+               "fp8_ceiling_tflops": fp8_peak / 1e12}
+        rows.append(row)
+        print(f"{name:24s} mxfp8 fwd {mx:7.3f} ms ({row['mxfp8_fwd_tflops']:5.0f} TFLOP/s), fused op {fused:7.3f} ms "
+              f"({row['mxfp8_fused_op_tflops']:5.0f}, {100 * row['fraction_of_fp8_ceiling']:4.1f}% of fp8 ceiling), "
+              f"quantize x {quant:6.3f} ms | bf16 flash_moe fwd {bf16:7.3f} ms | x{row['speedup_vs_bf16']:.2f}")
+        del p, xq, xs, s, e, n, out
+        ops._WEIGHT_CACHE.clear()
+        free()
+    return rows
 
 
 def problem(T, E, k, dim, hidden, grad=False):
@@ -43,6 +92,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true", help="the three main shapes, forward only at T=65536")
+    parser.add_argument("--mxfp8-only", action="store_true", help="only the mxfp8 rows (and both ceilings)")
     args = parser.parse_args()
     import prime_kernels
     from prime_kernels_flash_moe.reference import moe_grouped_mm
@@ -50,8 +100,11 @@ def main():
     ops = prime_kernels.load("flash_moe")
     ceiling = matmul_ceiling()
     print(f"bf16 matmul ceiling 8192^3: {ceiling / 1e12:.0f} TFLOP/s")
+    fp8_peak = fp8_ceiling()
+    print(f"fp8 (e4m3 torch._scaled_mm) ceiling 8192^3: {fp8_peak / 1e12:.0f} TFLOP/s")
     summary = []
-    for name, T, E, k, dim, hidden in SHAPES[:3] if args.quick else SHAPES:
+    mxfp8_rows = bench_mxfp8(ops, fp8_peak)
+    for name, T, E, k, dim, hidden in [] if args.mxfp8_only else SHAPES[:3] if args.quick else SHAPES:
         flops = 2 * T * k * dim * 2 * hidden + 2 * T * k * hidden * dim
         row = {"shape": name, "T": T, "E": E, "top_k": k, "dim": dim, "hidden": hidden}
         with torch.no_grad():
@@ -87,7 +140,8 @@ def main():
                                                f" x{row['fwd_bwd_speedup']:.2f}" if "fwd_bwd_ms" in row else ""))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"ceiling_tflops": ceiling / 1e12, "summary": summary}, f, indent=2)
+            json.dump({"ceiling_tflops": ceiling / 1e12, "fp8_ceiling_tflops": fp8_peak / 1e12, "summary": summary,
+                       "mxfp8": mxfp8_rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,13 @@
 //   moe_forward     the same with the gate and up weights as two tensors (E, hidden, dim), returning out; the
 //                   `deterministic` flag selects a fixed-order combine on CUDA (the CPU combine is always fixed-order).
 //
+//   quantize_mxfp8  t (..., K) -> (e4m3 data (..., K), e8m0 scales (..., K / block)), the rule in mxfp8.h.
+//   fused_moe_mxfp8 / moe_forward_mxfp8  the same two expert ops on mxfp8 x, w, w2 (weight scales in
+//                   pack_scales_blocked's layout); the SwiGLU output is re-quantized to mxfp8 per 32 hidden elements
+//                   before the down projection.
+//
+// CPU numerics (mxfp8): x, w, w2 dequantized exactly to fp32, fp32 GEMMs, SwiGLU in fp32, h re-quantized with
+// quantize_mxfp8's rule and dequantized, down in fp32, combine as below.
 // CPU numerics: bf16 inputs, fp32 GEMM accumulation, SwiGLU in fp32, the intermediate rounded to bf16 (as the CUDA
 // kernels store it), per-slot expert outputs in fp32, combined in k order in fp32, rounded once to bf16.
 #include <ATen/ATen.h>
@@ -15,6 +22,11 @@
 #include <vector>
 
 #include "flash_moe.h"
+#include "mxfp8.h"
+
+#include <c10/util/Float8_e4m3fn.h>
+#include <cstring>
+#include <functional>
 
 namespace flash_moe {
 namespace {
@@ -58,7 +70,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_align_cpu(const at::Tensor& t
 // Per-slot expert outputs y[slot] = (silu(x_t Wg^T) * (x_t Wu^T)) W2^T in fp32, zero for slots no block covers.
 at::Tensor slot_outputs_cpu(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up,
                             const at::Tensor& w2, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
-                            const at::Tensor& num_tokens_post_padded, const MoeShape& s, int64_t block_m) {
+                            const at::Tensor& num_tokens_post_padded, const MoeShape& s, int64_t block_m,
+                            const std::function<at::Tensor(const at::Tensor&)>& round_h) {
   TORCH_CHECK(x.device().is_cpu(), op, " (CPU): x must be a CPU tensor, got ", x.device());
   const int64_t slots = s.M * s.top_k;
   auto y = at::zeros({slots, s.dim}, x.options().dtype(at::kFloat));
@@ -87,10 +100,123 @@ at::Tensor slot_outputs_cpu(const char* op, const at::Tensor& x, const at::Tenso
     const auto xb = x.index_select(0, at::floor_divide(slot_t, s.top_k)).to(at::kFloat);
     const auto g = xb.mm(gate[e].to(at::kFloat).t());
     const auto u = xb.mm(up[e].to(at::kFloat).t());
-    const auto h = (at::silu(g) * u).to(at::kBFloat16).to(at::kFloat);
+    const auto h = round_h(at::silu(g) * u);
     y.index_copy_(0, slot_t, h.mm(w2[e].to(at::kFloat).t()));
   }
   return y;
+}
+
+at::Tensor round_bf16(const at::Tensor& h) { return h.to(at::kBFloat16).to(at::kFloat); }
+
+// ------------------------------------------------------------------------------------------------------------------
+// mxfp8
+std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_cpu(const at::Tensor& t, int64_t block) {
+  const char* op = "quantize_mxfp8";
+  TORCH_CHECK(t.device().is_cpu(), op, " (CPU): t must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, op,
+              ": t must be float32, bfloat16 or float16, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() >= 1, op, ": t must have at least one dimension");
+  TORCH_CHECK(block >= 1 && t.size(-1) % block == 0, op, ": the last dimension must be a multiple of block=", block,
+              ", got ", t.size(-1));
+  const auto f = t.contiguous().to(at::kFloat);
+  auto data = at::empty(t.sizes(), t.options().dtype(at::kFloat8_e4m3fn));
+  auto scale_sizes = t.sizes().vec();
+  scale_sizes.back() /= block;
+  auto scales = at::empty(scale_sizes, t.options().dtype(at::kFloat8_e8m0fnu));
+  const float* in = f.const_data_ptr<float>();
+  auto* q = reinterpret_cast<uint8_t*>(data.mutable_data_ptr());
+  auto* sc = reinterpret_cast<uint8_t*>(scales.mutable_data_ptr());
+  const int64_t blocks = scales.numel();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* v = in + b * block;
+    uint32_t amax = 0;
+    for (int64_t i = 0; i < block; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, v + i, 4);
+      amax = std::max(amax, bits & 0x7FFFFFFFu);
+    }
+    const uint32_t sb = mx::scale_byte(amax);
+    sc[b] = static_cast<uint8_t>(sb);
+    const uint32_t inv_bits = sb == mx::kNanScale ? 0u : mx::inv_scale_bits(sb);
+    float inv;
+    std::memcpy(&inv, &inv_bits, 4);
+    for (int64_t i = 0; i < block; ++i) {
+      if (sb == mx::kNanScale) {
+        q[b * block + i] = mx::kNanElement;
+        continue;
+      }
+      const float y = std::min(448.f, std::max(-448.f, v[i] * inv));
+      q[b * block + i] = c10::Float8_e4m3fn(y).x;
+    }
+  }
+  return {data, scales};
+}
+
+// e4m3 data (..., K) with row-major e8m0 scales (..., K / 32) -> fp32 (exact).
+at::Tensor dequantize_cpu(const at::Tensor& data, const at::Tensor& scales) {
+  return data.to(at::kFloat) * scales.to(at::kFloat).repeat_interleave(kMxScaleBlock, -1);
+}
+
+// pack_scales_blocked's layout (E, K / 128, N, 4) -> row-major (E, N, K / 32).
+at::Tensor unpack_scales(const at::Tensor& packed) {
+  const auto b = packed.view(at::kByte);
+  return b.permute({0, 2, 1, 3}).reshape({b.size(0), b.size(2), b.size(1) * b.size(3)}).view(at::kFloat8_e8m0fnu);
+}
+
+at::Tensor round_mxfp8(const at::Tensor& h) {
+  const auto [q, sc] = quantize_mxfp8_cpu(h, kMxScaleBlock);
+  return dequantize_cpu(q, sc);
+}
+
+at::Tensor mxfp8_slot_outputs_cpu(const char* op, const at::Tensor& x_in, const at::Tensor& xs_in,
+                                  const at::Tensor& w_in, const at::Tensor& ws_in, const at::Tensor& w2_in,
+                                  const at::Tensor& w2s_in, const at::Tensor& sorted_token_ids,
+                                  const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
+                                  const at::Tensor* topk_weights, int64_t top_k, int64_t block_m, MoeShape& s) {
+  const auto x = as_bits_of(x_in, at::kFloat8_e4m3fn), w = as_bits_of(w_in, at::kFloat8_e4m3fn);
+  const auto w2 = as_bits_of(w2_in, at::kFloat8_e4m3fn);
+  const auto x_scales = as_bits_of(xs_in, at::kFloat8_e8m0fnu), w_scales = as_bits_of(ws_in, at::kFloat8_e8m0fnu);
+  const auto w2_scales = as_bits_of(w2s_in, at::kFloat8_e8m0fnu);
+  TORCH_CHECK(w.dim() == 3 && w.size(1) % 2 == 0, op,
+              ": w must be 3-D (E, 2 * hidden, dim) with gate rows [0, hidden) and up rows [hidden, 2 * hidden), got "
+              "shape ", w.sizes());
+  const int64_t hidden = w.size(1) / 2;
+  const auto gate = w.narrow(1, 0, hidden), up = w.narrow(1, hidden, hidden);
+  s = check_moe_args(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k,
+                     block_m, "w", at::kFloat8_e4m3fn);
+  check_mx_scales(op, x, x_scales, w_scales, w2_scales, s);
+  TORCH_CHECK(x.device().is_cpu(), op, " (CPU): x must be a CPU tensor, got ", x.device());
+  const auto xf = dequantize_cpu(x, x_scales);
+  const auto wf = dequantize_cpu(w, unpack_scales(w_scales));
+  const auto w2f = dequantize_cpu(w2, unpack_scales(w2_scales));
+  return slot_outputs_cpu(op, xf, wf.narrow(1, 0, hidden), wf.narrow(1, hidden, hidden), w2f, sorted_token_ids,
+                          expert_ids, num_tokens_post_padded, s, block_m, round_mxfp8);
+}
+
+void fused_moe_mxfp8_cpu(const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& w,
+                         const at::Tensor& w_scales, const at::Tensor& w2, const at::Tensor& w2_scales,
+                         const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                         const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, at::Tensor out,
+                         int64_t top_k, int64_t block_m, int64_t /*block_n*/, int64_t /*warp_n*/, int64_t /*stages*/,
+                         int64_t /*bpc*/, bool /*split*/) {
+  const char* op = "fused_moe_mxfp8";
+  MoeShape s{};
+  const auto y = mxfp8_slot_outputs_cpu(op, x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids,
+                                        num_tokens_post_padded, &topk_weights, top_k, block_m, s);
+  check_out(op, out, s, x);
+  out.copy_((y.view({s.M, top_k, s.dim}) * topk_weights.unsqueeze(-1)).sum(1));
+}
+
+at::Tensor moe_forward_mxfp8_cpu(const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& w,
+                                 const at::Tensor& w_scales, const at::Tensor& w2, const at::Tensor& w2_scales,
+                                 const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                                 const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights,
+                                 int64_t top_k, int64_t block_m, bool /*deterministic: always k order on CPU*/) {
+  MoeShape s{};
+  const auto y = mxfp8_slot_outputs_cpu("moe_forward_mxfp8", x, x_scales, w, w_scales, w2, w2_scales,
+                                        sorted_token_ids, expert_ids, num_tokens_post_padded, &topk_weights, top_k,
+                                        block_m, s);
+  return (y.view({s.M, top_k, s.dim}) * topk_weights.unsqueeze(-1)).sum(1).to(at::kBFloat16);
 }
 
 void fused_moe_bf16_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w2,
@@ -107,7 +233,8 @@ void fused_moe_bf16_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tens
   const MoeShape s = check_moe_args(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                     &topk_weights, top_k, block_m, "w");
   check_out(op, out, s, x);
-  const auto y = slot_outputs_cpu(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m);
+  const auto y = slot_outputs_cpu(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m,
+                                  round_bf16);
   out.copy_((y.view({s.M, top_k, s.dim}) * topk_weights.unsqueeze(-1)).sum(1));
 }
 
@@ -118,7 +245,8 @@ at::Tensor moe_forward_cpu(const at::Tensor& x, const at::Tensor& w1, const at::
   const char* op = "moe_forward";
   const MoeShape s = check_moe_args(op, x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                     &topk_weights, top_k, block_m, "w1/w3");
-  const auto y = slot_outputs_cpu(op, x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m);
+  const auto y = slot_outputs_cpu(op, x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m,
+                                  round_bf16);
   return (y.view({s.M, top_k, s.dim}) * topk_weights.unsqueeze(-1)).sum(1).to(at::kBFloat16);
 }
 
@@ -133,10 +261,20 @@ TORCH_LIBRARY(flash_moe, m) {
         "int warp_n, int stages, int bpc, int cpc, bool split) -> ()");
   m.def("moe_forward(Tensor x, Tensor w1, Tensor w3, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids, "
         "Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, int block_m, bool deterministic) -> Tensor");
+  m.def("quantize_mxfp8(Tensor t, int block) -> (Tensor data, Tensor scales)");
+  m.def("fused_moe_mxfp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tensor w2, Tensor w2_scales, "
+        "Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, "
+        "Tensor(a!) out, int top_k, int block_m, int block_n, int warp_n, int stages, int bpc, bool split) -> ()");
+  m.def("moe_forward_mxfp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tensor w2, Tensor w2_scales, "
+        "Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, "
+        "int block_m, bool deterministic) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flash_moe, CPU, m) {
   m.impl("moe_align", &flash_moe::moe_align_cpu);
   m.impl("fused_moe_bf16", &flash_moe::fused_moe_bf16_cpu);
   m.impl("moe_forward", &flash_moe::moe_forward_cpu);
+  m.impl("quantize_mxfp8", &flash_moe::quantize_mxfp8_cpu);
+  m.impl("fused_moe_mxfp8", &flash_moe::fused_moe_mxfp8_cpu);
+  m.impl("moe_forward_mxfp8", &flash_moe::moe_forward_mxfp8_cpu);
 }

@@ -17,6 +17,12 @@
 #ifndef FLASH_MOE_HIDDEN_ALIGN
 #error "FLASH_MOE_HIDDEN_ALIGN must come from kernel.toml ([flash_moe.constants])"
 #endif
+#ifndef FLASH_MOE_MXFP8_SCALE_BLOCK
+#error "FLASH_MOE_MXFP8_SCALE_BLOCK must come from kernel.toml ([flash_moe.constants])"
+#endif
+#ifndef FLASH_MOE_MXFP8_ALIGN
+#error "FLASH_MOE_MXFP8_ALIGN must come from kernel.toml ([flash_moe.constants])"
+#endif
 #ifndef FLASH_MOE_MAX_EXPERTS
 #error "FLASH_MOE_MAX_EXPERTS must come from kernel.toml ([flash_moe.constants])"
 #endif
@@ -27,18 +33,26 @@ constexpr int64_t kBlockM = FLASH_MOE_BLOCK_M;
 constexpr int64_t kDimAlign = FLASH_MOE_DIM_ALIGN;
 constexpr int64_t kHiddenAlign = FLASH_MOE_HIDDEN_ALIGN;
 constexpr int64_t kMaxExperts = FLASH_MOE_MAX_EXPERTS;
+constexpr int64_t kMxScaleBlock = FLASH_MOE_MXFP8_SCALE_BLOCK;
+constexpr int64_t kMxAlign = FLASH_MOE_MXFP8_ALIGN;
+static_assert(kMxAlign % kMxScaleBlock == 0 && kMxAlign % kDimAlign == 0 && kMxAlign % kHiddenAlign == 0,
+              "MXFP8_ALIGN must be a multiple of MXFP8_SCALE_BLOCK, DIM_ALIGN and HIDDEN_ALIGN");
 
 // The shape contract, worded exactly as prime_kernels_flash_moe.ops.unsupported_shape_reason words it (a test keeps
 // the two in step); empty when supported.
-inline std::string contract_reason(int64_t dim, int64_t hidden) {
+// mxfp8: dim and hidden_dim in whole MXFP8_ALIGN = 128 (four scale blocks of 32: one 128-byte pipeline stage of e4m3
+// per K step, and the blocked weight-scale layout groups 4 scale blocks).
+inline std::string contract_reason(int64_t dim, int64_t hidden, bool mxfp8 = false) {
   if (dim < 1 || hidden < 1)
     return "flash_moe needs positive dim and hidden_dim, got dim=" + std::to_string(dim) +
            ", hidden_dim=" + std::to_string(hidden);
-  if (dim % kDimAlign)
-    return "flash_moe needs dim (x's last dimension) to be a multiple of " + std::to_string(kDimAlign) + ", got " +
-           std::to_string(dim);
-  if (hidden % kHiddenAlign)
-    return "flash_moe needs hidden_dim to be a multiple of " + std::to_string(kHiddenAlign) + ", got " +
+  const int64_t dim_align = mxfp8 ? kMxAlign : kDimAlign, hidden_align = mxfp8 ? kMxAlign : kHiddenAlign;
+  const std::string path = mxfp8 ? " for mxfp8" : "";
+  if (dim % dim_align)
+    return "flash_moe needs dim (x's last dimension) to be a multiple of " + std::to_string(dim_align) + path +
+           ", got " + std::to_string(dim);
+  if (hidden % hidden_align)
+    return "flash_moe needs hidden_dim to be a multiple of " + std::to_string(hidden_align) + path + ", got " +
            std::to_string(hidden);
   return {};
 }
@@ -82,12 +96,15 @@ struct MoeShape {
 inline MoeShape check_moe_args(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up,
                                const at::Tensor& w2, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                                const at::Tensor& num_tokens_post_padded, const at::Tensor* topk_weights,
-                               int64_t top_k, int64_t block_m, const char* w_name) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, op, ": x must be bfloat16, got ", x.scalar_type());
+                               int64_t top_k, int64_t block_m, const char* w_name,
+                               at::ScalarType dtype = at::kBFloat16) {
+  const bool mxfp8 = dtype == at::kFloat8_e4m3fn;
+  const char* dname = mxfp8 ? "float8_e4m3fn" : "bfloat16";
+  TORCH_CHECK(x.scalar_type() == dtype, op, ": x must be ", dname, ", got ", x.scalar_type());
   TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D (M, dim), got shape ", x.sizes());
-  TORCH_CHECK(gate.scalar_type() == at::kBFloat16 && up.scalar_type() == at::kBFloat16, op, ": ", w_name,
-              " must be bfloat16, got ", gate.scalar_type(), " / ", up.scalar_type());
-  TORCH_CHECK(w2.scalar_type() == at::kBFloat16, op, ": w2 must be bfloat16, got ", w2.scalar_type());
+  TORCH_CHECK(gate.scalar_type() == dtype && up.scalar_type() == dtype, op, ": ", w_name, " must be ", dname,
+              ", got ", gate.scalar_type(), " / ", up.scalar_type());
+  TORCH_CHECK(w2.scalar_type() == dtype, op, ": w2 must be ", dname, ", got ", w2.scalar_type());
   TORCH_CHECK(gate.dim() == 3 && up.dim() == 3, op, ": ", w_name, " must be 3-D expert weights, got shapes ",
               gate.sizes(), " / ", up.sizes());
   TORCH_CHECK(w2.dim() == 3, op, ": w2 must be 3-D (E, dim, hidden), got shape ", w2.sizes());
@@ -105,7 +122,7 @@ inline MoeShape check_moe_args(const char* op, const at::Tensor& x, const at::Te
               w2.size(0));
   TORCH_CHECK(w2.size(1) == s.dim && w2.size(2) == s.hidden, op, ": w2 must have shape (E, dim, hidden) = (", s.E,
               ", ", s.dim, ", ", s.hidden, "), got ", w2.sizes());
-  const std::string reason = contract_reason(s.dim, s.hidden);
+  const std::string reason = contract_reason(s.dim, s.hidden, mxfp8);
   TORCH_CHECK(reason.empty(), op, ": ", reason);
   TORCH_CHECK(top_k >= 1, op, ": top_k must be positive, got ", top_k);
   TORCH_CHECK(block_m == kBlockM, op, ": block_m must be BLOCK_M=", kBlockM,
@@ -137,6 +154,37 @@ inline MoeShape check_moe_args(const char* op, const at::Tensor& x, const at::Te
     TORCH_CHECK(topk_weights->device() == x.device(), op, ": topk_weights must be on x's device ", x.device(),
                 ", got ", topk_weights->device());
   return s;
+}
+
+// The mxfp8 ops take e4m3 / e8m0 tensors or their uint8 bytes (same layout; torch.library.opcheck's schema check
+// compares inputs with allclose, which float8 types lack on CPU, so the conformance samples pass bytes).
+inline at::Tensor as_bits_of(const at::Tensor& t, at::ScalarType dtype) {
+  return t.scalar_type() == at::kByte ? t.view(dtype) : t;
+}
+
+// mxfp8 scales: x_scales row-major (M, dim / 32); w_scales / w2_scales in pack_scales_blocked's layout
+// (E, K / MXFP8_ALIGN, N, MXFP8_ALIGN / 32): for each expert and each 128-wide K step, the N rows' 4 scale bytes.
+inline void check_mx_scales(const char* op, const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& w_scales,
+                            const at::Tensor& w2_scales, const MoeShape& s) {
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"x_scales", &x_scales}, {"w_scales", &w_scales},
+                         {"w2_scales", &w2_scales}}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat8_e8m0fnu, op, ": ", name, " must be float8_e8m0fnu, got ",
+                t->scalar_type());
+    TORCH_CHECK(t->device() == x.device(), op, ": ", name, " must be on x's device ", x.device(), ", got ",
+                t->device());
+  }
+  const int64_t g = kMxAlign / kMxScaleBlock;
+  TORCH_CHECK(x_scales.dim() == 2 && x_scales.size(0) == s.M && x_scales.size(1) == s.dim / kMxScaleBlock, op,
+              ": x_scales must have shape (M, dim / ", kMxScaleBlock, ") = (", s.M, ", ", s.dim / kMxScaleBlock,
+              "), got ", x_scales.sizes());
+  TORCH_CHECK(w_scales.dim() == 4 && w_scales.size(0) == s.E && w_scales.size(1) == s.dim / kMxAlign &&
+                  w_scales.size(2) == 2 * s.hidden && w_scales.size(3) == g,
+              op, ": w_scales must be pack_scales_blocked's layout (E, dim / ", kMxAlign, ", 2 * hidden, ", g, ") = (",
+              s.E, ", ", s.dim / kMxAlign, ", ", 2 * s.hidden, ", ", g, "), got ", w_scales.sizes());
+  TORCH_CHECK(w2_scales.dim() == 4 && w2_scales.size(0) == s.E && w2_scales.size(1) == s.hidden / kMxAlign &&
+                  w2_scales.size(2) == s.dim && w2_scales.size(3) == g,
+              op, ": w2_scales must be pack_scales_blocked's layout (E, hidden / ", kMxAlign, ", dim, ", g, ") = (",
+              s.E, ", ", s.hidden / kMxAlign, ", ", s.dim, ", ", g, "), got ", w2_scales.sizes());
 }
 
 inline void check_out(const char* op, const at::Tensor& out, const MoeShape& s, const at::Tensor& x) {

@@ -1,4 +1,4 @@
-"""flash_moe: fused MoE experts in bf16 (Hopper sm_90a kernels, a CPU implementation everywhere).
+"""flash_moe: fused MoE experts in bf16 and mxfp8 (Hopper sm_90a kernels, a CPU implementation everywhere).
 
 Surface (compatible with the original Blackwell flash_moe, namespace ``prime_moe`` there):
 
@@ -8,7 +8,12 @@ Surface (compatible with the original Blackwell flash_moe, namespace ``prime_moe
 - ``fused_moe_bf16(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k, ...)``:
   writes ``out`` in place and returns it. **The op overwrites every row of ``out``** (rows of tokens with no local
   slot become zero), in every mode, so callers need not zero it.
-- ``moe(x, w1, w2, w3, topk_ids, topk_weights, *, expert_start=0, deterministic=False)``: differentiable.
+- ``moe(x, w1, w2, w3, topk_ids, topk_weights, *, expert_start=0, deterministic=False, mxfp8=False)``:
+  differentiable.
+- mxfp8 (OCP MX: e4m3 elements, one e8m0 power-of-two scale per 32 elements along K): ``quantize_mxfp8``,
+  ``dequantize_mxfp8``, ``pack_scales_blocked`` / ``unpack_scales_blocked`` (the weight-scale layout the kernels read),
+  ``fused_moe_mxfp8`` (same semantics as fused_moe_bf16; the SwiGLU output is re-quantized to mxfp8 per 32 hidden
+  elements before the down projection; out bf16, overwritten entirely) and ``moe(..., mxfp8=True)``.
 
 Tuning keywords of the original: ``block_m`` must equal BLOCK_M (the compiled tile; checked); ``bpc`` is honoured by
 ``moe_align`` (experts padded to block_m * bpc) and ignored by the GEMM (blocks are independent); ``block_n``,
@@ -36,26 +41,27 @@ MXFP8_SCALE_BLOCK: int = CONSTANTS["MXFP8_SCALE_BLOCK"]
 DIM_ALIGN: int = CONSTANTS["DIM_ALIGN"]
 HIDDEN_ALIGN: int = CONSTANTS["HIDDEN_ALIGN"]
 MAX_EXPERTS: int = CONSTANTS["MAX_EXPERTS"]
+MXFP8_ALIGN: int = CONSTANTS["MXFP8_ALIGN"]
 _INT32_MAX = 2**31 - 1
 
 
 def unsupported_shape_reason(dim: int, hidden_dim: int, *, mxfp8: bool = False, split: bool = True) -> str | None:
     """None when the kernels handle model dim ``dim`` and expert hidden size ``hidden_dim``, else why not.
 
-    The GEMMs run over whole BLOCK_K tiles along K: dim (gate/up) and hidden_dim (down) must be multiples of
-    DIM_ALIGN / HIDDEN_ALIGN. ``split`` is accepted for compatibility (this plugin always runs the split pair of
-    kernels). The ops' own checks use the same words.
+    bf16: the GEMMs run over whole BLOCK_K tiles along K: dim (gate/up) and hidden_dim (down) must be multiples of
+    DIM_ALIGN / HIDDEN_ALIGN (64). mxfp8: both must be multiples of MXFP8_ALIGN = 128 (4 scale blocks of 32: one
+    128-byte e4m3 pipeline stage, and the group of pack_scales_blocked's layout). ``split`` is accepted for
+    compatibility (this plugin always runs the split pair of kernels). The ops' own checks use the same words.
     """
     del split
-    if mxfp8:
-        return ("flash_moe: the mxfp8 path is not built yet on this plugin (bf16 only on Hopper; mxfp8 is a later "
-                "issue)")
     if dim < 1 or hidden_dim < 1:
         return f"flash_moe needs positive dim and hidden_dim, got dim={dim}, hidden_dim={hidden_dim}"
-    if dim % DIM_ALIGN:
-        return f"flash_moe needs dim (x's last dimension) to be a multiple of {DIM_ALIGN}, got {dim}"
-    if hidden_dim % HIDDEN_ALIGN:
-        return f"flash_moe needs hidden_dim to be a multiple of {HIDDEN_ALIGN}, got {hidden_dim}"
+    dim_align, hidden_align = (MXFP8_ALIGN, MXFP8_ALIGN) if mxfp8 else (DIM_ALIGN, HIDDEN_ALIGN)
+    path = " for mxfp8" if mxfp8 else ""
+    if dim % dim_align:
+        return f"flash_moe needs dim (x's last dimension) to be a multiple of {dim_align}{path}, got {dim}"
+    if hidden_dim % hidden_align:
+        return f"flash_moe needs hidden_dim to be a multiple of {hidden_align}{path}, got {hidden_dim}"
     return None
 
 
@@ -88,6 +94,28 @@ def _(x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_
       deterministic):
     torch._check(x.dim() == 2, lambda: "moe_forward: x must be 2-D (M, dim)")
     return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("flash_moe::quantize_mxfp8")
+def _(t, block):
+    torch._check(t.dim() >= 1 and t.shape[-1] % block == 0,
+                 lambda: f"quantize_mxfp8: the last dimension must be a multiple of block={block}")
+    return (t.new_empty(t.shape, dtype=torch.float8_e4m3fn),
+            t.new_empty((*t.shape[:-1], t.shape[-1] // block), dtype=torch.float8_e8m0fnu))
+
+
+@torch.library.register_fake("flash_moe::fused_moe_mxfp8")
+def _(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights,
+      out, top_k, block_m, block_n, warp_n, stages, bpc, split):
+    torch._check(out.shape == x.shape, lambda: "fused_moe_mxfp8: out must have x's shape (M, dim)")
+    return None
+
+
+@torch.library.register_fake("flash_moe::moe_forward_mxfp8")
+def _(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights,
+      top_k, block_m, deterministic):
+    torch._check(x.dim() == 2, lambda: "moe_forward_mxfp8: x must be 2-D (M, dim)")
+    return x.new_empty(x.shape, dtype=torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -123,6 +151,99 @@ def fused_moe_bf16(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padde
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# mxfp8
+def quantize_mxfp8(t: torch.Tensor, block: int = MXFP8_SCALE_BLOCK):
+    """(data float8_e4m3fn, scales float8_e8m0fnu): t (..., K) (float32 / bfloat16 / float16; K a multiple of
+    ``block``) in OCP MX blocks of ``block`` consecutive elements along the last dimension; scales (..., K / block).
+
+    Scale of a block: the smallest power of two 2^e with amax / 2^e <= 448, i.e. e = ceil(log2(amax / 448)) in exact
+    arithmetic (torchao's RCEIL rule; computed from amax's bits, so amax / 448 is never rounded), clamped below to
+    2^-127 (e8m0 byte 0). amax = 0 (or below 448 * 2^-127) gives that smallest scale 2^-127 and the elements round
+    from t * 2^127. Elements: round-to-nearest-even of t * 2^-e (exact in fp32) to e4m3, saturated to +-448. A block
+    holding Inf or NaN gets the NaN scale (byte 0xFF) and NaN elements (0x7F). Deterministic: the same input gives
+    the same bytes on CPU and CUDA.
+    """
+    return torch.ops.flash_moe.quantize_mxfp8(t, block)
+
+
+def dequantize_mxfp8(data: torch.Tensor, scales: torch.Tensor, block: int = MXFP8_SCALE_BLOCK,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """quantize_mxfp8's inverse: data * 2^e per block (exact in float32; ``dtype`` casts the result)."""
+    return (data.float() * scales.float().repeat_interleave(block, -1)).to(dtype)
+
+
+def pack_scales_blocked(scales: torch.Tensor) -> torch.Tensor:
+    """Weight scales (E, N, K / 32) row-major -> the layout the mxfp8 kernels read, (E, K / 128, N, 4): for each
+    expert and each 128-wide K step, the 4 scale bytes of every row n in turn (one coalesced 4-byte copy per row and
+    pipeline stage). K must be a multiple of MXFP8_ALIGN = 128."""
+    g = MXFP8_ALIGN // MXFP8_SCALE_BLOCK
+    if scales.dim() != 3 or scales.shape[-1] % g:
+        raise RuntimeError(f"pack_scales_blocked: scales must be (E, N, K / {MXFP8_SCALE_BLOCK}) with K a multiple "
+                           f"of {MXFP8_ALIGN}, got shape {tuple(scales.shape)}")
+    E, N, KB = scales.shape
+    b = scales.view(torch.uint8).reshape(E, N, KB // g, g).permute(0, 2, 1, 3).contiguous()
+    return b.view(torch.float8_e8m0fnu)
+
+
+def unpack_scales_blocked(packed: torch.Tensor) -> torch.Tensor:
+    """pack_scales_blocked's inverse: (E, K / 128, N, 4) -> (E, N, K / 32)."""
+    E, KT, N, g = packed.shape
+    return packed.view(torch.uint8).permute(0, 2, 1, 3).reshape(E, N, KT * g).view(torch.float8_e8m0fnu)
+
+
+def fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                    topk_weights, out, top_k, block_m=BLOCK_M, block_n=64, warp_n=4, stages=4, bpc=1, split=True):
+    """fused_moe_bf16 on mxfp8 operands; returns ``out`` (bf16, overwritten entirely).
+
+    x (M, dim) float8_e4m3fn with x_scales (M, dim / 32) row-major (fp8 operands may also be given as their uint8
+    bytes); w (E, 2 hidden, dim) e4m3 (gate rows then up rows)
+    with w_scales = pack_scales_blocked(scales of w along dim); w2 (E, dim, hidden) e4m3 with w2_scales =
+    pack_scales_blocked(scales of w2 along hidden). SwiGLU in fp32 on the fp32 accumulators, h re-quantized to mxfp8
+    (quantize_mxfp8's rule, per 32 hidden elements) before the down projection; combine as fused_moe_bf16.
+    ``block_m`` must equal BLOCK_M; the other tuning keywords are accepted and ignored.
+    """
+    torch.ops.flash_moe.fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids,
+                                        num_tokens_post_padded, topk_weights, out, top_k, block_m, block_n, warp_n,
+                                        stages, bpc, split)
+    return out
+
+
+def _quantize_weights(w1, w2, w3):
+    """(w e4m3 (E, 2 hidden, dim), its packed scales, w2 e4m3, its packed scales) from bf16 master weights."""
+    with torch.no_grad():
+        wq, ws = quantize_mxfp8(torch.cat([w1.detach(), w3.detach()], 1))
+        w2q, w2s = quantize_mxfp8(w2.detach())
+    return wq, pack_scales_blocked(ws), w2q, pack_scales_blocked(w2s)
+
+
+# Weight cache of moe(mxfp8=True): one entry per (w1, w2, w3) storage, keyed by each tensor's
+# (data_ptr, _version, shape, dtype) and checked by identity (weak references), so a freed tensor whose memory is
+# reused never hits. Any in-place update (an optimizer step, copy_, a no_grad add_) bumps _version and re-quantizes
+# on the next call; the stale entry is replaced. Inference-mode tensors (no version counter) and traced calls
+# (torch.compile) are quantized every call.
+_WEIGHT_CACHE: dict = {}
+_WEIGHT_CACHE_MAX = 32
+
+
+def _cached_quantized_weights(w1, w2, w3):
+    if torch.compiler.is_compiling() or any(w.is_inference() for w in (w1, w2, w3)):
+        return _quantize_weights(w1, w2, w3)
+    import weakref
+
+    ptrs = (w1.data_ptr(), w2.data_ptr(), w3.data_ptr(), str(w1.device))
+    key = tuple((w._version, tuple(w.shape), w.dtype) for w in (w1, w2, w3))
+    hit = _WEIGHT_CACHE.get(ptrs)
+    if hit is not None and hit[0] == key and all(r() is w for r, w in zip(hit[1], (w1, w2, w3))):
+        return hit[2]
+    value = _quantize_weights(w1, w2, w3)
+    _WEIGHT_CACHE.pop(ptrs, None)
+    while len(_WEIGHT_CACHE) >= _WEIGHT_CACHE_MAX:
+        _WEIGHT_CACHE.pop(next(iter(_WEIGHT_CACHE)))
+    _WEIGHT_CACHE[ptrs] = (key, tuple(weakref.ref(w) for w in (w1, w2, w3)), value)
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # moe(): forward through the fused kernels, backward in closed form with grouped GEMMs
 def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return torch._grouped_mm(a, b, offs=offs)
@@ -147,61 +268,103 @@ class _MoE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, w1, w2, w3, ids, tw = ctx.saved_tensors
-        need_x, need_w1, need_w2, need_w3, _, need_tw = ctx.needs_input_grad[:6]
-        T, dim = x.shape
-        top_k = ids.shape[1]
-        E = w1.shape[0]
-        S = T * top_k
-        # slots sorted by local expert (stable); slots of no local expert go last, past offs[-1]
-        local = ids.reshape(-1).long() - ctx.expert_start
-        valid = (ids.reshape(-1) >= 0) & (local >= 0) & (local < E)
-        key = torch.where(valid, local, torch.full_like(local, E))
-        order = torch.sort(key, stable=True).indices
-        counts = torch.zeros(E + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
-        offs = torch.cumsum(counts[:E], 0).to(torch.int32)
-        ok = valid[order].unsqueeze(1)
-        tok = order // top_k
-        zero = torch.zeros((), dtype=torch.float32, device=x.device)
-        p = torch.where(ok.squeeze(1), tw.reshape(-1)[order], zero)
+        grads = _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, ctx.needs_input_grad[:6], ctx.expert_start,
+                                      ctx.deterministic, ctx.tw_dtype)
+        return (*grads, None, None, None)
 
-        xs = x[tok]
-        go = grad_out.to(x.dtype)[tok]
-        g = torch.where(ok, _gmm(xs, w1.transpose(-2, -1), offs).float(), zero)   # recomputed gate projection
-        u = torch.where(ok, _gmm(xs, w3.transpose(-2, -1), offs).float(), zero)   # recomputed up projection
-        sig = torch.sigmoid(g)
-        a = g * sig
-        h = a * u
-        dh0 = torch.where(ok, _gmm(go, w2, offs).float(), zero)                  # grad_out W2, unweighted
-        grad_tw = grad_x = grad_w1 = grad_w2 = grad_w3 = None
-        if need_tw:
-            dp = (dh0 * h).sum(-1)
-            grad_tw = torch.zeros(S, dtype=torch.float32, device=x.device).index_copy_(0, order, dp)
-            grad_tw = grad_tw.view(T, top_k).to(ctx.tw_dtype)
-        if need_w2:
-            grad_w2 = _gmm((go.float() * p.unsqueeze(1)).to(x.dtype).t(), h.to(x.dtype), offs)
-        if need_x or need_w1 or need_w3:
-            dh = dh0 * p.unsqueeze(1)
-            du = (dh * a).to(x.dtype)
-            dg = (dh * u * sig * (1 + g * (1 - sig))).to(x.dtype)
-            if need_w1:
-                grad_w1 = _gmm(dg.t(), xs, offs)
-            if need_w3:
-                grad_w3 = _gmm(du.t(), xs, offs)
-            if need_x:
-                dxs = _gmm(dg, w1, offs).float() + _gmm(du, w3, offs).float()
-                dxs = torch.where(ok, dxs, zero)
-                if ctx.deterministic:  # unsort (unique indices), then sum the top_k slots of a token in k order
-                    per_slot = torch.zeros(S, dim, dtype=torch.float32, device=x.device).index_copy_(0, order, dxs)
-                    grad_x = per_slot.view(T, top_k, dim).sum(1)
-                else:
-                    grad_x = torch.zeros(T, dim, dtype=torch.float32, device=x.device).index_add_(0, tok, dxs)
-                grad_x = grad_x.to(x.dtype)
-        return grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw, None, None, None
+
+def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, needs, expert_start, deterministic, tw_dtype):
+    """(grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw): the gradients of (x, w1, w2, w3, topk_ids, topk_weights)."""
+    need_x, need_w1, need_w2, need_w3, _, need_tw = needs
+    T, dim = x.shape
+    top_k = ids.shape[1]
+    E = w1.shape[0]
+    S = T * top_k
+    # slots sorted by local expert (stable); slots of no local expert go last, past offs[-1]
+    local = ids.reshape(-1).long() - expert_start
+    valid = (ids.reshape(-1) >= 0) & (local >= 0) & (local < E)
+    key = torch.where(valid, local, torch.full_like(local, E))
+    order = torch.sort(key, stable=True).indices
+    counts = torch.zeros(E + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
+    offs = torch.cumsum(counts[:E], 0).to(torch.int32)
+    ok = valid[order].unsqueeze(1)
+    tok = order // top_k
+    zero = torch.zeros((), dtype=torch.float32, device=x.device)
+    p = torch.where(ok.squeeze(1), tw.reshape(-1)[order], zero)
+
+    xs = x[tok]
+    go = grad_out.to(x.dtype)[tok]
+    g = torch.where(ok, _gmm(xs, w1.transpose(-2, -1), offs).float(), zero)   # recomputed gate projection
+    u = torch.where(ok, _gmm(xs, w3.transpose(-2, -1), offs).float(), zero)   # recomputed up projection
+    sig = torch.sigmoid(g)
+    a = g * sig
+    h = a * u
+    dh0 = torch.where(ok, _gmm(go, w2, offs).float(), zero)                  # grad_out W2, unweighted
+    grad_tw = grad_x = grad_w1 = grad_w2 = grad_w3 = None
+    if need_tw:
+        dp = (dh0 * h).sum(-1)
+        grad_tw = torch.zeros(S, dtype=torch.float32, device=x.device).index_copy_(0, order, dp)
+        grad_tw = grad_tw.view(T, top_k).to(tw_dtype)
+    if need_w2:
+        grad_w2 = _gmm((go.float() * p.unsqueeze(1)).to(x.dtype).t(), h.to(x.dtype), offs)
+    if need_x or need_w1 or need_w3:
+        dh = dh0 * p.unsqueeze(1)
+        du = (dh * a).to(x.dtype)
+        dg = (dh * u * sig * (1 + g * (1 - sig))).to(x.dtype)
+        if need_w1:
+            grad_w1 = _gmm(dg.t(), xs, offs)
+        if need_w3:
+            grad_w3 = _gmm(du.t(), xs, offs)
+        if need_x:
+            dxs = _gmm(dg, w1, offs).float() + _gmm(du, w3, offs).float()
+            dxs = torch.where(ok, dxs, zero)
+            if deterministic:  # unsort (unique indices), then sum the top_k slots of a token in k order
+                per_slot = torch.zeros(S, dim, dtype=torch.float32, device=x.device).index_copy_(0, order, dxs)
+                grad_x = per_slot.view(T, top_k, dim).sum(1)
+            else:
+                grad_x = torch.zeros(T, dim, dtype=torch.float32, device=x.device).index_add_(0, tok, dxs)
+            grad_x = grad_x.to(x.dtype)
+    return grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw
+
+
+class _MoEMxfp8(torch.autograd.Function):
+    """Forward: x quantized per call, fused mxfp8 kernels on the cached quantized weights. Backward: the bf16 closed
+    form on the dequantized x and weights, gradients passed straight through the quantization to the bf16 leaves."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, w3, topk_ids, topk_weights, wq, ws, w2q, w2s, expert_start, num_experts,
+                deterministic):
+        top_k = topk_ids.shape[1]
+        ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+        tw = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
+        xq, xs = torch.ops.flash_moe.quantize_mxfp8(x, MXFP8_SCALE_BLOCK)
+        sorted_ids, expert_ids, ntpp = torch.ops.flash_moe.moe_align(ids, num_experts, BLOCK_M, 1, expert_start,
+                                                                     wq.shape[0])
+        out = torch.ops.flash_moe.moe_forward_mxfp8(xq, xs, wq, ws, w2q, w2s, sorted_ids, expert_ids, ntpp, tw, top_k,
+                                                    BLOCK_M, deterministic)
+        ctx.save_for_backward(xq, xs, wq, ws, w2q, w2s, ids, tw)
+        ctx.expert_start = expert_start
+        ctx.deterministic = deterministic
+        ctx.tw_dtype = topk_weights.dtype
+        ctx.x_dtype = x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xq, xs, wq, ws, w2q, w2s, ids, tw = ctx.saved_tensors
+        dt = ctx.x_dtype
+        x = dequantize_mxfp8(xq, xs, dtype=dt)
+        w = dequantize_mxfp8(wq, unpack_scales_blocked(ws), dtype=dt)
+        hidden = w.shape[1] // 2
+        w2 = dequantize_mxfp8(w2q, unpack_scales_blocked(w2s), dtype=dt)
+        grads = _closed_form_backward(grad_out, x, w[:, :hidden].contiguous(), w2, w[:, hidden:].contiguous(), ids, tw,
+                                      ctx.needs_input_grad[:6], ctx.expert_start, ctx.deterministic, ctx.tw_dtype)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, topk_ids: torch.Tensor,
         topk_weights: torch.Tensor, *, expert_start: int = 0, deterministic: bool = False,
-        num_experts: int | None = None) -> torch.Tensor:
+        num_experts: int | None = None, mxfp8: bool = False) -> torch.Tensor:
     """SwiGLU MoE experts: sum_k topk_weights[t, k] * (silu(x W1[e]^T) * (x W3[e]^T)) W2[e]^T, differentiable.
 
     x (..., dim) bf16; w1 (gate), w3 (up): (E_local, hidden, dim) bf16; w2 (E_local, dim, hidden) bf16; topk_ids
@@ -212,11 +375,26 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, t
     Backward: closed form, recomputing the gate/up projections, with ``torch._grouped_mm`` (CUDA and CPU); gradients
     only for the inputs that need them. ``deterministic=True``: fixed-order combine in the forward and a fixed-order
     dx reduction in the backward (bitwise reproducible); False: fp32 atomics on CUDA (not bitwise reproducible).
+
+    ``mxfp8=True``: x is quantized to mxfp8 on every call, the weights once per weight version (see
+    ``_WEIGHT_CACHE``: keyed by each weight's data_ptr, _version and shape, so an optimizer's in-place update, which
+    bumps _version, re-quantizes on the next call; under torch.compile the weights are quantized inside the graph on
+    every call), and the forward runs the fused mxfp8 kernels (dim and hidden multiples of MXFP8_ALIGN). The backward
+    is the bf16 closed form on the dequantized x and weights (straight-through: gradients land on the bf16 leaves).
     """
     lead = x.shape[:-1]
     top_k = topk_ids.shape[-1]
     if num_experts is None:
         num_experts = w1.shape[0] if expert_start == 0 else _INT32_MAX
-    out = _MoE.apply(x.reshape(-1, x.shape[-1]), w1, w2, w3, topk_ids.reshape(-1, top_k),
-                     topk_weights.reshape(-1, top_k), expert_start, num_experts, deterministic)
+    if mxfp8:
+        reason = unsupported_shape_reason(x.shape[-1], w1.shape[1], mxfp8=True)
+        if reason is not None:
+            raise RuntimeError(f"moe(mxfp8=True): {reason}")
+        wq, ws, w2q, w2s = _cached_quantized_weights(w1, w2, w3)
+        out = _MoEMxfp8.apply(x.reshape(-1, x.shape[-1]), w1, w2, w3, topk_ids.reshape(-1, top_k),
+                              topk_weights.reshape(-1, top_k), wq, ws, w2q, w2s, expert_start, num_experts,
+                              deterministic)
+    else:
+        out = _MoE.apply(x.reshape(-1, x.shape[-1]), w1, w2, w3, topk_ids.reshape(-1, top_k),
+                         topk_weights.reshape(-1, top_k), expert_start, num_experts, deterministic)
     return out.view(*lead, x.shape[-1])

@@ -22,6 +22,14 @@ def problem(device, tokens=5, dim=64, hidden=64, experts=3, top_k=2, seed=0, req
     return tensors
 
 
+def mxfp8_operands(ops, x, w1, w2, w3):
+    """(x, x_scales, w, w_scales, w2, w2_scales) in mxfp8, weight scales packed for the kernels."""
+    xq, xs = ops.quantize_mxfp8(x)
+    wq, ws = ops.quantize_mxfp8(torch.cat([w1, w3], 1))
+    w2q, w2s = ops.quantize_mxfp8(w2)
+    return xq, xs, wq, ops.pack_scales_blocked(ws), w2q, ops.pack_scales_blocked(w2s)
+
+
 def op_samples(kernel, device):
     from . import ops
 
@@ -41,6 +49,22 @@ def op_samples(kernel, device):
         ("moe_forward", (x, w1, w3, w2, sorted_ids, eids, ntpp, tw, 2, ops.BLOCK_M, False), {}),
         ("moe_forward", (x, w1, w3, w2, sorted_ids, eids, ntpp, tw, 2, ops.BLOCK_M, True), {}),
         ("moe_forward", (x1, w11, w31, w21, s1, e1, n1, tw1, 1, ops.BLOCK_M, False), {}),
+        *mxfp8_samples(ops, device),
+    ]
+
+
+def mxfp8_samples(ops, device):
+    x, w1, w2, w3, ids, tw = problem(device, dim=128, hidden=128, seed=5)
+    # fp8 operands as their uint8 bytes: opcheck's schema check compares inputs with allclose, which float8 types
+    # lack on CPU (the ops take either)
+    mx = [t.view(torch.uint8) for t in mxfp8_operands(ops, x, w1, w2, w3)]
+    s, e, n = ops.moe_align(ids, w1.shape[0])
+    return [
+        ("quantize_mxfp8", (x, ops.MXFP8_SCALE_BLOCK), {}),
+        ("quantize_mxfp8", (w2.float().reshape(-1, 64), 16), {}),
+        ("fused_moe_mxfp8", (*mx, s, e, n, tw, torch.empty_like(x), 2, ops.BLOCK_M, 64, 4, 4, 1, True), {}),
+        ("moe_forward_mxfp8", (*mx, s, e, n, tw, 2, ops.BLOCK_M, False), {}),
+        ("moe_forward_mxfp8", (*mx, s, e, n, tw, 2, ops.BLOCK_M, True), {}),
     ]
 
 
@@ -58,9 +82,19 @@ def surface_samples(kernel, device):
     def deterministic(x, w1, w2, w3, ids, tw):
         return ops.moe(x, w1, w2, w3, ids, tw, deterministic=True)
 
+    def fused_mxfp8(x, w1, w2, w3, ids, tw):
+        sorted_ids, eids, ntpp = ops.moe_align(ids, w1.shape[0])
+        out = torch.empty_like(x)
+        return ops.fused_moe_mxfp8(*mxfp8_operands(ops, x, w1, w2, w3), sorted_ids, eids, ntpp, tw, out, ids.shape[1])
+
+    def mxfp8(x, w1, w2, w3, ids, tw):
+        return ops.moe(x, w1, w2, w3, ids, tw, mxfp8=True)
+
     grad = problem(device, requires_grad=True, seed=2)
     return [
         (ops.moe, grad, {}),
+        (mxfp8, problem(device, dim=128, hidden=128, requires_grad=True, seed=5), {}),
+        (fused_mxfp8, problem(device, dim=128, hidden=128, seed=6), {}),
         (deterministic, problem(device, requires_grad=True, seed=3), {}),
         (fused, problem(device, seed=4), {}),
     ]

@@ -1,5 +1,5 @@
 """Small-shape CUDA run of every flash_moe kernel (moe_align count/scan/scatter, gate/up, down with atomics, down per
-slot) for compute-sanitizer (memcheck, racecheck, synccheck). Exits 1 on a mismatch with the CPU implementation.
+slot; mxfp8: quantize, gate/up with re-quantization, down with atomics / per slot) for compute-sanitizer (memcheck, racecheck, synccheck). Exits 1 on a mismatch with the CPU implementation.
 
     compute-sanitizer --tool memcheck python plugins/flash_moe/tests/sanitize_flash_moe.py
 """
@@ -33,5 +33,24 @@ for T, dim, hidden, E, k in [(1, 64, 64, 2, 1), (37, 320, 192, 5, 2), (130, 256,
     ops.fused_moe_bf16(cu[0], torch.cat([cu[1], cu[3]], 1), cu[2], *got_align, cu[5], out, k)
     if not torch.allclose(out.cpu().float(), want, rtol=3e-2, atol=3e-2):
         sys.exit(f"fused_moe_bf16 mismatch for {(T, dim, hidden, E, k)}")
+# mxfp8: dim and hidden multiples of 128; M = 1, several column tiles, idle experts, -1 slots
+for T, dim, hidden, E, k in [(1, 128, 128, 2, 1), (37, 384, 256, 5, 2), (130, 256, 384, 8, 3)]:
+    x = torch.randn(T, dim, generator=g).to(torch.bfloat16)
+    w1 = (torch.randn(E, hidden, dim, generator=g) / dim**0.5).to(torch.bfloat16)
+    w3 = (torch.randn(E, hidden, dim, generator=g) / dim**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, dim, hidden, generator=g) / hidden**0.5).to(torch.bfloat16)
+    ids = torch.randint(-1, E, (T, k), generator=g, dtype=torch.int32)
+    tw = torch.rand(T, k, generator=g)
+    q, sc = ops.quantize_mxfp8(x)
+    qc, scc = ops.quantize_mxfp8(x.cuda())
+    if not (torch.equal(qc.cpu().view(torch.uint8), q.view(torch.uint8)) and
+            torch.equal(scc.cpu().view(torch.uint8), sc.view(torch.uint8))):
+        sys.exit(f"quantize_mxfp8 mismatch for {(T, dim)}")
+    want = ops.moe(x, w1, w2, w3, ids, tw, mxfp8=True).float()
+    cu = [t.cuda() for t in (x, w1, w2, w3, ids, tw)]
+    for det in (False, True):
+        got = ops.moe(*cu, deterministic=det, mxfp8=True).cpu().float()
+        if not torch.allclose(got, want, rtol=5e-2, atol=5e-2):
+            sys.exit(f"moe(mxfp8=True, deterministic={det}) mismatch for {(T, dim, hidden, E, k)}")
 torch.cuda.synchronize()
 print("sanitize_flash_moe: ok")

@@ -1,0 +1,564 @@
+// flash_moe mxfp8 on CUDA sm_90a: quantize_mxfp8 (one thread per scale block) and the fused expert GEMMs on e4m3
+// operands with e8m0 block scales (see docs/notes/flash_moe.md, "mxfp8").
+//
+// Hopper has no block-scaled tensor-core instruction, so the scales are applied outside the tensor core: every
+// wgmma.m64n128k32 e4m3 x e4m3 -> fp32 covers exactly one 32-wide scale block of K, runs into a temporary
+// accumulator (scale-d = 0), and is promoted into the fp32 accumulator with both scales:
+//   acc[r][c] = fma(tmp[r][c] * sw[c][kb], sx[r][kb], acc[r][c])       (both factors powers of two: exact products)
+// CTA = one aligned block (BLOCK_M = 128 routed slots, one expert) x MXFP8_BLOCK_N = 128 columns, 384 threads:
+//   warpgroup 0  producer: cp.async 16-byte copies of the e4m3 A rows (gathered through sorted_token_ids, as in the
+//                bf16 kernel) and B rows into a STAGES-deep ring of 128-byte-swizzled tiles (BK = 128 bytes = 4 scale
+//                blocks per stage), plus one 4-byte cp.async per A row (x_scales row-major) and per B row (the
+//                blocked weight-scale layout: the 4 bytes of row n at [e][kt][n]). When its copies have landed each
+//                producer thread decodes its 8 scale bytes to fp32 into the stage's scale tables (laid out for the
+//                consumers' accumulator fragments), fences the async proxy and arrives on the stage's full mbarrier.
+//   warpgroups 1-2  consumers, 64 rows each: per K step 4 x (wgmma k32 into tmp, wait, promote); the stage is
+//                released on its empty mbarrier once its last wgmma has completed.
+// Kernel 1 (gate/up): B = 64 gate rows + the matching 64 up rows; epilogue h = silu(g) * u in fp32, re-quantized to
+//   mxfp8 per 32 hidden columns (amax across the 4 lanes of a quad holding one row's 32 columns; mx::scale_byte, the
+//   rule quantize_mxfp8 uses) into the e4m3 intermediate [padded slots, hidden] and its row-major scales.
+// Kernel 2 (down): A = intermediate rows of the block, B = w2[e]; epilogue as the bf16 kernel (float2 atomics of
+//   topk_weight * y into an fp32 [M, dim] buffer, or bf16 per-slot rows for the deterministic combine).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "../flash_moe.h"
+#include "../mxfp8.h"
+#include "sm90_common.cuh"
+
+#ifndef FLASH_MOE_MXFP8_BLOCK_N
+#error "FLASH_MOE_MXFP8_BLOCK_N must come from kernel.toml ([flash_moe.constants])"
+#endif
+#ifndef FLASH_MOE_MXFP8_STAGES
+#error "FLASH_MOE_MXFP8_STAGES must come from kernel.toml ([flash_moe.constants])"
+#endif
+
+namespace flash_moe {
+namespace sm90 {
+namespace mxk {
+
+constexpr int BM = FLASH_MOE_BLOCK_M;
+constexpr int BN = FLASH_MOE_MXFP8_BLOCK_N;
+constexpr int BN_GU = BN / 2;
+constexpr int SB = FLASH_MOE_MXFP8_SCALE_BLOCK;
+constexpr int BK = FLASH_MOE_MXFP8_ALIGN;  // e4m3 bytes per K step: one 128-byte swizzle row
+constexpr int KB = BK / SB;                // scale blocks (wgmma k32 steps) per K step
+constexpr int STAGES = FLASH_MOE_MXFP8_STAGES;
+static_assert(BM == 128, "BLOCK_M must be 128 (two consumer warpgroups of wgmma m64)");
+static_assert(BN == 128, "MXFP8_BLOCK_N must be 128 (wgmma m64n128k32)");
+static_assert(SB == 32 && BK == 128, "mxfp8 kernels: scale block 32 (= wgmma k32 of e4m3) and MXFP8_ALIGN 128");
+static_assert(STAGES >= 3 && STAGES <= 5, "MXFP8_STAGES must be 3..5 (shared memory)");
+
+constexpr int NUM_THREADS = 384;
+constexpr int A_BYTES = BM * BK;
+constexpr int B_BYTES = BN * BK;
+constexpr int FA_BYTES = BM * KB * 4;  // fp32 x scales [row][kb]
+constexpr int FB_BYTES = BN * KB * 4;  // fp32 w scales [kb][quad][group][pair]: a quad lane's 32 columns contiguous
+constexpr int RAW_BYTES = (BM + BN) * KB;  // e8m0 bytes as copied: A rows then B rows, 4 bytes each
+constexpr int STAGE_BYTES = A_BYTES + B_BYTES + FA_BYTES + FB_BYTES + RAW_BYTES;
+static_assert(STAGE_BYTES % 1024 == 0, "stages must keep the 1024-byte alignment of the 128B-swizzled tiles");
+constexpr int LOOKAHEAD = STAGES - 1;
+constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + BM * 8 + BM * 4 + 2 * STAGES * 8;
+
+enum Mode : int { GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2 };
+
+struct Params {
+  const uint8_t* a;         // x (GATE_UP) or the intermediate (DOWN), e4m3 [rows][lda]
+  const uint8_t* a_scales;  // e8m0 [rows][lda / 32]
+  int64_t lda;
+  const uint8_t* b;         // w (GATE_UP, gate rows then up rows) or w2 (DOWN): e4m3 [E][b_rows][ldb]
+  const uint8_t* b_scales;  // e8m0 [E][k_tiles][b_rows][KB]
+  int64_t ldb;
+  int b_rows;
+  int up_offset;  // GATE_UP: first up row (hidden)
+  int n_total;    // valid output columns: hidden (GATE_UP) or dim (DOWN)
+  int k_tiles;
+  int block_offset;
+  int top_k;
+  int num_experts;
+  const int* sorted;
+  const int* expert_ids;
+  const int* ntpp;
+  uint8_t* inter;         // GATE_UP output e4m3 [padded, hidden]
+  uint8_t* inter_scales;  // GATE_UP output e8m0 [padded, hidden / 32]
+  int64_t ld_inter;
+  const float* topk_weights;
+  float* acc32;
+  __nv_bfloat16* yslots;
+  int64_t ld_out;
+};
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float* d, uint64_t da, uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "n"(0));  // scale-d = 0: tmp = A B (the promotion accumulates)
+}
+__device__ __forceinline__ float decode_scale(uint32_t byte) { return __uint_as_float(mx::scale_bits(byte)); }
+__device__ __forceinline__ float lds_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ float4 lds_f32x4(uint32_t addr) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
+  return v;
+}
+#endif
+
+// Accumulator register i of a consumer thread: row warp * 16 + lane / 4 + 8 * ((i / 2) % 2) of its warpgroup's 64
+// rows, column 8 * (i / 4) + 2 * (lane % 4) + i % 2 of the 128.
+template <int MODE>
+__global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const Params p) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  const int block = blockIdx.y + p.block_offset;
+  const int n_tile = blockIdx.x;
+  if (block * BM >= __ldg(p.ntpp)) return;
+  const int expert = __ldg(p.expert_ids + block);
+  if (expert < 0 || expert >= p.num_experts) return;
+
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  uint8_t* const gbase = smem_raw + (base - raw);
+  int64_t* const a_row = reinterpret_cast<int64_t*>(gbase + STAGES * STAGE_BYTES);
+  int* const slot_of = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + BM * 8);
+  const uint32_t bars = base + STAGES * STAGE_BYTES + BM * 12;
+  auto full_bar = [&](int s) { return bars + 8u * s; };
+  auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
+  auto fa_ptr = [&](int s) { return reinterpret_cast<float*>(gbase + s * STAGE_BYTES + A_BYTES + B_BYTES); };
+  auto fb_ptr = [&](int s) { return reinterpret_cast<float*>(gbase + s * STAGE_BYTES + A_BYTES + B_BYTES + FA_BYTES); };
+  constexpr int RAW_OFF = A_BYTES + B_BYTES + FA_BYTES + FB_BYTES;
+  const int n_base = n_tile * (MODE == GATE_UP ? BN_GU : BN);
+
+  if (threadIdx.x < BM) {
+    const int row = block * BM + threadIdx.x;
+    const int slot = p.sorted[row];
+    slot_of[threadIdx.x] = slot;
+    if constexpr (MODE == GATE_UP) {
+      a_row[threadIdx.x] = slot >= 0 ? static_cast<int64_t>(slot / p.top_k) * p.lda : -1;
+    } else {
+      a_row[threadIdx.x] = static_cast<int64_t>(row) * p.lda;
+    }
+  }
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full_bar(s), 128);
+      mbar_init(empty_bar(s), 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {  // ------------------------------- producer -------------------------------
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
+    const int tid = threadIdx.x;
+    const int c = tid & 7, r0 = tid >> 3;
+    const uint8_t* const bexp = p.b + static_cast<int64_t>(expert) * p.b_rows * p.ldb;
+    // B row of local tile row lr (GATE_UP: rows < 64 gate, the rest the matching up rows) and its validity
+    auto b_row = [&](int lr, bool& ok) {
+      if constexpr (MODE == GATE_UP) {
+        const int col = n_base + (lr % BN_GU);
+        ok = col < p.n_total;
+        return lr < BN_GU ? col : p.up_offset + col;
+      } else {
+        const int col = n_base + lr;
+        ok = col < p.n_total;
+        return col;
+      }
+    };
+    bool s_ok;
+    const int s_row = b_row(tid, s_ok);  // this thread copies the scales of B row `tid` and of A row `tid`
+    const uint8_t* const bsc = p.b_scales + static_cast<int64_t>(expert) * p.k_tiles * p.b_rows * KB +
+                               static_cast<int64_t>(s_row) * KB;
+    const int64_t a_off = a_row[tid];
+    const uint8_t* const asc = p.a_scales + (a_off >= 0 ? a_off / SB : 0);
+    auto decode = [&](int s) {  // this thread's own (landed) scale bytes of stage s -> fp32 tables
+      const uint8_t* rs = gbase + s * STAGE_BYTES + RAW_OFF;
+      const uint32_t ra = *reinterpret_cast<const uint32_t*>(rs + 4 * tid);
+      const uint32_t rb = *reinterpret_cast<const uint32_t*>(rs + 4 * BM + 4 * tid);
+      *reinterpret_cast<float4*>(fa_ptr(s) + KB * tid) =
+          make_float4(decode_scale(ra & 0xFF), decode_scale((ra >> 8) & 0xFF), decode_scale((ra >> 16) & 0xFF),
+                      decode_scale(ra >> 24));
+      float* fb = fb_ptr(s);
+      const int g = tid >> 3, q = (tid >> 1) & 3, pr = tid & 1;  // column tid = 8 g + 2 q + pr
+#pragma unroll
+      for (int j = 0; j < KB; ++j) fb[((j * 4 + q) * 16 + g) * 2 + pr] = decode_scale((rb >> (8 * j)) & 0xFF);
+    };
+    for (int kt = 0; kt < p.k_tiles; ++kt) {
+      const int stage = kt % STAGES;
+      mbar_wait(empty_bar(stage), ((kt / STAGES) & 1) ^ 1);
+      const uint32_t st = base + stage * STAGE_BYTES;
+      const int kofs = kt * BK;
+#pragma unroll
+      for (int i = 0; i < BM / 16; ++i) {
+        const int r = r0 + 16 * i;
+        const int64_t off = a_row[r];
+        cp_async_16(st + swz(r, c), p.a + (off >= 0 ? off + kofs + c * 16 : 0), off >= 0 ? 16u : 0u);
+      }
+#pragma unroll
+      for (int i = 0; i < BN / 16; ++i) {
+        const int lr = r0 + 16 * i;
+        bool ok;
+        const int row = b_row(lr, ok);
+        const uint8_t* src = ok ? bexp + static_cast<int64_t>(row) * p.ldb + kofs + c * 16 : p.b;
+        cp_async_16(st + A_BYTES + swz(lr, c), src, ok ? 16u : 0u);
+      }
+      cp_async_4(st + RAW_OFF + 4 * tid, a_off >= 0 ? asc + kt * KB : p.a_scales, a_off >= 0 ? 4u : 0u);
+      cp_async_4(st + RAW_OFF + 4 * BM + 4 * tid, s_ok ? bsc + static_cast<int64_t>(kt) * p.b_rows * KB : p.b_scales,
+                 s_ok ? 4u : 0u);
+      cp_async_commit();
+      if (kt >= LOOKAHEAD - 1) {
+        cp_async_wait<LOOKAHEAD - 1>();
+        const int done = (kt - (LOOKAHEAD - 1)) % STAGES;
+        decode(done);
+        fence_proxy_async();
+        mbar_arrive(full_bar(done));
+      }
+    }
+    cp_async_wait<0>();
+    for (int kt = max(0, p.k_tiles - (LOOKAHEAD - 1)); kt < p.k_tiles; ++kt) decode(kt % STAGES);
+    fence_proxy_async();
+    for (int kt = max(0, p.k_tiles - (LOOKAHEAD - 1)); kt < p.k_tiles; ++kt) mbar_arrive(full_bar(kt % STAGES));
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
+
+  // ------------------------------- consumers -------------------------------
+  const int wg = warpgroup - 1;
+  const int ctid = threadIdx.x - 128 * warpgroup;
+  const int warp = ctid / 32, lane = ctid % 32, quad = lane & 3;
+  const int row0 = wg * 64 + warp * 16 + (lane >> 2);  // the thread's rows: row0 and row0 + 8
+  float acc[64], tmp[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  const uint32_t a_off = wg * 64 * BK;
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int kt = 0; kt < p.k_tiles; ++kt) {
+    mbar_wait(full_bar(stage), phase);
+    const uint32_t st = base + stage * STAGE_BYTES;
+    const uint64_t da = smem_desc(st + a_off), db = smem_desc(st + A_BYTES);
+    const uint32_t fa = st + A_BYTES + B_BYTES + 4 * KB * row0;              // x scales of the thread's rows
+    const uint32_t fb = st + A_BYTES + B_BYTES + FA_BYTES + 4 * (quad * 32);  // w scales of its columns
+#pragma unroll
+    for (int j = 0; j < KB; ++j) {
+      fence_regs<64>(tmp);
+      wgmma_fence();
+      wgmma_m64n128k32_e4m3(tmp, da + 2 * j, db + 2 * j);  // k32 = 32 bytes = 2 descriptor units
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs<64>(tmp);
+      const float s0 = lds_f32(fa + 4 * j), s1 = lds_f32(fa + 4 * (8 * KB + j));  // rows row0 and row0 + 8
+      const uint32_t fbj = fb + 4 * (j * 128);
+#pragma unroll
+      for (int g = 0; g < 16; g += 2) {
+        const float4 sw = lds_f32x4(fbj + 4 * (2 * g));  // columns of groups g and g + 1
+        acc[4 * g + 0] = fmaf(tmp[4 * g + 0], sw.x * s0, acc[4 * g + 0]);
+        acc[4 * g + 1] = fmaf(tmp[4 * g + 1], sw.y * s0, acc[4 * g + 1]);
+        acc[4 * g + 2] = fmaf(tmp[4 * g + 2], sw.x * s1, acc[4 * g + 2]);
+        acc[4 * g + 3] = fmaf(tmp[4 * g + 3], sw.y * s1, acc[4 * g + 3]);
+        acc[4 * g + 4] = fmaf(tmp[4 * g + 4], sw.z * s0, acc[4 * g + 4]);
+        acc[4 * g + 5] = fmaf(tmp[4 * g + 5], sw.w * s0, acc[4 * g + 5]);
+        acc[4 * g + 6] = fmaf(tmp[4 * g + 6], sw.z * s1, acc[4 * g + 6]);
+        acc[4 * g + 7] = fmaf(tmp[4 * g + 7], sw.w * s1, acc[4 * g + 7]);
+      }
+    }
+    if (lane == 0) mbar_arrive(empty_bar(stage));  // all wgmmas of the stage completed; scales are in registers
+    if (++stage == STAGES) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+
+  // ------------------------------- epilogue -------------------------------
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int lr = row0 + 8 * h;
+    if constexpr (MODE == GATE_UP) {
+      const int64_t grow = static_cast<int64_t>(block) * BM + lr;
+      uint8_t* dst = p.inter + grow * p.ld_inter + n_base;
+#pragma unroll
+      for (int b = 0; b < BN_GU / SB; ++b) {  // 32 hidden columns = groups 4b..4b+3 across the 4 lanes of the quad
+        float hv[8];
+        uint32_t amax = 0;
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int gg = 4 * b + g;
+            hv[2 * g + e] = silu_mul(acc[4 * gg + 2 * h + e], acc[4 * (gg + BN_GU / 8) + 2 * h + e]);
+            amax = max(amax, __float_as_uint(hv[2 * g + e]) & 0x7FFFFFFFu);
+          }
+        }
+        amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+        amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+        const uint32_t sb = mx::scale_byte(amax);
+        const float inv = __uint_as_float(sb == mx::kNanScale ? 0u : mx::inv_scale_bits(sb));
+        if (n_base + 32 * b < p.n_total) {
+#pragma unroll
+          for (int g = 0; g < 4; ++g) {
+            const uint16_t v = sb == mx::kNanScale
+                                   ? static_cast<uint16_t>(0x7F7F)
+                                   : static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(
+                                         make_float2(hv[2 * g] * inv, hv[2 * g + 1] * inv), __NV_SATFINITE, __NV_E4M3));
+            *reinterpret_cast<uint16_t*>(dst + 8 * (4 * b + g) + 2 * quad) = v;
+          }
+          if (quad == 0) p.inter_scales[grow * (p.ld_inter / SB) + (n_base + 32 * b) / SB] = static_cast<uint8_t>(sb);
+        }
+      }
+    } else {
+      const int slot = slot_of[lr];
+      if (slot < 0) continue;
+      if constexpr (MODE == DOWN_ATOMIC) {
+        const float w = __ldg(p.topk_weights + slot);
+        float* dst = p.acc32 + static_cast<int64_t>(slot / p.top_k) * p.ld_out + n_base;
+#pragma unroll
+        for (int g = 0; g < BN / 8; ++g) {
+          const int col = 8 * g + 2 * quad;
+          if (n_base + col < p.n_total)
+            atomicAdd(reinterpret_cast<float2*>(dst + col), make_float2(w * acc[4 * g + 2 * h], w * acc[4 * g + 2 * h + 1]));
+        }
+      } else {
+        __nv_bfloat16* dst = p.yslots + static_cast<int64_t>(slot) * p.ld_out + n_base;
+#pragma unroll
+        for (int g = 0; g < BN / 8; ++g) {
+          const int col = 8 * g + 2 * quad;
+          if (n_base + col < p.n_total)
+            *reinterpret_cast<__nv_bfloat162*>(dst + col) = __floats2bfloat162_rn(acc[4 * g + 2 * h], acc[4 * g + 2 * h + 1]);
+        }
+      }
+    }
+  }
+#else
+  __trap();
+#endif
+}
+
+template <int MODE>
+void launch(Params p, int n_tiles, int64_t blocks, cudaStream_t stream) {
+  static const bool configured = [] {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(moe_mxfp8_kernel<MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
+    return true;
+  }();
+  (void)configured;
+  constexpr int64_t kMaxGridY = 65535;
+  for (int64_t b0 = 0; b0 < blocks; b0 += kMaxGridY) {
+    p.block_offset = static_cast<int>(b0);
+    const dim3 grid(n_tiles, static_cast<unsigned>(std::min(kMaxGridY, blocks - b0)));
+    moe_mxfp8_kernel<MODE><<<grid, NUM_THREADS, SMEM_BYTES, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+
+// quantize_mxfp8: one thread per scale block (the same mx:: rule as the CPU op: bit-identical results).
+template <typename T>
+__global__ void quantize_kernel(const T* __restrict__ in, uint8_t* __restrict__ data, uint8_t* __restrict__ scales,
+                                int64_t blocks, int block) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= blocks) return;
+  const T* v = in + b * block;
+  uint32_t amax = 0;
+  for (int i = 0; i < block; ++i) amax = max(amax, __float_as_uint(to_f32(v[i])) & 0x7FFFFFFFu);
+  const uint32_t sb = mx::scale_byte(amax);
+  scales[b] = static_cast<uint8_t>(sb);
+  uint8_t* q = data + b * block;
+  if (sb == mx::kNanScale) {
+    for (int i = 0; i < block; ++i) q[i] = mx::kNanElement;
+    return;
+  }
+  const float inv = __uint_as_float(mx::inv_scale_bits(sb));
+  for (int i = 0; i < block; ++i)
+    q[i] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(to_f32(v[i]) * inv, __NV_SATFINITE, __NV_E4M3));
+}
+
+}  // namespace mxk
+}  // namespace sm90
+
+namespace {
+
+void check_device_mx(const char* op, const at::Tensor& x) {
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.get_device()));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, x.get_device()));
+  TORCH_CHECK(major == 9 && minor == 0, op, " (CUDA): the kernels are built for sm_90a; device ", x.get_device(),
+              " is sm_", major, minor);
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_cuda(const at::Tensor& t, int64_t block) {
+  const char* op = "quantize_mxfp8";
+  TORCH_CHECK(t.is_cuda(), op, " (CUDA): t must be a CUDA tensor, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, op,
+              ": t must be float32, bfloat16 or float16, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() >= 1, op, ": t must have at least one dimension");
+  TORCH_CHECK(block >= 1 && t.size(-1) % block == 0, op, ": the last dimension must be a multiple of block=", block,
+              ", got ", t.size(-1));
+  const c10::cuda::CUDAGuard guard(t.device());
+  const auto tc = t.contiguous();
+  auto data = at::empty(t.sizes(), t.options().dtype(at::kFloat8_e4m3fn));
+  auto scale_sizes = t.sizes().vec();
+  scale_sizes.back() /= block;
+  auto scales = at::empty(scale_sizes, t.options().dtype(at::kFloat8_e8m0fnu));
+  const int64_t blocks = scales.numel();
+  if (blocks == 0) return {data, scales};
+  const int threads = 256;
+  const auto grid = static_cast<unsigned>((blocks + threads - 1) / threads);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  auto* q = reinterpret_cast<uint8_t*>(data.mutable_data_ptr());
+  auto* sc = reinterpret_cast<uint8_t*>(scales.mutable_data_ptr());
+  const int blk = static_cast<int>(block);
+  if (t.scalar_type() == at::kFloat) {
+    sm90::mxk::quantize_kernel<float><<<grid, threads, 0, stream>>>(tc.const_data_ptr<float>(), q, sc, blocks, blk);
+  } else if (t.scalar_type() == at::kBFloat16) {
+    sm90::mxk::quantize_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(
+        reinterpret_cast<const __nv_bfloat16*>(tc.const_data_ptr()), q, sc, blocks, blk);
+  } else {
+    sm90::mxk::quantize_kernel<__half><<<grid, threads, 0, stream>>>(
+        reinterpret_cast<const __half*>(tc.const_data_ptr()), q, sc, blocks, blk);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {data, scales};
+}
+
+const uint8_t* bytes(const at::Tensor& t) { return reinterpret_cast<const uint8_t*>(t.const_data_ptr()); }
+
+// gate/up (+ re-quantization) then down; mode DOWN_ATOMIC fills an fp32 [M, dim] buffer, DOWN_SLOTS bf16 per-slot rows.
+at::Tensor run_mx(const char* op, const at::Tensor& x_b, const at::Tensor& xs_b, const at::Tensor& w_b,
+                  const at::Tensor& ws_b, const at::Tensor& w2_b, const at::Tensor& w2s_b,
+                  const at::Tensor& sorted, const at::Tensor& eids, const at::Tensor& ntpp,
+                  const at::Tensor& topk_weights, int64_t top_k, int64_t block_m, int mode, MoeShape& s) {
+  const auto x_in = as_bits_of(x_b, at::kFloat8_e4m3fn), w_in = as_bits_of(w_b, at::kFloat8_e4m3fn);
+  const auto w2_in = as_bits_of(w2_b, at::kFloat8_e4m3fn);
+  const auto xs_in = as_bits_of(xs_b, at::kFloat8_e8m0fnu), ws_in = as_bits_of(ws_b, at::kFloat8_e8m0fnu);
+  const auto w2s_in = as_bits_of(w2s_b, at::kFloat8_e8m0fnu);
+  TORCH_CHECK(w_in.dim() == 3 && w_in.size(1) % 2 == 0, op,
+              ": w must be 3-D (E, 2 * hidden, dim) with gate rows [0, hidden) and up rows [hidden, 2 * hidden), got "
+              "shape ", w_in.sizes());
+  const int64_t hidden = w_in.size(1) / 2;
+  s = check_moe_args(op, x_in, w_in.narrow(1, 0, hidden), w_in.narrow(1, hidden, hidden), w2_in, sorted, eids, ntpp,
+                     &topk_weights, top_k, block_m, "w", at::kFloat8_e4m3fn);
+  check_mx_scales(op, x_in, xs_in, ws_in, w2s_in, s);
+  TORCH_CHECK(x_in.is_cuda(), op, " (CUDA): x must be a CUDA tensor, got ", x_in.device());
+  check_device_mx(op, x_in);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const auto x = x_in.contiguous(), xs = xs_in.contiguous(), w = w_in.contiguous(), ws = ws_in.contiguous();
+  const auto w2 = w2_in.contiguous(), w2s = w2s_in.contiguous();
+  const auto sorted_c = sorted.contiguous(), eids_c = eids.contiguous(), tw = topk_weights.contiguous();
+  for (const at::Tensor* t : {&x, &w, &w2}) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 16 == 0, op,
+                " (CUDA): x, w and w2 must be 16-byte aligned (cp.async)");
+  }
+  for (const at::Tensor* t : {&xs, &ws, &w2s}) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 4 == 0, op,
+                " (CUDA): the scale tensors must be 4-byte aligned (cp.async)");
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t padded = s.blocks * sm90::mxk::BM;
+  const auto byte_opts = x.options().dtype(at::kByte);
+  auto inter = at::empty({std::max<int64_t>(padded, 1), s.hidden}, byte_opts);
+  auto inter_s = at::empty({std::max<int64_t>(padded, 1), s.hidden / kMxScaleBlock}, byte_opts);
+  at::Tensor result = mode == sm90::mxk::DOWN_ATOMIC ? at::zeros({s.M, s.dim}, x.options().dtype(at::kFloat))
+                                                     : at::zeros({s.M * top_k, s.dim}, x.options().dtype(at::kBFloat16));
+  if (s.blocks == 0 || s.M == 0) return result;
+
+  sm90::mxk::Params p{};
+  p.top_k = static_cast<int>(top_k);
+  p.num_experts = static_cast<int>(s.E);
+  p.sorted = sorted_c.const_data_ptr<int>();
+  p.expert_ids = eids_c.const_data_ptr<int>();
+  p.ntpp = ntpp.const_data_ptr<int>();
+  // gate/up + SwiGLU + re-quantization
+  p.a = bytes(x);
+  p.a_scales = bytes(xs);
+  p.lda = s.dim;
+  p.b = bytes(w);
+  p.b_scales = bytes(ws);
+  p.ldb = s.dim;
+  p.b_rows = static_cast<int>(2 * s.hidden);
+  p.up_offset = static_cast<int>(s.hidden);
+  p.n_total = static_cast<int>(s.hidden);
+  p.k_tiles = static_cast<int>(s.dim / sm90::mxk::BK);
+  p.inter = inter.mutable_data_ptr<uint8_t>();
+  p.inter_scales = inter_s.mutable_data_ptr<uint8_t>();
+  p.ld_inter = s.hidden;
+  sm90::mxk::launch<sm90::mxk::GATE_UP>(p, static_cast<int>((s.hidden + sm90::mxk::BN_GU - 1) / sm90::mxk::BN_GU),
+                                        s.blocks, stream);
+  // down + combine
+  p.a = inter.const_data_ptr<uint8_t>();
+  p.a_scales = inter_s.const_data_ptr<uint8_t>();
+  p.lda = s.hidden;
+  p.b = bytes(w2);
+  p.b_scales = bytes(w2s);
+  p.ldb = s.hidden;
+  p.b_rows = static_cast<int>(s.dim);
+  p.up_offset = 0;
+  p.n_total = static_cast<int>(s.dim);
+  p.k_tiles = static_cast<int>(s.hidden / sm90::mxk::BK);
+  p.ld_out = s.dim;
+  const int n_tiles = static_cast<int>((s.dim + sm90::mxk::BN - 1) / sm90::mxk::BN);
+  if (mode == sm90::mxk::DOWN_ATOMIC) {
+    p.topk_weights = tw.const_data_ptr<float>();
+    p.acc32 = result.mutable_data_ptr<float>();
+    sm90::mxk::launch<sm90::mxk::DOWN_ATOMIC>(p, n_tiles, s.blocks, stream);
+  } else {
+    p.yslots = reinterpret_cast<__nv_bfloat16*>(result.mutable_data_ptr());
+    sm90::mxk::launch<sm90::mxk::DOWN_SLOTS>(p, n_tiles, s.blocks, stream);
+  }
+  return result;
+}
+
+void fused_moe_mxfp8_cuda(const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& w,
+                          const at::Tensor& w_scales, const at::Tensor& w2, const at::Tensor& w2_scales,
+                          const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                          const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, at::Tensor out,
+                          int64_t top_k, int64_t block_m, int64_t /*block_n*/, int64_t /*warp_n*/,
+                          int64_t /*stages*/, int64_t /*bpc*/, bool /*split*/) {
+  const char* op = "fused_moe_mxfp8";
+  MoeShape s{};
+  const auto acc32 = run_mx(op, x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids,
+                            num_tokens_post_padded, topk_weights, top_k, block_m, sm90::mxk::DOWN_ATOMIC, s);
+  check_out(op, out, s, x);
+  out.copy_(acc32);
+}
+
+at::Tensor moe_forward_mxfp8_cuda(const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& w,
+                                  const at::Tensor& w_scales, const at::Tensor& w2, const at::Tensor& w2_scales,
+                                  const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                                  const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights,
+                                  int64_t top_k, int64_t block_m, bool deterministic) {
+  MoeShape s{};
+  const auto result = run_mx("moe_forward_mxfp8", x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids,
+                             expert_ids, num_tokens_post_padded, topk_weights, top_k, block_m,
+                             deterministic ? sm90::mxk::DOWN_SLOTS : sm90::mxk::DOWN_ATOMIC, s);
+  if (!deterministic) return result.to(at::kBFloat16);
+  const auto y = result.view({s.M, top_k, s.dim});
+  auto acc = at::zeros({s.M, s.dim}, x.options().dtype(at::kFloat));
+  for (int64_t k = 0; k < top_k; ++k) acc.addcmul_(y.select(1, k), topk_weights.select(1, k).unsqueeze(1));
+  return acc.to(at::kBFloat16);
+}
+
+}  // namespace
+}  // namespace flash_moe
+
+TORCH_LIBRARY_IMPL(flash_moe, CUDA, m) {
+  m.impl("quantize_mxfp8", &flash_moe::quantize_mxfp8_cuda);
+  m.impl("fused_moe_mxfp8", &flash_moe::fused_moe_mxfp8_cuda);
+  m.impl("moe_forward_mxfp8", &flash_moe::moe_forward_mxfp8_cuda);
+}
