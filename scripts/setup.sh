@@ -12,10 +12,14 @@ log() { echo "[setup] $*" >&2; }
 
 [ -x "$venv/bin/python" ] || { log "creating $venv"; python3 -m venv "$venv"; }
 py="$venv/bin/python"
+# This machine's pip config names local find-links folders that may be absent; pip warns once per package for them.
+pip_install() {
+  "$py" -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v '^WARNING: Location .* is ignored' || true; } >&2
+}
 log "installing torch and build tools"
-"$py" -m pip install -q --disable-pip-version-check torch==2.14.1 pluggy pytest ninja build wheel "setuptools>=64" numpy >&2
+pip_install torch==2.14.1 pluggy pytest ninja build wheel "setuptools>=64" numpy
 # --no-build-isolation everywhere: an isolated build would pull another torch and produce a wheel that fails at import.
-"$py" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps --force-reinstall . >&2
+pip_install --no-build-isolation --no-deps --force-reinstall .
 
 kit_hash=$(cat prime_kernels_core/build.py prime_kernels_core/manifest.py prime_kernels_core/csrc/* | sha1sum | cut -c1-12)
 for plugin in plugins/*/ examples/*/; do
@@ -30,6 +34,6 @@ for plugin in plugins/*/ examples/*/; do
     "$py" -m build --wheel --no-isolation --outdir "$out" "$plugin" >&2
     log "built $plugin in $(( $(date +%s) - start )) s"
   fi
-  "$py" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$out"/*.whl >&2
+  pip_install --no-deps --force-reinstall "$out"/*.whl
 done
 echo "$py"
