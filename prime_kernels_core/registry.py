@@ -183,7 +183,7 @@ def _major_minor(version: str | None) -> str | None:
 
 
 def _foreign_namespace_reason(spec: KernelSpec) -> str | None:
-    if spec.extension in sys.modules:
+    if spec.extension in sys.modules or spec.module in sys.modules:  # registered by the plugin itself
         return None
     import torch
 

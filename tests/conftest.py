@@ -25,18 +25,20 @@ def plugin_dir(tmp_path, monkeypatch):
     made = []
 
     def make(dist, kernel="demo", namespace=None, version="0.1.0", archs=("9.0a",), record=DEFAULT_RECORD,
-             hooks="", ops_source="", import_error=None):
+             hooks="", ops_source="", import_error=None, ops=("op_a",), trainable=()):
         package = dist.replace("-", "_")
         pkg = tmp_path / package
         pkg.mkdir()
         (pkg / "__init__.py").write_text("")
         namespace = namespace or f"pk_test_{package}"
+        ops_source = ops_source.replace("NAMESPACE", namespace)
         (pkg / "kernel.toml").write_text(textwrap.dedent(f"""\
             version = "{version}"
             [{kernel}]
             description = "test kernel"
             namespace = "{namespace}"
-            ops = ["op_a"]
+            ops = {json.dumps(list(ops))}
+            trainable = {json.dumps(list(trainable))}
             module = "{package}.ops"
             archs = {json.dumps(list(archs))}
         """))
