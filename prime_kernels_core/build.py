@@ -21,6 +21,8 @@ from .manifest import BUILD_RECORD_NAME, MANIFEST_NAME, load
 ARCH_ENV = "PRIME_KERNELS_ARCH"
 REQUIRE_ENV = "PRIME_KERNELS_REQUIRE"
 MODULE_INIT = Path(__file__).parent / "csrc" / "module_init.cpp"
+# Device-code building blocks every plugin may include (<prime_kernels/sm90.cuh>).
+CORE_INCLUDE = Path(__file__).parent / "include"
 # The first CUDA release whose nvcc can target each arch-specific major (a fact about nvcc, not a project choice).
 NVCC_MIN_FOR_MAJOR = {9: (12, 0), 10: (12, 8), 11: (13, 0), 12: (12, 8)}
 
@@ -152,6 +154,11 @@ def _define_value(kernel: str, key: str, value) -> str:
     raise BuildError(f"constant {kernel}.{key} must be a number or boolean to be compiled in, found {value!r}")
 
 
+def _unique(flags: list[str]) -> list[str]:
+    """Flags in order, each once (kernels of one plugin often repeat -O3 / -DNDEBUG)."""
+    return list(dict.fromkeys(flags))
+
+
 def _plugin_package(root: Path) -> Path:
     manifests = sorted(root.glob(f"*/{MANIFEST_NAME}"))
     if len(manifests) != 1:
@@ -178,7 +185,7 @@ def extension_plan(root: Path, toolchain: Toolchain) -> dict:
         for key, value in table.get("constants", {}).items()
     ]
     gather = lambda key: [x for t in kernels.values() for x in t.get(key, [])]
-    includes = [str(root / d) for d in gather("include_dirs")]
+    includes = [str(root / d) for d in gather("include_dirs")] + [str(CORE_INCLUDE)]
     if with_cuda:
         includes += cuda_library_includes(toolchain.cuda_home)
     for requirement in gather("build_requires"):
@@ -190,8 +197,8 @@ def extension_plan(root: Path, toolchain: Toolchain) -> dict:
         "cpu_sources": [s for t in kernels.values() for s in t.get("sources", {}).get("cpu", [])],
         "cuda_sources": [s for t in kernels.values() for s in t.get("sources", {}).get("cuda", [])] if with_cuda else [],
         "include_dirs": includes,
-        "cxx_flags": [std, *gather("extra_cxx_flags"), *defines],
-        "nvcc_flags": [std, *gencode_flags(archs), *gather("extra_nvcc_flags"), *defines] if with_cuda else [],
+        "cxx_flags": _unique([std, *gather("extra_cxx_flags"), *defines]),
+        "nvcc_flags": _unique([std, *gencode_flags(archs), *gather("extra_nvcc_flags"), *defines]) if with_cuda else [],
         "archs": archs if with_cuda else [],
         "cuda_skipped": skip,
     }

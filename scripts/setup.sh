@@ -21,7 +21,7 @@ pip_install torch==2.14.1 pluggy pytest ninja build wheel "setuptools>=64" numpy
 # --no-build-isolation everywhere: an isolated build would pull another torch and produce a wheel that fails at import.
 pip_install --no-build-isolation --no-deps --force-reinstall .
 
-kit_hash=$(cat prime_kernels_core/build.py prime_kernels_core/manifest.py prime_kernels_core/csrc/* | sha1sum | cut -c1-12)
+kit_hash=$(cat prime_kernels_core/build.py prime_kernels_core/manifest.py prime_kernels_core/csrc/* prime_kernels_core/include/prime_kernels/* | sha1sum | cut -c1-12)
 for plugin in plugins/*/ examples/*/; do
   [ -f "$plugin/pyproject.toml" ] || continue
   hash=$( (cd "$plugin" && find . -type f -not -path './build/*' -not -path '*/__pycache__/*' -not -name '*.so' \
