@@ -177,11 +177,7 @@ at::Tensor mxfp8_slot_outputs_cpu(const char* op, const at::Tensor& x_in, const 
   const auto w2 = as_bits_of(w2_in, at::kFloat8_e4m3fn);
   const auto x_scales = as_bits_of(xs_in, at::kFloat8_e8m0fnu), w_scales = as_bits_of(ws_in, at::kFloat8_e8m0fnu);
   const auto w2_scales = as_bits_of(w2s_in, at::kFloat8_e8m0fnu);
-  TORCH_CHECK(w.dim() == 3 && w.size(1) % 2 == 0, op,
-              ": w must be 3-D (E, 2 * hidden, dim) with gate rows [0, hidden) and up rows [hidden, 2 * hidden), got "
-              "shape ", w.sizes());
-  const int64_t hidden = w.size(1) / 2;
-  const auto gate = w.narrow(1, 0, hidden), up = w.narrow(1, hidden, hidden);
+  const auto [gate, up] = split_gate_up(op, w);
   s = check_moe_args(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k,
                      block_m, "w", at::kFloat8_e4m3fn);
   check_mx_scales(op, x, x_scales, w_scales, w2_scales, s);
@@ -189,8 +185,9 @@ at::Tensor mxfp8_slot_outputs_cpu(const char* op, const at::Tensor& x_in, const 
   const auto xf = dequantize_cpu(x, x_scales);
   const auto wf = dequantize_cpu(w, unpack_scales(w_scales));
   const auto w2f = dequantize_cpu(w2, unpack_scales(w2_scales));
-  return slot_outputs_cpu(op, xf, wf.narrow(1, 0, hidden), wf.narrow(1, hidden, hidden), w2f, sorted_token_ids,
-                          expert_ids, num_tokens_post_padded, s, block_m, round_mxfp8);
+  const auto [gate_f, up_f] = split_gate_up(op, wf);
+  return slot_outputs_cpu(op, xf, gate_f, up_f, w2f, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m,
+                          round_mxfp8);
 }
 
 void fused_moe_mxfp8_cpu(const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& w,
@@ -225,11 +222,7 @@ void fused_moe_bf16_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tens
                         int64_t top_k, int64_t block_m, int64_t /*block_n*/, int64_t /*warp_n*/, int64_t /*stages*/,
                         int64_t /*bpc*/, int64_t /*cpc*/, bool /*split*/) {
   const char* op = "fused_moe_bf16";
-  TORCH_CHECK(w.dim() == 3 && w.size(1) % 2 == 0, op,
-              ": w must be 3-D (E, 2 * hidden, dim) with gate rows [0, hidden) and up rows [hidden, 2 * hidden), got "
-              "shape ", w.sizes());
-  const int64_t hidden = w.size(1) / 2;
-  const auto gate = w.narrow(1, 0, hidden), up = w.narrow(1, hidden, hidden);
+  const auto [gate, up] = split_gate_up(op, w);
   const MoeShape s = check_moe_args(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                     &topk_weights, top_k, block_m, "w");
   check_out(op, out, s, x);

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 
 #ifndef FLASH_MOE_BLOCK_M
 #error "FLASH_MOE_BLOCK_M must come from kernel.toml ([flash_moe.constants])"
@@ -185,6 +186,15 @@ inline void check_mx_scales(const char* op, const at::Tensor& x, const at::Tenso
                   w2_scales.size(2) == s.dim && w2_scales.size(3) == g,
               op, ": w2_scales must be pack_scales_blocked's layout (E, hidden / ", kMxAlign, ", dim, ", g, ") = (",
               s.E, ", ", s.hidden / kMxAlign, ", ", s.dim, ", ", g, "), got ", w2_scales.sizes());
+}
+
+// The original flash_moe's concatenated weight: w (E, 2 * hidden, dim), gate rows [0, hidden), up rows [hidden, 2 * hidden).
+inline std::pair<at::Tensor, at::Tensor> split_gate_up(const char* op, const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 3 && w.size(1) % 2 == 0, op,
+              ": w must be 3-D (E, 2 * hidden, dim) with gate rows [0, hidden) and up rows [hidden, 2 * hidden), got "
+              "shape ", w.sizes());
+  const int64_t hidden = w.size(1) / 2;
+  return {w.narrow(1, 0, hidden), w.narrow(1, hidden, hidden)};
 }
 
 inline void check_out(const char* op, const at::Tensor& out, const MoeShape& s, const at::Tensor& x) {

@@ -364,12 +364,7 @@ void fused_moe_bf16_cuda(const at::Tensor& x, const at::Tensor& w, const at::Ten
                          int64_t top_k, int64_t block_m, int64_t /*block_n*/, int64_t /*warp_n*/, int64_t /*stages*/,
                          int64_t /*bpc*/, int64_t /*cpc*/, bool /*split*/) {
   const char* op = "fused_moe_bf16";
-  TORCH_CHECK(w.dim() == 3 && w.size(1) % 2 == 0, op,
-              ": w must be 3-D (E, 2 * hidden, dim) with gate rows [0, hidden) and up rows [hidden, 2 * hidden), got "
-              "shape ", w.sizes());
-  const int64_t hidden = w.size(1) / 2;
-  const auto wc = w.contiguous();
-  const auto gate = wc.narrow(1, 0, hidden), up = wc.narrow(1, hidden, hidden);
+  const auto [gate, up] = split_gate_up(op, w.contiguous());
   const MoeShape s = check_moe_args(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                     &topk_weights, top_k, block_m, "w");
   check_out(op, out, s, x);
