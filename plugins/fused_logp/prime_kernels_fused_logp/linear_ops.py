@@ -68,7 +68,8 @@ def unsupported_shape_reason(hidden_size: int, vocab_size: int, num_tokens: int 
             return f"{name} last dim must have stride 1 on CUDA, got stride {t.stride(-1)}"
         if t.shape[0] > 1 and t.stride(0) % HIDDEN_ALIGN:
             return f"{name} row stride must be a multiple of {HIDDEN_ALIGN} elements on CUDA, got {t.stride(0)}"
-        if t.data_ptr() % PTR_ALIGN_BYTES:
+        # Traced tensors have no address; the op's own check covers alignment when the compiled graph runs.
+        if not torch.compiler.is_compiling() and t.data_ptr() % PTR_ALIGN_BYTES:
             return f"{name} data pointer must be {PTR_ALIGN_BYTES}-byte aligned on CUDA"
     return None
 
