@@ -81,7 +81,7 @@ echo; echo "== gpu_check summary =="
 # The device copy of the tree has no .git: pass COMMIT=<hash> from the machine that sent it.
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 "$py" -c 'import sys, torch; print(torch.cuda.get_device_name(), "| torch", torch.__version__, "| commit", sys.argv[1])' "$commit"
-column -t -s $'\t' "$results"
+awk -F'\t' '{ printf "%-9s %-40s %s\n", $1, $2, $3 }' "$results"
 for log in "$out"/bench_*.log; do
   [ -f "$log" ] || continue
   echo "-- $(basename "$log" .log)"; grep -E '^\||^ours' "$log" | tail -n 8
