@@ -6,6 +6,11 @@
 //                   aligned blocks, with w = [Wg; Wu] (E, 2 hidden, dim); writes every row of `out` (zeroes unrouted).
 //   moe_forward     the same with the gate and up weights as two tensors (E, hidden, dim), returning out; the
 //                   `deterministic` flag selects a fixed-order combine on CUDA (the CPU combine is always fixed-order).
+//   moe_gate_up     moe()'s backward, recomputation: [x_t W1^T | x_t W3^T] (fp32 accumulation, bf16) of the routed
+//                   slots in sorted order (compact: padding dropped), zero rows past them.
+//   swiglu_backward moe()'s backward, elementwise: from g | u, grad_h = dL/dy W2 (unweighted) and the slot weights p:
+//                   [dg | du] with dh = p grad_h, du = dh silu(g), dg = dh u sig(g) (1 + g (1 - sig(g))); p h; and
+//                   dL/dp = sum_j grad_h h. Rows with valid = false give zeros.
 //
 //   quantize_mxfp8  t (..., K) -> (e4m3 data (..., K), e8m0 scales (..., K / block)), the rule in mxfp8.h.
 //   fused_moe_mxfp8 / moe_forward_mxfp8  the same two expert ops on mxfp8 x, w, w2 (weight scales in
@@ -67,14 +72,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_align_cpu(const at::Tensor& t
   return {sorted, eids, ntpp};
 }
 
-// Per-slot expert outputs y[slot] = (silu(x_t Wg^T) * (x_t Wu^T)) W2^T in fp32, zero for slots no block covers.
-at::Tensor slot_outputs_cpu(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up,
-                            const at::Tensor& w2, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
-                            const at::Tensor& num_tokens_post_padded, const MoeShape& s, int64_t block_m,
-                            const std::function<at::Tensor(const at::Tensor&)>& round_h) {
-  TORCH_CHECK(x.device().is_cpu(), op, " (CPU): x must be a CPU tensor, got ", x.device());
+// Calls fn(expert, slots) for each aligned block of a local expert, with the block's routed slots in order
+// (the values of sorted_token_ids that are not -1), after checking the alignment tensors' values.
+void for_each_block(const char* op, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                    const at::Tensor& num_tokens_post_padded, const MoeShape& s, int64_t block_m,
+                    const std::function<void(int64_t, const std::vector<int64_t>&)>& fn) {
   const int64_t slots = s.M * s.top_k;
-  auto y = at::zeros({slots, s.dim}, x.options().dtype(at::kFloat));
   const int64_t ntp = num_tokens_post_padded.item<int32_t>();
   TORCH_CHECK(ntp >= 0 && ntp <= sorted_token_ids.numel() && ntp % block_m == 0, op,
               ": num_tokens_post_padded must be a multiple of block_m=", block_m, " in [0, ",
@@ -95,14 +98,25 @@ at::Tensor slot_outputs_cpu(const char* op, const at::Tensor& x, const at::Tenso
                   slot, " at position ", b * block_m + r);
       if (slot >= 0) slot_list.push_back(slot);
     }
-    if (slot_list.empty()) continue;
-    const auto slot_t = at::tensor(slot_list, x.options().dtype(at::kLong));
-    const auto xb = x.index_select(0, at::floor_divide(slot_t, s.top_k)).to(at::kFloat);
-    const auto g = xb.mm(gate[e].to(at::kFloat).t());
-    const auto u = xb.mm(up[e].to(at::kFloat).t());
-    const auto h = round_h(at::silu(g) * u);
-    y.index_copy_(0, slot_t, h.mm(w2[e].to(at::kFloat).t()));
+    if (!slot_list.empty()) fn(e, slot_list);
   }
+}
+
+// Per-slot expert outputs y[slot] = (silu(x_t Wg^T) * (x_t Wu^T)) W2^T in fp32, zero for slots no block covers.
+at::Tensor slot_outputs_cpu(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up,
+                            const at::Tensor& w2, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                            const at::Tensor& num_tokens_post_padded, const MoeShape& s, int64_t block_m,
+                            const std::function<at::Tensor(const at::Tensor&)>& round_h) {
+  TORCH_CHECK(x.device().is_cpu(), op, " (CPU): x must be a CPU tensor, got ", x.device());
+  auto y = at::zeros({s.M * s.top_k, s.dim}, x.options().dtype(at::kFloat));
+  for_each_block(op, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m,
+                 [&](int64_t e, const std::vector<int64_t>& slot_list) {
+                   const auto slot_t = at::tensor(slot_list, x.options().dtype(at::kLong));
+                   const auto xb = x.index_select(0, at::floor_divide(slot_t, s.top_k)).to(at::kFloat);
+                   const auto h = round_h(at::silu(xb.mm(gate[e].to(at::kFloat).t())) *
+                                          xb.mm(up[e].to(at::kFloat).t()));
+                   y.index_copy_(0, slot_t, h.mm(w2[e].to(at::kFloat).t()));
+                 });
   return y;
 }
 
@@ -178,7 +192,7 @@ at::Tensor mxfp8_slot_outputs_cpu(const char* op, const at::Tensor& x_in, const 
   const auto x_scales = as_bits_of(xs_in, at::kFloat8_e8m0fnu), w_scales = as_bits_of(ws_in, at::kFloat8_e8m0fnu);
   const auto w2_scales = as_bits_of(w2s_in, at::kFloat8_e8m0fnu);
   const auto [gate, up] = split_gate_up(op, w);
-  s = check_moe_args(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k,
+  s = check_moe_args(op, x, gate, up, &w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k,
                      block_m, "w", at::kFloat8_e4m3fn);
   check_mx_scales(op, x, x_scales, w_scales, w2_scales, s);
   TORCH_CHECK(x.device().is_cpu(), op, " (CPU): x must be a CPU tensor, got ", x.device());
@@ -223,7 +237,7 @@ void fused_moe_bf16_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tens
                         int64_t /*bpc*/, int64_t /*cpc*/, bool /*split*/) {
   const char* op = "fused_moe_bf16";
   const auto [gate, up] = split_gate_up(op, w);
-  const MoeShape s = check_moe_args(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+  const MoeShape s = check_moe_args(op, x, gate, up, &w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                     &topk_weights, top_k, block_m, "w");
   check_out(op, out, s, x);
   const auto y = slot_outputs_cpu(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m,
@@ -236,11 +250,56 @@ at::Tensor moe_forward_cpu(const at::Tensor& x, const at::Tensor& w1, const at::
                            const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, int64_t top_k,
                            int64_t block_m, bool /*deterministic: the CPU combine is always in k order*/) {
   const char* op = "moe_forward";
-  const MoeShape s = check_moe_args(op, x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+  const MoeShape s = check_moe_args(op, x, w1, w3, &w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                     &topk_weights, top_k, block_m, "w1/w3");
   const auto y = slot_outputs_cpu(op, x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m,
                                   round_bf16);
   return (y.view({s.M, top_k, s.dim}) * topk_weights.unsqueeze(-1)).sum(1).to(at::kBFloat16);
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// the pieces of moe()'s closed-form backward
+at::Tensor moe_gate_up_cpu(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3,
+                           const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                           const at::Tensor& num_tokens_post_padded, int64_t top_k, int64_t block_m) {
+  const char* op = "moe_gate_up";
+  const MoeShape s = check_moe_args(op, x, w1, w3, nullptr, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                                    nullptr, top_k, block_m, "w1/w3");
+  TORCH_CHECK(x.device().is_cpu(), op, " (CPU): x must be a CPU tensor, got ", x.device());
+  auto out = at::zeros({s.M * s.top_k, 2 * s.hidden}, x.options());
+  int64_t row = 0;
+  for_each_block(op, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m,
+                 [&](int64_t e, const std::vector<int64_t>& slot_list) {
+                   const int64_t n = static_cast<int64_t>(slot_list.size());
+                   TORCH_CHECK(row + n <= s.M * s.top_k, op, ": sorted_token_ids routes more than M * top_k=",
+                               s.M * s.top_k, " slots");
+                   const auto slot_t = at::tensor(slot_list, x.options().dtype(at::kLong));
+                   const auto xb = x.index_select(0, at::floor_divide(slot_t, s.top_k)).to(at::kFloat);
+                   const auto gu = at::cat({xb.mm(w1[e].to(at::kFloat).t()), xb.mm(w3[e].to(at::kFloat).t())}, 1);
+                   out.narrow(0, row, n).copy_(gu);
+                   row += n;
+                 });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_backward_cpu(const at::Tensor& gate_up,
+                                                                   const at::Tensor& grad_h,
+                                                                   const at::Tensor& row_weights,
+                                                                   const at::Tensor& valid) {
+  const int64_t hidden = check_swiglu_backward_args(gate_up, grad_h, row_weights, valid);
+  TORCH_CHECK(gate_up.device().is_cpu(), "swiglu_backward (CPU): gate_up must be a CPU tensor, got ",
+              gate_up.device());
+  const auto g = gate_up.narrow(1, 0, hidden).to(at::kFloat), u = gate_up.narrow(1, hidden, hidden).to(at::kFloat);
+  const auto ok = valid.unsqueeze(1);
+  const auto zero = at::zeros({}, g.options());
+  const auto sig = at::sigmoid(g);
+  const auto a = g * sig;
+  const auto h = at::where(ok, a * u, zero);
+  const auto d = at::where(ok, grad_h.to(at::kFloat), zero);  // rows past the routed ones may hold anything
+  const auto p = at::where(valid, row_weights, zero).unsqueeze(1);
+  const auto dh = d * p;
+  const auto dg = dh * u * sig * (1 + g * (1 - sig));
+  return {at::cat({dg, dh * a}, 1).to(at::kBFloat16), (h * p).to(at::kBFloat16), (d * h).sum(1)};
 }
 
 }  // namespace
@@ -254,6 +313,10 @@ TORCH_LIBRARY(flash_moe, m) {
         "int warp_n, int stages, int bpc, int cpc, bool split) -> ()");
   m.def("moe_forward(Tensor x, Tensor w1, Tensor w3, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids, "
         "Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, int block_m, bool deterministic) -> Tensor");
+  m.def("moe_gate_up(Tensor x, Tensor w1, Tensor w3, Tensor sorted_token_ids, Tensor expert_ids, "
+        "Tensor num_tokens_post_padded, int top_k, int block_m) -> Tensor");
+  m.def("swiglu_backward(Tensor gate_up, Tensor grad_h, Tensor row_weights, Tensor valid) -> (Tensor grad_gate_up, "
+        "Tensor weighted_h, Tensor grad_row_weights)");
   m.def("quantize_mxfp8(Tensor t, int block) -> (Tensor data, Tensor scales)");
   m.def("fused_moe_mxfp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tensor w2, Tensor w2_scales, "
         "Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, "
@@ -267,6 +330,8 @@ TORCH_LIBRARY_IMPL(flash_moe, CPU, m) {
   m.impl("moe_align", &flash_moe::moe_align_cpu);
   m.impl("fused_moe_bf16", &flash_moe::fused_moe_bf16_cpu);
   m.impl("moe_forward", &flash_moe::moe_forward_cpu);
+  m.impl("moe_gate_up", &flash_moe::moe_gate_up_cpu);
+  m.impl("swiglu_backward", &flash_moe::swiglu_backward_cpu);
   m.impl("quantize_mxfp8", &flash_moe::quantize_mxfp8_cpu);
   m.impl("fused_moe_mxfp8", &flash_moe::fused_moe_mxfp8_cpu);
   m.impl("moe_forward_mxfp8", &flash_moe::moe_forward_mxfp8_cpu);

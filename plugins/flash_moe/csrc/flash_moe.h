@@ -93,9 +93,10 @@ struct MoeShape {
   int64_t M, dim, hidden, E, top_k, blocks;
 };
 
-// gate, up: (E, hidden, dim) views (possibly halves of one (E, 2 hidden, dim) tensor); w2: (E, dim, hidden).
+// gate, up: (E, hidden, dim) views (possibly halves of one (E, 2 hidden, dim) tensor); w2: (E, dim, hidden), or
+// nullptr for the ops without a down projection.
 inline MoeShape check_moe_args(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up,
-                               const at::Tensor& w2, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                               const at::Tensor* w2, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                                const at::Tensor& num_tokens_post_padded, const at::Tensor* topk_weights,
                                int64_t top_k, int64_t block_m, const char* w_name,
                                at::ScalarType dtype = at::kBFloat16) {
@@ -105,10 +106,8 @@ inline MoeShape check_moe_args(const char* op, const at::Tensor& x, const at::Te
   TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D (M, dim), got shape ", x.sizes());
   TORCH_CHECK(gate.scalar_type() == dtype && up.scalar_type() == dtype, op, ": ", w_name, " must be ", dname,
               ", got ", gate.scalar_type(), " / ", up.scalar_type());
-  TORCH_CHECK(w2.scalar_type() == dtype, op, ": w2 must be ", dname, ", got ", w2.scalar_type());
   TORCH_CHECK(gate.dim() == 3 && up.dim() == 3, op, ": ", w_name, " must be 3-D expert weights, got shapes ",
               gate.sizes(), " / ", up.sizes());
-  TORCH_CHECK(w2.dim() == 3, op, ": w2 must be 3-D (E, dim, hidden), got shape ", w2.sizes());
   MoeShape s;
   s.M = x.size(0);
   s.dim = x.size(1);
@@ -119,10 +118,15 @@ inline MoeShape check_moe_args(const char* op, const at::Tensor& x, const at::Te
               gate.sizes(), " and ", up.sizes());
   TORCH_CHECK(gate.size(2) == s.dim, op, ": ", w_name, "'s last dimension must be dim=", s.dim,
               " (x's last dimension), got ", gate.size(2));
-  TORCH_CHECK(w2.size(0) == s.E, op, ": w2 must have E=", s.E, " experts (", w_name, "'s first dimension), got ",
-              w2.size(0));
-  TORCH_CHECK(w2.size(1) == s.dim && w2.size(2) == s.hidden, op, ": w2 must have shape (E, dim, hidden) = (", s.E,
-              ", ", s.dim, ", ", s.hidden, "), got ", w2.sizes());
+  if (w2 != nullptr) {
+    TORCH_CHECK(w2->scalar_type() == dtype, op, ": w2 must be ", dname, ", got ", w2->scalar_type());
+    TORCH_CHECK(w2->dim() == 3, op, ": w2 must be 3-D (E, dim, hidden), got shape ", w2->sizes());
+    TORCH_CHECK(w2->size(0) == s.E, op, ": w2 must have E=", s.E, " experts (", w_name, "'s first dimension), got ",
+                w2->size(0));
+    TORCH_CHECK(w2->size(1) == s.dim && w2->size(2) == s.hidden, op, ": w2 must have shape (E, dim, hidden) = (",
+                s.E, ", ", s.dim, ", ", s.hidden, "), got ", w2->sizes());
+    TORCH_CHECK(w2->device() == x.device(), op, ": w2 must be on x's device ", x.device(), ", got ", w2->device());
+  }
   const std::string reason = contract_reason(s.dim, s.hidden, mxfp8);
   TORCH_CHECK(reason.empty(), op, ": ", reason);
   TORCH_CHECK(top_k >= 1, op, ": top_k must be positive, got ", top_k);
@@ -147,7 +151,7 @@ inline MoeShape check_moe_args(const char* op, const at::Tensor& x, const at::Te
     TORCH_CHECK(topk_weights->dim() == 2 && topk_weights->size(0) == s.M && topk_weights->size(1) == top_k, op,
                 ": topk_weights must have shape (M, top_k) = (", s.M, ", ", top_k, "), got ", topk_weights->sizes());
   }
-  for (const at::Tensor* t : {&gate, &up, &w2, &sorted_token_ids, &expert_ids, &num_tokens_post_padded}) {
+  for (const at::Tensor* t : {&gate, &up, &sorted_token_ids, &expert_ids, &num_tokens_post_padded}) {
     TORCH_CHECK(t->device() == x.device(), op, ": every tensor must be on x's device ", x.device(), ", got one on ",
                 t->device());
   }
@@ -204,6 +208,34 @@ inline void check_out(const char* op, const at::Tensor& out, const MoeShape& s, 
   TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous (it is written in place), got strides ",
               out.strides());
   TORCH_CHECK(out.device() == x.device(), op, ": out must be on x's device ", x.device(), ", got ", out.device());
+}
+
+// swiglu_backward: gate_up (S, 2 hidden) bf16, grad_h (S, hidden) bf16, row_weights (S) float32, valid (S) bool, all
+// on one device; returns hidden.
+inline int64_t check_swiglu_backward_args(const at::Tensor& gate_up, const at::Tensor& grad_h,
+                                          const at::Tensor& row_weights, const at::Tensor& valid) {
+  const char* op = "swiglu_backward";
+  TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16 && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, op,
+              ": gate_up must be a 2-D bfloat16 tensor (S, 2 * hidden), got ", gate_up.scalar_type(), " of shape ",
+              gate_up.sizes());
+  const int64_t rows = gate_up.size(0), hidden = gate_up.size(1) / 2;
+  TORCH_CHECK(rows < (int64_t{1} << 31) - 1, op, ": at most 2^31 - 2 rows, got ", rows);
+  TORCH_CHECK(grad_h.scalar_type() == at::kBFloat16 && grad_h.dim() == 2 && grad_h.size(0) == rows &&
+                  grad_h.size(1) == hidden,
+              op, ": grad_h must be bfloat16 of shape (S, hidden) = (", rows, ", ", hidden, "), got ",
+              grad_h.scalar_type(), " of shape ", grad_h.sizes());
+  TORCH_CHECK(row_weights.scalar_type() == at::kFloat && row_weights.dim() == 1 && row_weights.size(0) == rows, op,
+              ": row_weights must be float32 of shape (S,) = (", rows, ",), got ", row_weights.scalar_type(),
+              " of shape ", row_weights.sizes());
+  TORCH_CHECK(valid.scalar_type() == at::kBool && valid.dim() == 1 && valid.size(0) == rows, op,
+              ": valid must be bool of shape (S,) = (", rows, ",), got ", valid.scalar_type(), " of shape ",
+              valid.sizes());
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"grad_h", &grad_h}, {"row_weights", &row_weights},
+                         {"valid", &valid}}) {
+    TORCH_CHECK(t->device() == gate_up.device(), op, ": ", name, " must be on gate_up's device ", gate_up.device(),
+                ", got ", t->device());
+  }
+  return hidden;
 }
 
 }  // namespace flash_moe

@@ -96,6 +96,18 @@ def _(x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_
     return x.new_empty(x.shape)
 
 
+@torch.library.register_fake("flash_moe::moe_gate_up")
+def _(x, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_m):
+    torch._check(x.dim() == 2 and w1.dim() == 3, lambda: "moe_gate_up: x must be 2-D (M, dim), w1 3-D")
+    return x.new_empty((x.shape[0] * top_k, 2 * w1.shape[1]))
+
+
+@torch.library.register_fake("flash_moe::swiglu_backward")
+def _(gate_up, grad_h, row_weights, valid):
+    torch._check(gate_up.dim() == 2, lambda: "swiglu_backward: gate_up must be 2-D (S, 2 hidden)")
+    return gate_up.new_empty(gate_up.shape), grad_h.new_empty(grad_h.shape), row_weights.new_empty(row_weights.shape)
+
+
 @torch.library.register_fake("flash_moe::quantize_mxfp8")
 def _(t, block):
     torch._check(t.dim() >= 1 and t.shape[-1] % block == 0,
@@ -255,75 +267,62 @@ class _MoE(torch.autograd.Function):
         top_k = topk_ids.shape[1]
         ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
         tw = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
-        sorted_ids, expert_ids, ntpp = torch.ops.flash_moe.moe_align(ids, num_experts, BLOCK_M, 1, expert_start,
-                                                                     w1.shape[0])
-        out = torch.ops.flash_moe.moe_forward(x, w1, w3, w2, sorted_ids, expert_ids, ntpp, tw, top_k, BLOCK_M,
-                                              deterministic)
-        ctx.save_for_backward(x, w1, w2, w3, ids, tw)
+        align = torch.ops.flash_moe.moe_align(ids, num_experts, BLOCK_M, 1, expert_start, w1.shape[0])
+        out = torch.ops.flash_moe.moe_forward(x, w1, w3, w2, *align, tw, top_k, BLOCK_M, deterministic)
+        ctx.save_for_backward(x, w1, w2, w3, ids, tw, *align)
         ctx.expert_start = expert_start
-        ctx.deterministic = deterministic
         ctx.tw_dtype = topk_weights.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, w1, w2, w3, ids, tw = ctx.saved_tensors
-        grads = _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, ctx.needs_input_grad[:6], ctx.expert_start,
-                                      ctx.deterministic, ctx.tw_dtype)
+        x, w1, w2, w3, ids, tw, *align = ctx.saved_tensors
+        grads = _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, ctx.needs_input_grad[:6],
+                                      ctx.expert_start, ctx.tw_dtype)
         return (*grads, None, None, None)
 
 
-def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, needs, expert_start, deterministic, tw_dtype):
-    """(grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw): the gradients of (x, w1, w2, w3, topk_ids, topk_weights)."""
+def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert_start, tw_dtype):
+    """(grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw): the gradients of (x, w1, w2, w3, topk_ids, topk_weights).
+
+    Per routed slot s (token t, expert e, weight p): g | u = x_t [W1; W3]^T recomputed by the fused gate/up kernel
+    (``moe_gate_up``), grad_h = grad_out_t W2[e] (unweighted), then ``swiglu_backward`` gives dg | du, p h and
+    dL/dp = grad_h . h in one pass; the weight and input gradients are grouped GEMMs over the slots sorted by expert.
+    dx is summed over a token's top_k slots in k order in fp32 (deterministic in both modes).
+    """
     need_x, need_w1, need_w2, need_w3, _, need_tw = needs
     T, dim = x.shape
     top_k = ids.shape[1]
-    E = w1.shape[0]
+    E, hidden = w1.shape[0], w1.shape[1]
     S = T * top_k
-    # slots sorted by local expert (stable); slots of no local expert go last, past offs[-1]
+    # slots sorted by local expert, stable (moe_align's order, which moe_gate_up's rows follow); unrouted slots last
     local = ids.reshape(-1).long() - expert_start
     valid = (ids.reshape(-1) >= 0) & (local >= 0) & (local < E)
     key = torch.where(valid, local, torch.full_like(local, E))
     order = torch.sort(key, stable=True).indices
     counts = torch.zeros(E + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
     offs = torch.cumsum(counts[:E], 0).to(torch.int32)
-    ok = valid[order].unsqueeze(1)
+    ok = valid[order]
     tok = order // top_k
-    zero = torch.zeros((), dtype=torch.float32, device=x.device)
-    p = torch.where(ok.squeeze(1), tw.reshape(-1)[order], zero)
 
-    xs = x[tok]
+    gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, BLOCK_M)
     go = grad_out.to(x.dtype)[tok]
-    g = torch.where(ok, _gmm(xs, w1.transpose(-2, -1), offs).float(), zero)   # recomputed gate projection
-    u = torch.where(ok, _gmm(xs, w3.transpose(-2, -1), offs).float(), zero)   # recomputed up projection
-    sig = torch.sigmoid(g)
-    a = g * sig
-    h = a * u
-    dh0 = torch.where(ok, _gmm(go, w2, offs).float(), zero)                  # grad_out W2, unweighted
+    grad_h = _gmm(go, w2, offs)  # rows past offs[-1] are not written: swiglu_backward masks them with `ok`
+    grad_gate_up, weighted_h, grad_p = torch.ops.flash_moe.swiglu_backward(gate_up, grad_h, tw.reshape(-1)[order], ok)
     grad_tw = grad_x = grad_w1 = grad_w2 = grad_w3 = None
     if need_tw:
-        dp = (dh0 * h).sum(-1)
-        grad_tw = torch.zeros(S, dtype=torch.float32, device=x.device).index_copy_(0, order, dp)
+        grad_tw = torch.zeros(S, dtype=torch.float32, device=x.device).index_copy_(0, order, grad_p)
         grad_tw = grad_tw.view(T, top_k).to(tw_dtype)
     if need_w2:
-        grad_w2 = _gmm((go.float() * p.unsqueeze(1)).to(x.dtype).t(), h.to(x.dtype), offs)
-    if need_x or need_w1 or need_w3:
-        dh = dh0 * p.unsqueeze(1)
-        du = (dh * a).to(x.dtype)
-        dg = (dh * u * sig * (1 + g * (1 - sig))).to(x.dtype)
-        if need_w1:
-            grad_w1 = _gmm(dg.t(), xs, offs)
-        if need_w3:
-            grad_w3 = _gmm(du.t(), xs, offs)
-        if need_x:
-            dxs = _gmm(dg, w1, offs).float() + _gmm(du, w3, offs).float()
-            dxs = torch.where(ok, dxs, zero)
-            if deterministic:  # unsort (unique indices), then sum the top_k slots of a token in k order
-                per_slot = torch.zeros(S, dim, dtype=torch.float32, device=x.device).index_copy_(0, order, dxs)
-                grad_x = per_slot.view(T, top_k, dim).sum(1)
-            else:
-                grad_x = torch.zeros(T, dim, dtype=torch.float32, device=x.device).index_add_(0, tok, dxs)
-            grad_x = grad_x.to(x.dtype)
+        grad_w2 = _gmm(go.t(), weighted_h, offs)
+    if need_w1 or need_w3:
+        grad_w13 = _gmm(grad_gate_up.t(), x[tok], offs)
+        grad_w1 = grad_w13[:, :hidden] if need_w1 else None
+        grad_w3 = grad_w13[:, hidden:] if need_w3 else None
+    if need_x:
+        dxs = _gmm(grad_gate_up, torch.cat([w1, w3], 1), offs).masked_fill_(~ok.unsqueeze(1), 0)
+        per_slot = torch.empty_like(dxs).index_copy_(0, order, dxs)  # order is a permutation: every row written
+        grad_x = per_slot.view(T, top_k, dim).sum(1, dtype=torch.float32).to(x.dtype)
     return grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw
 
 
@@ -338,27 +337,24 @@ class _MoEMxfp8(torch.autograd.Function):
         ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
         tw = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
         xq, xs = torch.ops.flash_moe.quantize_mxfp8(x, MXFP8_SCALE_BLOCK)
-        sorted_ids, expert_ids, ntpp = torch.ops.flash_moe.moe_align(ids, num_experts, BLOCK_M, 1, expert_start,
-                                                                     wq.shape[0])
-        out = torch.ops.flash_moe.moe_forward_mxfp8(xq, xs, wq, ws, w2q, w2s, sorted_ids, expert_ids, ntpp, tw, top_k,
-                                                    BLOCK_M, deterministic)
-        ctx.save_for_backward(xq, xs, wq, ws, w2q, w2s, ids, tw)
+        align = torch.ops.flash_moe.moe_align(ids, num_experts, BLOCK_M, 1, expert_start, wq.shape[0])
+        out = torch.ops.flash_moe.moe_forward_mxfp8(xq, xs, wq, ws, w2q, w2s, *align, tw, top_k, BLOCK_M, deterministic)
+        ctx.save_for_backward(xq, xs, wq, ws, w2q, w2s, ids, tw, *align)
         ctx.expert_start = expert_start
-        ctx.deterministic = deterministic
         ctx.tw_dtype = topk_weights.dtype
         ctx.x_dtype = x.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        xq, xs, wq, ws, w2q, w2s, ids, tw = ctx.saved_tensors
+        xq, xs, wq, ws, w2q, w2s, ids, tw, *align = ctx.saved_tensors
         dt = ctx.x_dtype
         x = dequantize_mxfp8(xq, xs, dtype=dt)
         w = dequantize_mxfp8(wq, unpack_scales_blocked(ws), dtype=dt)
         hidden = w.shape[1] // 2
         w2 = dequantize_mxfp8(w2q, unpack_scales_blocked(w2s), dtype=dt)
-        grads = _closed_form_backward(grad_out, x, w[:, :hidden].contiguous(), w2, w[:, hidden:].contiguous(), ids, tw,
-                                      ctx.needs_input_grad[:6], ctx.expert_start, ctx.deterministic, ctx.tw_dtype)
+        grads = _closed_form_backward(grad_out, x, w[:, :hidden], w2, w[:, hidden:], ids, tw, align,
+                                      ctx.needs_input_grad[:6], ctx.expert_start, ctx.tw_dtype)
         return (*grads, None, None, None, None, None, None, None)
 
 
@@ -372,9 +368,11 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, t
     [expert_start, expert_start + E_local) are local, other ids contribute nothing (``num_experts``: the global count
     for the id range check; default E_local when expert_start is 0, unchecked above otherwise).
     Forward: ``moe_align`` + ``moe_forward`` (the fused kernels; w1 and w3 are read in place, never concatenated).
-    Backward: closed form, recomputing the gate/up projections, with ``torch._grouped_mm`` (CUDA and CPU); gradients
-    only for the inputs that need them. ``deterministic=True``: fixed-order combine in the forward and a fixed-order
-    dx reduction in the backward (bitwise reproducible); False: fp32 atomics on CUDA (not bitwise reproducible).
+    Backward: closed form: the gate/up projections recomputed by the fused gate/up kernel (``moe_gate_up``), the
+    SwiGLU derivative in one pass (``swiglu_backward``), the five GEMMs with ``torch._grouped_mm`` (CUDA and CPU);
+    gradients only for the inputs that need them; always fixed-order (dx summed over a token's slots in k order).
+    ``deterministic=True``: fixed-order combine in the forward too (bitwise reproducible end to end); False: the
+    forward combines with fp32 atomics on CUDA (not bitwise reproducible).
 
     ``mxfp8=True``: x is quantized to mxfp8 on every call, the weights once per weight version (see
     ``_WEIGHT_CACHE``: keyed by each weight's data_ptr, _version and shape, so an optimizer's in-place update, which

@@ -49,8 +49,21 @@ def op_samples(kernel, device):
         ("moe_forward", (x, w1, w3, w2, sorted_ids, eids, ntpp, tw, 2, ops.BLOCK_M, False), {}),
         ("moe_forward", (x, w1, w3, w2, sorted_ids, eids, ntpp, tw, 2, ops.BLOCK_M, True), {}),
         ("moe_forward", (x1, w11, w31, w21, s1, e1, n1, tw1, 1, ops.BLOCK_M, False), {}),
+        ("moe_gate_up", (x, w1, w3, sorted_ids, eids, ntpp, 2, ops.BLOCK_M), {}),
+        ("moe_gate_up", (x1, w11, w31, s1, e1, n1, 1, ops.BLOCK_M), {}),
+        *swiglu_backward_samples(device),
         *mxfp8_samples(ops, device),
     ]
+
+
+def swiglu_backward_samples(device, rows=7, hidden=64):
+    g = torch.Generator().manual_seed(7)
+    gate_up = (torch.randn(rows, 2 * hidden, generator=g) * 2).to(torch.bfloat16).to(device)
+    grad_h = torch.randn(rows, hidden, generator=g).to(torch.bfloat16).to(device)
+    row_weights = torch.rand(rows, generator=g).to(device)
+    valid = (torch.arange(rows) < rows - 2).to(device)
+    return [("swiglu_backward", (gate_up, grad_h, row_weights, valid), {}),
+            ("swiglu_backward", (gate_up[:0], grad_h[:0], row_weights[:0], valid[:0]), {})]
 
 
 def mxfp8_samples(ops, device):

@@ -231,6 +231,88 @@ def test_needs_input_grad_subset():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# the backward's pieces
+def gate_up_reference(x, w1, w3, ids, E, expert_start=0):
+    """float64 [x_t W1^T | x_t W3^T] of the routed slots in moe_align's order (by local expert, then slot)."""
+    top_k = ids.shape[1]
+    rows = []
+    flat = ids.reshape(-1).long() - expert_start
+    for e in range(E):
+        for slot in torch.nonzero((ids.reshape(-1) >= 0) & (flat == e)).squeeze(1).tolist():
+            xt = x[slot // top_k].double()
+            rows.append(torch.cat([w1[e].double() @ xt, w3[e].double() @ xt]))
+    return torch.stack(rows) if rows else torch.zeros(0, 2 * w1.shape[1], dtype=torch.float64)
+
+
+def swiglu_backward_reference(gate_up, grad_h, p, valid):
+    """float64 autograd of L = sum_rows p (grad_h . silu(g) u) over the valid rows."""
+    hidden = grad_h.shape[1]
+    gu = gate_up.double().requires_grad_()
+    pd = p.double().requires_grad_()
+    h = torch.nn.functional.silu(gu[:, :hidden]) * gu[:, hidden:]
+    dots = (grad_h.double() * h).sum(1) * valid
+    dgu, dp = torch.autograd.grad((pd * dots).sum(), [gu, pd])
+    return dgu, (h * pd.unsqueeze(1) * valid.unsqueeze(1)).detach(), dp
+
+
+def check_moe_gate_up(device, T=300, dim=256, hidden=192, E=6, top_k=2, expert_start=0, num_global=None):
+    x, w1, w2, w3, ids, tw = make(T, dim, hidden, E, top_k, device, seed=12, num_global=num_global)
+    ids = ids.clone()
+    ids[::7, 0] = -1
+    align = ops.moe_align(ids, num_global or E, expert_start=expert_start, num_local_experts=E)
+    got = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, ops.BLOCK_M).cpu()
+    want = gate_up_reference(x.cpu(), w1.cpu(), w3.cpu(), ids.cpu(), E, expert_start)
+    assert got.shape == (T * top_k, 2 * hidden) and got.dtype == torch.bfloat16
+    n = want.shape[0]
+    # fp32 accumulation rounded once to bf16: within one bf16 rounding of the float64 value
+    torch.testing.assert_close(got[:n].double(), want, rtol=2**-8, atol=1e-4)
+    assert torch.equal(got[n:], torch.zeros_like(got[n:]))
+
+
+def check_swiglu_backward(device, rows=333, hidden=192):
+    g = torch.Generator().manual_seed(13)
+    gate_up = (torch.randn(rows, 2 * hidden, generator=g) * 3).to(torch.bfloat16)
+    gate_up[0, :hidden] = -100.0  # sigmoid underflows to 0: finite gradients
+    grad_h = torch.randn(rows, hidden, generator=g).to(torch.bfloat16)
+    grad_h[-1] = float("nan")  # an invalid row may hold anything
+    p = torch.rand(rows, generator=g)
+    valid = torch.rand(rows, generator=g) > 0.1
+    valid[-1] = False
+    got = torch.ops.flash_moe.swiglu_backward(gate_up.to(device), grad_h.to(device), p.to(device), valid.to(device))
+    want = swiglu_backward_reference(gate_up, torch.where(valid.unsqueeze(1), grad_h, 0), p, valid)
+    for name, a, b, dtype in zip(("grad_gate_up", "weighted_h", "grad_row_weights"), got, want,
+                                 (torch.bfloat16, torch.bfloat16, torch.float32)):
+        assert a.dtype == dtype, name
+        # each element is rounded once (bf16) from fp32 arithmetic; the row sum is fp32
+        torch.testing.assert_close(a.cpu().double(), b, rtol=2**-7, atol=1e-3, msg=name)
+        assert not a[~valid.to(a.device)].any(), f"{name}: invalid rows must be zero"
+
+
+@cpu
+def test_cpu_moe_gate_up_matches_reference():
+    check_moe_gate_up("cpu")
+    check_moe_gate_up("cpu", E=4, top_k=3, expert_start=4, num_global=8)
+
+
+@cpu
+def test_cpu_swiglu_backward_matches_autograd():
+    check_swiglu_backward("cpu")
+
+
+def test_backward_pieces_reject_bad_arguments():
+    gu, gh = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(4, 4, dtype=torch.bfloat16)
+    p, ok = torch.zeros(4), torch.ones(4, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match=r"grad_h must be bfloat16 of shape \(S, hidden\) = \(4, 4\)"):
+        torch.ops.flash_moe.swiglu_backward(gu, gh[:, :3], p, ok)
+    with pytest.raises(RuntimeError, match="valid must be bool"):
+        torch.ops.flash_moe.swiglu_backward(gu, gh, p, ok.int())
+    x, w1, w2, w3, ids, tw = make(8, 64, 64, 2, 1)
+    align = ops.moe_align(ids, 2)
+    with pytest.raises(RuntimeError, match="moe_gate_up: the gate and up weights must have one shape"):
+        torch.ops.flash_moe.moe_gate_up(x, w1, w3[:, :32], *align, 1, ops.BLOCK_M)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # GPU
 @pytest.mark.gpu
 @pytest.mark.kernel(KERNEL)
@@ -276,6 +358,16 @@ def test_cuda_fused_op_matches_cpu():
     ref = moe_per_expert(x.double(), w1.double(), w2.double(), w3.double(), ids, tw.double())
     assert_error_ratio("cuda fused_moe_bf16", got, base, ref, MAX_RATIO)
     torch.testing.assert_close(got.cpu(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+def test_cuda_backward_pieces_match_reference():
+    check_moe_gate_up("cuda")
+    check_moe_gate_up("cuda", T=1000, dim=2048, hidden=768, E=16, top_k=8)
+    check_moe_gate_up("cuda", E=4, top_k=3, expert_start=4, num_global=8)
+    check_swiglu_backward("cuda")
+    check_swiglu_backward("cuda", rows=70, hidden=14336)
 
 
 @pytest.mark.gpu

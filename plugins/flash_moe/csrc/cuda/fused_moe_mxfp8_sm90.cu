@@ -449,7 +449,7 @@ at::Tensor run_mx(const char* op, const at::Tensor& x_b, const at::Tensor& xs_b,
   const auto xs_in = as_bits_of(xs_b, at::kFloat8_e8m0fnu), ws_in = as_bits_of(ws_b, at::kFloat8_e8m0fnu);
   const auto w2s_in = as_bits_of(w2s_b, at::kFloat8_e8m0fnu);
   const auto [gate_in, up_in] = split_gate_up(op, w_in);
-  s = check_moe_args(op, x_in, gate_in, up_in, w2_in, sorted, eids, ntpp,
+  s = check_moe_args(op, x_in, gate_in, up_in, &w2_in, sorted, eids, ntpp,
                      &topk_weights, top_k, block_m, "w", at::kFloat8_e4m3fn);
   check_mx_scales(op, x_in, xs_in, ws_in, w2s_in, s);
   TORCH_CHECK(x_in.is_cuda(), op, " (CUDA): x must be a CUDA tensor, got ", x_in.device());

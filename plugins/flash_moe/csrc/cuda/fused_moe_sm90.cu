@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "../flash_moe.h"
 #include "sm90_common.cuh"
@@ -64,7 +65,9 @@ constexpr int LOOKAHEAD = STAGES - 1;  // stages a producer thread keeps in flig
 constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + BM * 8 /* A row offsets */ +
                            BM * 4 /* slots */ + 2 * STAGES * 8 /* mbarriers */;
 
-enum Mode : int { GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2 };
+// GATE_UP_SAVE (the backward's recomputation): the epilogue stores the gate and up pre-activations as bf16 to row
+// dst_rows[padded row] of a compact [routed slots, 2 hidden] tensor instead of h.
+enum Mode : int { GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2, GATE_UP_SAVE = 3 };
 
 struct Params {
   const __nv_bfloat16* a;  // x (GATE_UP) or the intermediate (DOWN)
@@ -81,8 +84,10 @@ struct Params {
   const int* sorted;
   const int* expert_ids;
   const int* ntpp;
-  __nv_bfloat16* inter;  // GATE_UP output [padded, hidden]
+  __nv_bfloat16* inter;  // GATE_UP output [padded, hidden]; GATE_UP_SAVE output [slots, 2 hidden]
   int64_t ld_inter;
+  const int* dst_rows;  // GATE_UP_SAVE: output row of each padded row, -1 for padding
+  int dst_limit;        // GATE_UP_SAVE: rows of the output (M * top_k)
   const float* topk_weights;  // DOWN_ATOMIC
   float* acc32;               // DOWN_ATOMIC output [M, dim]
   __nv_bfloat16* yslots;      // DOWN_SLOTS output [M * top_k, dim]
@@ -91,13 +96,6 @@ struct Params {
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void fence_acc(float* d) { fence_regs<128>(d); }
-__device__ __forceinline__ void wgmma_m64n256k16_bf16(float* d, uint64_t da, uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(da), "l"(db), "r"(scale_d));
-}
 #endif
 
 // Accumulator register i of a consumer thread holds row (warp * 16 + lane / 4 + 8 * ((i / 2) % 2)) and column
@@ -105,6 +103,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float* d, uint64_t da, uin
 template <int MODE>
 __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool kGateUp = MODE == GATE_UP || MODE == GATE_UP_SAVE;
   const int block = blockIdx.y + p.block_offset;
   const int n_tile = blockIdx.x;
   if (block * BM >= __ldg(p.ntpp)) return;  // past the routed blocks: the whole CTA leaves
@@ -125,7 +124,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const Params p
     const int row = block * BM + threadIdx.x;
     const int slot = p.sorted[row];
     slot_of[threadIdx.x] = slot;
-    if constexpr (MODE == GATE_UP) {
+    if constexpr (kGateUp) {
       a_row[threadIdx.x] = slot >= 0 ? static_cast<int64_t>(slot / p.top_k) * p.lda : -1;
     } else {
       a_row[threadIdx.x] = static_cast<int64_t>(row) * p.lda;
@@ -145,12 +144,12 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const Params p
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
     const int c = threadIdx.x & 7;    // 16-byte chunk of the 128-byte K slice
     const int r0 = threadIdx.x >> 3;  // rows r0 + 16 i
-    const int n0 = n_tile * (MODE == GATE_UP ? BN_GU : BN_DOWN) + r0;
+    const int n0 = n_tile * (kGateUp ? BN_GU : BN_DOWN) + r0;
     // B rows of this thread: n0 + 16 i (GATE_UP: i < 8 from the gate weight, i >= 8 the same rows of the up weight)
     const int64_t row16 = 16 * p.ldb;
     const __nv_bfloat16* b0 = p.b0 + static_cast<int64_t>(expert) * p.b_expert_stride + static_cast<int64_t>(n0) * p.ldb + c * 8;
-    const __nv_bfloat16* b1 = MODE == GATE_UP ? p.b1 + (b0 - p.b0) : b0;
-    constexpr int B_ROWS_PER_SRC = MODE == GATE_UP ? BN_GU / 16 : BN / 16;
+    const __nv_bfloat16* b1 = kGateUp ? p.b1 + (b0 - p.b0) : b0;
+    constexpr int B_ROWS_PER_SRC = kGateUp ? BN_GU / 16 : BN / 16;
     const int n_valid = p.n_total - n0;  // rows 16 i < n_valid are inside the matrix
     for (int kt = 0; kt < p.k_tiles; ++kt) {
       const int stage = kt % STAGES;
@@ -226,6 +225,21 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const Params p
           *reinterpret_cast<__nv_bfloat162*>(dst + col) = __floats2bfloat162_rn(h0, h1);
         }
       }
+    } else if constexpr (MODE == GATE_UP_SAVE) {
+      const int dst_row = p.dst_rows[block * BM + lr];
+      if (dst_row < 0 || dst_row >= p.dst_limit) continue;
+      const int n0 = n_tile * BN_GU;
+      __nv_bfloat16* dst = p.inter + static_cast<int64_t>(dst_row) * p.ld_inter + n0;
+#pragma unroll
+      for (int j = 0; j < BN_GU / 8; ++j) {
+        const int col = 8 * j + 2 * quad;
+        if (n0 + col < p.n_total) {  // gate columns, then the up columns hidden (n_total) further
+          *reinterpret_cast<__nv_bfloat162*>(dst + col) =
+              __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+          *reinterpret_cast<__nv_bfloat162*>(dst + p.n_total + col) =
+              __floats2bfloat162_rn(acc[4 * (j + BN_GU / 8) + 2 * h], acc[4 * (j + BN_GU / 8) + 2 * h + 1]);
+        }
+      }
     } else {
       const int slot = slot_of[lr];
       if (slot < 0) continue;
@@ -289,43 +303,29 @@ void check_device(const char* op, const at::Tensor& x) {
               " is sm_", major, minor);
 }
 
-// Runs gate/up + down for gate/up views (E, hidden, dim) with unit column stride; mode DOWN_ATOMIC writes acc32
-// (zeroed here), DOWN_SLOTS writes yslots (zeroed here).
-void run(const char* op, const at::Tensor& x_in, const at::Tensor& gate_in, const at::Tensor& up_in,
-         const at::Tensor& w2_in, const at::Tensor& sorted, const at::Tensor& eids, const at::Tensor& ntpp,
-         const at::Tensor& topk_weights, const MoeShape& s, int mode, at::Tensor& result) {
+// The gate/up GEMM's parameters for gate/up views (E, hidden, dim); the contiguous copies it needed stay in `keep`.
+sm90::Params gate_up_params(const char* op, const at::Tensor& x_in, const at::Tensor& gate_in, const at::Tensor& up_in,
+                            const at::Tensor& sorted, const at::Tensor& eids, const at::Tensor& ntpp,
+                            const MoeShape& s, std::vector<at::Tensor>& keep) {
   check_device(op, x_in);
   const auto x = x_in.contiguous();
-  const auto w2 = w2_in.contiguous();
   auto gate = gate_in, up = up_in;
   if (gate.stride(2) != 1 || up.stride(2) != 1 || gate.strides() != up.strides() || gate.stride(1) % 8 != 0 ||
       gate.stride(0) % 8 != 0) {
     gate = gate.contiguous();
     up = up.contiguous();
   }
-  const auto sorted_c = sorted.contiguous(), eids_c = eids.contiguous();
-  const auto tw = topk_weights.contiguous();
   for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"x", &x}, {"gate weight", &gate},
-                         {"up weight", &up}, {"w2", &w2}}) {
+                         {"up weight", &up}}) {
     check_cuda_operand(op, name, *t);
   }
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t padded = s.blocks * sm90::BM;
-  auto inter = at::empty({std::max<int64_t>(padded, 1), s.hidden}, x.options());
-  if (mode == sm90::DOWN_ATOMIC) {
-    result = at::zeros({s.M, s.dim}, x.options().dtype(at::kFloat));
-  } else {
-    result = at::zeros({s.M * s.top_k, s.dim}, x.options());
-  }
-  if (s.blocks == 0 || s.M == 0) return;
-
+  keep = {x, gate, up, sorted.contiguous(), eids.contiguous()};
   sm90::Params p{};
   p.top_k = static_cast<int>(s.top_k);
   p.num_experts = static_cast<int>(s.E);
-  p.sorted = sorted_c.const_data_ptr<int>();
-  p.expert_ids = eids_c.const_data_ptr<int>();
+  p.sorted = keep[3].const_data_ptr<int>();
+  p.expert_ids = keep[4].const_data_ptr<int>();
   p.ntpp = ntpp.const_data_ptr<int>();
-  // gate/up + SwiGLU
   p.a = reinterpret_cast<const __nv_bfloat16*>(x.const_data_ptr());
   p.lda = s.dim;
   p.b0 = reinterpret_cast<const __nv_bfloat16*>(gate.const_data_ptr());
@@ -334,9 +334,33 @@ void run(const char* op, const at::Tensor& x_in, const at::Tensor& gate_in, cons
   p.ldb = gate.stride(1);
   p.n_total = static_cast<int>(s.hidden);
   p.k_tiles = static_cast<int>(s.dim / sm90::BK);
+  return p;
+}
+
+int gate_up_tiles(const MoeShape& s) { return static_cast<int>((s.hidden + sm90::BN_GU - 1) / sm90::BN_GU); }
+
+// Runs gate/up + down; mode DOWN_ATOMIC writes acc32 [M, dim] (zeroed here), DOWN_SLOTS yslots [M * top_k, dim]
+// (zeroed here).
+void run(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& w2_in,
+         const at::Tensor& sorted, const at::Tensor& eids, const at::Tensor& ntpp, const at::Tensor& topk_weights,
+         const MoeShape& s, int mode, at::Tensor& result) {
+  std::vector<at::Tensor> keep;
+  sm90::Params p = gate_up_params(op, x, gate, up, sorted, eids, ntpp, s, keep);
+  const auto w2 = w2_in.contiguous();
+  check_cuda_operand(op, "w2", w2);
+  const auto tw = topk_weights.contiguous();
+  if (mode == sm90::DOWN_ATOMIC) {
+    result = at::zeros({s.M, s.dim}, x.options().dtype(at::kFloat));
+  } else {
+    result = at::zeros({s.M * s.top_k, s.dim}, x.options());
+  }
+  if (s.blocks == 0 || s.M == 0) return;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // gate/up + SwiGLU
+  auto inter = at::empty({s.blocks * sm90::BM, s.hidden}, x.options());
   p.inter = reinterpret_cast<__nv_bfloat16*>(inter.mutable_data_ptr());
   p.ld_inter = s.hidden;
-  sm90::launch<sm90::GATE_UP>(p, static_cast<int>((s.hidden + sm90::BN_GU - 1) / sm90::BN_GU), s.blocks, stream);
+  sm90::launch<sm90::GATE_UP>(p, gate_up_tiles(s), s.blocks, stream);
   // down + combine
   p.a = reinterpret_cast<const __nv_bfloat16*>(inter.const_data_ptr());
   p.lda = s.hidden;
@@ -358,6 +382,28 @@ void run(const char* op, const at::Tensor& x_in, const at::Tensor& gate_in, cons
   }
 }
 
+at::Tensor moe_gate_up_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3,
+                            const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                            const at::Tensor& num_tokens_post_padded, int64_t top_k, int64_t block_m) {
+  const char* op = "moe_gate_up";
+  const MoeShape s = check_moe_args(op, x, w1, w3, nullptr, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                                    nullptr, top_k, block_m, "w1/w3");
+  const c10::cuda::CUDAGuard guard(x.device());
+  std::vector<at::Tensor> keep;
+  sm90::Params p = gate_up_params(op, x, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, s, keep);
+  auto result = at::zeros({s.M * s.top_k, 2 * s.hidden}, x.options());
+  if (s.blocks == 0 || s.M == 0) return result;
+  // the compact row of each padded position: its rank among the non-padding entries
+  const auto routed = keep[3].ge(0);
+  const auto dst_rows = (routed.cumsum(0, at::kInt) - 1).masked_fill_(routed.logical_not(), -1);
+  p.inter = reinterpret_cast<__nv_bfloat16*>(result.mutable_data_ptr());
+  p.ld_inter = 2 * s.hidden;
+  p.dst_rows = dst_rows.const_data_ptr<int>();
+  p.dst_limit = static_cast<int>(s.M * s.top_k);
+  sm90::launch<sm90::GATE_UP_SAVE>(p, gate_up_tiles(s), s.blocks, c10::cuda::getCurrentCUDAStream());
+  return result;
+}
+
 void fused_moe_bf16_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w2,
                          const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                          const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, at::Tensor out,
@@ -365,7 +411,7 @@ void fused_moe_bf16_cuda(const at::Tensor& x, const at::Tensor& w, const at::Ten
                          int64_t /*bpc*/, int64_t /*cpc*/, bool /*split*/) {
   const char* op = "fused_moe_bf16";
   const auto [gate, up] = split_gate_up(op, w.contiguous());
-  const MoeShape s = check_moe_args(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+  const MoeShape s = check_moe_args(op, x, gate, up, &w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                     &topk_weights, top_k, block_m, "w");
   check_out(op, out, s, x);
   const c10::cuda::CUDAGuard guard(x.device());
@@ -380,7 +426,7 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& w1, const at:
                             const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, int64_t top_k,
                             int64_t block_m, bool deterministic) {
   const char* op = "moe_forward";
-  const MoeShape s = check_moe_args(op, x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+  const MoeShape s = check_moe_args(op, x, w1, w3, &w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                     &topk_weights, top_k, block_m, "w1/w3");
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor result;
@@ -400,4 +446,5 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& w1, const at:
 TORCH_LIBRARY_IMPL(flash_moe, CUDA, m) {
   m.impl("fused_moe_bf16", &flash_moe::fused_moe_bf16_cuda);
   m.impl("moe_forward", &flash_moe::moe_forward_cuda);
+  m.impl("moe_gate_up", &flash_moe::moe_gate_up_cuda);
 }
