@@ -9,7 +9,7 @@
 //   moe_gate_up     moe()'s backward, recomputation: [x_t W1^T | x_t W3^T] (fp32 accumulation, bf16) of the routed
 //                   slots in sorted order (compact: padding dropped), zero rows past them.
 //   swiglu_backward moe()'s backward, elementwise: from g | u, grad_h = dL/dy W2 (unweighted) and the slot weights p:
-//                   [dg | du] with dh = p grad_h, du = dh silu(g), dg = dh u sig(g) (1 + g (1 - sig(g))); p h; and
+//                   dg and du with dh = p grad_h, du = dh silu(g), dg = dh u sig(g) (1 + g (1 - sig(g))); p h; and
 //                   dL/dp = sum_j grad_h h. Rows with valid = false give zeros.
 //
 //   quantize_mxfp8  t (..., K) -> (e4m3 data (..., K), e8m0 scales (..., K / block)), the rule in mxfp8.h.
@@ -282,7 +282,7 @@ at::Tensor moe_gate_up_cpu(const at::Tensor& x, const at::Tensor& w1, const at::
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_backward_cpu(const at::Tensor& gate_up,
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> swiglu_backward_cpu(const at::Tensor& gate_up,
                                                                    const at::Tensor& grad_h,
                                                                    const at::Tensor& row_weights,
                                                                    const at::Tensor& valid) {
@@ -299,7 +299,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_backward_cpu(const at::Ten
   const auto p = at::where(valid, row_weights, zero).unsqueeze(1);
   const auto dh = d * p;
   const auto dg = dh * u * sig * (1 + g * (1 - sig));
-  return {at::cat({dg, dh * a}, 1).to(at::kBFloat16), (h * p).to(at::kBFloat16), (d * h).sum(1)};
+  return {dg.to(at::kBFloat16), (dh * a).to(at::kBFloat16), (h * p).to(at::kBFloat16), (d * h).sum(1)};
 }
 
 }  // namespace
@@ -315,8 +315,8 @@ TORCH_LIBRARY(flash_moe, m) {
         "Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, int block_m, bool deterministic) -> Tensor");
   m.def("moe_gate_up(Tensor x, Tensor w1, Tensor w3, Tensor sorted_token_ids, Tensor expert_ids, "
         "Tensor num_tokens_post_padded, int top_k, int block_m) -> Tensor");
-  m.def("swiglu_backward(Tensor gate_up, Tensor grad_h, Tensor row_weights, Tensor valid) -> (Tensor grad_gate_up, "
-        "Tensor weighted_h, Tensor grad_row_weights)");
+  m.def("swiglu_backward(Tensor gate_up, Tensor grad_h, Tensor row_weights, Tensor valid) -> (Tensor grad_gate, "
+        "Tensor grad_up, Tensor weighted_h, Tensor grad_row_weights)");
   m.def("quantize_mxfp8(Tensor t, int block) -> (Tensor data, Tensor scales)");
   m.def("fused_moe_mxfp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tensor w2, Tensor w2_scales, "
         "Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, "

@@ -105,7 +105,8 @@ def _(x, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, bl
 @torch.library.register_fake("flash_moe::swiglu_backward")
 def _(gate_up, grad_h, row_weights, valid):
     torch._check(gate_up.dim() == 2, lambda: "swiglu_backward: gate_up must be 2-D (S, 2 hidden)")
-    return gate_up.new_empty(gate_up.shape), grad_h.new_empty(grad_h.shape), row_weights.new_empty(row_weights.shape)
+    return (grad_h.new_empty(grad_h.shape), grad_h.new_empty(grad_h.shape), grad_h.new_empty(grad_h.shape),
+            row_weights.new_empty(row_weights.shape))
 
 
 @torch.library.register_fake("flash_moe::quantize_mxfp8")
@@ -286,14 +287,14 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     """(grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw): the gradients of (x, w1, w2, w3, topk_ids, topk_weights).
 
     Per routed slot s (token t, expert e, weight p): g | u = x_t [W1; W3]^T recomputed by the fused gate/up kernel
-    (``moe_gate_up``), grad_h = grad_out_t W2[e] (unweighted), then ``swiglu_backward`` gives dg | du, p h and
+    (``moe_gate_up``), grad_h = grad_out_t W2[e] (unweighted), then ``swiglu_backward`` gives dg, du, p h and
     dL/dp = grad_h . h in one pass; the weight and input gradients are grouped GEMMs over the slots sorted by expert.
     dx is summed over a token's top_k slots in k order in fp32 (deterministic in both modes).
     """
     need_x, need_w1, need_w2, need_w3, _, need_tw = needs
     T, dim = x.shape
     top_k = ids.shape[1]
-    E, hidden = w1.shape[0], w1.shape[1]
+    E = w1.shape[0]
     S = T * top_k
     # slots sorted by local expert, stable (moe_align's order, which moe_gate_up's rows follow); unrouted slots last
     local = ids.reshape(-1).long() - expert_start
@@ -308,7 +309,8 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, BLOCK_M)
     go = grad_out.to(x.dtype)[tok]
     grad_h = _gmm(go, w2, offs)  # rows past offs[-1] are not written: swiglu_backward masks them with `ok`
-    grad_gate_up, weighted_h, grad_p = torch.ops.flash_moe.swiglu_backward(gate_up, grad_h, tw.reshape(-1)[order], ok)
+    grad_gate, grad_up, weighted_h, grad_p = torch.ops.flash_moe.swiglu_backward(gate_up, grad_h,
+                                                                                 tw.reshape(-1)[order], ok)
     grad_tw = grad_x = grad_w1 = grad_w2 = grad_w3 = None
     if need_tw:
         grad_tw = torch.zeros(S, dtype=torch.float32, device=x.device).index_copy_(0, order, grad_p)
@@ -316,11 +318,13 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     if need_w2:
         grad_w2 = _gmm(go.t(), weighted_h, offs)
     if need_w1 or need_w3:
-        grad_w13 = _gmm(grad_gate_up.t(), x[tok], offs)
-        grad_w1 = grad_w13[:, :hidden] if need_w1 else None
-        grad_w3 = grad_w13[:, hidden:] if need_w3 else None
+        xs = x[tok]
+        grad_w1 = _gmm(grad_gate.t(), xs, offs) if need_w1 else None
+        grad_w3 = _gmm(grad_up.t(), xs, offs) if need_w3 else None
     if need_x:
-        dxs = _gmm(grad_gate_up, torch.cat([w1, w3], 1), offs).masked_fill_(~ok.unsqueeze(1), 0)
+        # two GEMMs and a bf16 add, as autograd through the grouped-mm path does (concatenating w1 and w3 would copy
+        # the weights: 15 GB per call at DeepSeek-V3's shape)
+        dxs = (_gmm(grad_gate, w1, offs) + _gmm(grad_up, w3, offs)).masked_fill_(~ok.unsqueeze(1), 0)
         per_slot = torch.empty_like(dxs).index_copy_(0, order, dxs)  # order is a permutation: every row written
         grad_x = per_slot.view(T, top_k, dim).sum(1, dtype=torch.float32).to(x.dtype)
     return grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw
@@ -350,11 +354,13 @@ class _MoEMxfp8(torch.autograd.Function):
         xq, xs, wq, ws, w2q, w2s, ids, tw, *align = ctx.saved_tensors
         dt = ctx.x_dtype
         x = dequantize_mxfp8(xq, xs, dtype=dt)
-        w = dequantize_mxfp8(wq, unpack_scales_blocked(ws), dtype=dt)
-        hidden = w.shape[1] // 2
+        hidden = wq.shape[1] // 2
+        w_scales = unpack_scales_blocked(ws)
+        w1 = dequantize_mxfp8(wq[:, :hidden], w_scales[:, :hidden], dtype=dt)
+        w3 = dequantize_mxfp8(wq[:, hidden:], w_scales[:, hidden:], dtype=dt)
         w2 = dequantize_mxfp8(w2q, unpack_scales_blocked(w2s), dtype=dt)
-        grads = _closed_form_backward(grad_out, x, w[:, :hidden], w2, w[:, hidden:], ids, tw, align,
-                                      ctx.needs_input_grad[:6], ctx.expert_start, ctx.tw_dtype)
+        grads = _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, ctx.needs_input_grad[:6],
+                                      ctx.expert_start, ctx.tw_dtype)
         return (*grads, None, None, None, None, None, None, None)
 
 

@@ -252,7 +252,7 @@ def swiglu_backward_reference(gate_up, grad_h, p, valid):
     h = torch.nn.functional.silu(gu[:, :hidden]) * gu[:, hidden:]
     dots = (grad_h.double() * h).sum(1) * valid
     dgu, dp = torch.autograd.grad((pd * dots).sum(), [gu, pd])
-    return dgu, (h * pd.unsqueeze(1) * valid.unsqueeze(1)).detach(), dp
+    return dgu[:, :hidden], dgu[:, hidden:], (h * pd.unsqueeze(1) * valid.unsqueeze(1)).detach(), dp
 
 
 def check_moe_gate_up(device, T=300, dim=256, hidden=192, E=6, top_k=2, expert_start=0, num_global=None):
@@ -280,8 +280,8 @@ def check_swiglu_backward(device, rows=333, hidden=192):
     valid[-1] = False
     got = torch.ops.flash_moe.swiglu_backward(gate_up.to(device), grad_h.to(device), p.to(device), valid.to(device))
     want = swiglu_backward_reference(gate_up, torch.where(valid.unsqueeze(1), grad_h, 0), p, valid)
-    for name, a, b, dtype in zip(("grad_gate_up", "weighted_h", "grad_row_weights"), got, want,
-                                 (torch.bfloat16, torch.bfloat16, torch.float32)):
+    for name, a, b, dtype in zip(("grad_gate", "grad_up", "weighted_h", "grad_row_weights"), got, want,
+                                 (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32)):
         assert a.dtype == dtype, name
         # each element is rounded once (bf16) from fp32 arithmetic; the row sum is fp32
         torch.testing.assert_close(a.cpu().double(), b, rtol=2**-7, atol=1e-3, msg=name)

@@ -82,7 +82,8 @@ struct Params {
   int up_offset;  // GATE_UP: first up row (hidden)
   int n_total;    // valid output columns: hidden (GATE_UP) or dim (DOWN)
   int k_tiles;
-  int block_offset;
+  int n_tiles;  // column tiles of the launch
+  int blocks;   // aligned blocks of the launch
   int top_k;
   int num_experts;
   const int* sorted;
@@ -123,8 +124,8 @@ __device__ __forceinline__ float4 lds_f32x4(uint32_t addr) {
 template <int MODE>
 __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  const int block = blockIdx.y + p.block_offset;
-  const int n_tile = blockIdx.x;
+  int block, n_tile;
+  raster(p.n_tiles, p.blocks, block, n_tile);
   if (block * BM >= __ldg(p.ntpp)) return;
   const int expert = __ldg(p.expert_ids + block);
   if (expert < 0 || expert >= p.num_experts) return;
@@ -355,13 +356,10 @@ void launch(Params p, int n_tiles, int64_t blocks, cudaStream_t stream) {
     return true;
   }();
   (void)configured;
-  constexpr int64_t kMaxGridY = 65535;
-  for (int64_t b0 = 0; b0 < blocks; b0 += kMaxGridY) {
-    p.block_offset = static_cast<int>(b0);
-    const dim3 grid(n_tiles, static_cast<unsigned>(std::min(kMaxGridY, blocks - b0)));
-    moe_mxfp8_kernel<MODE><<<grid, NUM_THREADS, SMEM_BYTES, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  p.n_tiles = n_tiles;
+  p.blocks = static_cast<int>(blocks);
+  moe_mxfp8_kernel<MODE><<<raster_grid(n_tiles, blocks), NUM_THREADS, SMEM_BYTES, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 __device__ __forceinline__ float to_f32(float v) { return v; }

@@ -37,7 +37,7 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
 __global__ void __launch_bounds__(kMaxThreads)
     swiglu_backward_kernel(const uint4* __restrict__ gate_up, const uint4* __restrict__ grad_h,
                            const float* __restrict__ row_weights, const bool* __restrict__ valid, int64_t vecs,
-                           uint4* __restrict__ grad_gate_up, uint4* __restrict__ weighted_h,
+                           uint4* __restrict__ grad_gate, uint4* __restrict__ grad_up, uint4* __restrict__ weighted_h,
                            float* __restrict__ grad_row_weights) {
   __shared__ float warp_dots[kMaxThreads / 32];
   const int64_t row = blockIdx.x;
@@ -45,7 +45,8 @@ __global__ void __launch_bounds__(kMaxThreads)
   const float p = ok ? row_weights[row] : 0.f;
   const uint4* g_row = gate_up + row * 2 * vecs;
   const uint4* d_row = grad_h + row * vecs;
-  uint4* dgu_row = grad_gate_up + row * 2 * vecs;
+  uint4* dg_row = grad_gate + row * vecs;
+  uint4* du_row = grad_up + row * vecs;
   uint4* ph_row = weighted_h + row * vecs;
   float dot = 0.f;
   for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) {
@@ -65,8 +66,8 @@ __global__ void __launch_bounds__(kMaxThreads)
       dg[i] = dh * u[i] * sig * (1.f + g[i] * (1.f - sig));
       ph[i] = ok ? p * h : 0.f;
     }
-    dgu_row[v] = pack8(dg);
-    dgu_row[vecs + v] = pack8(du);
+    dg_row[v] = pack8(dg);
+    du_row[v] = pack8(du);
     ph_row[v] = pack8(ph);
   }
 #pragma unroll
@@ -80,7 +81,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Tensor& gate_up,
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Tensor& gate_up,
                                                                     const at::Tensor& grad_h,
                                                                     const at::Tensor& row_weights,
                                                                     const at::Tensor& valid) {
@@ -92,19 +93,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Te
   const auto gu = gate_up.contiguous(), gh = grad_h.contiguous(), pw = row_weights.contiguous();
   const auto ok = valid.contiguous();
   const int64_t rows = gu.size(0);
-  auto grad_gate_up = at::empty_like(gu);
-  auto weighted_h = at::empty_like(gh);
+  auto grad_gate = at::empty_like(gh), grad_up = at::empty_like(gh), weighted_h = at::empty_like(gh);
   auto grad_row_weights = at::empty({rows}, pw.options());
-  if (rows == 0 || hidden == 0) return {grad_gate_up.zero_(), weighted_h.zero_(), grad_row_weights.zero_()};
+  if (rows == 0 || hidden == 0) return {grad_gate, grad_up, weighted_h, grad_row_weights.zero_()};
   const int64_t vecs = hidden / kVec;
   const int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, (vecs + 31) / 32 * 32));
   swiglu_backward_kernel<<<static_cast<unsigned>(rows), threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const uint4*>(gu.const_data_ptr()), reinterpret_cast<const uint4*>(gh.const_data_ptr()),
       pw.const_data_ptr<float>(), ok.const_data_ptr<bool>(), vecs,
-      reinterpret_cast<uint4*>(grad_gate_up.mutable_data_ptr()), reinterpret_cast<uint4*>(weighted_h.mutable_data_ptr()),
+      reinterpret_cast<uint4*>(grad_gate.mutable_data_ptr()), reinterpret_cast<uint4*>(grad_up.mutable_data_ptr()),
+      reinterpret_cast<uint4*>(weighted_h.mutable_data_ptr()),
       grad_row_weights.mutable_data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {grad_gate_up, weighted_h, grad_row_weights};
+  return {grad_gate, grad_up, weighted_h, grad_row_weights};
 }
 
 }  // namespace
