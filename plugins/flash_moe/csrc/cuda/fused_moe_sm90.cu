@@ -5,9 +5,10 @@
 //   warpgroup 0  producer: cp.async 16-byte copies into a STAGES-deep ring of 128-byte-swizzled shared memory. The A
 //                rows are gathered: row r of the block reads x[sorted_token_ids[r] / top_k] (zero-filled for -1
 //                padding), so the token permutation never touches global memory. B rows are the expert's weight
-//                rows. When a stage's copies have landed (cp.async.wait_group), each producer thread issues
-//                fence.proxy.async (its generic-proxy writes become visible to wgmma's async proxy) and arrives on
-//                the stage's "full" mbarrier (128 arrivals).
+//                rows. Each producer thread ends a stage with cp.async.mbarrier.arrive.noinc on the stage's "full"
+//                mbarrier (128 arrivals), which fires when its copies land: the producer never waits for memory,
+//                only for a free stage. Consumers fence.proxy.async after the wait (cp.async writes are generic-proxy,
+//                wgmma reads through the async proxy).
 //   warpgroups 1-2  consumers, 64 rows each: wgmma.m64n256k16 bf16 -> fp32 from both K-major swizzled tiles, one
 //                wgmma group in flight, releasing the previous stage on its "empty" mbarrier (one arrival per warp).
 // Kernel 1 (gate/up): the B tile is 128 gate rows + the 128 matching up rows, so each thread holds gate and up of
@@ -54,14 +55,13 @@ constexpr int BN = 256;  // wgmma N of both kernels
 static_assert(BM == 128, "BLOCK_M must be 128 (two consumer warpgroups of wgmma m64)");
 static_assert(2 * BN_GU == BN && BN_DOWN == BN, "BLOCK_N_GATE_UP must be 128 and BLOCK_N_DOWN 256 (m64n256k16)");
 static_assert(BK == 64, "BLOCK_K must be 64 (one 128-byte swizzle row of bf16)");
-static_assert(STAGES >= 3 && STAGES <= 4, "STAGES must be 3 or 4 (shared memory; the producer keeps STAGES-1 in flight)");
+static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be 2 to 4 (shared memory)");
 static_assert(kDimAlign % BK == 0 && kHiddenAlign % BK == 0, "DIM_ALIGN and HIDDEN_ALIGN must be multiples of BLOCK_K");
 
 constexpr int NUM_THREADS = 384;
 constexpr int A_BYTES = BM * BK * 2;
 constexpr int B_BYTES = BN * BK * 2;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int LOOKAHEAD = STAGES - 1;  // stages a producer thread keeps in flight before it signals the oldest
 constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + BM * 8 /* A row offsets */ +
                            BM * 4 /* slots */ + 2 * STAGES * 8 /* mbarriers */;
 
@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const Params p
   }
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full_bar(s), 128);  // every producer thread, after its own copies landed and were fenced
+      mbar_init(full_bar(s), 128);  // every producer thread, when its copies of the stage have landed
       mbar_init(empty_bar(s), 8);   // lane 0 of each of the 8 consumer warps
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -170,16 +170,10 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const Params p
         const __nv_bfloat16* src = (i < B_ROWS_PER_SRC ? b0 : b1) + (ok ? ii * row16 + kofs : 0);
         cp_async_16(st + A_BYTES + swz(r0 + 16 * i, c), ok ? src : p.b0, ok ? 16u : 0u);
       }
-      cp_async_commit();
-      if (kt >= LOOKAHEAD - 1) {
-        cp_async_wait<LOOKAHEAD - 1>();
-        fence_proxy_async();
-        mbar_arrive(full_bar((kt - (LOOKAHEAD - 1)) % STAGES));
-      }
+      cp_async_mbar_arrive_noinc(full_bar(stage));  // fires when this thread's copies of the stage have landed
     }
+    cp_async_commit();  // the thread leaves once its last copies have landed
     cp_async_wait<0>();
-    fence_proxy_async();
-    for (int kt = max(0, p.k_tiles - (LOOKAHEAD - 1)); kt < p.k_tiles; ++kt) mbar_arrive(full_bar(kt % STAGES));
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
@@ -194,6 +188,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const Params p
   for (int kt = 0; kt < p.k_tiles; ++kt) {
     const int stage = kt % STAGES;
     mbar_wait(full_bar(stage), (kt / STAGES) & 1);
+    fence_proxy_async();  // the stage was written by cp.async (generic proxy); wgmma reads it through the async proxy
     const uint32_t st = base + stage * STAGE_BYTES;
     const uint64_t da = smem_desc(st + a_off), db = smem_desc(st + A_BYTES);
     fence_acc(acc);
