@@ -2,9 +2,8 @@
 // operands with e8m0 block scales (see docs/notes/flash_moe.md, "mxfp8").
 //
 // Hopper has no block-scaled tensor-core instruction, so the scales are applied outside the tensor core: every
-// wgmma.m64n128k32 e4m3 x e4m3 -> fp32 covers exactly one 32-wide scale block of K, runs into one of two temporary
-// accumulators (scale-d = 0; the next block's wgmma runs while this one is promoted), and is promoted into the fp32
-// accumulator with both scales:
+// wgmma.m64n128k32 e4m3 x e4m3 -> fp32 covers exactly one 32-wide scale block of K, runs into a temporary
+// accumulator (scale-d = 0), and is promoted into the fp32 accumulator with both scales:
 //   acc[r][c] = fma(tmp[r][c] * sw[c][kb], sx[r][kb], acc[r][c])       (both factors powers of two: exact products)
 // CTA = one aligned block (BLOCK_M = 128 routed slots, one expert) x MXFP8_BLOCK_N = 128 columns, 384 threads:
 //   warpgroup 0  producer: cp.async 16-byte copies of the e4m3 A rows (gathered through sorted_token_ids, as in the
@@ -244,8 +243,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const Params 
   const int ctid = threadIdx.x - 128 * warpgroup;
   const int warp = ctid / 32, lane = ctid % 32, quad = lane & 3;
   const int row0 = wg * 64 + warp * 16 + (lane >> 2);  // the thread's rows: row0 and row0 + 8
-  // Two temporaries: the wgmma of scale block j + 1 runs on the tensor cores while block j is promoted.
-  float acc[64], tmp0[64], tmp1[64];
+  float acc[64], tmp[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.f;
   const uint32_t a_off = wg * 64 * BK;
@@ -257,13 +255,13 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const Params 
     const uint64_t da = smem_desc(st + a_off), db = smem_desc(st + A_BYTES);
     const uint32_t fa = st + A_BYTES + B_BYTES + 4 * KB * row0;              // x scales of the thread's rows
     const uint32_t fb = st + A_BYTES + B_BYTES + FA_BYTES + 4 * (quad * 32);  // w scales of its columns
-    auto issue = [&](float* tmp, int j) {
+#pragma unroll
+    for (int j = 0; j < KB; ++j) {
       fence_regs<64>(tmp);
       wgmma_fence();
       wgmma_m64n128k32_e4m3(tmp, da + 2 * j, db + 2 * j);  // k32 = 32 bytes = 2 descriptor units
       wgmma_commit();
-    };
-    auto promote = [&](float* tmp, int j) {
+      wgmma_wait<0>();
       fence_regs<64>(tmp);
       const float s0 = lds_f32(fa + 4 * j), s1 = lds_f32(fa + 4 * (8 * KB + j));  // rows row0 and row0 + 8
       const uint32_t fbj = fb + 4 * (j * 128);
@@ -279,21 +277,6 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const Params 
         acc[4 * g + 6] = fmaf(tmp[4 * g + 6], sw.z * s1, acc[4 * g + 6]);
         acc[4 * g + 7] = fmaf(tmp[4 * g + 7], sw.w * s1, acc[4 * g + 7]);
       }
-    };
-    static_assert(KB % 2 == 0, "the temporaries alternate over an even number of scale blocks per stage");
-    issue(tmp0, 0);
-#pragma unroll
-    for (int j = 0; j < KB; j += 2) {
-      issue(tmp1, j + 1);
-      wgmma_wait<1>();  // block j's wgmma is done; j + 1's may still run
-      promote(tmp0, j);
-      if (j + 2 < KB) {
-        issue(tmp0, j + 2);
-        wgmma_wait<1>();
-      } else {
-        wgmma_wait<0>();
-      }
-      promote(tmp1, j + 1);
     }
     if (lane == 0) mbar_arrive(empty_bar(stage));  // all wgmmas of the stage completed; scales are in registers
     if (++stage == STAGES) {
