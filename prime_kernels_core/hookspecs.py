@@ -1,4 +1,5 @@
-"""The hooks a prime-kernels plugin implements. Its entry point (group ``prime_kernels``) names the module holding them."""
+"""The hooks a prime-kernels plugin implements. Its entry point (group ``prime_kernels``) names the module or object
+holding them (``prime_kernels_core.manifest.ManifestHooks`` implements the common three from a manifest)."""
 import pluggy
 
 hookspec = pluggy.HookspecMarker("prime_kernels")

@@ -8,10 +8,13 @@ extra_cxx_flags, extra_nvcc_flags, build_requires and a ``constants`` table (com
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import sys
 from functools import lru_cache
 from pathlib import Path
+
+from . import hookimpl as _hookimpl
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -114,3 +117,27 @@ def constants(package: str, kernel: str) -> dict:
     if table is None:
         raise ManifestError(f"package {package!r} declares no kernel {kernel!r}")
     return dict(table.get("constants", {}))
+
+
+class ManifestHooks:
+    """A plugin's hooks when it needs nothing beyond its manifest and a samples module: an entry point may name an
+    instance, ``flash_moe = "prime_kernels_flash_moe.plugin:hooks"`` with, in plugin.py,
+    ``hooks = ManifestHooks(__file__, "prime_kernels_flash_moe.samples")``. The kernels come from the kernel.toml beside
+    ``hook_module_file``; ``op_samples(kernel, device)`` and ``surface_samples(kernel, device)`` of ``samples_module``
+    are imported only when the conformance kit asks, so discovery never loads compiled code."""
+
+    def __init__(self, hook_module_file: str, samples_module: str):
+        self._file = hook_module_file
+        self._samples = samples_module
+
+    @_hookimpl
+    def prime_kernels_declare(self):
+        return declare(self._file)
+
+    @_hookimpl
+    def prime_kernels_sample_inputs(self, kernel, device):
+        return importlib.import_module(self._samples).op_samples(kernel, device)
+
+    @_hookimpl
+    def prime_kernels_surface_samples(self, kernel, device):
+        return importlib.import_module(self._samples).surface_samples(kernel, device)

@@ -1,21 +1,4 @@
-"""Entry-point hooks: declared from kernel.toml; the samples import the ops module only when the conformance kit asks."""
-from prime_kernels_core import hookimpl, manifest
+"""Entry-point hooks: the kernels of kernel.toml, and samples.py's conformance samples (imported only when asked)."""
+from prime_kernels_core.manifest import ManifestHooks
 
-
-@hookimpl
-def prime_kernels_declare():
-    return manifest.declare(__file__)
-
-
-@hookimpl
-def prime_kernels_sample_inputs(kernel, device):
-    from . import samples
-
-    return samples.op_samples(kernel, device)
-
-
-@hookimpl
-def prime_kernels_surface_samples(kernel, device):
-    from . import samples
-
-    return samples.surface_samples(kernel, device)
+hooks = ManifestHooks(__file__, "prime_kernels_fused_logp.samples")
