@@ -25,7 +25,8 @@ def plugin_dir(tmp_path, monkeypatch):
     made = []
 
     def make(dist, kernel="demo", namespace=None, version="0.1.0", archs=("9.0a",), record=DEFAULT_RECORD,
-             hooks="", ops_source="", import_error=None, ops=("op_a",), trainable=()):
+             hooks="", ops_source="", import_error=None, ops=("op_a",), trainable=(), plugin_source=None,
+             entry_point="plugin"):
         package = dist.replace("-", "_")
         pkg = tmp_path / package
         pkg.mkdir()
@@ -51,13 +52,14 @@ def plugin_dir(tmp_path, monkeypatch):
             ops_source or "def unsupported_shape_reason(n):\n    return None if n % 8 == 0 else f'n={n}, needs a multiple of 8'\n"
         )
         (pkg / "plugin.py").write_text(
+            plugin_source.replace("PACKAGE", package) if plugin_source else
             "from prime_kernels_core import hookimpl, manifest\n\n"
             "@hookimpl\ndef prime_kernels_declare():\n    return manifest.declare(__file__)\n" + textwrap.dedent(hooks)
         )
         info = tmp_path / f"{package}-{version}.dist-info"
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-        (info / "entry_points.txt").write_text(f"[prime_kernels]\n{kernel} = {package}.plugin\n")
+        (info / "entry_points.txt").write_text(f"[prime_kernels]\n{kernel} = {package}.{entry_point}\n")
         made.append(dist)
         monkeypatch.setenv(registry.ALLOW_ENV, ",".join(made))
         registry.refresh()

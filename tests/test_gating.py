@@ -15,6 +15,20 @@ def test_available_on_cpu_and_matching_gpu(plugin_dir, api):
     assert api.load("demo", "cpu").unsupported_shape_reason(16) is None
 
 
+def test_entry_point_naming_manifest_hooks(plugin_dir, api, tmp_path):
+    from prime_kernels_core import registry
+
+    package = plugin_dir("pk-hooks-object", entry_point="plugin:hooks", plugin_source=(
+        "from prime_kernels_core.manifest import ManifestHooks\n\n"
+        "hooks = ManifestHooks(__file__, 'PACKAGE.samples')\n"))
+    (tmp_path / package / "samples.py").write_text(
+        "def op_samples(kernel, device):\n    return [('op_a', (kernel, device), {})]\n\n"
+        "def surface_samples(kernel, device):\n    return []\n")
+    assert api.unavailable_reason("demo", "cpu") is None
+    entry = next(e for e in registry.entries() if e.name == "demo")
+    assert entry.manager.hook.prime_kernels_sample_inputs(kernel="demo", device="cpu") == [[("op_a", ("demo", "cpu"), {})]]
+
+
 def test_unknown_kernel_is_a_reason(plugin_dir, api):
     plugin_dir("pk-good2")
     assert api.unavailable_reason("nope", "cpu") == "no installed plugin declares a kernel named 'nope'"
