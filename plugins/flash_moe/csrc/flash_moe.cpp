@@ -215,7 +215,7 @@ void fused_moe_mxfp8_cpu(const at::Tensor& x, const at::Tensor& x_scales, const 
   const auto y = mxfp8_slot_outputs_cpu(op, x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids,
                                         num_tokens_post_padded, &topk_weights, top_k, block_m, s);
   check_out(op, out, s, x);
-  out.copy_((y.view({s.M, top_k, s.dim}) * topk_weights.unsqueeze(-1)).sum(1));
+  out.copy_(combine_in_k_order(y, topk_weights, s));
 }
 
 at::Tensor moe_forward_mxfp8_cpu(const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& w,
@@ -227,7 +227,7 @@ at::Tensor moe_forward_mxfp8_cpu(const at::Tensor& x, const at::Tensor& x_scales
   const auto y = mxfp8_slot_outputs_cpu("moe_forward_mxfp8", x, x_scales, w, w_scales, w2, w2_scales,
                                         sorted_token_ids, expert_ids, num_tokens_post_padded, &topk_weights, top_k,
                                         block_m, s);
-  return (y.view({s.M, top_k, s.dim}) * topk_weights.unsqueeze(-1)).sum(1).to(at::kBFloat16);
+  return combine_in_k_order(y, topk_weights, s);
 }
 
 void fused_moe_bf16_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w2,
@@ -242,7 +242,7 @@ void fused_moe_bf16_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tens
   check_out(op, out, s, x);
   const auto y = slot_outputs_cpu(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m,
                                   round_bf16);
-  out.copy_((y.view({s.M, top_k, s.dim}) * topk_weights.unsqueeze(-1)).sum(1));
+  out.copy_(combine_in_k_order(y, topk_weights, s));
 }
 
 at::Tensor moe_forward_cpu(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2,
@@ -254,7 +254,7 @@ at::Tensor moe_forward_cpu(const at::Tensor& x, const at::Tensor& w1, const at::
                                     &topk_weights, top_k, block_m, "w1/w3");
   const auto y = slot_outputs_cpu(op, x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m,
                                   round_bf16);
-  return (y.view({s.M, top_k, s.dim}) * topk_weights.unsqueeze(-1)).sum(1).to(at::kBFloat16);
+  return combine_in_k_order(y, topk_weights, s);
 }
 
 // ------------------------------------------------------------------------------------------------------------------

@@ -201,6 +201,15 @@ inline std::pair<at::Tensor, at::Tensor> split_gate_up(const char* op, const at:
   return {w.narrow(1, 0, hidden), w.narrow(1, hidden, hidden)};
 }
 
+// The deterministic combine of per-slot expert outputs y [M * top_k, dim] (any float dtype): out[t] = sum over
+// k = 0..top_k-1 of topk_weights[t, k] * y[t * top_k + k], accumulated in fp32 in k order, rounded once to bf16.
+inline at::Tensor combine_in_k_order(const at::Tensor& y, const at::Tensor& topk_weights, const MoeShape& s) {
+  const auto slots = y.view({s.M, s.top_k, s.dim});
+  auto acc = at::zeros({s.M, s.dim}, y.options().dtype(at::kFloat));
+  for (int64_t k = 0; k < s.top_k; ++k) acc.addcmul_(slots.select(1, k), topk_weights.select(1, k).unsqueeze(1));
+  return acc.to(at::kBFloat16);
+}
+
 inline void check_out(const char* op, const at::Tensor& out, const MoeShape& s, const at::Tensor& x) {
   TORCH_CHECK(out.scalar_type() == at::kBFloat16, op, ": out must be bfloat16, got ", out.scalar_type());
   TORCH_CHECK(out.dim() == 2 && out.size(0) == s.M && out.size(1) == s.dim, op, ": out must have shape (M, dim) = (",

@@ -144,24 +144,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const Params 
   constexpr int RAW_OFF = A_BYTES + B_BYTES + FA_BYTES + FB_BYTES;
   const int n_base = n_tile * (MODE == GATE_UP ? BN_GU : BN);
 
-  if (threadIdx.x < BM) {
-    const int row = block * BM + threadIdx.x;
-    const int slot = p.sorted[row];
-    slot_of[threadIdx.x] = slot;
-    if constexpr (MODE == GATE_UP) {
-      a_row[threadIdx.x] = slot >= 0 ? static_cast<int64_t>(slot / p.top_k) * p.lda : -1;
-    } else {
-      a_row[threadIdx.x] = static_cast<int64_t>(row) * p.lda;
-    }
-  }
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full_bar(s), 128);
-      mbar_init(empty_bar(s), 8);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
+  block_prologue<BM, STAGES, MODE == GATE_UP>(p, block, a_row, slot_of, bars);
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {  // ------------------------------- producer -------------------------------
@@ -324,24 +307,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const Params 
     } else {
       const int slot = slot_of[lr];
       if (slot < 0) continue;
-      if constexpr (MODE == DOWN_ATOMIC) {
-        const float w = __ldg(p.topk_weights + slot);
-        float* dst = p.acc32 + static_cast<int64_t>(slot / p.top_k) * p.ld_out + n_base;
-#pragma unroll
-        for (int g = 0; g < BN / 8; ++g) {
-          const int col = 8 * g + 2 * quad;
-          if (n_base + col < p.n_total)
-            atomicAdd(reinterpret_cast<float2*>(dst + col), make_float2(w * acc[4 * g + 2 * h], w * acc[4 * g + 2 * h + 1]));
-        }
-      } else {
-        __nv_bfloat16* dst = p.yslots + static_cast<int64_t>(slot) * p.ld_out + n_base;
-#pragma unroll
-        for (int g = 0; g < BN / 8; ++g) {
-          const int col = 8 * g + 2 * quad;
-          if (n_base + col < p.n_total)
-            *reinterpret_cast<__nv_bfloat162*>(dst + col) = __floats2bfloat162_rn(acc[4 * g + 2 * h], acc[4 * g + 2 * h + 1]);
-        }
-      }
+      store_down_row<BN, MODE == DOWN_ATOMIC>(p, acc, h, quad, slot, n_base);
     }
   }
 #else
@@ -350,16 +316,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const Params 
 }
 
 template <int MODE>
-void launch(Params p, int n_tiles, int64_t blocks, cudaStream_t stream) {
-  static const bool configured = [] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(moe_mxfp8_kernel<MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
-    return true;
-  }();
-  (void)configured;
-  p.n_tiles = n_tiles;
-  p.blocks = static_cast<int>(blocks);
-  moe_mxfp8_kernel<MODE><<<raster_grid(n_tiles, blocks), NUM_THREADS, SMEM_BYTES, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+void launch(const Params& p, int n_tiles, int64_t blocks, cudaStream_t stream) {
+  launch_rastered<moe_mxfp8_kernel<MODE>, NUM_THREADS, SMEM_BYTES>(p, n_tiles, blocks, stream);
 }
 
 __device__ __forceinline__ float to_f32(float v) { return v; }
@@ -391,14 +349,6 @@ __global__ void quantize_kernel(const T* __restrict__ in, uint8_t* __restrict__ 
 }  // namespace sm90
 
 namespace {
-
-void check_device_mx(const char* op, const at::Tensor& x) {
-  int major = 0, minor = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.get_device()));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, x.get_device()));
-  TORCH_CHECK(major == 9 && minor == 0, op, " (CUDA): the kernels are built for sm_90a; device ", x.get_device(),
-              " is sm_", major, minor);
-}
 
 std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_cuda(const at::Tensor& t, int64_t block) {
   const char* op = "quantize_mxfp8";
@@ -451,7 +401,7 @@ at::Tensor run_mx(const char* op, const at::Tensor& x_b, const at::Tensor& xs_b,
                      &topk_weights, top_k, block_m, "w", at::kFloat8_e4m3fn);
   check_mx_scales(op, x_in, xs_in, ws_in, w2s_in, s);
   TORCH_CHECK(x_in.is_cuda(), op, " (CUDA): x must be a CUDA tensor, got ", x_in.device());
-  check_device_mx(op, x_in);
+  sm90::check_sm90(op, x_in);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const auto x = x_in.contiguous(), xs = xs_in.contiguous(), w = w_in.contiguous(), ws = ws_in.contiguous();
   const auto w2 = w2_in.contiguous(), w2s = w2s_in.contiguous();
@@ -542,11 +492,7 @@ at::Tensor moe_forward_mxfp8_cuda(const at::Tensor& x, const at::Tensor& x_scale
   const auto result = run_mx("moe_forward_mxfp8", x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids,
                              expert_ids, num_tokens_post_padded, topk_weights, top_k, block_m,
                              deterministic ? sm90::mxk::DOWN_SLOTS : sm90::mxk::DOWN_ATOMIC, s);
-  if (!deterministic) return result.to(at::kBFloat16);
-  const auto y = result.view({s.M, top_k, s.dim});
-  auto acc = at::zeros({s.M, s.dim}, x.options().dtype(at::kFloat));
-  for (int64_t k = 0; k < top_k; ++k) acc.addcmul_(y.select(1, k), topk_weights.select(1, k).unsqueeze(1));
-  return acc.to(at::kBFloat16);
+  return deterministic ? combine_in_k_order(result, topk_weights, s) : result.to(at::kBFloat16);
 }
 
 }  // namespace

@@ -121,24 +121,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const Params p
   auto full_bar = [&](int s) { return bars + 8u * s; };
   auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
 
-  if (threadIdx.x < BM) {
-    const int row = block * BM + threadIdx.x;
-    const int slot = p.sorted[row];
-    slot_of[threadIdx.x] = slot;
-    if constexpr (kGateUp) {
-      a_row[threadIdx.x] = slot >= 0 ? static_cast<int64_t>(slot / p.top_k) * p.lda : -1;
-    } else {
-      a_row[threadIdx.x] = static_cast<int64_t>(row) * p.lda;
-    }
-  }
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full_bar(s), 128);  // every producer thread, when its copies of the stage have landed
-      mbar_init(empty_bar(s), 8);   // lane 0 of each of the 8 consumer warps
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
+  block_prologue<BM, STAGES, kGateUp>(p, block, a_row, slot_of, bars);
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {  // ------------------------------- producer -------------------------------
@@ -239,25 +222,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const Params p
     } else {
       const int slot = slot_of[lr];
       if (slot < 0) continue;
-      const int n0 = n_tile * BN_DOWN;
-      if constexpr (MODE == DOWN_ATOMIC) {
-        const float w = __ldg(p.topk_weights + slot);
-        float* dst = p.acc32 + static_cast<int64_t>(slot / p.top_k) * p.ld_out + n0;
-#pragma unroll
-        for (int j = 0; j < BN_DOWN / 8; ++j) {
-          const int col = 8 * j + 2 * quad;
-          if (n0 + col < p.n_total)
-            atomicAdd(reinterpret_cast<float2*>(dst + col), make_float2(w * acc[4 * j + 2 * h], w * acc[4 * j + 2 * h + 1]));
-        }
-      } else {
-        __nv_bfloat16* dst = p.yslots + static_cast<int64_t>(slot) * p.ld_out + n0;
-#pragma unroll
-        for (int j = 0; j < BN_DOWN / 8; ++j) {
-          const int col = 8 * j + 2 * quad;
-          if (n0 + col < p.n_total)
-            *reinterpret_cast<__nv_bfloat162*>(dst + col) = __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-        }
-      }
+      store_down_row<BN_DOWN, MODE == DOWN_ATOMIC>(p, acc, h, quad, slot, n_tile * BN_DOWN);
     }
   }
 #else
@@ -266,16 +231,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const Params p
 }
 
 template <int MODE>
-void launch(Params p, int n_tiles, int64_t blocks, cudaStream_t stream) {
-  static const bool configured = [] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_kernel<MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
-    return true;
-  }();
-  (void)configured;
-  p.n_tiles = n_tiles;
-  p.blocks = static_cast<int>(blocks);
-  moe_gemm_kernel<MODE><<<raster_grid(n_tiles, blocks), NUM_THREADS, SMEM_BYTES, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+void launch(const Params& p, int n_tiles, int64_t blocks, cudaStream_t stream) {
+  launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, SMEM_BYTES>(p, n_tiles, blocks, stream);
 }
 
 }  // namespace sm90
@@ -288,19 +245,11 @@ void check_cuda_operand(const char* op, const char* name, const at::Tensor& t) {
               " must be 16-byte aligned (cp.async), got data pointer ", t.const_data_ptr());
 }
 
-void check_device(const char* op, const at::Tensor& x) {
-  int major = 0, minor = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.get_device()));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, x.get_device()));
-  TORCH_CHECK(major == 9 && minor == 0, op, " (CUDA): the kernels are built for sm_90a; device ", x.get_device(),
-              " is sm_", major, minor);
-}
-
 // The gate/up GEMM's parameters for gate/up views (E, hidden, dim); the contiguous copies it needed stay in `keep`.
 sm90::Params gate_up_params(const char* op, const at::Tensor& x_in, const at::Tensor& gate_in, const at::Tensor& up_in,
                             const at::Tensor& sorted, const at::Tensor& eids, const at::Tensor& ntpp,
                             const MoeShape& s, std::vector<at::Tensor>& keep) {
-  check_device(op, x_in);
+  sm90::check_sm90(op, x_in);
   const auto x = x_in.contiguous();
   auto gate = gate_in, up = up_in;
   if (gate.stride(2) != 1 || up.stride(2) != 1 || gate.strides() != up.strides() || gate.stride(1) % 8 != 0 ||
@@ -425,12 +374,7 @@ at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& w1, const at:
   at::Tensor result;
   run(op, x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, s,
       deterministic ? sm90::DOWN_SLOTS : sm90::DOWN_ATOMIC, result);
-  if (!deterministic) return result.to(at::kBFloat16);
-  // fixed order: out[t] = sum over k = 0..top_k-1 of topk_weights[t, k] * y[t * top_k + k], in fp32
-  const auto y = result.view({s.M, top_k, s.dim});
-  auto acc = at::zeros({s.M, s.dim}, x.options().dtype(at::kFloat));
-  for (int64_t k = 0; k < top_k; ++k) acc.addcmul_(y.select(1, k), topk_weights.select(1, k).unsqueeze(1));
-  return acc.to(at::kBFloat16);
+  return deterministic ? combine_in_k_order(result, topk_weights, s) : result.to(at::kBFloat16);
 }
 
 }  // namespace

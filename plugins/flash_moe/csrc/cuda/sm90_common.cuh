@@ -3,8 +3,13 @@
 // the H200 by linear_logp) plus what only these kernels use.
 #pragma once
 
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
+#include <cuda_bf16.h>
 #include <prime_kernels/sm90.cuh>
+
+#include <cstdint>
 
 namespace flash_moe {
 namespace sm90 {
@@ -36,8 +41,83 @@ inline dim3 raster_grid(int n_tiles, int64_t blocks) {
   return dim3(static_cast<unsigned>(ctas));
 }
 
+// One launch of a GEMM kernel over blocks x n_tiles CTAs; each kernel (each mode) gets its shared-memory size once.
+template <auto kKernel, int kThreads, int kSmemBytes, class Params>
+void launch_rastered(Params p, int n_tiles, int64_t blocks, cudaStream_t stream) {
+  static const bool configured = [] {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    return true;
+  }();
+  (void)configured;
+  p.n_tiles = n_tiles;
+  p.blocks = static_cast<int>(blocks);
+  kKernel<<<raster_grid(n_tiles, blocks), kThreads, kSmemBytes, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The kernels are sm_90a code: a clear error on any other device instead of a launch failure.
+inline void check_sm90(const char* op, const at::Tensor& x) {
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.get_device()));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, x.get_device()));
+  TORCH_CHECK(major == 9 && minor == 0, op, " (CUDA): the kernels are built for sm_90a; device ", x.get_device(),
+              " is sm_", major, minor);
+}
+
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
+
+// The block's routing rows into shared memory (threads < BM): slot_of[r] = sorted_token_ids[block * BM + r] and
+// a_row[r] = the element offset of A's row r: x's row slot / top_k for the gate/up GEMMs (-1 for padding), the
+// intermediate's row block * BM + r for the down GEMMs. Thread 0 initialises the stage ring: "full" completes on the
+// 128 producer threads, "empty" on lane 0 of each of the 8 consumer warps. Ends with __syncthreads().
+template <int BM, int STAGES, bool kGatherX, class Params>
+__device__ __forceinline__ void block_prologue(const Params& p, int block, int64_t* a_row, int* slot_of,
+                                               uint32_t bars) {
+  if (threadIdx.x < BM) {
+    const int row = block * BM + threadIdx.x;
+    const int slot = p.sorted[row];
+    slot_of[threadIdx.x] = slot;
+    if constexpr (kGatherX) {
+      a_row[threadIdx.x] = slot >= 0 ? static_cast<int64_t>(slot / p.top_k) * p.lda : -1;
+    } else {
+      a_row[threadIdx.x] = static_cast<int64_t>(row) * p.lda;
+    }
+  }
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(bars + 8u * s, 128);
+      mbar_init(bars + 8u * (STAGES + s), 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+}
+
+// The down GEMMs' epilogue for accumulator row h (0 or 1) of a consumer thread holding COLS columns of slot `slot`
+// (register 4 j + 2 h + e is column 8 j + 2 quad + e, from column n0): kAtomic adds topk_weight * y into the fp32
+// [M, dim] buffer with float2 reductions, else y is stored as bf16 to the slot's row.
+template <int COLS, bool kAtomic, class Params>
+__device__ __forceinline__ void store_down_row(const Params& p, const float* acc, int h, int quad, int slot, int n0) {
+  if constexpr (kAtomic) {
+    const float w = __ldg(p.topk_weights + slot);
+    float* dst = p.acc32 + static_cast<int64_t>(slot / p.top_k) * p.ld_out + n0;
+#pragma unroll
+    for (int j = 0; j < COLS / 8; ++j) {
+      const int col = 8 * j + 2 * quad;
+      if (n0 + col < p.n_total)
+        atomicAdd(reinterpret_cast<float2*>(dst + col), make_float2(w * acc[4 * j + 2 * h], w * acc[4 * j + 2 * h + 1]));
+    }
+  } else {
+    __nv_bfloat16* dst = p.yslots + static_cast<int64_t>(slot) * p.ld_out + n0;
+#pragma unroll
+    for (int j = 0; j < COLS / 8; ++j) {
+      const int col = 8 * j + 2 * quad;
+      if (n0 + col < p.n_total)
+        *reinterpret_cast<__nv_bfloat162*>(dst + col) = __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+    }
+  }
+}
 #endif
 
 }  // namespace sm90
