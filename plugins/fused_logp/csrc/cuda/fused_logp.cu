@@ -93,34 +93,54 @@ struct Elem<float> {
   __device__ __forceinline__ static float load(const float* p) { return __ldg(p); }
   __device__ __forceinline__ static void store(float* p, float v) { *p = v; }
 };
-template <>
-struct Elem<__nv_bfloat16> {
+// bf16 and fp16: 8 per vector; Pair supplies unpack2 / pack2 / as2 for one 32-bit word of two elements.
+template <class Pair>
+struct Elem16 {
   static constexpr int kVec = 8;
+  __device__ __forceinline__ static void unpack(const uint4& v, float (&f)[8]) {
+    Pair::unpack2(v.x, f[0], f[1]);
+    Pair::unpack2(v.y, f[2], f[3]);
+    Pair::unpack2(v.z, f[4], f[5]);
+    Pair::unpack2(v.w, f[6], f[7]);
+  }
+  __device__ __forceinline__ static uint4 pack(const float (&f)[8]) {
+    return make_uint4(Pair::pack2(f[0], f[1]), Pair::pack2(f[2], f[3]), Pair::pack2(f[4], f[5]),
+                      Pair::pack2(f[6], f[7]));
+  }
+  // NaN-propagating max of the 8 values, on packed pairs (exact: max needs no rounding).
+  __device__ __forceinline__ static float vmax(const uint4& v) {
+    const auto m = __hmax2_nan(__hmax2_nan(Pair::as2(v.x), Pair::as2(v.y)), __hmax2_nan(Pair::as2(v.z), Pair::as2(v.w)));
+    float lo, hi;
+    Pair::unpack2(*reinterpret_cast<const uint32_t*>(&m), lo, hi);
+    return fmax_nan(lo, hi);
+  }
+};
+struct Bf16Pair {
   __device__ __forceinline__ static void unpack2(uint32_t w, float& lo, float& hi) {
     lo = __uint_as_float(w << 16);
     hi = __uint_as_float(w & 0xffff0000u);
-  }
-  __device__ __forceinline__ static void unpack(const uint4& v, float (&f)[8]) {
-    unpack2(v.x, f[0], f[1]);
-    unpack2(v.y, f[2], f[3]);
-    unpack2(v.z, f[4], f[5]);
-    unpack2(v.w, f[6], f[7]);
   }
   __device__ __forceinline__ static uint32_t pack2(float lo, float hi) {
     __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&h);
   }
-  __device__ __forceinline__ static uint4 pack(const float (&f)[8]) {
-    return make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
-  }
-  // NaN-propagating max of the 8 values, on packed pairs (exact: max needs no rounding).
-  __device__ __forceinline__ static float vmax(const uint4& v) {
-    const __nv_bfloat162 m = __hmax2_nan(__hmax2_nan(as2(v.x), as2(v.y)), __hmax2_nan(as2(v.z), as2(v.w)));
-    float lo, hi;
-    unpack2(*reinterpret_cast<const uint32_t*>(&m), lo, hi);
-    return fmax_nan(lo, hi);
-  }
   __device__ __forceinline__ static __nv_bfloat162 as2(uint32_t w) { return *reinterpret_cast<__nv_bfloat162*>(&w); }
+};
+struct HalfPair {
+  __device__ __forceinline__ static void unpack2(uint32_t w, float& lo, float& hi) {
+    __half2 h = *reinterpret_cast<__half2*>(&w);
+    const float2 f = __half22float2(h);
+    lo = f.x;
+    hi = f.y;
+  }
+  __device__ __forceinline__ static uint32_t pack2(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __device__ __forceinline__ static __half2 as2(uint32_t w) { return *reinterpret_cast<__half2*>(&w); }
+};
+template <>
+struct Elem<__nv_bfloat16> : Elem16<Bf16Pair> {
   __device__ __forceinline__ static float load(const __nv_bfloat16* p) {
     const unsigned short u = __ldg(reinterpret_cast<const unsigned short*>(p));
     return __uint_as_float(static_cast<uint32_t>(u) << 16);
@@ -128,34 +148,7 @@ struct Elem<__nv_bfloat16> {
   __device__ __forceinline__ static void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 };
 template <>
-struct Elem<__half> {
-  static constexpr int kVec = 8;
-  __device__ __forceinline__ static void unpack2(uint32_t w, float& lo, float& hi) {
-    __half2 h = *reinterpret_cast<__half2*>(&w);
-    const float2 f = __half22float2(h);
-    lo = f.x;
-    hi = f.y;
-  }
-  __device__ __forceinline__ static void unpack(const uint4& v, float (&f)[8]) {
-    unpack2(v.x, f[0], f[1]);
-    unpack2(v.y, f[2], f[3]);
-    unpack2(v.z, f[4], f[5]);
-    unpack2(v.w, f[6], f[7]);
-  }
-  __device__ __forceinline__ static uint32_t pack2(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  __device__ __forceinline__ static uint4 pack(const float (&f)[8]) {
-    return make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
-  }
-  __device__ __forceinline__ static float vmax(const uint4& v) {
-    const __half2 m = __hmax2_nan(__hmax2_nan(as2(v.x), as2(v.y)), __hmax2_nan(as2(v.z), as2(v.w)));
-    float lo, hi;
-    unpack2(*reinterpret_cast<const uint32_t*>(&m), lo, hi);
-    return fmax_nan(lo, hi);
-  }
-  __device__ __forceinline__ static __half2 as2(uint32_t w) { return *reinterpret_cast<__half2*>(&w); }
+struct Elem<__half> : Elem16<HalfPair> {
   __device__ __forceinline__ static float load(const __half* p) { return __half2float(__ldg(p)); }
   __device__ __forceinline__ static void store(__half* p, float v) { *p = __float2half_rn(v); }
 };
