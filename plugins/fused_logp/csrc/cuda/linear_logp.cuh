@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include <prime_kernels/sm90.cuh>
+#include <prime_kernels/tma.h>
 
 #ifndef LINEAR_LOGP_BLOCK_N
 #error "LINEAR_LOGP_BLOCK_N must come from kernel.toml ([linear_logp.constants])"
@@ -384,35 +385,12 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Host helpers (header-only: both translation units include them).
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda).
-inline EncodeTiledFn encode_tiled_fn() {
-  static const EncodeTiledFn fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q);
-    return (err == cudaSuccess && q == cudaDriverEntryPointSuccess) ? reinterpret_cast<EncodeTiledFn>(f) : nullptr;
-  }();
-  return fn;
-}
-
-// A 2-D map over a row-major [rows, cols] 16-bit matrix, boxes of box_rows x BK with 128-byte swizzle; reads past
-// the edges are zero-filled (the partial token/vocab/K tiles rely on it). Returns a CUresult (0 on success).
+// The 2-D map of hidden / weight: boxes of box_rows x BK, 128-byte swizzle, zero-filled past the edges (the partial
+// token/vocab/K tiles rely on it). Returns a CUresult (0 on success).
 inline int make_tmap(CUtensorMap* map, const void* ptr, bool bf16, int64_t rows, int64_t cols, int64_t row_stride,
                      int box_rows) {
-  const EncodeTiledFn fn = encode_tiled_fn();
-  if (fn == nullptr) return -1;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_stride) * 2};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(BK), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t estr[2] = {1, 1};
-  return static_cast<int>(fn(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
-                             const_cast<void*>(ptr), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
+  return prime_kernels::make_tmap_2d(map, ptr, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                                     rows, cols, row_stride, box_rows, BK);
 }
 
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
