@@ -10,6 +10,8 @@
 //             buffer that the host then multiplies with cuBLAS (grad_hidden += dZ W_chunk, grad_W_chunk = dZ^T h).
 #pragma once
 
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -391,6 +393,19 @@ inline int make_tmap(CUtensorMap* map, const void* ptr, bool bf16, int64_t rows,
                      int box_rows) {
   return prime_kernels::make_tmap_2d(map, ptr, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
                                      rows, cols, row_stride, box_rows, BK);
+}
+
+// One launch of the kernel (forward, or the backward's dZ pass): token_tiles x splits CTAs.
+template <typename T, bool kBackward>
+void launch(const CUtensorMap& tm_h, const CUtensorMap& tm_w, const Params& p, cudaStream_t stream) {
+  auto kernel = linear_logp_kernel<T, kBackward>;
+  const bool configured =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES) == cudaSuccess;
+  TORCH_CHECK(configured, "linear_logp: cannot reserve ", SMEM_BYTES, " bytes of shared memory for the ",
+              kBackward ? "backward" : "forward", " kernel");
+  const int64_t grid = static_cast<int64_t>(p.token_tiles) * p.splits;
+  kernel<<<static_cast<unsigned>(grid), NUM_THREADS, SMEM_BYTES, stream>>>(tm_h, tm_w, p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }

@@ -31,17 +31,6 @@ namespace {
 
 using namespace linear_logp;
 
-template <typename T>
-void launch_bwd(const CUtensorMap& tm_h, const CUtensorMap& tm_w, const Params& p, cudaStream_t stream) {
-  auto kernel = linear_logp_kernel<T, true>;
-  const bool configured =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES) == cudaSuccess;
-  TORCH_CHECK(configured, "linear_logp: cannot reserve ", SMEM_BYTES, " bytes of shared memory for the backward kernel");
-  const int64_t grid = static_cast<int64_t>(p.token_tiles) * p.splits;
-  kernel<<<static_cast<unsigned>(grid), NUM_THREADS, SMEM_BYTES, stream>>>(tm_h, tm_w, p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_backward_cuda(
     const at::Tensor& grad_logp, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
     const at::Tensor& weight, const at::Tensor& labels_in, double temperature,
@@ -128,9 +117,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_backward_cuda
           choose_tiles_per_split(p.token_tiles, static_cast<int>(vt_end - vt), sms, LINEAR_LOGP_MAX_SPLITS);
       p.splits = ceil_div(vt_end - vt, p.tiles_per_split);
       if (bf16)
-        launch_bwd<__nv_bfloat16>(tm_h, tm_w, p, stream);
+        launch<__nv_bfloat16, true>(tm_h, tm_w, p, stream);
       else
-        launch_bwd<__half>(tm_h, tm_w, p, stream);
+        launch<__half, true>(tm_h, tm_w, p, stream);
 
       const at::Tensor dzc = dz.narrow(0, 0, nr).narrow(1, 0, vc);
       const at::Tensor h_rows = hidden.narrow(0, r0, nr);

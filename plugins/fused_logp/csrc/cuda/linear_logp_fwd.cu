@@ -46,17 +46,6 @@ __global__ void linear_logp_combine(Params p, int N, float* logp, float* entropy
   stats[2 * i + 1] = (m + mean_dev) * LN2;
 }
 
-template <typename T>
-void launch_main(const CUtensorMap& tm_h, const CUtensorMap& tm_w, const Params& p, cudaStream_t stream) {
-  auto kernel = linear_logp_kernel<T, false>;
-  const bool configured =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES) == cudaSuccess;
-  TORCH_CHECK(configured, "linear_logp: cannot reserve ", SMEM_BYTES, " bytes of shared memory for the forward kernel");
-  const int64_t grid = static_cast<int64_t>(p.token_tiles) * p.splits;
-  kernel<<<static_cast<unsigned>(grid), NUM_THREADS, SMEM_BYTES, stream>>>(tm_h, tm_w, p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 }  // namespace linear_logp
 
 namespace {
@@ -115,9 +104,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_cuda(
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (bf16)
-    launch_main<__nv_bfloat16>(tm_h, tm_w, p, stream);
+    launch<__nv_bfloat16, false>(tm_h, tm_w, p, stream);
   else
-    launch_main<__half>(tm_h, tm_w, p, stream);
+    launch<__half, false>(tm_h, tm_w, p, stream);
   linear_logp_combine<<<ceil_div(N, 256), 256, 0, stream>>>(p, static_cast<int>(N), logp.data_ptr<float>(),
                                                             return_entropy ? entropy.data_ptr<float>() : nullptr,
                                                             stats.data_ptr<float>());
