@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const Params 
   constexpr int RAW_OFF = A_BYTES + B_BYTES + FA_BYTES + FB_BYTES;
   const int n_base = n_tile * (MODE == GATE_UP ? BN_GU : BN);
 
-  block_prologue<BM, STAGES, MODE == GATE_UP>(p, block, a_row, slot_of, bars);
+  block_prologue<BM, STAGES, MODE == GATE_UP, 128>(p, block, a_row, slot_of, bars);
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {  // ------------------------------- producer -------------------------------

@@ -30,6 +30,8 @@
 #include "../flash_moe.h"
 #include "sm90_common.cuh"
 
+#include <prime_kernels/tma.h>
+
 #ifndef FLASH_MOE_BLOCK_N_GATE_UP
 #error "FLASH_MOE_BLOCK_N_GATE_UP must come from kernel.toml ([flash_moe.constants])"
 #endif
@@ -61,6 +63,8 @@ static_assert(kDimAlign % BK == 0 && kHiddenAlign % BK == 0, "DIM_ALIGN and HIDD
 constexpr int NUM_THREADS = 384;
 constexpr int A_BYTES = BM * BK * 2;
 constexpr int B_BYTES = BN * BK * 2;
+constexpr int B_BOX_ROWS = BN / 2;  // one TMA box: the gate (or up) half of a gate/up tile, half a down tile
+constexpr int FULL_ARRIVALS = 128 + 1;  // the producer threads' cp.async arrivals + thread 0's expect_tx
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + BM * 8 /* A row offsets */ +
                            BM * 4 /* slots */ + 2 * STAGES * 8 /* mbarriers */;
@@ -70,12 +74,13 @@ constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + B
 enum Mode : int { GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2, GATE_UP_SAVE = 3 };
 
 struct Params {
+  // B tiles by TMA: 2-D maps over the weight rows (boxes of B_BOX_ROWS x BK); expert e's row n is map row
+  // e * b_rows_per_expert + n. GATE_UP: tm_b0 the gate rows, tm_b1 the up rows; DOWN: tm_b0 w2's rows.
+  CUtensorMap tm_b0;
+  CUtensorMap tm_b1;
+  int b_rows_per_expert;
   const __nv_bfloat16* a;  // x (GATE_UP) or the intermediate (DOWN)
   int64_t lda;
-  const __nv_bfloat16* b0;  // gate (GATE_UP) or w2 (DOWN): [E][rows][ldb]
-  const __nv_bfloat16* b1;  // up (GATE_UP)
-  int64_t b_expert_stride;
-  int64_t ldb;
   int n_total;  // valid output columns: hidden (GATE_UP) or dim (DOWN)
   int k_tiles;
   int n_tiles;  // column tiles of the launch
@@ -102,7 +107,7 @@ __device__ __forceinline__ void fence_acc(float* d) { fence_regs<128>(d); }
 // Accumulator register i of a consumer thread holds row (warp * 16 + lane / 4 + 8 * ((i / 2) % 2)) and column
 // (8 * (i / 4) + 2 * (lane % 4) + i % 2) of its warpgroup's 64 x 256 tile.
 template <int MODE>
-__global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const Params p) {
+__global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kGateUp = MODE == GATE_UP || MODE == GATE_UP_SAVE;
   int block, n_tile;
@@ -121,37 +126,33 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const Params p
   auto full_bar = [&](int s) { return bars + 8u * s; };
   auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
 
-  block_prologue<BM, STAGES, kGateUp>(p, block, a_row, slot_of, bars);
+  block_prologue<BM, STAGES, kGateUp, FULL_ARRIVALS>(p, block, a_row, slot_of, bars);
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {  // ------------------------------- producer -------------------------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
     const int c = threadIdx.x & 7;    // 16-byte chunk of the 128-byte K slice
     const int r0 = threadIdx.x >> 3;  // rows r0 + 16 i
-    const int n0 = n_tile * (kGateUp ? BN_GU : BN_DOWN) + r0;
-    // B rows of this thread: n0 + 16 i (GATE_UP: i < 8 from the gate weight, i >= 8 the same rows of the up weight)
-    const int64_t row16 = 16 * p.ldb;
-    const __nv_bfloat16* b0 = p.b0 + static_cast<int64_t>(expert) * p.b_expert_stride + static_cast<int64_t>(n0) * p.ldb + c * 8;
-    const __nv_bfloat16* b1 = kGateUp ? p.b1 + (b0 - p.b0) : b0;
-    constexpr int B_ROWS_PER_SRC = kGateUp ? BN_GU / 16 : BN / 16;
-    const int n_valid = p.n_total - n0;  // rows 16 i < n_valid are inside the matrix
+    const int b_row = expert * p.b_rows_per_expert + n_tile * (kGateUp ? BN_GU : BN_DOWN);
     for (int kt = 0; kt < p.k_tiles; ++kt) {
       const int stage = kt % STAGES;
       mbar_wait(empty_bar(stage), ((kt / STAGES) & 1) ^ 1);
       const uint32_t st = base + stage * STAGE_BYTES;
       const int kofs = kt * BK;
+      if (threadIdx.x == 0) {  // the B tile: two TMA boxes (GATE_UP: gate rows, then the same up rows)
+        mbar_expect_tx(full_bar(stage), B_BYTES);
+        tma_load_2d(st + A_BYTES, &p.tm_b0, full_bar(stage), kofs, b_row);
+        if constexpr (kGateUp) {
+          tma_load_2d(st + A_BYTES + B_BYTES / 2, &p.tm_b1, full_bar(stage), kofs, b_row);
+        } else {
+          tma_load_2d(st + A_BYTES + B_BYTES / 2, &p.tm_b0, full_bar(stage), kofs, b_row + B_BOX_ROWS);
+        }
+      }
 #pragma unroll
       for (int i = 0; i < BM / 16; ++i) {
         const int r = r0 + 16 * i;
         const int64_t off = a_row[r];
         cp_async_16(st + swz(r, c), p.a + (off >= 0 ? off + kofs + c * 8 : 0), off >= 0 ? 16u : 0u);
-      }
-#pragma unroll
-      for (int i = 0; i < BN / 16; ++i) {
-        const int ii = i % B_ROWS_PER_SRC;
-        const bool ok = 16 * ii < n_valid;
-        const __nv_bfloat16* src = (i < B_ROWS_PER_SRC ? b0 : b1) + (ok ? ii * row16 + kofs : 0);
-        cp_async_16(st + A_BYTES + swz(r0 + 16 * i, c), ok ? src : p.b0, ok ? 16u : 0u);
       }
       cp_async_mbar_arrive_noinc(full_bar(stage));  // fires when this thread's copies of the stage have landed
     }
@@ -245,6 +246,17 @@ void check_cuda_operand(const char* op, const char* name, const at::Tensor& t) {
               " must be 16-byte aligned (cp.async), got data pointer ", t.const_data_ptr());
 }
 
+// The TMA map over an (E, rows, K) weight view with unit K stride and whole rows between experts: map rows
+// (E - 1) * (stride(0) / stride(1)) + rows (exactly the memory the view spans), boxes of B_BOX_ROWS x BK. A tile's
+// rows past `rows` read the next expert's rows or zeros past the end: columns the epilogue never stores.
+void weight_map(const char* op, const char* name, CUtensorMap* map, const at::Tensor& w, int64_t E, int64_t rows,
+                int64_t K) {
+  const int64_t per_expert = w.stride(0) / w.stride(1);
+  const int rc = prime_kernels::make_tmap_2d(map, w.const_data_ptr(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                                             (E - 1) * per_expert + rows, K, w.stride(1), sm90::B_BOX_ROWS, sm90::BK);
+  TORCH_CHECK(rc == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for ", name, " (CUresult ", rc, ")");
+}
+
 // The gate/up GEMM's parameters for gate/up views (E, hidden, dim); the contiguous copies it needed stay in `keep`.
 sm90::Params gate_up_params(const char* op, const at::Tensor& x_in, const at::Tensor& gate_in, const at::Tensor& up_in,
                             const at::Tensor& sorted, const at::Tensor& eids, const at::Tensor& ntpp,
@@ -253,7 +265,7 @@ sm90::Params gate_up_params(const char* op, const at::Tensor& x_in, const at::Te
   const auto x = x_in.contiguous();
   auto gate = gate_in, up = up_in;
   if (gate.stride(2) != 1 || up.stride(2) != 1 || gate.strides() != up.strides() || gate.stride(1) % 8 != 0 ||
-      gate.stride(0) % 8 != 0) {
+      gate.stride(0) % gate.stride(1) != 0) {
     gate = gate.contiguous();
     up = up.contiguous();
   }
@@ -270,10 +282,9 @@ sm90::Params gate_up_params(const char* op, const at::Tensor& x_in, const at::Te
   p.ntpp = ntpp.const_data_ptr<int>();
   p.a = reinterpret_cast<const __nv_bfloat16*>(x.const_data_ptr());
   p.lda = s.dim;
-  p.b0 = reinterpret_cast<const __nv_bfloat16*>(gate.const_data_ptr());
-  p.b1 = reinterpret_cast<const __nv_bfloat16*>(up.const_data_ptr());
-  p.b_expert_stride = gate.stride(0);
-  p.ldb = gate.stride(1);
+  p.b_rows_per_expert = static_cast<int>(gate.stride(0) / gate.stride(1));
+  weight_map(op, "the gate weight", &p.tm_b0, gate, s.E, s.hidden, s.dim);
+  weight_map(op, "the up weight", &p.tm_b1, up, s.E, s.hidden, s.dim);
   p.n_total = static_cast<int>(s.hidden);
   p.k_tiles = static_cast<int>(s.dim / sm90::BK);
   return p;
@@ -306,10 +317,8 @@ void run(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::
   // down + combine
   p.a = reinterpret_cast<const __nv_bfloat16*>(inter.const_data_ptr());
   p.lda = s.hidden;
-  p.b0 = reinterpret_cast<const __nv_bfloat16*>(w2.const_data_ptr());
-  p.b1 = p.b0;
-  p.b_expert_stride = s.dim * s.hidden;
-  p.ldb = s.hidden;
+  p.b_rows_per_expert = static_cast<int>(s.dim);
+  weight_map(op, "w2", &p.tm_b0, w2, s.E, s.dim, s.hidden);
   p.n_total = static_cast<int>(s.dim);
   p.k_tiles = static_cast<int>(s.hidden / sm90::BK);
   p.ld_out = s.dim;

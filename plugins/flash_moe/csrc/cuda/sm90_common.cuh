@@ -69,9 +69,10 @@ __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + 
 
 // The block's routing rows into shared memory (threads < BM): slot_of[r] = sorted_token_ids[block * BM + r] and
 // a_row[r] = the element offset of A's row r: x's row slot / top_k for the gate/up GEMMs (-1 for padding), the
-// intermediate's row block * BM + r for the down GEMMs. Thread 0 initialises the stage ring: "full" completes on the
-// 128 producer threads, "empty" on lane 0 of each of the 8 consumer warps. Ends with __syncthreads().
-template <int BM, int STAGES, bool kGatherX, class Params>
+// intermediate's row block * BM + r for the down GEMMs. Thread 0 initialises the stage ring: "full" completes on
+// FULL_ARRIVALS arrivals (the 128 producer threads, plus thread 0's expect_tx where B comes by TMA), "empty" on lane 0
+// of each of the 8 consumer warps. Ends with __syncthreads().
+template <int BM, int STAGES, bool kGatherX, int FULL_ARRIVALS, class Params>
 __device__ __forceinline__ void block_prologue(const Params& p, int block, int64_t* a_row, int* slot_of,
                                                uint32_t bars) {
   if (threadIdx.x < BM) {
@@ -86,7 +87,7 @@ __device__ __forceinline__ void block_prologue(const Params& p, int block, int64
   }
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(bars + 8u * s, 128);
+      mbar_init(bars + 8u * s, FULL_ARRIVALS);
       mbar_init(bars + 8u * (STAGES + s), 8);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
