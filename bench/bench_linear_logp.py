@@ -6,7 +6,9 @@ forward and forward+backward, peak memory above the inputs, against the bf16 mat
 Timing: triton.testing.do_bench median. Ceiling: an 8192^3 bf16 torch.mm. Floors: 2NHV / ceiling (forward),
 8NHV / ceiling (forward + backward: recompute + two gradient GEMMs). Peers where importable (try/except):
 naive (h @ W.T + fp32 log_softmax), chunked PyTorch (8192-wide vocab chunks, online lse + entropy, checkpointed),
-Liger LigerFusedLinearCrossEntropyLoss(reduction="none"), cut-cross-entropy linear_cross_entropy(reduction="none").
+Liger LigerFusedLinearCrossEntropyLoss(reduction="none"), Liger's SM90 CuTe-DSL fused scaled cross-entropy (the
+issue's peer: per-token NLL + bf16 entropy, scalar temperature; needs nvidia-cutlass-dsl), cut-cross-entropy
+linear_cross_entropy(reduction="none").
 """
 from __future__ import annotations
 
@@ -61,6 +63,13 @@ def make_peers():
         peers["Liger FLCE (no entropy, T=1)"] = lambda h, w, y: (liger(w, h, y),)
     except Exception as e:  # noqa: BLE001
         print(f"Liger not available: {type(e).__name__}")
+    try:
+        from liger_kernel.ops.cutedsl.ops.fused_scaled_cross_entropy_sm90 import \
+            LigerFusedScaledCrossEntropySM90Function as LigerSM90
+
+        peers["Liger SM90 CuTe-DSL (bf16 entropy)"] = lambda h, w, y: LigerSM90.apply(h, w, y, T, -100, 1, True)
+    except Exception as e:  # noqa: BLE001
+        print(f"Liger SM90 CuTe-DSL not available: {type(e).__name__}: {e}")
     try:
         from cut_cross_entropy import linear_cross_entropy
 
