@@ -208,39 +208,60 @@ __device__ __forceinline__ void acc_update_clamped(Acc& A, const float (&f)[kN],
   if (kWithT) A.t += static_cast<double>(tv);
 }
 
-// Hot path for one vector whose NaN-propagating max is vm. No per-element clamp: a -inf logit gives e = 0 and
-// e * a = NaN, which the per-vector check catches and redoes the vector through the clamped path (rare).
-template <int kN, bool kWithT>
-__device__ __forceinline__ void acc_update(Acc& A, const float (&f)[kN], float vm, float c_hi, float c_lo) {
+// Hot path for kNV vectors (kNV * kVec elements): one max test and at most one rescale, fp32 partial sums over all
+// of them in kChains chains, one double add. No per-element clamp: a -inf logit gives e = 0 and e * a = NaN, which
+// the check at the end catches, redoing these vectors through the clamped path (rare). The partial sums add at most
+// kNV * kVec / kChains terms <= 1 per chain, each already carrying ex2.approx's ~2-ulp error.
+template <class E, int kNV, bool kWithT>
+__device__ __forceinline__ void acc_update(Acc& A, const uint4 (&r)[kNV], float c_hi, float c_lo) {
+  constexpr int kVec = E::kVec;
+  constexpr int kChains = kNV * kVec >= 16 ? 4 : 2;
+  float vm = E::vmax(r[0]);
+#pragma unroll
+  for (int u = 1; u < kNV; ++u) vm = fmax_nan(vm, E::vmax(r[u]));
   const float mn = fmax_nan(A.m, vm);
   if (mn != A.m) acc_rescale<kWithT>(A, mn, c_hi, c_lo);
   const float m = A.m;
-  static_assert(kN >= 2, "vector path");
-  float s0, s1, t0 = 0.f, t1 = 0.f;
+  float s[kChains], t[kChains];
 #pragma unroll
-  for (int k = 0; k < kN; ++k) {
-    const float d = f[k] - m;  // exact for logits within 2^24 ulps of the max
-    const float a = fmaf(d, c_hi, d * c_lo);
-    const float e = ex2(a);
-    if (k < 2) {  // start the two chains without adding to 0 (which the compiler may not fold away)
-      (k ? s1 : s0) = e;
-      if (kWithT) (k ? t1 : t0) = e * a;
-    } else if (k & 1) {
-      s1 += e;
-      if (kWithT) t1 = fmaf(e, a, t1);
-    } else {
-      s0 += e;
-      if (kWithT) t0 = fmaf(e, a, t0);
+  for (int u = 0; u < kNV; ++u) {
+    float f[kVec];
+    E::unpack(r[u], f);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      const int i = u * kVec + k, chain = i % kChains;
+      const float d = f[k] - m;  // exact for logits within 2^24 ulps of the max
+      const float a = fmaf(d, c_hi, d * c_lo);
+      const float e = ex2(a);
+      if (i < kChains) {  // start each chain without adding to 0 (which the compiler may not fold away)
+        s[chain] = e;
+        if (kWithT) t[chain] = e * a;
+      } else {
+        s[chain] += e;
+        if (kWithT) t[chain] = fmaf(e, a, t[chain]);
+      }
     }
   }
-  const float sv = s0 + s1, tv = t0 + t1;
-  const float chk = kWithT ? sv + tv : sv;
+#pragma unroll
+  for (int c = 1; c < kChains; ++c) {
+    s[0] += s[c];
+    if (kWithT) t[0] += t[c];
+  }
+  const float chk = kWithT ? s[0] + t[0] : s[0];
   if (chk != chk) {
-    acc_update_clamped<kN, kWithT>(A, f, c_hi, c_lo);
+    float f[kNV * kVec];
+#pragma unroll
+    for (int u = 0; u < kNV; ++u) {
+      float g[kVec];
+      E::unpack(r[u], g);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) f[u * kVec + k] = g[k];
+    }
+    acc_update_clamped<kNV * kVec, kWithT>(A, f, c_hi, c_lo);
     return;
   }
-  A.s += static_cast<double>(sv);
-  if (kWithT) A.t += static_cast<double>(tv);
+  A.s += static_cast<double>(s[0]);
+  if (kWithT) A.t += static_cast<double>(t[0]);
 }
 
 template <typename label_t>
@@ -347,18 +368,11 @@ __global__ void __launch_bounds__(kThreads) fused_logp_fwd_kernel(const FwdParam
     uint4 r[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) r[u] = __ldg(xv + v + u * kThreads);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      float f[kVec];
-      E::unpack(r[u], f);
-      acc_update<kVec, kWithT>(A, f, E::vmax(r[u]), c_hi, c_lo);
-    }
+    acc_update<E, kUnroll, kWithT>(A, r, c_hi, c_lo);
   }
   for (; v < ve; v += kThreads) {
-    const uint4 r = __ldg(xv + v);
-    float f[kVec];
-    E::unpack(r, f);
-    acc_update<kVec, kWithT>(A, f, E::vmax(r), c_hi, c_lo);
+    const uint4 r[1] = {__ldg(xv + v)};
+    acc_update<E, 1, kWithT>(A, r, c_hi, c_lo);
   }
 
   // Block combine: the max first, then every thread rescales its (s, t) to it once (double), then two sums.
