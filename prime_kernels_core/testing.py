@@ -14,12 +14,21 @@ def relative_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
     return float(diff.norm() / scale) if scale > 0 else float(diff.norm())
 
 
+# Ratios are compared to RATIO_RESOLUTION: where a 16-bit output equals the PyTorch path's in every element but a few
+# at rounding midpoints far in the tail, the ratio is 1 + 2e-15 ... 1e-10 (measured on the H200), and which of the two
+# misrounds those few elements flips with the inputs' draw: parity, not a loss of accuracy. A real loss shows far above
+# it (fused_logp's gradient before its exact exponent: 1 + ~1e-6).
+RATIO_RESOLUTION = 1e-8
+
+
 def assert_error_ratio(label: str, actual, baseline, reference, max_ratio: float = 1.0) -> float:
-    """Assert ``actual``'s error against ``reference`` is at most ``max_ratio`` × ``baseline``'s; print the margin."""
+    """Assert ``actual``'s error against ``reference`` is at most ``max_ratio`` × ``baseline``'s (to RATIO_RESOLUTION);
+    print the margin."""
     ours, theirs = relative_error(actual, reference), relative_error(baseline, reference)
     ratio = ours / theirs if theirs > 0 else (0.0 if ours == 0 else float("inf"))
     print(f"{label}: error {ours:.3e}, PyTorch path {theirs:.3e}, ratio {ratio:.3f} (limit {max_ratio})")
-    assert ratio <= max_ratio, f"{label}: error {ours:.3e} is {ratio:.3f}x the PyTorch path's {theirs:.3e} (limit {max_ratio})"
+    assert ratio <= max_ratio * (1 + RATIO_RESOLUTION), (
+        f"{label}: error {ours:.3e} is {ratio:.7f}x the PyTorch path's {theirs:.3e} (limit {max_ratio})")
     return ratio
 
 
