@@ -43,17 +43,19 @@ if phase build; then
   "$py" -m prime_kernels --json > "$out/status.json"
 fi
 
+# Tests and sanitizer runs are not timed: they share the GPU, all at once, to save device minutes.
 if phase test; then
   # One pytest process per suite: a kernel fault poisons its CUDA context, and must not fail the other plugins' tests.
   for suite in tests plugins/*/tests examples/*/tests; do
     [ -d "$suite" ] || continue
     name=$(echo "$suite" | tr / _)
-    timeout 420 "$py" -m pytest -m gpu "$suite" -q -p no:cacheprovider -rs \
-      --junitxml="$out/gpu-tests-$name.xml" > "$out/gpu-tests-$name.log" 2>&1
-    code=$?; [ "$code" = 5 ] && code=0  # 5: no gpu-marked test in this suite
-    record test "$suite" "exit $code; $(tail -n 1 "$out/gpu-tests-$name.log")"
-    grep -E '^(FAILED|ERROR)' "$out/gpu-tests-$name.log"
+    ( timeout 420 "$py" -m pytest -m gpu "$suite" -q -p no:cacheprovider -rs \
+        --junitxml="$out/gpu-tests-$name.xml" > "$out/gpu-tests-$name.log" 2>&1
+      code=$?; [ "$code" = 5 ] && code=0  # 5: no gpu-marked test in this suite
+      record test "$suite" "exit $code; $(tail -n 1 "$out/gpu-tests-$name.log")"
+      grep -E '^(FAILED|ERROR)' "$out/gpu-tests-$name.log" ) &
   done
+  wait
 fi
 
 if phase sanitize; then
@@ -61,11 +63,13 @@ if phase sanitize; then
     [ -f "$script" ] || continue
     for tool in memcheck racecheck; do
       name="$(basename "$script" .py)-$tool"
-      timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 3 "$py" "$script" > "$out/$name.log" 2>&1
-      code=$?
-      record sanitize "$name" "exit $code; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$name.log" | tail -n 1)"
+      ( timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 3 "$py" "$script" > "$out/$name.log" 2>&1
+        code=$?
+        record sanitize "$name" "exit $code; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$name.log" | tail -n 1)"
+      ) &
     done
   done
+  wait
 fi
 
 if phase bench; then

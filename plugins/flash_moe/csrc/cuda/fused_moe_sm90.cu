@@ -169,6 +169,16 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   float acc[128];
   int prev = 0;
   const uint32_t a_off = wg * 64 * 128;
+  // When this warpgroup's 64 rows are all padding it only keeps the ring turning, and the other warpgroup's wgmmas get
+  // the tensor cores (DeepSeek-V3: 256 ± 16 slots per expert, so about half the experts end in a block of <= 64 routed
+  // rows).
+  if (__all_sync(0xffffffffu, slot_of[wg * 64 + lane] < 0 && slot_of[wg * 64 + 32 + lane] < 0)) {
+    for (int kt = 0; kt < p.k_tiles; ++kt) {
+      mbar_wait(full_bar(kt % STAGES), (kt / STAGES) & 1);
+      if (lane == 0) mbar_arrive(empty_bar(kt % STAGES));
+    }
+    return;  // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them
+  }
   for (int kt = 0; kt < p.k_tiles; ++kt) {
     const int stage = kt % STAGES;
     mbar_wait(full_bar(stage), (kt / STAGES) & 1);
