@@ -20,6 +20,8 @@
 //     grad_hidden = dZ @ weight (hidden's dtype), grad_weight = dZ^T @ hidden (hidden's dtype, or fp32 with
 //     grad_weight_fp32), grad_bias = sum_rows dZ (bias dtype), each accumulated in fp32 or wider. An output whose
 //     output_mask entry is false (or grad_bias without a bias) is returned as an empty tensor of shape [0].
+//     A label outside [0, V) that is not ignore_index adds no onehot term (no column matches): the vocabulary-parallel
+//     backward passes V for tokens whose label another rank owns.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -8,9 +8,10 @@ Each rank runs the registered local op on its shard; the ranks then combine per-
     sum_pz = sum_r exp(lse_r - M) spz_r / s;  z_y = the label's logit, from the rank that owns it (one all_reduce SUM)
     logp = z_y - lse;  entropy = lse - sum_pz;  ignored tokens 0.
 
-Tokens whose label another rank owns run the local op with an in-range dummy label (token i -> local column
-i mod V_local); the op's logp is not used, and the onehot term it adds to the gradient at the dummy column is removed
-exactly in the backward (see ``_LogitsFn.backward``, ``_LinearFn.backward``). The backward runs the local backward
+Tokens whose label another rank owns run the local forward op with an in-range dummy label (token i -> local column
+i mod V_local); the op's logp is not used. In the backward the logits version removes the onehot term the dummy
+adds, exactly (``_LogitsFn.backward``); the linear version passes the label V_local instead, which the linear
+backward op turns into no onehot term at all (``_LinearFn.backward``). The backward runs the local backward
 op with the global (lse, sum_pz), so grad_logits / grad_weight / grad_bias need no collective; grad_hidden of the
 linear version is a sum over all vocab shards, hence one all_reduce SUM of [N, H] (fp32).
 
@@ -194,23 +195,6 @@ def _round_like_op(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(inexact, torch.nextafter(f, toward), f).to(dtype)
 
 
-def _dummy_rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """Rows (i mod len(t)) for i < n of t: the dummy column of each token (a view when n <= len(t))."""
-    if n <= t.shape[0]:
-        return t[:n]
-    return t.index_select(0, torch.arange(n, device=t.device) % t.shape[0])
-
-
-def _fold_rows(c: torch.Tensor, rows: int) -> torch.Tensor:
-    """sum over i = j (mod rows) of c[i], for j < min(rows, len(c)): deterministic (no atomics)."""
-    n = c.shape[0]
-    if n <= rows:
-        return c
-    k = -(-n // rows)
-    pad = c.new_zeros((k * rows - n,) + tuple(c.shape[1:]))
-    return torch.cat([c, pad]).reshape((k, rows) + tuple(c.shape[1:])).sum(0)
-
-
 # ---- logits version --------------------------------------------------------------------------------------------------
 class _LogitsFn(torch.autograd.Function):
     @staticmethod
@@ -300,10 +284,8 @@ class _LinearFn(torch.autograd.Function):
         lse_l = stats[:, 0].double()
         zy = logp_l.double() + lse_l  # the owner's z_y (stats are fp32 in this op)
         lse, spz, logp, entropy = _combine(lse_l, stats[:, 1].double(), zy, owned, valid, return_entropy, group)
-        n = hidden.shape[0]
-        tvec = _token_temperature(temperature, token_temperature, n, hidden.device)
         ctx.save_for_backward(hidden, weight, bias, local_labels, nonowned, token_temperature,
-                              torch.stack([lse, spz], 1).float(), tvec)
+                              torch.stack([lse, spz], 1).float())
         ctx.temperature = temperature
         ctx.return_entropy = return_entropy
         ctx.has_bias = bias is not None
@@ -314,7 +296,7 @@ class _LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, local_labels, nonowned, token_temperature, stats, tvec = ctx.saved_tensors
+        hidden, weight, bias, local_labels, nonowned, token_temperature, stats = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = ctx.has_bias and ctx.needs_input_grad[2]
         none = (None,) * 8
@@ -328,29 +310,20 @@ class _LinearFn(torch.autograd.Function):
             # unrounded, so it is rounded once, after the all-reduce. (CUDA takes 16-bit inputs only: there each
             # rank's partial is rounded to hidden's dtype once before the fp32 all-reduce.)
             h_in, w_in = hidden.float(), weight.float()
-        gh, gw, gb = _ops.linear_logp_entropy_backward(g, ge, h_in, w_in, local_labels, ctx.temperature,
-                                                       token_temperature, bias, stats, _LOCAL_IGNORE,
-                                                       [need_h, need_w, need_b], need_w)
-        # Rows whose label another rank owns carry a spurious onehot term c = g/T at their dummy column d(i) = i mod
-        # V_local: dZ[i, d] has +c. Remove it by rank-1 updates in fp32 (grad_weight comes back in fp32 for this):
-        # grad_hidden[i] -= c_i W[d(i)], grad_weight[d] -= sum_{d(i)=d} c_i hidden[i], grad_bias[d] -= sum c_i.
-        n, v_local = hidden.shape[0], weight.shape[0]
-        c = torch.where(nonowned, g.double() / tvec, torch.zeros_like(tvec)).float()
+        # Rows whose label another rank owns get the label V_local: the backward op adds no onehot term for a label
+        # outside [0, V) (no column matches), so their dZ is exactly -p (g + g_ent (z - sum_pz)) / T.
+        labels = torch.where(nonowned, weight.shape[0], local_labels)
+        gh, gw, gb = _ops.linear_logp_entropy_backward(g, ge, h_in, w_in, labels, ctx.temperature, token_temperature,
+                                                       bias, stats, _LOCAL_IGNORE, [need_h, need_w, need_b], False)
         grad_hidden = grad_weight = grad_bias = None
         if need_w:
-            fold = _fold_rows(c[:, None] * hidden, v_local)  # fp32 (type promotion), no fp32 copy of hidden
-            gw[: fold.shape[0]] -= fold
             grad_weight = gw.to(weight.dtype)
         if need_b:
-            fold = _fold_rows(c, v_local)
-            gb = gb.float()
-            gb[: fold.shape[0]] -= fold
             grad_bias = gb.to(bias.dtype)
         if need_h:
             # grad_hidden = sum over all vocab shards of dZ_r W_r: the one collective of the backward, in fp32
             # (a 16-bit all_reduce would round once per hop).
             gh32 = gh.float()
-            gh32.addcmul_(c[:, None], _dummy_rows(weight, n), value=-1)  # fp32 accumulate, 16-bit rows read as is
             dist.all_reduce(gh32, op=dist.ReduceOp.SUM, group=ctx.group)
             grad_hidden = gh32.to(hidden.dtype)
         return (grad_hidden, grad_weight, grad_bias) + none

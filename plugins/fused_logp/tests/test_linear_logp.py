@@ -177,6 +177,31 @@ def test_grad_weight_fp32():
     torch.testing.assert_close(gw.bfloat16(), gw16, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[*gpu, pytest.mark.skipif(not CUDA,
+                                                                                                reason="needs CUDA")])])
+def test_backward_label_outside_vocab_adds_no_onehot(device):
+    """The backward op's rule the vocabulary-parallel path relies on: a label outside [0, V) (not ignore_index) gives
+    dZ = -p (g + g_ent (z - sum_pz)) / T, the in-range gradient without its onehot term: grad_hidden and grad_weight
+    differ from the in-range label's by exactly g/T times that token's weight row and hidden row (float64 check)."""
+    n, hs, v = 9, 16, 77
+    hid, w, y = _inputs(n, hs, v, torch.bfloat16, device)
+    y[y == -100] = 5
+    _, _, stats = torch.ops.fused_logp.linear_logp_entropy(hid, w, y, 0.7, None, None, -100, True)
+    g, ge = torch.randn(n, device=device), torch.randn(n, device=device)
+    mask = [True, True, False]
+    gh_in, gw_in, _ = torch.ops.fused_logp.linear_logp_entropy_backward(
+        g, ge, hid, w, y, 0.7, None, None, stats, -100, mask, True)
+    outside = torch.where(torch.arange(n, device=device) % 2 == 0, v, y)  # even tokens: label V (no column)
+    gh_out, gw_out, _ = torch.ops.fused_logp.linear_logp_entropy_backward(
+        g, ge, hid, w, outside, 0.7, None, None, stats, -100, mask, True)
+    c = torch.where(outside == v, g.double() / 0.7, torch.zeros(n, dtype=torch.float64, device=device))
+    onehot = torch.zeros(n, v, dtype=torch.float64, device=device)
+    onehot[torch.arange(n, device=device), y] = c
+    torch.testing.assert_close(gw_in.double() - gw_out.double(), onehot.t() @ hid.double(), rtol=1e-5, atol=1e-5)
+    # grad_hidden is 16-bit: compare in units of its rounding
+    torch.testing.assert_close(gh_in.double() - gh_out.double(), onehot @ w.double(), rtol=2e-2, atol=2e-2)
+
+
 def test_conforms():
     assert_conforms("linear_logp")
 
