@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU harness, for a bare H200 machine (torch preinstalled, no network):
 #   bash scripts/gpu_check.sh OUT_DIR [build] [test] [sanitize] [bench]     (default: all four)
-# One device call runs at most 10 minutes: run "build test" in one call and "sanitize bench" in the next (the machine
+# One device call runs at most 10 minutes: run "build test sanitize" in one call and "bench" in the next (the machine
 # keeps what the first installed while it stays warm, 30 s after a call).
 # Installs the core and every plugin from the working tree (no build isolation, no index), runs the gpu-marked tests,
 # compute-sanitizer memcheck + racecheck on each plugin's small-shape script, the benchmarks (with peers from .peers/
