@@ -6,6 +6,8 @@
 //                   aligned blocks, with w = [Wg; Wu] (E, 2 hidden, dim); writes every row of `out` (zeroes unrouted).
 //   moe_forward     the same with the gate and up weights as two tensors (E, hidden, dim), returning out; the
 //                   `deterministic` flag selects a fixed-order combine on CUDA (the CPU combine is always fixed-order).
+//                   With save_gate_up it also returns what moe_gate_up would (the gate/up kernel stores it beside h),
+//                   else an empty [0, 2 hidden].
 //   moe_gate_up     moe()'s backward, recomputation: [x_t W1^T | x_t W3^T] (fp32 accumulation, bf16) of the routed
 //                   slots in sorted order (compact: padding dropped), zero rows past them.
 //   swiglu_backward moe()'s backward, elementwise: from g | u, grad_h = dL/dy W2 (unweighted) and the slot weights p:
@@ -245,18 +247,6 @@ void fused_moe_bf16_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tens
   out.copy_(combine_in_k_order(y, topk_weights, s));
 }
 
-at::Tensor moe_forward_cpu(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2,
-                           const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
-                           const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, int64_t top_k,
-                           int64_t block_m, bool /*deterministic: the CPU combine is always in k order*/) {
-  const char* op = "moe_forward";
-  const MoeShape s = check_moe_args(op, x, w1, w3, &w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                                    &topk_weights, top_k, block_m, "w1/w3");
-  const auto y = slot_outputs_cpu(op, x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m,
-                                  round_bf16);
-  return combine_in_k_order(y, topk_weights, s);
-}
-
 // ------------------------------------------------------------------------------------------------------------------
 // the pieces of moe()'s closed-form backward
 at::Tensor moe_gate_up_cpu(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3,
@@ -280,6 +270,22 @@ at::Tensor moe_gate_up_cpu(const at::Tensor& x, const at::Tensor& w1, const at::
                    row += n;
                  });
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3,
+                                                   const at::Tensor& w2, const at::Tensor& sorted_token_ids,
+                                                   const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
+                                                   const at::Tensor& topk_weights, int64_t top_k, int64_t block_m,
+                                                   bool /*deterministic: the CPU combine is always in k order*/,
+                                                   bool save_gate_up) {
+  const char* op = "moe_forward";
+  const MoeShape s = check_moe_args(op, x, w1, w3, &w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                                    &topk_weights, top_k, block_m, "w1/w3");
+  const auto y = slot_outputs_cpu(op, x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m,
+                                  round_bf16);
+  return {combine_in_k_order(y, topk_weights, s),
+          save_gate_up ? moe_gate_up_cpu(x, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_m)
+                       : at::empty({0, 2 * s.hidden}, x.options())};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> swiglu_backward_cpu(const at::Tensor& gate_up,
@@ -312,7 +318,8 @@ TORCH_LIBRARY(flash_moe, m) {
         "Tensor num_tokens_post_padded, Tensor topk_weights, Tensor(a!) out, int top_k, int block_m, int block_n, "
         "int warp_n, int stages, int bpc, int cpc, bool split) -> ()");
   m.def("moe_forward(Tensor x, Tensor w1, Tensor w3, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids, "
-        "Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, int block_m, bool deterministic) -> Tensor");
+        "Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, int block_m, bool deterministic, "
+        "bool save_gate_up=False) -> (Tensor out, Tensor gate_up)");
   m.def("moe_gate_up(Tensor x, Tensor w1, Tensor w3, Tensor sorted_token_ids, Tensor expert_ids, "
         "Tensor num_tokens_post_padded, int top_k, int block_m) -> Tensor");
   m.def("swiglu_backward(Tensor gate_up, Tensor grad_h, Tensor row_weights, Tensor valid) -> (Tensor grad_gate, "

@@ -91,9 +91,10 @@ def _(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weigh
 
 @torch.library.register_fake("flash_moe::moe_forward")
 def _(x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k, block_m,
-      deterministic):
+      deterministic, save_gate_up=False):
     torch._check(x.dim() == 2, lambda: "moe_forward: x must be 2-D (M, dim)")
-    return x.new_empty(x.shape)
+    rows = x.shape[0] * top_k if save_gate_up else 0
+    return x.new_empty(x.shape), x.new_empty(rows, 2 * w1.shape[1])
 
 
 @torch.library.register_fake("flash_moe::moe_gate_up")
@@ -264,30 +265,33 @@ def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 
 class _MoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, w2, w3, topk_ids, topk_weights, expert_start, num_experts, deterministic):
+    def forward(ctx, x, w1, w2, w3, topk_ids, topk_weights, expert_start, num_experts, deterministic,
+                recompute_gate_up):
         top_k = topk_ids.shape[1]
         ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
         tw = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
         align = torch.ops.flash_moe.moe_align(ids, num_experts, BLOCK_M, 1, expert_start, w1.shape[0])
-        out = torch.ops.flash_moe.moe_forward(x, w1, w3, w2, *align, tw, top_k, BLOCK_M, deterministic)
-        ctx.save_for_backward(x, w1, w2, w3, ids, tw, *align)
+        save = not recompute_gate_up and any(ctx.needs_input_grad[:6])
+        out, gate_up = torch.ops.flash_moe.moe_forward(x, w1, w3, w2, *align, tw, top_k, BLOCK_M, deterministic, save)
+        ctx.save_for_backward(x, w1, w2, w3, ids, tw, *align, gate_up)
+        ctx.saved_gate_up = save
         ctx.expert_start = expert_start
         ctx.tw_dtype = topk_weights.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, w1, w2, w3, ids, tw, *align = ctx.saved_tensors
+        x, w1, w2, w3, ids, tw, *align, gate_up = ctx.saved_tensors
         grads = _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, ctx.needs_input_grad[:6],
-                                      ctx.expert_start, ctx.tw_dtype)
-        return (*grads, None, None, None)
+                                      ctx.expert_start, ctx.tw_dtype, gate_up if ctx.saved_gate_up else None)
+        return (*grads, None, None, None, None)
 
 
-def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert_start, tw_dtype):
+def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert_start, tw_dtype, gate_up=None):
     """(grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw): the gradients of (x, w1, w2, w3, topk_ids, topk_weights).
 
     Per routed slot s (token t, expert e, weight p): g | u = x_t [W1; W3]^T recomputed by the fused gate/up kernel
-    (``moe_gate_up``), grad_h = grad_out_t W2[e] (unweighted), then ``swiglu_backward`` gives dg, du, p h and
+    (``moe_gate_up``) unless the forward kept it (``gate_up``), grad_h = grad_out_t W2[e] (unweighted), then ``swiglu_backward`` gives dg, du, p h and
     dL/dp = grad_h . h in one pass; the weight and input gradients are grouped GEMMs over the slots sorted by expert.
     dx is summed over a token's top_k slots in k order in fp32 (deterministic in both modes).
     """
@@ -306,7 +310,8 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     ok = valid[order]
     tok = order // top_k
 
-    gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, BLOCK_M)
+    if gate_up is None:
+        gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, BLOCK_M)
     go = grad_out.to(x.dtype)[tok]
     grad_h = _gmm(go, w2, offs)  # rows past offs[-1] are not written: swiglu_backward masks them with `ok`
     grad_gate, grad_up, weighted_h, grad_p = torch.ops.flash_moe.swiglu_backward(gate_up, grad_h,
@@ -366,7 +371,7 @@ class _MoEMxfp8(torch.autograd.Function):
 
 def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, topk_ids: torch.Tensor,
         topk_weights: torch.Tensor, *, expert_start: int = 0, deterministic: bool = False,
-        num_experts: int | None = None, mxfp8: bool = False) -> torch.Tensor:
+        num_experts: int | None = None, mxfp8: bool = False, recompute_gate_up: bool = True) -> torch.Tensor:
     """SwiGLU MoE experts: sum_k topk_weights[t, k] * (silu(x W1[e]^T) * (x W3[e]^T)) W2[e]^T, differentiable.
 
     x (..., dim) bf16; w1 (gate), w3 (up): (E_local, hidden, dim) bf16; w2 (E_local, dim, hidden) bf16; topk_ids
@@ -379,6 +384,10 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, t
     gradients only for the inputs that need them; always fixed-order (dx summed over a token's slots in k order).
     ``deterministic=True``: fixed-order combine in the forward too (bitwise reproducible end to end); False: the
     forward combines with fp32 atomics on CUDA (not bitwise reproducible).
+    ``recompute_gate_up=False`` (bf16 path, when a gradient is needed): the forward's gate/up kernel also stores the
+    pre-activations g | u (top_k * tokens x 2 hidden bf16, e.g. 0.94 GB for Mixtral at 8192 tokens) and the backward
+    uses them instead of recomputing them: the gate/up GEMM, two thirds of the forward's FLOPs, traded for that
+    memory. Same gradients, bitwise. (The mxfp8 path always recomputes.)
 
     ``mxfp8=True``: x is quantized to mxfp8 on every call, the weights once per weight version (see
     ``_WEIGHT_CACHE``: keyed by each weight's data_ptr, _version and shape, so an optimizer's in-place update, which
@@ -400,5 +409,5 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, t
                               deterministic)
     else:
         out = _MoE.apply(x.reshape(-1, x.shape[-1]), w1, w2, w3, topk_ids.reshape(-1, top_k),
-                         topk_weights.reshape(-1, top_k), expert_start, num_experts, deterministic)
+                         topk_weights.reshape(-1, top_k), expert_start, num_experts, deterministic, recompute_gate_up)
     return out.view(*lead, x.shape[-1])

@@ -1,5 +1,5 @@
-"""Small-shape CUDA run of every flash_moe kernel (moe_align count/scan/scatter, gate/up, down with atomics, down per
-slot; mxfp8: quantize, gate/up with re-quantization, down with atomics / per slot) for compute-sanitizer (memcheck, racecheck, synccheck). Exits 1 on a mismatch with the CPU implementation.
+"""Small-shape CUDA run of every flash_moe kernel (moe_align count/scan/scatter, gate/up (also keeping g | u), down with
+atomics, down per slot; mxfp8: quantize, gate/up with re-quantization, down with atomics / per slot) for compute-sanitizer (memcheck, racecheck, synccheck). Exits 1 on a mismatch with the CPU implementation.
 
     compute-sanitizer --tool memcheck python plugins/flash_moe/tests/sanitize_flash_moe.py
 """
@@ -29,6 +29,10 @@ for T, dim, hidden, E, k in [(1, 64, 64, 2, 1), (37, 320, 192, 5, 2), (130, 256,
         got = ops.moe(*cu, deterministic=det).cpu().float()
         if not torch.allclose(got, want, rtol=3e-2, atol=3e-2):
             sys.exit(f"moe(deterministic={det}) mismatch for {(T, dim, hidden, E, k)}")
+    _, saved = torch.ops.flash_moe.moe_forward(*cu[:2], cu[3], cu[2], *got_align, cu[5], k, ops.BLOCK_M, False, True)
+    want_saved = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, k, ops.BLOCK_M).float()
+    if not torch.allclose(saved.cpu().float(), want_saved, rtol=2e-2, atol=2e-2):
+        sys.exit(f"moe_forward(save_gate_up=True) mismatch for {(T, dim, hidden, E, k)}")
     out = torch.empty_like(cu[0])
     ops.fused_moe_bf16(cu[0], torch.cat([cu[1], cu[3]], 1), cu[2], *got_align, cu[5], out, k)
     if not torch.allclose(out.cpu().float(), want, rtol=3e-2, atol=3e-2):

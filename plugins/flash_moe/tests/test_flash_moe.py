@@ -221,6 +221,51 @@ def test_compile_forward_backward(deterministic):
     torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
 
 
+def check_saved_gate_up_matches_recompute(device, deterministic):
+    """recompute_gate_up=False: the same forward and the same gradients, bitwise (the gate/up kernel stores exactly
+    what moe_gate_up recomputes); only the inputs that need a gradient trigger the store."""
+    x, w1, w2, w3, ids, tw = make(300, 256, 192, 6, 2, device, seed=21)
+    ids = ids.clone()
+    ids[::7, 1] = -1  # unrouted slots: rows past the routed ones
+    grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(24)).to(x)
+    runs = []
+    for recompute in (True, False):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w2, w3, tw)]
+        out = ops.moe(*leaves[:4], ids, leaves[4], deterministic=deterministic, recompute_gate_up=recompute)
+        runs.append([out.detach(), *torch.autograd.grad(out, leaves, grad_out)])
+    # deterministic=False on CUDA combines with atomics: the forward may differ in its last bits from call to call
+    same_forward = deterministic or device == "cpu"
+    for a, b in list(zip(*runs))[0 if same_forward else 1:]:
+        assert torch.equal(a, b)
+    align = ops.moe_align(ids, 6)
+    out, gate_up = torch.ops.flash_moe.moe_forward(x, w1, w3, w2, *align, tw, 2, ops.BLOCK_M, deterministic, True)
+    assert torch.equal(gate_up, torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, 2, ops.BLOCK_M))
+    _, none = torch.ops.flash_moe.moe_forward(x, w1, w3, w2, *align, tw, 2, ops.BLOCK_M, deterministic)
+    assert none.shape == (0, 2 * 192)
+
+
+@cpu
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cpu_saved_gate_up_matches_recompute(deterministic):
+    check_saved_gate_up_matches_recompute("cpu", deterministic)
+
+
+@cpu
+def test_compile_saved_gate_up():
+    x, w1, w2, w3, ids, tw = make(64, 128, 64, 4, 2, seed=22)
+    leaves = [t.requires_grad_() for t in (x, w1, w2, w3, tw)]
+
+    def step(x, w1, w2, w3, ids, tw):
+        return ops.moe(x, w1, w2, w3, ids, tw, recompute_gate_up=False)
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        torch._dynamo.reset()
+        out = fn(x, w1, w2, w3, ids, tw)
+        results.append([out.detach(), *torch.autograd.grad(out.float().square().sum(), leaves)])
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+
+
 @cpu
 def test_needs_input_grad_subset():
     x, w1, w2, w3, ids, tw = make(32, 128, 64, 4, 2, seed=8)
@@ -368,6 +413,13 @@ def test_cuda_backward_pieces_match_reference():
     check_moe_gate_up("cuda", E=4, top_k=3, expert_start=4, num_global=8)
     check_swiglu_backward("cuda")
     check_swiglu_backward("cuda", rows=70, hidden=14336)
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cuda_saved_gate_up_matches_recompute(deterministic):
+    check_saved_gate_up_matches_recompute("cuda", deterministic)
 
 
 @pytest.mark.gpu

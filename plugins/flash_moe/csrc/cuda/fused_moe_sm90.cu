@@ -71,7 +71,8 @@ constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + B
 
 // GATE_UP_SAVE (the backward's recomputation): the epilogue stores the gate and up pre-activations as bf16 to row
 // dst_rows[padded row] of a compact [routed slots, 2 hidden] tensor instead of h.
-enum Mode : int { GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2, GATE_UP_SAVE = 3 };
+// GATE_UP_SAVE: the backward's recomputation; GATE_UP_AND_SAVE: the forward keeping g | u for the backward.
+enum Mode : int { GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2, GATE_UP_SAVE = 3, GATE_UP_AND_SAVE = 4 };
 
 struct Params {
   // B tiles by TMA: 2-D maps over the weight rows (boxes of B_BOX_ROWS x BK); expert e's row n is map row
@@ -90,10 +91,12 @@ struct Params {
   const int* sorted;
   const int* expert_ids;
   const int* ntpp;
-  __nv_bfloat16* inter;  // GATE_UP output [padded, hidden]; GATE_UP_SAVE output [slots, 2 hidden]
+  __nv_bfloat16* inter;  // GATE_UP(_AND_SAVE): h = silu(g) u [padded, hidden]
   int64_t ld_inter;
-  const int* dst_rows;  // GATE_UP_SAVE: output row of each padded row, -1 for padding
-  int dst_limit;        // GATE_UP_SAVE: rows of the output (M * top_k)
+  __nv_bfloat16* saved;  // GATE_UP_SAVE, GATE_UP_AND_SAVE: the pre-activations g | u [slots, 2 hidden], compact rows
+  int64_t ld_saved;
+  const int* dst_rows;  // their row of each padded row, -1 for padding
+  int dst_limit;        // rows of `saved` (M * top_k)
   const float* topk_weights;  // DOWN_ATOMIC
   float* acc32;               // DOWN_ATOMIC output [M, dim]
   __nv_bfloat16* yslots;      // DOWN_SLOTS output [M * top_k, dim]
@@ -109,7 +112,7 @@ __device__ __forceinline__ void fence_acc(float* d) { fence_regs<128>(d); }
 template <int MODE>
 __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr bool kGateUp = MODE == GATE_UP || MODE == GATE_UP_SAVE;
+  constexpr bool kGateUp = MODE == GATE_UP || MODE == GATE_UP_SAVE || MODE == GATE_UP_AND_SAVE;
   int block, n_tile;
   raster(p.n_tiles, p.blocks, block, n_tile);
   if (block * BM >= __ldg(p.ntpp)) return;  // past the routed blocks: the whole CTA leaves
@@ -203,7 +206,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int lr = wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
-    if constexpr (MODE == GATE_UP) {
+    if constexpr (MODE == GATE_UP || MODE == GATE_UP_AND_SAVE) {
       const int n0 = n_tile * BN_GU;
       __nv_bfloat16* dst = p.inter + static_cast<int64_t>(block * BM + lr) * p.ld_inter + n0;
 #pragma unroll
@@ -215,22 +218,25 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
           *reinterpret_cast<__nv_bfloat162*>(dst + col) = __floats2bfloat162_rn(h0, h1);
         }
       }
-    } else if constexpr (MODE == GATE_UP_SAVE) {
+    }
+    if constexpr (MODE == GATE_UP_SAVE || MODE == GATE_UP_AND_SAVE) {
       const int dst_row = p.dst_rows[block * BM + lr];
-      if (dst_row < 0 || dst_row >= p.dst_limit) continue;
-      const int n0 = n_tile * BN_GU;
-      __nv_bfloat16* dst = p.inter + static_cast<int64_t>(dst_row) * p.ld_inter + n0;
+      if (dst_row >= 0 && dst_row < p.dst_limit) {
+        const int n0 = n_tile * BN_GU;
+        __nv_bfloat16* dst = p.saved + static_cast<int64_t>(dst_row) * p.ld_saved + n0;
 #pragma unroll
-      for (int j = 0; j < BN_GU / 8; ++j) {
-        const int col = 8 * j + 2 * quad;
-        if (n0 + col < p.n_total) {  // gate columns, then the up columns hidden (n_total) further
-          *reinterpret_cast<__nv_bfloat162*>(dst + col) =
-              __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-          *reinterpret_cast<__nv_bfloat162*>(dst + p.n_total + col) =
-              __floats2bfloat162_rn(acc[4 * (j + BN_GU / 8) + 2 * h], acc[4 * (j + BN_GU / 8) + 2 * h + 1]);
+        for (int j = 0; j < BN_GU / 8; ++j) {
+          const int col = 8 * j + 2 * quad;
+          if (n0 + col < p.n_total) {  // gate columns, then the up columns hidden (n_total) further
+            *reinterpret_cast<__nv_bfloat162*>(dst + col) =
+                __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            *reinterpret_cast<__nv_bfloat162*>(dst + p.n_total + col) =
+                __floats2bfloat162_rn(acc[4 * (j + BN_GU / 8) + 2 * h], acc[4 * (j + BN_GU / 8) + 2 * h + 1]);
+          }
         }
       }
-    } else {
+    }
+    if constexpr (!kGateUp) {
       const int slot = slot_of[lr];
       if (slot < 0) continue;
       store_down_row<BN_DOWN, MODE == DOWN_ATOMIC>(p, acc, h, quad, slot, n_tile * BN_DOWN);
@@ -304,9 +310,23 @@ int gate_up_tiles(const MoeShape& s) { return static_cast<int>((s.hidden + sm90:
 
 // Runs gate/up + down; mode DOWN_ATOMIC writes acc32 [M, dim] (zeroed here), DOWN_SLOTS yslots [M * top_k, dim]
 // (zeroed here).
+// The pre-activations g | u of the routed slots, [M * top_k, 2 hidden] in moe_align's order (what moe_gate_up
+// returns): p.saved points at the returned tensor; `rows` holds each padded row's compact row (-1 for padding).
+at::Tensor saved_gate_up(sm90::Params& p, const at::Tensor& sorted, const MoeShape& s, at::Tensor& rows) {
+  auto saved = at::zeros({s.M * s.top_k, 2 * s.hidden}, sorted.options().dtype(at::kBFloat16));
+  const auto routed = sorted.ge(0);
+  rows = (routed.cumsum(0, at::kInt) - 1).masked_fill_(routed.logical_not(), -1);
+  p.saved = reinterpret_cast<__nv_bfloat16*>(saved.mutable_data_ptr());
+  p.ld_saved = 2 * s.hidden;
+  p.dst_rows = rows.const_data_ptr<int>();
+  p.dst_limit = static_cast<int>(s.M * s.top_k);
+  return saved;
+}
+
+// Both GEMMs of the forward; with `gate_up` non-null the gate/up kernel also keeps g | u there for the backward.
 void run(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& w2_in,
          const at::Tensor& sorted, const at::Tensor& eids, const at::Tensor& ntpp, const at::Tensor& topk_weights,
-         const MoeShape& s, int mode, at::Tensor& result) {
+         const MoeShape& s, int mode, at::Tensor& result, at::Tensor* gate_up = nullptr) {
   std::vector<at::Tensor> keep;
   sm90::Params p = gate_up_params(op, x, gate, up, sorted, eids, ntpp, s, keep);
   const auto w2 = w2_in.contiguous();
@@ -317,13 +337,19 @@ void run(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::
   } else {
     result = at::zeros({s.M * s.top_k, s.dim}, x.options());
   }
+  at::Tensor compact_rows;
+  if (gate_up != nullptr) *gate_up = saved_gate_up(p, keep[3], s, compact_rows);
   if (s.blocks == 0 || s.M == 0) return;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   // gate/up + SwiGLU
   auto inter = at::empty({s.blocks * sm90::BM, s.hidden}, x.options());
   p.inter = reinterpret_cast<__nv_bfloat16*>(inter.mutable_data_ptr());
   p.ld_inter = s.hidden;
-  sm90::launch<sm90::GATE_UP>(p, gate_up_tiles(s), s.blocks, stream);
+  if (gate_up != nullptr) {
+    sm90::launch<sm90::GATE_UP_AND_SAVE>(p, gate_up_tiles(s), s.blocks, stream);
+  } else {
+    sm90::launch<sm90::GATE_UP>(p, gate_up_tiles(s), s.blocks, stream);
+  }
   // down + combine
   p.a = reinterpret_cast<const __nv_bfloat16*>(inter.const_data_ptr());
   p.lda = s.hidden;
@@ -352,15 +378,9 @@ at::Tensor moe_gate_up_cuda(const at::Tensor& x, const at::Tensor& w1, const at:
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<at::Tensor> keep;
   sm90::Params p = gate_up_params(op, x, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, s, keep);
-  auto result = at::zeros({s.M * s.top_k, 2 * s.hidden}, x.options());
+  at::Tensor compact_rows;
+  auto result = saved_gate_up(p, keep[3], s, compact_rows);
   if (s.blocks == 0 || s.M == 0) return result;
-  // the compact row of each padded position: its rank among the non-padding entries
-  const auto routed = keep[3].ge(0);
-  const auto dst_rows = (routed.cumsum(0, at::kInt) - 1).masked_fill_(routed.logical_not(), -1);
-  p.inter = reinterpret_cast<__nv_bfloat16*>(result.mutable_data_ptr());
-  p.ld_inter = 2 * s.hidden;
-  p.dst_rows = dst_rows.const_data_ptr<int>();
-  p.dst_limit = static_cast<int>(s.M * s.top_k);
   sm90::launch<sm90::GATE_UP_SAVE>(p, gate_up_tiles(s), s.blocks, c10::cuda::getCurrentCUDAStream());
   return result;
 }
@@ -382,18 +402,20 @@ void fused_moe_bf16_cuda(const at::Tensor& x, const at::Tensor& w, const at::Ten
   out.copy_(acc32);
 }
 
-at::Tensor moe_forward_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2,
-                            const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
-                            const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, int64_t top_k,
-                            int64_t block_m, bool deterministic) {
+std::tuple<at::Tensor, at::Tensor> moe_forward_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3,
+                                                    const at::Tensor& w2, const at::Tensor& sorted_token_ids,
+                                                    const at::Tensor& expert_ids,
+                                                    const at::Tensor& num_tokens_post_padded,
+                                                    const at::Tensor& topk_weights, int64_t top_k, int64_t block_m,
+                                                    bool deterministic, bool save_gate_up) {
   const char* op = "moe_forward";
   const MoeShape s = check_moe_args(op, x, w1, w3, &w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                     &topk_weights, top_k, block_m, "w1/w3");
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor result;
+  at::Tensor result, gate_up = at::empty({0, 2 * s.hidden}, x.options());
   run(op, x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, s,
-      deterministic ? sm90::DOWN_SLOTS : sm90::DOWN_ATOMIC, result);
-  return deterministic ? combine_in_k_order(result, topk_weights, s) : result.to(at::kBFloat16);
+      deterministic ? sm90::DOWN_SLOTS : sm90::DOWN_ATOMIC, result, save_gate_up ? &gate_up : nullptr);
+  return {deterministic ? combine_in_k_order(result, topk_weights, s) : result.to(at::kBFloat16), gate_up};
 }
 
 }  // namespace
