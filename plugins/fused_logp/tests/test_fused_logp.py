@@ -350,8 +350,11 @@ class TestCUDA:
         per_token = (torch.rand(128, device="cuda") * 1.5 + 0.25).float()
         check_against_float64(f"cuda {dtype} per-token T", logits, labels, per_token)
 
-    def test_matches_cpu_and_edge_cases(self):
-        n, v = 64, 1031
+    # v = 1031: rows of single vectors per thread; 40000: rows long enough for the forward's grouped path
+    # (VEC_UNROLL vectors per max test), whose -inf / NaN fallback is then exercised too.
+    @pytest.mark.parametrize("v", [1031, 40000])
+    def test_matches_cpu_and_edge_cases(self, v):
+        n = 64
         logits = make_logits(n, v, torch.bfloat16)
         labels = make_labels(n, v, dtype=torch.int32)
         logits[3, 5] = float("nan")
