@@ -39,9 +39,10 @@ def check_numerics(x, w1, w2, w3, ids, tw, label, expert_start=0, deterministic=
     base_leaves = [t.detach().clone().requires_grad_(grads) for t in (x, w1, w2, w3)]
     base_tw = tw.detach().clone().requires_grad_(grads)
     base = moe_per_expert(*base_leaves, ids, base_tw, expert_start)
-    ref_leaves = [t.detach().double().cpu().requires_grad_(grads) for t in (x, w1, w2, w3)]
-    ref_tw = tw.detach().double().cpu().requires_grad_(grads)
-    ref = moe_per_expert(*ref_leaves, ids.cpu(), ref_tw, expert_start)
+    # float64 on the inputs' device (on the GPU: the Qwen-like case's CPU reference took two minutes)
+    ref_leaves = [t.detach().double().requires_grad_(grads) for t in (x, w1, w2, w3)]
+    ref_tw = tw.detach().double().requires_grad_(grads)
+    ref = moe_per_expert(*ref_leaves, ids, ref_tw, expert_start)
     assert ours.dtype == torch.bfloat16 and ours.shape == x.shape
     assert_error_ratio(f"{label} forward", ours, base, ref, MAX_RATIO)
     if not grads:
@@ -49,7 +50,7 @@ def check_numerics(x, w1, w2, w3, ids, tw, label, expert_start=0, deterministic=
     go = torch.randn(x.shape, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     g_ours = torch.autograd.grad(ours, [*leaves, tws], go.to(x.device))
     g_base = torch.autograd.grad(base, [*base_leaves, base_tw], go.to(x.device))
-    g_ref = torch.autograd.grad(ref, [*ref_leaves, ref_tw], go.double())
+    g_ref = torch.autograd.grad(ref, [*ref_leaves, ref_tw], go.double().to(x.device))
     for name, a, b, r, t in zip(("x", "w1", "w2", "w3", "topk_weights"), g_ours, g_base, g_ref, (*leaves, tws)):
         assert a.dtype == t.dtype and a.shape == t.shape
         if r.norm() == 0:
@@ -557,8 +558,7 @@ def check_mx_numerics(x, w1, w2, w3, ids, tw, label, expert_start=0, determinist
     ours = ops.moe(x, w1, w2, w3, ids, tw, expert_start=expert_start, deterministic=deterministic, mxfp8=True)
     assert ours.dtype == torch.bfloat16 and ours.shape == x.shape
     base = mx_baseline(x, w1, w2, w3, ids, tw, expert_start)
-    ref = moe_per_expert(*(t.detach().double().cpu() for t in (x, w1, w2, w3)), ids.cpu(), tw.double().cpu(),
-                         expert_start)
+    ref = moe_per_expert(*(t.detach().double() for t in (x, w1, w2, w3)), ids, tw.double(), expert_start)
     return assert_error_ratio(f"{label} mxfp8 forward", ours, base, ref, MAX_RATIO)
 
 
