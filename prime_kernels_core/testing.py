@@ -21,16 +21,24 @@ def relative_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
 # few elements flips with the inputs' draw: parity, not a loss of accuracy. The smallest real loss measured in this
 # project was 1.2x (fused_logp's gradient corrected after rounding instead of before).
 RATIO_RESOLUTION = 1e-6
+# An output whose error is within ROUNDING_FLOOR_SLACK of the rounding floor (the exact result rounded once to the
+# output's dtype, which no implementation can beat) passes whatever the baseline's: fp32 per-token outputs of both
+# paths sit at that floor, and on 64 rows one last-bit difference moved the ratio to 1.00014x and 1.0045x (H200).
+# 1% stays below the smallest real loss (1.2x).
+ROUNDING_FLOOR_SLACK = 0.01
 
 
 def assert_error_ratio(label: str, actual, baseline, reference, max_ratio: float = 1.0) -> float:
-    """Assert ``actual``'s error against ``reference`` is at most ``max_ratio`` × ``baseline``'s (to RATIO_RESOLUTION);
-    print the margin."""
+    """Assert ``actual``'s error against ``reference`` is at most ``max_ratio`` × ``baseline``'s (to RATIO_RESOLUTION),
+    or within ROUNDING_FLOOR_SLACK of the error of ``reference`` rounded to ``actual``'s dtype; print the margin."""
     ours, theirs = relative_error(actual, reference), relative_error(baseline, reference)
+    floor = relative_error(reference.detach().to(actual.dtype), reference)
     ratio = ours / theirs if theirs > 0 else (0.0 if ours == 0 else float("inf"))
-    print(f"{label}: error {ours:.3e}, PyTorch path {theirs:.3e}, ratio {ratio:.3f} (limit {max_ratio})")
-    assert ratio <= max_ratio * (1 + RATIO_RESOLUTION), (
-        f"{label}: error {ours:.3e} is {ratio:.7f}x the PyTorch path's {theirs:.3e} (limit {max_ratio})")
+    print(f"{label}: error {ours:.3e}, PyTorch path {theirs:.3e}, ratio {ratio:.3f} (limit {max_ratio}); "
+          f"rounding floor {floor:.3e}")
+    assert ratio <= max_ratio * (1 + RATIO_RESOLUTION) or ours <= floor * (1 + ROUNDING_FLOOR_SLACK), (
+        f"{label}: error {ours:.3e} is {ratio:.7f}x the PyTorch path's {theirs:.3e} (limit {max_ratio}) and "
+        f"{ours / floor if floor > 0 else float('inf'):.4f}x the rounding floor {floor:.3e}")
     return ratio
 
 
