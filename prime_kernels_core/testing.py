@@ -23,9 +23,9 @@ def relative_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
 RATIO_RESOLUTION = 1e-6
 # An output whose error is within ROUNDING_FLOOR_SLACK of the rounding floor (the exact result rounded once to the
 # output's dtype, which no implementation can beat) passes whatever the baseline's: fp32 per-token outputs of both
-# paths sit at that floor, and on 64 rows one last-bit difference moved the ratio to 1.00014x and 1.0045x (H200).
-# 1% stays below the smallest real loss (1.2x).
-ROUNDING_FLOOR_SLACK = 0.01
+# paths sit at that floor, where one last-bit difference among 64 values moves the error by up to ~4% (H200: ratios
+# 1.00014x, 1.0045x, and 1.0066x against a baseline exactly at the floor). 5% stays below the smallest real loss (1.2x).
+ROUNDING_FLOOR_SLACK = 0.05
 
 
 def assert_error_ratio(label: str, actual, baseline, reference, max_ratio: float = 1.0) -> float:
