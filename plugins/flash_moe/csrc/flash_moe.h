@@ -210,6 +210,9 @@ inline at::Tensor combine_in_k_order(const at::Tensor& y, const at::Tensor& topk
   return acc.to(at::kBFloat16);
 }
 
+// The same combine on CUDA in one pass (csrc/cuda/combine.cu): y bf16 on the current device.
+at::Tensor combine_in_k_order_cuda(const at::Tensor& y, const at::Tensor& topk_weights, const MoeShape& s);
+
 inline void check_out(const char* op, const at::Tensor& out, const MoeShape& s, const at::Tensor& x) {
   TORCH_CHECK(out.scalar_type() == at::kBFloat16, op, ": out must be bfloat16, got ", out.scalar_type());
   TORCH_CHECK(out.dim() == 2 && out.size(0) == s.M && out.size(1) == s.dim, op, ": out must have shape (M, dim) = (",

@@ -9,30 +9,12 @@
 #include <torch/library.h>
 
 #include "../flash_moe.h"
+#include "bf16x8.cuh"
 
 namespace flash_moe {
 namespace {
 
 constexpr int kMaxThreads = 256;
-constexpr int kVec = 8;  // bf16 per 16-byte access
-
-__device__ __forceinline__ void unpack8(const uint4& v, float* f) {
-  const auto* b = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 t = __bfloat1622float2(b[i]);
-    f[2 * i] = t.x;
-    f[2 * i + 1] = t.y;
-  }
-}
-
-__device__ __forceinline__ uint4 pack8(const float* f) {
-  uint4 v;
-  auto* b = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) b[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-  return v;
-}
 
 __global__ void __launch_bounds__(kMaxThreads)
     swiglu_backward_kernel(const uint4* __restrict__ gate_up, const uint4* __restrict__ grad_h,
