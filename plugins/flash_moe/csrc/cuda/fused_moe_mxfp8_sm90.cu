@@ -125,7 +125,7 @@ template <int MODE>
 __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   int block, n_tile;
-  raster(p.n_tiles, p.blocks, block, n_tile);
+  raster(static_cast<int>(blockIdx.x), p.n_tiles, p.blocks, block, n_tile);
   if (block * BM >= __ldg(p.ntpp)) return;
   const int expert = __ldg(p.expert_ids + block);
   if (expert < 0 || expert >= p.num_experts) return;

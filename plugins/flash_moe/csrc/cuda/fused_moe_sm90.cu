@@ -113,11 +113,24 @@ template <int MODE>
 __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kGateUp = MODE == GATE_UP || MODE == GATE_UP_SAVE || MODE == GATE_UP_AND_SAVE;
+  const int ctas = p.blocks * p.n_tiles, cta = static_cast<int>(blockIdx.x);
+  if (cta >= ctas) return;  // rounds the grid up to whole clusters
   int block, n_tile;
-  raster(p.n_tiles, p.blocks, block, n_tile);
-  if (block * BM >= __ldg(p.ntpp)) return;  // past the routed blocks: the whole CTA leaves
+  raster(cta, p.n_tiles, p.blocks, block, n_tile);
+  const int ntpp = __ldg(p.ntpp);
+  if (block * BM >= ntpp) return;  // past the routed blocks: the whole CTA leaves
   const int expert = __ldg(p.expert_ids + block);
   if (expert < 0 || expert >= p.num_experts) return;
+  // The cluster's other CTA (cta ^ 1): when it runs the same expert's same column tile, each of the two loads half of
+  // the weight tile for both (TMA multicast), halving the weight traffic from L2 (where DeepSeek-V3's kernels were
+  // bound: 96% L2 throughput). Both CTAs reach the same decision; a CTA that left above never pairs.
+  const uint32_t rank = cluster_ctarank();
+  bool paired = false;
+  if ((cta ^ 1) < ctas) {
+    int peer_block, peer_tile;
+    raster(cta ^ 1, p.n_tiles, p.blocks, peer_block, peer_tile);
+    paired = peer_tile == n_tile && peer_block * BM < ntpp && __ldg(p.expert_ids + peer_block) == expert;
+  }
 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
@@ -129,7 +142,15 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   auto full_bar = [&](int s) { return bars + 8u * s; };
   auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
 
-  block_prologue<BM, STAGES, kGateUp, FULL_ARRIVALS>(p, block, a_row, slot_of, bars);
+  // paired: a stage is free once the consumers of both CTAs released it (the peer's TMA writes into it too)
+  block_prologue<BM, STAGES, kGateUp, FULL_ARRIVALS>(p, block, a_row, slot_of, bars, paired ? 16u : 8u);
+  if (paired) cluster_sync();  // both rings initialised before either CTA's copies or arrivals reach the other
+  // Releasing stage s of k tile j: this CTA's empty barrier, and the peer's while the peer will still wait on it (its
+  // producer waits for k tiles j < k_tiles - STAGES only; an arrival after the peer may have exited is not allowed).
+  auto release = [&](int s, int j) {
+    mbar_arrive(empty_bar(s));
+    if (paired && j < p.k_tiles - STAGES) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
+  };
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {  // ------------------------------- producer -------------------------------
@@ -143,12 +164,15 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       const uint32_t st = base + stage * STAGE_BYTES;
       const int kofs = kt * BK;
       if (threadIdx.x == 0) {  // the B tile: two TMA boxes (GATE_UP: gate rows, then the same up rows)
-        mbar_expect_tx(full_bar(stage), B_BYTES);
-        tma_load_2d(st + A_BYTES, &p.tm_b0, full_bar(stage), kofs, b_row);
-        if constexpr (kGateUp) {
-          tma_load_2d(st + A_BYTES + B_BYTES / 2, &p.tm_b1, full_bar(stage), kofs, b_row);
+        mbar_expect_tx(full_bar(stage), B_BYTES);  // paired: half from this CTA's copy, half from the peer's
+        const CUtensorMap* box1 = kGateUp ? &p.tm_b1 : &p.tm_b0;
+        const int row1 = kGateUp ? b_row : b_row + B_BOX_ROWS;
+        if (paired) {
+          tma_load_2d_multicast(st + A_BYTES + rank * (B_BYTES / 2), rank ? box1 : &p.tm_b0, full_bar(stage), kofs,
+                                rank ? row1 : b_row, 0x3);
         } else {
-          tma_load_2d(st + A_BYTES + B_BYTES / 2, &p.tm_b0, full_bar(stage), kofs, b_row + B_BOX_ROWS);
+          tma_load_2d(st + A_BYTES, &p.tm_b0, full_bar(stage), kofs, b_row);
+          tma_load_2d(st + A_BYTES + B_BYTES / 2, box1, full_bar(stage), kofs, row1);
         }
       }
 #pragma unroll
@@ -178,7 +202,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   if (__all_sync(0xffffffffu, slot_of[wg * 64 + lane] < 0 && slot_of[wg * 64 + 32 + lane] < 0)) {
     for (int kt = 0; kt < p.k_tiles; ++kt) {
       mbar_wait(full_bar(kt % STAGES), (kt / STAGES) & 1);
-      if (lane == 0) mbar_arrive(empty_bar(kt % STAGES));
+      if (lane == 0) release(kt % STAGES, kt);
     }
     return;  // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them
   }
@@ -196,7 +220,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     fence_acc(acc);
     wgmma_wait<1>();
     fence_acc(acc);
-    if (kt > 0 && lane == 0) mbar_arrive(empty_bar(prev));
+    if (kt > 0 && lane == 0) release(prev, kt - 1);
     prev = stage;
   }
   wgmma_wait<0>();
@@ -249,7 +273,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
 
 template <int MODE>
 void launch(const Params& p, int n_tiles, int64_t blocks, cudaStream_t stream) {
-  launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, SMEM_BYTES>(p, n_tiles, blocks, stream);
+  launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, SMEM_BYTES, 2>(p, n_tiles, blocks, stream);
 }
 
 }  // namespace sm90

@@ -24,35 +24,45 @@ constexpr int RASTER_BLOCKS = FLASH_MOE_RASTER_BLOCKS;
 // CTA blockIdx.x -> (aligned block, column tile) over a 1-D grid of blocks x n_tiles: groups of RASTER_BLOCKS
 // consecutive blocks, blocks fastest within a group, so the CTAs resident at one time share their A rows and their
 // experts' weight columns in L2 (with the column tile fastest, a large expert's weights stream from HBM once per block).
-__device__ __forceinline__ void raster(int n_tiles, int blocks, int& block, int& n_tile) {
+// `cta` < blocks * n_tiles (blockIdx.x, or a cluster peer's).
+__device__ __forceinline__ void raster(int cta, int n_tiles, int blocks, int& block, int& n_tile) {
   const int per_group = RASTER_BLOCKS * n_tiles;
-  const int group = static_cast<int>(blockIdx.x) / per_group;
+  const int group = cta / per_group;
   const int first = group * RASTER_BLOCKS;
   const int in_group = min(RASTER_BLOCKS, blocks - first);
-  const int r = static_cast<int>(blockIdx.x) - group * per_group;
+  const int r = cta - group * per_group;
   block = first + r % in_group;
   n_tile = r / in_group;
 }
 
-// One launch of blocks x n_tiles CTAs (the raster above decodes blockIdx.x).
-inline dim3 raster_grid(int n_tiles, int64_t blocks) {
-  const int64_t ctas = blocks * n_tiles;
-  TORCH_CHECK(ctas <= 0x7FFFFFFF, "flash_moe: ", blocks, " blocks x ", n_tiles, " column tiles exceed one launch");
-  return dim3(static_cast<unsigned>(ctas));
-}
-
-// One launch of a GEMM kernel over blocks x n_tiles CTAs; each kernel (each mode) gets its shared-memory size once.
-template <auto kKernel, int kThreads, int kSmemBytes, class Params>
+// One launch of a GEMM kernel over blocks x n_tiles CTAs (the raster above decodes blockIdx.x), in clusters of
+// kCluster consecutive CTAs (the grid rounded up to whole clusters: CTAs past blocks x n_tiles leave at once); each
+// kernel (each mode) gets its shared-memory size once.
+template <auto kKernel, int kThreads, int kSmemBytes, int kCluster = 1, class Params>
 void launch_rastered(Params p, int n_tiles, int64_t blocks, cudaStream_t stream) {
   static const bool configured = [] {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
     return true;
   }();
   (void)configured;
+  const int64_t ctas = blocks * n_tiles;
+  TORCH_CHECK(ctas + kCluster <= 0x7FFFFFFF, "flash_moe: ", blocks, " blocks x ", n_tiles,
+              " column tiles exceed one launch");
   p.n_tiles = n_tiles;
   p.blocks = static_cast<int>(blocks);
-  kKernel<<<raster_grid(n_tiles, blocks), kThreads, kSmemBytes, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>((ctas + kCluster - 1) / kCluster * kCluster));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = kCluster;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = kCluster > 1 ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kKernel, p));
 }
 
 // The kernels are sm_90a code: a clear error on any other device instead of a launch failure.
@@ -70,11 +80,12 @@ __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + 
 // The block's routing rows into shared memory (threads < BM): slot_of[r] = sorted_token_ids[block * BM + r] and
 // a_row[r] = the element offset of A's row r: x's row slot / top_k for the gate/up GEMMs (-1 for padding), the
 // intermediate's row block * BM + r for the down GEMMs. Thread 0 initialises the stage ring: "full" completes on
-// FULL_ARRIVALS arrivals (the 128 producer threads, plus thread 0's expect_tx where B comes by TMA), "empty" on lane 0
-// of each of the 8 consumer warps. Ends with __syncthreads().
+// FULL_ARRIVALS arrivals (the 128 producer threads, plus thread 0's expect_tx where B comes by TMA), "empty" on
+// empty_arrivals (lane 0 of each of the 8 consumer warps; 16 where a cluster peer's consumers also release the stage,
+// its weight tile being multicast into both). Ends with __syncthreads().
 template <int BM, int STAGES, bool kGatherX, int FULL_ARRIVALS, class Params>
 __device__ __forceinline__ void block_prologue(const Params& p, int block, int64_t* a_row, int* slot_of,
-                                               uint32_t bars) {
+                                               uint32_t bars, uint32_t empty_arrivals = 8) {
   if (threadIdx.x < BM) {
     const int row = block * BM + threadIdx.x;
     const int slot = p.sorted[row];
@@ -88,7 +99,7 @@ __device__ __forceinline__ void block_prologue(const Params& p, int block, int64
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(bars + 8u * s, FULL_ARRIVALS);
-      mbar_init(bars + 8u * (STAGES + s), 8);
+      mbar_init(bars + 8u * (STAGES + s), empty_arrivals);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
