@@ -155,13 +155,29 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
 
   // Grouped rasterisation: consecutive CTAs take `group` token tiles x all splits, so the CTAs resident together
   // share a few hidden tiles (re-read from L2 for every vocab tile) and stream the same weight tiles.
+  const int ctas = p.token_tiles * p.splits;
   const int b = blockIdx.x;
+  if (b >= ctas) return;  // rounds the grid up to whole clusters
   const int group_size = p.group * p.splits;
-  const int first = (b / group_size) * p.group;
-  const int r = b % group_size;
-  const int gcur = min(p.group, p.token_tiles - first);
-  const int tok_tile = first + r % gcur;
-  const int split = r / gcur;
+  auto tile_of = [&](int cta, int& tok, int& spl) {
+    const int first = (cta / group_size) * p.group;
+    const int r = cta % group_size;
+    const int gcur = min(p.group, p.token_tiles - first);
+    tok = first + r % gcur;
+    spl = r / gcur;
+  };
+  int tok_tile, split;
+  tile_of(b, tok_tile, split);
+  // Clusters of 2 CTAs: two token tiles of one split stream the same weight tiles in the same order, so each loads
+  // one half of every weight tile for both (TMA multicast), halving the weight traffic from L2. Both reach the same
+  // decision (a split boundary inside the pair, or the odd last CTA: each loads its own).
+  const uint32_t rank = cluster_ctarank();
+  bool paired = false;
+  if ((b ^ 1) < ctas) {
+    int peer_tok, peer_split;
+    tile_of(b ^ 1, peer_tok, peer_split);
+    paired = peer_split == split;
+  }
   const int vt0 = p.vt_begin + split * p.tiles_per_split;
   const int vt1 = min(vt0 + p.tiles_per_split, p.vt_end);
   const int row_tile = p.row0 + tok_tile * BN;
@@ -170,13 +186,22 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full_bar(s), 1);
-      mbar_init(empty_bar(s), 8);  // lane 0 of each of the 8 consumer warps
+      // lane 0 of each of the 8 consumer warps; paired, the peer's 8 too (its copies write into this stage as well)
+      mbar_init(empty_bar(s), paired ? 16 : 8);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tm_h)) : "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tm_w)) : "memory");
   }
   __syncthreads();
+  if (paired) cluster_sync();  // both rings initialised before either CTA's copies or arrivals reach the other
+  // Pipeline steps (vocab tile, k tile) in order; the producer waits for the release of step i - STAGES only, so a
+  // release of the last STAGES steps is not sent to the peer (which may have exited by then).
+  const int steps = (vt1 - vt0) * p.k_tiles;
+  auto release = [&](int s, int step) {
+    mbar_arrive(empty_bar(s));
+    if (paired && step < steps - STAGES) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
+  };
 
   if (warpgroup == 0) {  // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
@@ -186,10 +211,16 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
       for (int vt = vt0; vt < vt1; ++vt) {
         for (int k = 0; k < p.k_tiles; ++k) {
           mbar_wait(empty_bar(stage), phase ^ 1u);
-          mbar_expect_tx(full_bar(stage), STAGE_BYTES);
+          mbar_expect_tx(full_bar(stage), STAGE_BYTES);  // paired: half the weight tile comes from the peer's copy
           const uint32_t a = base + stage * STAGE_BYTES;
           tma_load_2d(a, &tm_h, full_bar(stage), k * BK, row_tile);
-          tma_load_2d(a + A_BYTES, &tm_w, full_bar(stage), k * BK, vt * BV);
+          if (paired) {
+            tma_load_2d_multicast(a + A_BYTES + rank * (B_BYTES / 2), &tm_w, full_bar(stage), k * BK,
+                                  vt * BV + rank * (BV / 2), 0x3);
+          } else {
+            tma_load_2d(a + A_BYTES, &tm_w, full_bar(stage), k * BK, vt * BV);
+            tma_load_2d(a + A_BYTES + B_BYTES / 2, &tm_w, full_bar(stage), k * BK, vt * BV + BV / 2);
+          }
           if (++stage == STAGES) {
             stage = 0;
             phase ^= 1u;
@@ -243,6 +274,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
   const uint32_t a_off = (warpgroup - 1) * 64 * BK * 2;
   for (int vt = vt0; vt < vt1; ++vt) {
     int prev = 0;
+    const int step0 = (vt - vt0) * p.k_tiles;
     for (int k = 0; k < p.k_tiles; ++k) {
       mbar_wait(full_bar(stage), phase);
       const uint32_t st = base + stage * STAGE_BYTES;
@@ -255,7 +287,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
       fence_regs<128>(acc);
       wgmma_wait<1>();
       fence_regs<128>(acc);
-      if (k > 0 && lane == 0) mbar_arrive(empty_bar(prev));
+      if (k > 0 && lane == 0) release(prev, step0 + k - 1);
       prev = stage;
       if (++stage == STAGES) {
         stage = 0;
@@ -264,7 +296,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
     }
     wgmma_wait<0>();
     fence_regs<128>(acc);
-    if (lane == 0) mbar_arrive(empty_bar(prev));
+    if (lane == 0) release(prev, step0 + p.k_tiles - 1);
 
     // ---------------- epilogue on the 64 x 256 fp32 tile of this warpgroup ----------------
     const int v0 = vt * BV;
@@ -403,9 +435,21 @@ void launch(const CUtensorMap& tm_h, const CUtensorMap& tm_w, const Params& p, c
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES) == cudaSuccess;
   TORCH_CHECK(configured, "linear_logp: cannot reserve ", SMEM_BYTES, " bytes of shared memory for the ",
               kBackward ? "backward" : "forward", " kernel");
-  const int64_t grid = static_cast<int64_t>(p.token_tiles) * p.splits;
-  kernel<<<static_cast<unsigned>(grid), NUM_THREADS, SMEM_BYTES, stream>>>(tm_h, tm_w, p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // clusters of 2 consecutive CTAs (the kernel pairs them); the grid rounded up to whole clusters
+  const int64_t grid = (static_cast<int64_t>(p.token_tiles) * p.splits + 1) / 2 * 2;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(grid));
+  config.blockDim = dim3(NUM_THREADS);
+  config.dynamicSmemBytes = SMEM_BYTES;
+  config.stream = stream;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 2;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, tm_h, tm_w, p));
 }
 
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }

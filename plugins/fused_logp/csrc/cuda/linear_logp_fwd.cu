@@ -74,7 +74,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_cuda(
   CUtensorMap tm_h, tm_w;
   TORCH_CHECK(make_tmap(&tm_h, hidden.data_ptr(), bf16, N, H, hidden.stride(0), BN) == 0,
               "linear_logp: cuTensorMapEncodeTiled failed for hidden");
-  TORCH_CHECK(make_tmap(&tm_w, weight.data_ptr(), bf16, V, H, weight.stride(0), BV) == 0,
+  // weight boxes of half a vocab tile: a pair of CTAs loads one half each for both (linear_logp.cuh)
+  TORCH_CHECK(make_tmap(&tm_w, weight.data_ptr(), bf16, V, H, weight.stride(0), BV / 2) == 0,
               "linear_logp: cuTensorMapEncodeTiled failed for weight");
 
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
