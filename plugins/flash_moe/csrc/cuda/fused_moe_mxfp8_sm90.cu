@@ -1,9 +1,9 @@
 // flash_moe mxfp8 on CUDA sm_90a: quantize_mxfp8 (one thread per scale block) and the fused expert GEMMs on e4m3
 // operands with e8m0 block scales (see docs/notes/flash_moe.md, "mxfp8").
 //
-// Hopper has no block-scaled tensor-core instruction, so the scales are applied outside the tensor core: every
-// wgmma.m64n128k32 e4m3 x e4m3 -> fp32 covers exactly one 32-wide scale block of K, runs into a temporary
-// accumulator (scale-d = 0), and is promoted into the fp32 accumulator with both scales:
+// Hopper has no block-scaled tensor-core instruction, so the scales are applied outside the tensor core: per 32-wide
+// scale block of K, two wgmma.m64n64k32 e4m3 x e4m3 -> fp32 (columns 0-63, 64-127) run into temporaries (scale-d = 0)
+// and are promoted into the fp32 accumulator with both scales, the first while the second computes:
 //   acc[r][c] = fma(tmp[r][c] * sw[c][kb], sx[r][kb], acc[r][c])       (both factors powers of two: exact products)
 // CTA = one aligned block (BLOCK_M = 128 routed slots, one expert) x MXFP8_BLOCK_N = 128 columns, 384 threads:
 //   warpgroup 0  producer: cp.async 16-byte copies of the e4m3 A rows (gathered through sorted_token_ids, as in the
@@ -12,8 +12,8 @@
 //                blocked weight-scale layout: the 4 bytes of row n at [e][kt][n]). When its copies have landed each
 //                producer thread decodes its 8 scale bytes to fp32 into the stage's scale tables (laid out for the
 //                consumers' accumulator fragments), fences the async proxy and arrives on the stage's full mbarrier.
-//   warpgroups 1-2  consumers, 64 rows each: per K step 4 x (wgmma k32 into tmp, wait, promote); the stage is
-//                released on its empty mbarrier once its last wgmma has completed.
+//   warpgroups 1-2  consumers, 64 rows each: per K step 4 x (two wgmma k32 halves, promote each once done); the
+//                stage is released on its empty mbarrier once its last wgmma has completed.
 // Kernel 1 (gate/up): B = 64 gate rows + the matching 64 up rows; epilogue h = silu(g) * u in fp32, re-quantized to
 //   mxfp8 per 32 hidden columns (amax across the 4 lanes of a quad holding one row's 32 columns; mx::scale_byte, the
 //   rule quantize_mxfp8 uses) into the e4m3 intermediate [padded slots, hidden] and its row-major scales.
@@ -54,7 +54,7 @@ constexpr int BK = FLASH_MOE_MXFP8_ALIGN;  // e4m3 bytes per K step: one 128-byt
 constexpr int KB = BK / SB;                // scale blocks (wgmma k32 steps) per K step
 constexpr int STAGES = FLASH_MOE_MXFP8_STAGES;
 static_assert(BM == 128, "BLOCK_M must be 128 (two consumer warpgroups of wgmma m64)");
-static_assert(BN == 128, "MXFP8_BLOCK_N must be 128 (wgmma m64n128k32)");
+static_assert(BN == 128, "MXFP8_BLOCK_N must be 128 (two wgmma m64n64k32 halves)");
 static_assert(SB == 32 && BK == 128, "mxfp8 kernels: scale block 32 (= wgmma k32 of e4m3) and MXFP8_ALIGN 128");
 static_assert(STAGES >= 3 && STAGES <= 5, "MXFP8_STAGES must be 3..5 (shared memory)");
 
@@ -99,11 +99,12 @@ struct Params {
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float* d, uint64_t da, uint64_t db) {
+// Half of the 128 columns: the consumers issue both halves, then promote the first while the second computes.
+__device__ __forceinline__ void wgmma_m64n64k32_e4m3(float* d, uint64_t da, uint64_t db) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(da), "l"(db), "n"(0));  // scale-d = 0: tmp = A B (the promotion accumulates)
 }
 __device__ __forceinline__ float decode_scale(uint32_t byte) { return __uint_as_float(mx::scale_bits(byte)); }
@@ -226,40 +227,58 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const Params 
   const int ctid = threadIdx.x - 128 * warpgroup;
   const int warp = ctid / 32, lane = ctid % 32, quad = lane & 3;
   const int row0 = wg * 64 + warp * 16 + (lane >> 2);  // the thread's rows: row0 and row0 + 8
-  float acc[64], tmp[64];
+  float acc[64], tmp_lo[32], tmp_hi[32];  // tmp_lo: columns 0-63 (groups 0-7), tmp_hi: 64-127 (groups 8-15)
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.f;
   const uint32_t a_off = wg * 64 * BK;
+  // acc[4 g + e] += tmp[4 (g - g0) + e] * sw * s (rows row0 for e = 0, 1, 4, 5 and row0 + 8 for 2, 3, 6, 7 of each
+  // group pair), sw[q] holding the column scales of groups g0 + 2 q and g0 + 2 q + 1.
+  auto promote = [&](const float* tmp, int g0, const float4 (&sw)[4], float s0, float s1) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int g = g0 + 2 * q, t = 8 * q;
+      acc[4 * g + 0] = fmaf(tmp[t + 0], sw[q].x * s0, acc[4 * g + 0]);
+      acc[4 * g + 1] = fmaf(tmp[t + 1], sw[q].y * s0, acc[4 * g + 1]);
+      acc[4 * g + 2] = fmaf(tmp[t + 2], sw[q].x * s1, acc[4 * g + 2]);
+      acc[4 * g + 3] = fmaf(tmp[t + 3], sw[q].y * s1, acc[4 * g + 3]);
+      acc[4 * g + 4] = fmaf(tmp[t + 4], sw[q].z * s0, acc[4 * g + 4]);
+      acc[4 * g + 5] = fmaf(tmp[t + 5], sw[q].w * s0, acc[4 * g + 5]);
+      acc[4 * g + 6] = fmaf(tmp[t + 6], sw[q].z * s1, acc[4 * g + 6]);
+      acc[4 * g + 7] = fmaf(tmp[t + 7], sw[q].w * s1, acc[4 * g + 7]);
+    }
+  };
   int stage = 0;
   uint32_t phase = 0;
   for (int kt = 0; kt < p.k_tiles; ++kt) {
     mbar_wait(full_bar(stage), phase);
     const uint32_t st = base + stage * STAGE_BYTES;
-    const uint64_t da = smem_desc(st + a_off), db = smem_desc(st + A_BYTES);
+    const uint64_t da = smem_desc(st + a_off), db_lo = smem_desc(st + A_BYTES);
+    const uint64_t db_hi = smem_desc(st + A_BYTES + 64 * BK);  // B rows 64-127 (1024-byte aligned)
     const uint32_t fa = st + A_BYTES + B_BYTES + 4 * KB * row0;              // x scales of the thread's rows
     const uint32_t fb = st + A_BYTES + B_BYTES + FA_BYTES + 4 * (quad * 32);  // w scales of its columns
 #pragma unroll
     for (int j = 0; j < KB; ++j) {
-      fence_regs<64>(tmp);
+      fence_regs<32>(tmp_lo);
+      fence_regs<32>(tmp_hi);
       wgmma_fence();
-      wgmma_m64n128k32_e4m3(tmp, da + 2 * j, db + 2 * j);  // k32 = 32 bytes = 2 descriptor units
+      wgmma_m64n64k32_e4m3(tmp_lo, da + 2 * j, db_lo + 2 * j);  // k32 = 32 bytes = 2 descriptor units
       wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs<64>(tmp);
+      wgmma_m64n64k32_e4m3(tmp_hi, da + 2 * j, db_hi + 2 * j);
+      wgmma_commit();
+      // the scales load while the tensor cores run
       const float s0 = lds_f32(fa + 4 * j), s1 = lds_f32(fa + 4 * (8 * KB + j));  // rows row0 and row0 + 8
       const uint32_t fbj = fb + 4 * (j * 128);
+      float4 sw[4];
 #pragma unroll
-      for (int g = 0; g < 16; g += 2) {
-        const float4 sw = lds_f32x4(fbj + 4 * (2 * g));  // columns of groups g and g + 1
-        acc[4 * g + 0] = fmaf(tmp[4 * g + 0], sw.x * s0, acc[4 * g + 0]);
-        acc[4 * g + 1] = fmaf(tmp[4 * g + 1], sw.y * s0, acc[4 * g + 1]);
-        acc[4 * g + 2] = fmaf(tmp[4 * g + 2], sw.x * s1, acc[4 * g + 2]);
-        acc[4 * g + 3] = fmaf(tmp[4 * g + 3], sw.y * s1, acc[4 * g + 3]);
-        acc[4 * g + 4] = fmaf(tmp[4 * g + 4], sw.z * s0, acc[4 * g + 4]);
-        acc[4 * g + 5] = fmaf(tmp[4 * g + 5], sw.w * s0, acc[4 * g + 5]);
-        acc[4 * g + 6] = fmaf(tmp[4 * g + 6], sw.z * s1, acc[4 * g + 6]);
-        acc[4 * g + 7] = fmaf(tmp[4 * g + 7], sw.w * s1, acc[4 * g + 7]);
-      }
+      for (int q = 0; q < 4; ++q) sw[q] = lds_f32x4(fbj + 4 * (4 * q));  // groups 2q, 2q + 1
+      wgmma_wait<1>();
+      fence_regs<32>(tmp_lo);
+      promote(tmp_lo, 0, sw, s0, s1);  // while the second half computes
+#pragma unroll
+      for (int q = 0; q < 4; ++q) sw[q] = lds_f32x4(fbj + 4 * (16 + 4 * q));  // groups 8 + 2q, 9 + 2q
+      wgmma_wait<0>();
+      fence_regs<32>(tmp_hi);
+      promote(tmp_hi, 8, sw, s0, s1);
     }
     if (lane == 0) mbar_arrive(empty_bar(stage));  // all wgmmas of the stage completed; scales are in registers
     if (++stage == STAGES) {
