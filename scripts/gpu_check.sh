@@ -55,22 +55,24 @@ if phase test; then
       record test "$suite" "exit $code; $(tail -n 1 "$out/gpu-tests-$name.log")"
       grep -E '^(FAILED|ERROR)' "$out/gpu-tests-$name.log" ) &
   done
-  wait
 fi
 
 if phase sanitize; then
+  # With more than one GPU the sanitizer runs take the last one, away from the test suites.
+  gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
+  sanitize_gpu=$(( gpus > 1 ? gpus - 1 : 0 ))
   for script in plugins/*/tests/sanitize_*.py examples/*/tests/sanitize_*.py; do
     [ -f "$script" ] || continue
     for tool in memcheck racecheck; do
       name="$(basename "$script" .py)-$tool"
-      ( timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 3 "$py" "$script" > "$out/$name.log" 2>&1
+      ( CUDA_VISIBLE_DEVICES=$sanitize_gpu timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 3 "$py" "$script" > "$out/$name.log" 2>&1
         code=$?
         record sanitize "$name" "exit $code; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$name.log" | tail -n 1)"
       ) &
     done
   done
-  wait
 fi
+wait
 
 if phase bench; then
   for bench in bench/bench_*.py; do
