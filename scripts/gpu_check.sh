@@ -4,7 +4,7 @@
 # One device call runs at most 10 minutes: run "build test sanitize" in one call and "bench" in the next (the machine
 # keeps what the first installed while it stays warm, 30 s after a call).
 # Installs the core and every plugin from the working tree (no build isolation, no index), runs the gpu-marked tests,
-# compute-sanitizer memcheck + racecheck on each plugin's small-shape script, the benchmarks (with peers from .peers/
+# compute-sanitizer memcheck, racecheck and synccheck on each plugin's small-shape script, the benchmarks (with peers from .peers/
 # when present), and prints a short table last. JSON and logs go to OUT_DIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,7 +63,7 @@ if phase sanitize; then
   sanitize_gpu=$(( gpus > 1 ? gpus - 1 : 0 ))
   for script in plugins/*/tests/sanitize_*.py examples/*/tests/sanitize_*.py; do
     [ -f "$script" ] || continue
-    for tool in memcheck racecheck; do
+    for tool in memcheck racecheck synccheck; do
       name="$(basename "$script" .py)-$tool"
       ( CUDA_VISIBLE_DEVICES=$sanitize_gpu timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 3 "$py" "$script" > "$out/$name.log" 2>&1
         code=$?
