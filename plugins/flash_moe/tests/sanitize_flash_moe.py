@@ -11,8 +11,9 @@ import prime_kernels
 
 ops = prime_kernels.load("flash_moe")
 g = torch.Generator().manual_seed(0)
-# (tokens, dim, hidden, experts, top_k): a partial column tile in both kernels (hidden 192, dim 320), M = 1, idle experts
-for T, dim, hidden, E, k in [(1, 64, 64, 2, 1), (37, 320, 192, 5, 2), (130, 256, 128, 8, 3)]:
+# (tokens, dim, hidden, experts, top_k): a partial column tile in both kernels (hidden 192, dim 320), M = 1, idle experts;
+# several blocks per expert (pairs of CTAs) with more K tiles than ring stages in both kernels
+for T, dim, hidden, E, k in [(1, 64, 64, 2, 1), (37, 320, 192, 5, 2), (130, 256, 128, 8, 3), (600, 1024, 640, 2, 1)]:
     x = torch.randn(T, dim, generator=g).to(torch.bfloat16)
     w1 = (torch.randn(E, hidden, dim, generator=g) / dim**0.5).to(torch.bfloat16)
     w3 = (torch.randn(E, hidden, dim, generator=g) / dim**0.5).to(torch.bfloat16)
