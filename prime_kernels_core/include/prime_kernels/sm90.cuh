@@ -1,11 +1,13 @@
 // sm_90a building blocks for plugin kernels: shared-memory addresses, mbarriers, TMA and cp.async copies, proxy
-// fences, wgmma fences/groups, the K-major 128-byte-swizzle descriptor and m64n256k16 wgmma wrappers. The build kit
-// puts this folder on every plugin's include path: #include <prime_kernels/sm90.cuh>.
+// fences, thread-block cluster helpers (and their host launch), wgmma fences/groups, the K-major 128-byte-swizzle
+// descriptor and m64n256k16 wgmma wrappers. The build kit puts this folder on every plugin's include path:
+// #include <prime_kernels/sm90.cuh>.
 // Definitions exist in the host pass (so kernel bodies parse) and in sm_90a device passes; code for other archs must
 // not call them.
 #pragma once
 
 #include <cuda.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
@@ -128,6 +130,26 @@ __device__ __forceinline__ void wgmma_m64n256k16_f16(float* d, uint64_t da, uint
       : "l"(da), "l"(db), "r"(scale_d));
 }
 #endif
+
+// Host: one launch of `kernel` over `grid` CTAs in clusters of `cluster_x` consecutive CTAs (grid a multiple of it;
+// 1: no cluster attribute). Returns the launch's error code for the caller's check (C10_CUDA_CHECK in a plugin).
+template <class... KernelParams, class... Args>
+inline cudaError_t launch_in_clusters(void (*kernel)(KernelParams...), unsigned grid, unsigned threads,
+                                      unsigned smem_bytes, cudaStream_t stream, unsigned cluster_x, Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = cluster_x;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = cluster_x > 1 ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, static_cast<Args&&>(args)...);
+}
 
 }  // namespace sm90
 }  // namespace prime_kernels

@@ -50,19 +50,9 @@ void launch_rastered(Params p, int n_tiles, int64_t blocks, cudaStream_t stream)
               " column tiles exceed one launch");
   p.n_tiles = n_tiles;
   p.blocks = static_cast<int>(blocks);
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>((ctas + kCluster - 1) / kCluster * kCluster));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kSmemBytes;
-  config.stream = stream;
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = kCluster;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
-  config.numAttrs = kCluster > 1 ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kKernel, p));
+  C10_CUDA_CHECK(prime_kernels::sm90::launch_in_clusters(
+      kKernel, static_cast<unsigned>((ctas + kCluster - 1) / kCluster * kCluster), kThreads, kSmemBytes, stream,
+      kCluster, p));
 }
 
 // The kernels are sm_90a code: a clear error on any other device instead of a launch failure.

@@ -437,19 +437,8 @@ void launch(const CUtensorMap& tm_h, const CUtensorMap& tm_w, const Params& p, c
               kBackward ? "backward" : "forward", " kernel");
   // clusters of 2 consecutive CTAs (the kernel pairs them); the grid rounded up to whole clusters
   const int64_t grid = (static_cast<int64_t>(p.token_tiles) * p.splits + 1) / 2 * 2;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(grid));
-  config.blockDim = dim3(NUM_THREADS);
-  config.dynamicSmemBytes = SMEM_BYTES;
-  config.stream = stream;
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = 2;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, tm_h, tm_w, p));
+  C10_CUDA_CHECK(launch_in_clusters(kernel, static_cast<unsigned>(grid), NUM_THREADS, SMEM_BYTES, stream, 2, tm_h, tm_w,
+                                    p));
 }
 
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
