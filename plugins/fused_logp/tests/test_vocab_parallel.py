@@ -93,9 +93,11 @@ def build_cases(world: int, seed: int) -> list[dict]:
     add("linear fp16 no entropy explicit vocab_start", "linear", 16, torch.float16, sizes, T=0.9, entropy=False,
         h=32, explicit=True)
     # fp32 (CPU only): the PyTorch path is an fp32 matmul, as accurate as the op, whose fp32 stats then dominate the
-    # error: the single-rank op sits at 0.6-0.9x of it and recombining R fp32 lse's (then rounding again to fp32 for
-    # the backward op) adds 1.0-1.9x: measured up to 1.75x the PyTorch path over 80 runs (R = 2, 3). Limit 3.0.
-    add("linear fp32 T=1.1", "linear", 16, torch.float32, sizes, T=1.1, h=32, max_ratio=3.0)
+    # error: recombining R fp32 (lse, sum_pz) and rounding again for the backward op shifts every p of a token by one
+    # coherent error, which in a 16-row gradient one token can dominate (a draw reached 3.47x the PyTorch path's
+    # grad_weight error, seed 1574422387). On 64 rows: at most 1.07x over 36 seeds x R = 1, 2, 3 x logp, entropy and
+    # both gradients. The 1.5x rule.
+    add("linear fp32 T=1.1", "linear", 64, torch.float32, sizes, T=1.1, h=32, max_ratio=1.5)
     if world == 3:
         add("logits bf16 V=151936", "logits", 6, torch.bfloat16, BIG_LAYOUT, T=1.0)
         add("linear bf16 V=151936", "linear", 4, torch.bfloat16, BIG_LAYOUT, T=0.8, h=32, bias=True)
