@@ -18,7 +18,7 @@ import argparse
 import json
 
 import torch
-from common import do_bench, free, matmul_ceiling
+from common import CEILING_WARMUP_MS, do_bench, free, matmul_ceiling
 
 # (name, T, E, top_k, dim, hidden)
 SHAPES = [
@@ -40,7 +40,7 @@ def fp8_ceiling() -> float:
     a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
     b = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
     one = torch.ones((), device="cuda")
-    ms = do_bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), warmup=10, rep=100)
+    ms = do_bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), warmup=CEILING_WARMUP_MS, rep=200)
     del a, b
     free()
     return 2 * 8192**3 / (ms * 1e-3)
