@@ -131,6 +131,11 @@ __device__ __forceinline__ void wgmma_m64n256k16_f16(float* d, uint64_t da, uint
 }
 #endif
 
+// CTA pairs: clusters of two consecutive CTAs, c and c ^ 1 (the cluster size for launch_in_clusters) and the TMA
+// multicast mask naming both.
+constexpr int kPairCtas = 2;
+constexpr uint16_t kPairMask = (1u << kPairCtas) - 1;
+
 // Host: one launch of `kernel` over `grid` CTAs in clusters of `cluster_x` consecutive CTAs (grid a multiple of it;
 // 1: no cluster attribute). Returns the launch's error code for the caller's check (C10_CUDA_CHECK in a plugin).
 template <class... KernelParams, class... Args>

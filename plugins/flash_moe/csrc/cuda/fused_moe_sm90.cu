@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         const int row1 = kGateUp ? b_row : b_row + B_BOX_ROWS;
         if (paired) {
           tma_load_2d_multicast(st + A_BYTES + rank * (B_BYTES / 2), rank ? box1 : &p.tm_b0, full_bar(stage), kofs,
-                                rank ? row1 : b_row, 0x3);
+                                rank ? row1 : b_row, kPairMask);
         } else {
           tma_load_2d(st + A_BYTES, &p.tm_b0, full_bar(stage), kofs, b_row);
           tma_load_2d(st + A_BYTES + B_BYTES / 2, box1, full_bar(stage), kofs, row1);
@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
 
 template <int MODE>
 void launch(const Params& p, int n_tiles, int64_t blocks, cudaStream_t stream) {
-  launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, SMEM_BYTES, 2>(p, n_tiles, blocks, stream);
+  launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, SMEM_BYTES, kPairCtas>(p, n_tiles, blocks, stream);
 }
 
 }  // namespace sm90

@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
           tma_load_2d(a, &tm_h, full_bar(stage), k * BK, row_tile);
           if (paired) {
             tma_load_2d_multicast(a + A_BYTES + rank * (B_BYTES / 2), &tm_w, full_bar(stage), k * BK,
-                                  vt * BV + rank * (BV / 2), 0x3);
+                                  vt * BV + rank * (BV / 2), kPairMask);
           } else {
             tma_load_2d(a + A_BYTES, &tm_w, full_bar(stage), k * BK, vt * BV);
             tma_load_2d(a + A_BYTES + B_BYTES / 2, &tm_w, full_bar(stage), k * BK, vt * BV + BV / 2);
@@ -435,10 +435,10 @@ void launch(const CUtensorMap& tm_h, const CUtensorMap& tm_w, const Params& p, c
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES) == cudaSuccess;
   TORCH_CHECK(configured, "linear_logp: cannot reserve ", SMEM_BYTES, " bytes of shared memory for the ",
               kBackward ? "backward" : "forward", " kernel");
-  // clusters of 2 consecutive CTAs (the kernel pairs them); the grid rounded up to whole clusters
-  const int64_t grid = (static_cast<int64_t>(p.token_tiles) * p.splits + 1) / 2 * 2;
-  C10_CUDA_CHECK(launch_in_clusters(kernel, static_cast<unsigned>(grid), NUM_THREADS, SMEM_BYTES, stream, 2, tm_h, tm_w,
-                                    p));
+  // CTA pairs (the kernel pairs CTA b with b ^ 1); the grid rounded up to whole pairs
+  const int64_t grid = (static_cast<int64_t>(p.token_tiles) * p.splits + kPairCtas - 1) / kPairCtas * kPairCtas;
+  C10_CUDA_CHECK(launch_in_clusters(kernel, static_cast<unsigned>(grid), NUM_THREADS, SMEM_BYTES, stream, kPairCtas,
+                                    tm_h, tm_w, p));
 }
 
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
