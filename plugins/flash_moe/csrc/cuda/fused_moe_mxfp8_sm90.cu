@@ -62,10 +62,14 @@ constexpr int NUM_THREADS = 384;
 constexpr int A_BYTES = BM * BK;
 constexpr int B_BYTES = BN * BK;
 constexpr int FA_BYTES = BM * KB * 4;  // fp32 x scales [row][kb]
-constexpr int FB_BYTES = BN * KB * 4;  // fp32 w scales [kb][quad][group][pair]: a quad lane's 32 columns contiguous
+// fp32 w scales [kb][quad][group][pair]: a quad lane's 32 columns contiguous, each quad's run padded to FB_QUAD floats
+// so that the 4 quads of a warp, reading their runs at once (ld.shared.v4), hit 4 different bank groups (at 32 floats
+// apart all four fell in the same 4 banks: a 4-way conflict on every load).
+constexpr int FB_QUAD = BN / 4 + 4;
+constexpr int FB_BYTES = KB * 4 * FB_QUAD * 4;
 constexpr int RAW_BYTES = (BM + BN) * KB;  // e8m0 bytes as copied: A rows then B rows, 4 bytes each
-constexpr int STAGE_BYTES = A_BYTES + B_BYTES + FA_BYTES + FB_BYTES + RAW_BYTES;
-static_assert(STAGE_BYTES % 1024 == 0, "stages must keep the 1024-byte alignment of the 128B-swizzled tiles");
+// rounded up to keep the 1024-byte alignment of the 128B-swizzled tiles
+constexpr int STAGE_BYTES = (A_BYTES + B_BYTES + FA_BYTES + FB_BYTES + RAW_BYTES + 1023) / 1024 * 1024;
 constexpr int LOOKAHEAD = STAGES - 1;
 constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + BM * 8 + BM * 4 + 2 * STAGES * 8;
 
@@ -180,7 +184,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const Params 
       float* fb = fb_ptr(s);
       const int g = tid >> 3, q = (tid >> 1) & 3, pr = tid & 1;  // column tid = 8 g + 2 q + pr
 #pragma unroll
-      for (int j = 0; j < KB; ++j) fb[((j * 4 + q) * 16 + g) * 2 + pr] = decode_scale((rb >> (8 * j)) & 0xFF);
+      for (int j = 0; j < KB; ++j) fb[(j * 4 + q) * FB_QUAD + g * 2 + pr] = decode_scale((rb >> (8 * j)) & 0xFF);
     };
     for (int kt = 0; kt < p.k_tiles; ++kt) {
       const int stage = kt % STAGES;
@@ -237,7 +241,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const Params 
     const uint32_t st = base + stage * STAGE_BYTES;
     const uint64_t da = smem_desc(st + a_off), db = smem_desc(st + A_BYTES);
     const uint32_t fa = st + A_BYTES + B_BYTES + 4 * KB * row0;              // x scales of the thread's rows
-    const uint32_t fb = st + A_BYTES + B_BYTES + FA_BYTES + 4 * (quad * 32);  // w scales of its columns
+    const uint32_t fb = st + A_BYTES + B_BYTES + FA_BYTES + 4 * (quad * FB_QUAD);  // w scales of its columns
 #pragma unroll
     for (int j = 0; j < KB; ++j) {
       fence_regs<64>(tmp);
@@ -247,7 +251,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const Params 
       wgmma_wait<0>();
       fence_regs<64>(tmp);
       const float s0 = lds_f32(fa + 4 * j), s1 = lds_f32(fa + 4 * (8 * KB + j));  // rows row0 and row0 + 8
-      const uint32_t fbj = fb + 4 * (j * 128);
+      const uint32_t fbj = fb + 4 * (j * 4 * FB_QUAD);
 #pragma unroll
       for (int g = 0; g < 16; g += 2) {
         const float4 sw = lds_f32x4(fbj + 4 * (2 * g));  // columns of groups g and g + 1
