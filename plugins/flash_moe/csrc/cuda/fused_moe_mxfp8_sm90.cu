@@ -7,9 +7,10 @@
 //   acc[r][c] = fma(tmp[r][c] * sw[c][kb], sx[r][kb], acc[r][c])       (both factors powers of two: exact products)
 // CTA = one aligned block (BLOCK_M = 128 routed slots, one expert) x MXFP8_BLOCK_N = 128 columns, 384 threads:
 //   warpgroup 0  producer: cp.async 16-byte copies of the e4m3 A rows (gathered through sorted_token_ids, as in the
-//                bf16 kernel) and B rows into a STAGES-deep ring of 128-byte-swizzled tiles (BK = 128 bytes = 4 scale
-//                blocks per stage), plus one 4-byte cp.async per A row (x_scales row-major) and per B row (the
-//                blocked weight-scale layout: the 4 bytes of row n at [e][kt][n]). When its copies have landed each
+//                bf16 kernel; their source addresses kept in registers) into a STAGES-deep ring of 128-byte-swizzled
+//                tiles (BK = 128 bytes = 4 scale blocks per stage), the B tile by TMA (two boxes issued by thread 0),
+//                plus one 4-byte cp.async per A row (x_scales row-major) and per B row (the blocked weight-scale
+//                layout: the 4 bytes of row n at [e][kt][n]). When its copies have landed each
 //                producer thread decodes its 8 scale bytes to fp32 into the stage's scale tables (laid out for the
 //                consumers' accumulator fragments), fences the async proxy and arrives on the stage's full mbarrier.
 //   warpgroups 1-2  consumers, 64 rows each: per K step 4 x (wgmma k32 into tmp, wait, promote); the stage is
@@ -30,6 +31,8 @@
 #include <torch/library.h>
 
 #include <cstdint>
+
+#include <prime_kernels/tma.h>
 
 #include "../flash_moe.h"
 #include "../mxfp8.h"
@@ -71,6 +74,8 @@ constexpr int RAW_BYTES = (BM + BN) * KB;  // e8m0 bytes as copied: A rows then 
 // rounded up to keep the 1024-byte alignment of the 128B-swizzled tiles
 constexpr int STAGE_BYTES = (A_BYTES + B_BYTES + FA_BYTES + FB_BYTES + RAW_BYTES + 1023) / 1024 * 1024;
 constexpr int LOOKAHEAD = STAGES - 1;
+constexpr int B_BOX_ROWS = BN / 2;  // one TMA box: the gate (or up) half of a gate/up tile, half a down tile
+constexpr int FULL_ARRIVALS = 128 + 1;  // the producer threads (A copies landed, scales decoded) + thread 0's expect_tx
 constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + BM * 8 + BM * 4 + 2 * STAGES * 8;
 
 enum Mode : int { GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2 };
@@ -79,9 +84,10 @@ struct Params {
   const uint8_t* a;         // x (GATE_UP) or the intermediate (DOWN), e4m3 [rows][lda]
   const uint8_t* a_scales;  // e8m0 [rows][lda / 32]
   int64_t lda;
-  const uint8_t* b;         // w (GATE_UP, gate rows then up rows) or w2 (DOWN): e4m3 [E][b_rows][ldb]
+  // B tiles by TMA: a 2-D map over w (GATE_UP, gate rows then up rows) or w2 (DOWN), e4m3 [E * b_rows][K]; boxes of
+  // B_BOX_ROWS x BK
+  CUtensorMap tm_b;
   const uint8_t* b_scales;  // e8m0 [E][k_tiles][b_rows][KB]
-  int64_t ldb;
   int b_rows;
   int up_offset;  // GATE_UP: first up row (hidden)
   int n_total;    // valid output columns: hidden (GATE_UP) or dim (DOWN)
@@ -126,7 +132,7 @@ __device__ __forceinline__ float4 lds_f32x4(uint32_t addr) {
 // Accumulator register i of a consumer thread: row warp * 16 + lane / 4 + 8 * ((i / 2) % 2) of its warpgroup's 64
 // rows, column 8 * (i / 4) + 2 * (lane % 4) + i % 2 of the 128.
 template <int MODE>
-__global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const Params p) {
+__global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   int block, n_tile;
   raster(static_cast<int>(blockIdx.x), p.n_tiles, p.blocks, block, n_tile);
@@ -148,32 +154,33 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const Params 
   constexpr int RAW_OFF = A_BYTES + B_BYTES + FA_BYTES + FB_BYTES;
   const int n_base = n_tile * (MODE == GATE_UP ? BN_GU : BN);
 
-  block_prologue<BM, STAGES, MODE == GATE_UP, 128>(p, block, a_row, slot_of, bars);
+  block_prologue<BM, STAGES, MODE == GATE_UP, FULL_ARRIVALS>(p, block, a_row, slot_of, bars);
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {  // ------------------------------- producer -------------------------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
     const int tid = threadIdx.x;
     const int c = tid & 7, r0 = tid >> 3;
-    const uint8_t* const bexp = p.b + static_cast<int64_t>(expert) * p.b_rows * p.ldb;
-    // B row of local tile row lr (GATE_UP: rows < 64 gate, the rest the matching up rows) and its validity
-    auto b_row = [&](int lr, bool& ok) {
-      if constexpr (MODE == GATE_UP) {
-        const int col = n_base + (lr % BN_GU);
-        ok = col < p.n_total;
-        return lr < BN_GU ? col : p.up_offset + col;
-      } else {
-        const int col = n_base + lr;
-        ok = col < p.n_total;
-        return col;
-      }
-    };
-    bool s_ok;
-    const int s_row = b_row(tid, s_ok);  // this thread copies the scales of B row `tid` and of A row `tid`
+    // The B rows of this tile (map rows): GATE_UP 64 gate rows and the matching 64 up rows; DOWN 128 rows of w2. The
+    // shape contract (dim, hidden in whole MXFP8_ALIGN) makes every tile full.
+    const int b_row0 = expert * p.b_rows + n_base;
+    const int b_row1 = MODE == GATE_UP ? b_row0 + p.up_offset : b_row0 + B_BOX_ROWS;
+    // this thread's scales: those of B row `tid` (its column) and of A row `tid`
+    const int s_row = MODE == GATE_UP ? (tid < BN_GU ? n_base + tid : p.up_offset + n_base + tid - BN_GU) : n_base + tid;
     const uint8_t* const bsc = p.b_scales + static_cast<int64_t>(expert) * p.k_tiles * p.b_rows * KB +
                                static_cast<int64_t>(s_row) * KB;
     const int64_t a_off = a_row[tid];
     const uint8_t* const asc = p.a_scales + (a_off >= 0 ? a_off / SB : 0);
+    // The A rows this thread copies, kept in registers across the K loop; padding rows copy 0 bytes (zero fill)
+    // from an in-bounds address.
+    const uint8_t* a_src[BM / 16];
+    uint32_t a_valid = 0;
+#pragma unroll
+    for (int i = 0; i < BM / 16; ++i) {
+      const int64_t off = a_row[r0 + 16 * i];
+      a_src[i] = p.a + (off >= 0 ? off : 0) + c * 16;
+      a_valid |= (off >= 0 ? 1u : 0u) << i;
+    }
     auto decode = [&](int s) {  // this thread's own (landed) scale bytes of stage s -> fp32 tables
       const uint8_t* rs = gbase + s * STAGE_BYTES + RAW_OFF;
       const uint32_t ra = *reinterpret_cast<const uint32_t*>(rs + 4 * tid);
@@ -191,23 +198,16 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const Params 
       mbar_wait(empty_bar(stage), ((kt / STAGES) & 1) ^ 1);
       const uint32_t st = base + stage * STAGE_BYTES;
       const int kofs = kt * BK;
-#pragma unroll
-      for (int i = 0; i < BM / 16; ++i) {
-        const int r = r0 + 16 * i;
-        const int64_t off = a_row[r];
-        cp_async_16(st + swz(r, c), p.a + (off >= 0 ? off + kofs + c * 16 : 0), off >= 0 ? 16u : 0u);
+      if (tid == 0) {
+        mbar_expect_tx(full_bar(stage), B_BYTES);
+        tma_load_2d(st + A_BYTES, &p.tm_b, full_bar(stage), kofs, b_row0);
+        tma_load_2d(st + A_BYTES + B_BYTES / 2, &p.tm_b, full_bar(stage), kofs, b_row1);
       }
 #pragma unroll
-      for (int i = 0; i < BN / 16; ++i) {
-        const int lr = r0 + 16 * i;
-        bool ok;
-        const int row = b_row(lr, ok);
-        const uint8_t* src = ok ? bexp + static_cast<int64_t>(row) * p.ldb + kofs + c * 16 : p.b;
-        cp_async_16(st + A_BYTES + swz(lr, c), src, ok ? 16u : 0u);
-      }
+      for (int i = 0; i < BM / 16; ++i)
+        cp_async_16(st + swz(r0 + 16 * i, c), a_src[i] + kofs, (a_valid >> i) & 1u ? 16u : 0u);
       cp_async_4(st + RAW_OFF + 4 * tid, a_off >= 0 ? asc + kt * KB : p.a_scales, a_off >= 0 ? 4u : 0u);
-      cp_async_4(st + RAW_OFF + 4 * BM + 4 * tid, s_ok ? bsc + static_cast<int64_t>(kt) * p.b_rows * KB : p.b_scales,
-                 s_ok ? 4u : 0u);
+      cp_async_4(st + RAW_OFF + 4 * BM + 4 * tid, bsc + static_cast<int64_t>(kt) * p.b_rows * KB, 4u);
       cp_async_commit();
       if (kt >= LOOKAHEAD - 1) {
         cp_async_wait<LOOKAHEAD - 1>();
@@ -391,6 +391,13 @@ std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_cuda(const at::Tensor& t, int6
 
 const uint8_t* bytes(const at::Tensor& t) { return reinterpret_cast<const uint8_t*>(t.const_data_ptr()); }
 
+// The TMA map over a contiguous e4m3 weight as [rows, K] bytes, boxes of B_BOX_ROWS x BK.
+void weight_map(const char* op, const char* name, CUtensorMap* map, const at::Tensor& w, int64_t rows, int64_t K) {
+  const int rc = prime_kernels::make_tmap_2d(map, w.const_data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, rows, K, K,
+                                             sm90::mxk::B_BOX_ROWS, sm90::mxk::BK);
+  TORCH_CHECK(rc == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for ", name, " (CUresult ", rc, ")");
+}
+
 // gate/up (+ re-quantization) then down; mode DOWN_ATOMIC fills an fp32 [M, dim] buffer, DOWN_SLOTS bf16 per-slot rows.
 at::Tensor run_mx(const char* op, const at::Tensor& x_b, const at::Tensor& xs_b, const at::Tensor& w_b,
                   const at::Tensor& ws_b, const at::Tensor& w2_b, const at::Tensor& w2s_b,
@@ -412,7 +419,7 @@ at::Tensor run_mx(const char* op, const at::Tensor& x_b, const at::Tensor& xs_b,
   const auto sorted_c = sorted.contiguous(), eids_c = eids.contiguous(), tw = topk_weights.contiguous();
   for (const at::Tensor* t : {&x, &w, &w2}) {
     TORCH_CHECK(reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 16 == 0, op,
-                " (CUDA): x, w and w2 must be 16-byte aligned (cp.async)");
+                " (CUDA): x, w and w2 must be 16-byte aligned (cp.async, TMA)");
   }
   for (const at::Tensor* t : {&xs, &ws, &w2s}) {
     TORCH_CHECK(reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 4 == 0, op,
@@ -437,9 +444,8 @@ at::Tensor run_mx(const char* op, const at::Tensor& x_b, const at::Tensor& xs_b,
   p.a = bytes(x);
   p.a_scales = bytes(xs);
   p.lda = s.dim;
-  p.b = bytes(w);
+  weight_map(op, "w", &p.tm_b, w, s.E * 2 * s.hidden, s.dim);
   p.b_scales = bytes(ws);
-  p.ldb = s.dim;
   p.b_rows = static_cast<int>(2 * s.hidden);
   p.up_offset = static_cast<int>(s.hidden);
   p.n_total = static_cast<int>(s.hidden);
@@ -453,9 +459,8 @@ at::Tensor run_mx(const char* op, const at::Tensor& x_b, const at::Tensor& xs_b,
   p.a = inter.const_data_ptr<uint8_t>();
   p.a_scales = inter_s.const_data_ptr<uint8_t>();
   p.lda = s.hidden;
-  p.b = bytes(w2);
+  weight_map(op, "w2", &p.tm_b, w2, s.E * s.dim, s.hidden);
   p.b_scales = bytes(w2s);
-  p.ldb = s.hidden;
   p.b_rows = static_cast<int>(s.dim);
   p.up_offset = 0;
   p.n_total = static_cast<int>(s.dim);
