@@ -46,7 +46,7 @@ def fp8_ceiling() -> float:
     return 2 * 8192**3 / (ms * 1e-3)
 
 
-def bench_mxfp8(ops, fp8_peak):
+def bench_mxfp8(ops, fp8_peak, bf16_peak):
     rows = []
     for name, T, E, k, dim, hidden in MXFP8_SHAPES:
         flops = 2 * T * k * dim * 2 * hidden + 2 * T * k * hidden * dim
@@ -64,11 +64,13 @@ def bench_mxfp8(ops, fp8_peak):
                "mxfp8_fused_op_ms": fused, "quantize_x_ms": quant, "bf16_fwd_ms": bf16,
                "mxfp8_fwd_tflops": flops / mx / 1e9, "mxfp8_fused_op_tflops": flops / fused / 1e9,
                "fraction_of_fp8_ceiling": flops / fused / 1e9 / (fp8_peak / 1e12), "speedup_vs_bf16": bf16 / mx,
-               "fp8_ceiling_tflops": fp8_peak / 1e12}
+               "fp8_ceiling_tflops": fp8_peak / 1e12, "floor_fp8_ms": flops / fp8_peak * 1e3,
+               "floor_bf16_ms": flops / bf16_peak * 1e3}
         rows.append(row)
         print(f"{name:24s} mxfp8 fwd {mx:7.3f} ms ({row['mxfp8_fwd_tflops']:5.0f} TFLOP/s), fused op {fused:7.3f} ms "
-              f"({row['mxfp8_fused_op_tflops']:5.0f}, {100 * row['fraction_of_fp8_ceiling']:4.1f}% of fp8 ceiling), "
-              f"quantize x {quant:6.3f} ms | bf16 flash_moe fwd {bf16:7.3f} ms | x{row['speedup_vs_bf16']:.2f}")
+              f"({row['mxfp8_fused_op_tflops']:5.0f}, {100 * row['fraction_of_fp8_ceiling']:4.1f}% of fp8 ceiling; "
+              f"floor {row['floor_fp8_ms']:.3f} ms), quantize x {quant:6.3f} ms | bf16 flash_moe fwd {bf16:7.3f} ms "
+              f"(floor {row['floor_bf16_ms']:.3f} ms) | x{row['speedup_vs_bf16']:.2f}")
         del p, xq, xs, s, e, n, out
         ops._WEIGHT_CACHE.clear()
         free()
@@ -103,7 +105,7 @@ def main():
     fp8_peak = fp8_ceiling()
     print(f"fp8 (e4m3 torch._scaled_mm) ceiling 8192^3: {fp8_peak / 1e12:.0f} TFLOP/s")
     summary = []
-    mxfp8_rows = bench_mxfp8(ops, fp8_peak)
+    mxfp8_rows = bench_mxfp8(ops, fp8_peak, ceiling)
     for name, T, E, k, dim, hidden in [] if args.mxfp8_only else SHAPES[:3] if args.quick else SHAPES:
         flops = 2 * T * k * dim * 2 * hidden + 2 * T * k * hidden * dim
         row = {"shape": name, "T": T, "E": E, "top_k": k, "dim": dim, "hidden": hidden}
