@@ -75,7 +75,6 @@ constexpr int RAW_BYTES = (BM + BN) * KB;  // e8m0 bytes as copied: A rows then 
 constexpr int STAGE_BYTES = (A_BYTES + B_BYTES + FA_BYTES + FB_BYTES + RAW_BYTES + 1023) / 1024 * 1024;
 constexpr int LOOKAHEAD = STAGES - 1;
 constexpr int B_BOX_ROWS = BN / 2;  // one TMA box: the gate (or up) half of a gate/up tile, half a down tile
-constexpr int FULL_ARRIVALS = 128 + 1;  // the producer threads (A copies landed, scales decoded) + thread 0's expect_tx
 constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + BM * 8 + BM * 4 + 2 * STAGES * 8;
 
 enum Mode : int { GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2 };
@@ -154,7 +153,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
   constexpr int RAW_OFF = A_BYTES + B_BYTES + FA_BYTES + FB_BYTES;
   const int n_base = n_tile * (MODE == GATE_UP ? BN_GU : BN);
 
-  block_prologue<BM, STAGES, MODE == GATE_UP, FULL_ARRIVALS>(p, block, a_row, slot_of, bars);
+  block_prologue<BM, STAGES, MODE == GATE_UP>(p, block, a_row, slot_of, bars);
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {  // ------------------------------- producer -------------------------------

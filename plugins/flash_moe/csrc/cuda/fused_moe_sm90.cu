@@ -64,7 +64,6 @@ constexpr int NUM_THREADS = 384;
 constexpr int A_BYTES = BM * BK * 2;
 constexpr int B_BYTES = BN * BK * 2;
 constexpr int B_BOX_ROWS = BN / 2;  // one TMA box: the gate (or up) half of a gate/up tile, half a down tile
-constexpr int FULL_ARRIVALS = 128 + 1;  // the producer threads' cp.async arrivals + thread 0's expect_tx
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + BM * 8 /* A row offsets */ +
                            BM * 4 /* slots */ + 2 * STAGES * 8 /* mbarriers */;
@@ -143,7 +142,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
 
   // paired: a stage is free once the consumers of both CTAs released it (the peer's TMA writes into it too)
-  block_prologue<BM, STAGES, kGateUp, FULL_ARRIVALS>(p, block, a_row, slot_of, bars, paired ? 16u : 8u);
+  block_prologue<BM, STAGES, kGateUp>(p, block, a_row, slot_of, bars, paired ? 16u : 8u);
   if (paired) cluster_sync();  // both rings initialised before either CTA's copies or arrivals reach the other
   // Releasing stage s of k tile j: this CTA's empty barrier, and the peer's while the peer will still wait on it (its
   // producer waits for k tiles j < k_tiles - STAGES only; an arrival after the peer may have exited is not allowed).

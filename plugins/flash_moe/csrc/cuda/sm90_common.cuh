@@ -64,16 +64,19 @@ inline void check_sm90(const char* op, const at::Tensor& x) {
               " is sm_", major, minor);
 }
 
+// A stage is full once each of the 128 producer threads has arrived (its A copies landed) and thread 0's expect_tx
+// arrival has seen the B tile's TMA bytes: both GEMM kernels (bf16 and mxfp8) fill their stages this way.
+constexpr int kFullArrivals = 128 + 1;
+
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
 
 // The block's routing rows into shared memory (threads < BM): slot_of[r] = sorted_token_ids[block * BM + r] and
 // a_row[r] = the element offset of A's row r: x's row slot / top_k for the gate/up GEMMs (-1 for padding), the
 // intermediate's row block * BM + r for the down GEMMs. Thread 0 initialises the stage ring: "full" completes on
-// FULL_ARRIVALS arrivals (the 128 producer threads, plus thread 0's expect_tx where B comes by TMA), "empty" on
-// empty_arrivals (lane 0 of each of the 8 consumer warps; 16 where a cluster peer's consumers also release the stage,
-// its weight tile being multicast into both). Ends with __syncthreads().
-template <int BM, int STAGES, bool kGatherX, int FULL_ARRIVALS, class Params>
+// kFullArrivals arrivals, "empty" on empty_arrivals (lane 0 of each of the 8 consumer warps; 16 where a cluster peer's
+// consumers also release the stage, its weight tile being multicast into both). Ends with __syncthreads().
+template <int BM, int STAGES, bool kGatherX, class Params>
 __device__ __forceinline__ void block_prologue(const Params& p, int block, int64_t* a_row, int* slot_of,
                                                uint32_t bars, uint32_t empty_arrivals = 8) {
   if (threadIdx.x < BM) {
@@ -88,7 +91,7 @@ __device__ __forceinline__ void block_prologue(const Params& p, int block, int64
   }
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(bars + 8u * s, FULL_ARRIVALS);
+      mbar_init(bars + 8u * s, kFullArrivals);
       mbar_init(bars + 8u * (STAGES + s), empty_arrivals);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
