@@ -4,20 +4,24 @@
 // Hopper has no block-scaled tensor-core instruction, so the scales are applied outside the tensor core: every
 // wgmma.m64n128k32 e4m3 x e4m3 -> fp32 covers exactly one 32-wide scale block of K, runs into a temporary
 // accumulator (scale-d = 0), and is promoted into the fp32 accumulator with both scales:
-//   acc[r][c] = fma(tmp[r][c] * sw[c][kb], sx[r][kb], acc[r][c])       (both factors powers of two: exact products)
-// CTA = one aligned block (BLOCK_M = 128 routed slots, one expert) x MXFP8_BLOCK_N = 128 columns, 384 threads:
+//   acc[r][c] = fma(tmp[r][c], sw[c][kb] * sx[r][kb], acc[r][c])       (both factors powers of two: exact products)
+// CTA = one aligned block (BLOCK_M = 128 routed slots, one expert) x MXFP8_BLOCK_N = 128 columns, 640 threads:
 //   warpgroup 0  producer: cp.async 16-byte copies of the e4m3 A rows (gathered through sorted_token_ids, as in the
 //                bf16 kernel; their source addresses kept in registers) into a STAGES-deep ring of 128-byte-swizzled
-//                tiles (BK = 128 bytes = 4 scale blocks per stage), the B tile by TMA (two boxes issued by thread 0),
+//                tiles (BK = 128 bytes = 4 scale blocks per stage), the B tile by TMA (four boxes issued by thread 0),
 //                plus one 4-byte cp.async per A row (x_scales row-major) and per B row (the blocked weight-scale
 //                layout: the 4 bytes of row n at [e][kt][n]). When its copies have landed each
 //                producer thread decodes its 8 scale bytes to fp32 into the stage's scale tables (laid out for the
 //                consumers' accumulator fragments), fences the async proxy and arrives on the stage's full mbarrier.
-//   warpgroups 1-2  consumers, 64 rows each: per K step 4 x (wgmma k32 into tmp, wait, promote); the stage is
-//                released on its empty mbarrier once its last wgmma has completed.
-// Kernel 1 (gate/up): B = 64 gate rows + the matching 64 up rows; epilogue h = silu(g) * u in fp32, re-quantized to
-//   mxfp8 per 32 hidden columns (amax across the 4 lanes of a quad holding one row's 32 columns; mx::scale_byte, the
-//   rule quantize_mxfp8 uses) into the e4m3 intermediate [padded slots, hidden] and its row-major scales.
+//   warpgroups 1-4  consumers, a 64 x 64 quarter of the tile each (rows 64 (w & 1), columns 64 (w >> 1)): per K step
+//                4 x (wgmma m64n64k32 into tmp, wait, promote); the stage is released on its empty mbarrier once its
+//                last wgmma has completed. Four consumer warps per scheduler (not two of m64n128) hide each other's
+//                wgmma and scale-load latency, which bound the two-warpgroup kernel (docs/notes/flash_moe.md).
+// Kernel 1 (gate/up): B = 32 gate rows, the matching 32 up rows, the next 32 gate rows, their 32 up rows, so that a
+//   consumer's 64 columns are the gate and up halves of the same 32 hidden columns; epilogue h = silu(g) * u in fp32,
+//   re-quantized to mxfp8 per 32 hidden columns (amax across the 4 lanes of a quad holding one row's 32 columns;
+//   mx::scale_byte, the rule quantize_mxfp8 uses) into the e4m3 intermediate [padded slots, hidden] and its row-major
+//   scales.
 // Kernel 2 (down): A = intermediate rows of the block, B = w2[e]; epilogue as the bf16 kernel (float2 atomics of
 //   topk_weight * y into an fp32 [M, dim] buffer, or bf16 per-slot rows for the deterministic combine).
 #include <ATen/ATen.h>
@@ -56,12 +60,21 @@ constexpr int SB = FLASH_MOE_MXFP8_SCALE_BLOCK;
 constexpr int BK = FLASH_MOE_MXFP8_ALIGN;  // e4m3 bytes per K step: one 128-byte swizzle row
 constexpr int KB = BK / SB;                // scale blocks (wgmma k32 steps) per K step
 constexpr int STAGES = FLASH_MOE_MXFP8_STAGES;
-static_assert(BM == 128, "BLOCK_M must be 128 (two consumer warpgroups of wgmma m64)");
-static_assert(BN == 128, "MXFP8_BLOCK_N must be 128 (wgmma m64n128k32)");
+static_assert(BM == 128, "BLOCK_M must be 128 (two row halves of wgmma m64)");
+static_assert(BN == 128, "MXFP8_BLOCK_N must be 128 (two column halves of wgmma m64n64k32)");
 static_assert(SB == 32 && BK == 128, "mxfp8 kernels: scale block 32 (= wgmma k32 of e4m3) and MXFP8_ALIGN 128");
 static_assert(STAGES >= 3 && STAGES <= 5, "MXFP8_STAGES must be 3..5 (shared memory)");
 
-constexpr int NUM_THREADS = 384;
+constexpr int WG_M = 64, WG_N = 64;  // one consumer warpgroup's quarter of the tile
+constexpr int CONSUMERS = (BM / WG_M) * (BN / WG_N);
+constexpr int NUM_THREADS = 128 * (1 + CONSUMERS);
+constexpr int CONSUMER_WARPS = 4 * CONSUMERS;
+// Registers: the CTA holds what it was launched with (NUM_THREADS x 96 of the 64 K register file) and setmaxnreg only
+// moves registers within it: the consumers' increase must fit in what the producer gives back, or it waits forever.
+constexpr int LAUNCH_REGS = 65536 / NUM_THREADS / 8 * 8;
+constexpr int PRODUCER_REGS = 48, CONSUMER_REGS = 104;
+static_assert(128 * (PRODUCER_REGS + CONSUMERS * CONSUMER_REGS) <= NUM_THREADS * LAUNCH_REGS,
+              "setmaxnreg: the consumers' registers must come from the producer's");
 constexpr int A_BYTES = BM * BK;
 constexpr int B_BYTES = BN * BK;
 constexpr int FA_BYTES = BM * KB * 4;  // fp32 x scales [row][kb]
@@ -74,7 +87,7 @@ constexpr int RAW_BYTES = (BM + BN) * KB;  // e8m0 bytes as copied: A rows then 
 // rounded up to keep the 1024-byte alignment of the 128B-swizzled tiles
 constexpr int STAGE_BYTES = (A_BYTES + B_BYTES + FA_BYTES + FB_BYTES + RAW_BYTES + 1023) / 1024 * 1024;
 constexpr int LOOKAHEAD = STAGES - 1;
-constexpr int B_BOX_ROWS = BN / 2;  // one TMA box: the gate (or up) half of a gate/up tile, half a down tile
+constexpr int B_BOX_ROWS = WG_N / 2;  // one TMA box: the gate (or up) half of a consumer's gate/up columns
 constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + BM * 8 + BM * 4 + 2 * STAGES * 8;
 
 enum Mode : int { GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2 };
@@ -108,11 +121,11 @@ struct Params {
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float* d, uint64_t da, uint64_t db) {
+__device__ __forceinline__ void wgmma_m64n64k32_e4m3(float* d, uint64_t da, uint64_t db) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(da), "l"(db), "n"(0));  // scale-d = 0: tmp = A B (the promotion accumulates)
 }
 __device__ __forceinline__ float decode_scale(uint32_t byte) { return __uint_as_float(mx::scale_bits(byte)); }
@@ -129,7 +142,7 @@ __device__ __forceinline__ float4 lds_f32x4(uint32_t addr) {
 #endif
 
 // Accumulator register i of a consumer thread: row warp * 16 + lane / 4 + 8 * ((i / 2) % 2) of its warpgroup's 64
-// rows, column 8 * (i / 4) + 2 * (lane % 4) + i % 2 of the 128.
+// rows, column 8 * (i / 4) + 2 * (lane % 4) + i % 2 of its 64.
 template <int MODE>
 __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -153,19 +166,26 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
   constexpr int RAW_OFF = A_BYTES + B_BYTES + FA_BYTES + FB_BYTES;
   const int n_base = n_tile * (MODE == GATE_UP ? BN_GU : BN);
 
-  block_prologue<BM, STAGES, MODE == GATE_UP>(p, block, a_row, slot_of, bars);
+  block_prologue<BM, STAGES, MODE == GATE_UP>(p, block, a_row, slot_of, bars, CONSUMER_WARPS);
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {  // ------------------------------- producer -------------------------------
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
     const int tid = threadIdx.x;
     const int c = tid & 7, r0 = tid >> 3;
-    // The B rows of this tile (map rows): GATE_UP 64 gate rows and the matching 64 up rows; DOWN 128 rows of w2. The
-    // shape contract (dim, hidden in whole MXFP8_ALIGN) makes every tile full.
-    const int b_row0 = expert * p.b_rows + n_base;
-    const int b_row1 = MODE == GATE_UP ? b_row0 + p.up_offset : b_row0 + B_BOX_ROWS;
-    // this thread's scales: those of B row `tid` (its column) and of A row `tid`
-    const int s_row = MODE == GATE_UP ? (tid < BN_GU ? n_base + tid : p.up_offset + n_base + tid - BN_GU) : n_base + tid;
+    // Row of w (w2) that lands in tile row r: GATE_UP boxes of gate rows and their up rows in turn, DOWN the 128 rows
+    // of w2 in order. The shape contract (dim, hidden in whole MXFP8_ALIGN) makes every tile full.
+    auto weight_row = [&](int r) {
+      if constexpr (MODE == GATE_UP) {
+        const int box = r / B_BOX_ROWS;
+        return n_base + (box / 2) * B_BOX_ROWS + r % B_BOX_ROWS + (box % 2 ? p.up_offset : 0);
+      } else {
+        return n_base + r;
+      }
+    };
+    const int b_row0 = expert * p.b_rows;
+    // this thread's scales: those of B tile row `tid` (its column) and of A row `tid`
+    const int s_row = weight_row(tid);
     const uint8_t* const bsc = p.b_scales + static_cast<int64_t>(expert) * p.k_tiles * p.b_rows * KB +
                                static_cast<int64_t>(s_row) * KB;
     const int64_t a_off = a_row[tid];
@@ -199,8 +219,10 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
       const int kofs = kt * BK;
       if (tid == 0) {
         mbar_expect_tx(full_bar(stage), B_BYTES);
-        tma_load_2d(st + A_BYTES, &p.tm_b, full_bar(stage), kofs, b_row0);
-        tma_load_2d(st + A_BYTES + B_BYTES / 2, &p.tm_b, full_bar(stage), kofs, b_row1);
+#pragma unroll
+        for (int box = 0; box < BN / B_BOX_ROWS; ++box)
+          tma_load_2d(st + A_BYTES + box * B_BOX_ROWS * BK, &p.tm_b, full_bar(stage), kofs,
+                      b_row0 + weight_row(box * B_BOX_ROWS));
       }
 #pragma unroll
       for (int i = 0; i < BM / 16; ++i)
@@ -222,37 +244,39 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
     for (int kt = max(0, p.k_tiles - (LOOKAHEAD - 1)); kt < p.k_tiles; ++kt) mbar_arrive(full_bar(kt % STAGES));
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
 
   // ------------------------------- consumers -------------------------------
   const int wg = warpgroup - 1;
+  const int wg_row = WG_M * (wg % 2), wg_col = WG_N * (wg / 2);  // the warpgroup's quarter of the tile
   const int ctid = threadIdx.x - 128 * warpgroup;
   const int warp = ctid / 32, lane = ctid % 32, quad = lane & 3;
-  const int row0 = wg * 64 + warp * 16 + (lane >> 2);  // the thread's rows: row0 and row0 + 8
-  float acc[64], tmp[64];
+  const int row0 = wg_row + warp * 16 + (lane >> 2);  // the thread's rows: row0 and row0 + 8
+  float acc[WG_N / 2], tmp[WG_N / 2];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-  const uint32_t a_off = wg * 64 * BK;
+  for (int i = 0; i < WG_N / 2; ++i) acc[i] = 0.f;
+  const uint32_t a_off = wg_row * BK, b_off = A_BYTES + wg_col * BK;
   int stage = 0;
   uint32_t phase = 0;
   for (int kt = 0; kt < p.k_tiles; ++kt) {
     mbar_wait(full_bar(stage), phase);
     const uint32_t st = base + stage * STAGE_BYTES;
-    const uint64_t da = smem_desc(st + a_off), db = smem_desc(st + A_BYTES);
-    const uint32_t fa = st + A_BYTES + B_BYTES + 4 * KB * row0;              // x scales of the thread's rows
-    const uint32_t fb = st + A_BYTES + B_BYTES + FA_BYTES + 4 * (quad * FB_QUAD);  // w scales of its columns
+    const uint64_t da = smem_desc(st + a_off), db = smem_desc(st + b_off);
+    const uint32_t fa = st + A_BYTES + B_BYTES + 4 * KB * row0;  // x scales of the thread's rows
+    // w scales of its columns: from group wg_col / 8 of its quad's run
+    const uint32_t fb = st + A_BYTES + B_BYTES + FA_BYTES + 4 * (quad * FB_QUAD + wg_col / 4);
 #pragma unroll
     for (int j = 0; j < KB; ++j) {
-      fence_regs<64>(tmp);
+      fence_regs<WG_N / 2>(tmp);
       wgmma_fence();
-      wgmma_m64n128k32_e4m3(tmp, da + 2 * j, db + 2 * j);  // k32 = 32 bytes = 2 descriptor units
+      wgmma_m64n64k32_e4m3(tmp, da + 2 * j, db + 2 * j);  // k32 = 32 bytes = 2 descriptor units
       wgmma_commit();
       wgmma_wait<0>();
-      fence_regs<64>(tmp);
+      fence_regs<WG_N / 2>(tmp);
       const float s0 = lds_f32(fa + 4 * j), s1 = lds_f32(fa + 4 * (8 * KB + j));  // rows row0 and row0 + 8
       const uint32_t fbj = fb + 4 * (j * 4 * FB_QUAD);
 #pragma unroll
-      for (int g = 0; g < 16; g += 2) {
+      for (int g = 0; g < WG_N / 8; g += 2) {
         const float4 sw = lds_f32x4(fbj + 4 * (2 * g));  // columns of groups g and g + 1
         acc[4 * g + 0] = fmaf(tmp[4 * g + 0], sw.x * s0, acc[4 * g + 0]);
         acc[4 * g + 1] = fmaf(tmp[4 * g + 1], sw.y * s0, acc[4 * g + 1]);
@@ -276,41 +300,41 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
   for (int h = 0; h < 2; ++h) {
     const int lr = row0 + 8 * h;
     if constexpr (MODE == GATE_UP) {
+      // the warpgroup's 64 columns: gate (groups 0-3) and up (groups 4-7) of 32 hidden columns = one scale block,
+      // across the 4 lanes of the quad
+      static_assert(WG_N / 2 == SB, "a consumer's gate/up columns must be one scale block of the intermediate");
       const int64_t grow = static_cast<int64_t>(block) * BM + lr;
-      uint8_t* dst = p.inter + grow * p.ld_inter + n_base;
+      const int hid0 = n_base + wg_col / 2;
+      float hv[8];
+      uint32_t amax = 0;
 #pragma unroll
-      for (int b = 0; b < BN_GU / SB; ++b) {  // 32 hidden columns = groups 4b..4b+3 across the 4 lanes of the quad
-        float hv[8];
-        uint32_t amax = 0;
+      for (int g = 0; g < 4; ++g) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          hv[2 * g + e] = silu_mul(acc[4 * g + 2 * h + e], acc[4 * (g + 4) + 2 * h + e]);
+          amax = max(amax, __float_as_uint(hv[2 * g + e]) & 0x7FFFFFFFu);
+        }
+      }
+      amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+      amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+      const uint32_t sb = mx::scale_byte(amax);
+      const float inv = __uint_as_float(sb == mx::kNanScale ? 0u : mx::inv_scale_bits(sb));
+      if (hid0 < p.n_total) {
+        uint8_t* dst = p.inter + grow * p.ld_inter + hid0;
 #pragma unroll
         for (int g = 0; g < 4; ++g) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int gg = 4 * b + g;
-            hv[2 * g + e] = silu_mul(acc[4 * gg + 2 * h + e], acc[4 * (gg + BN_GU / 8) + 2 * h + e]);
-            amax = max(amax, __float_as_uint(hv[2 * g + e]) & 0x7FFFFFFFu);
-          }
+          const uint16_t v = sb == mx::kNanScale
+                                 ? static_cast<uint16_t>(0x7F7F)
+                                 : static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(
+                                       make_float2(hv[2 * g] * inv, hv[2 * g + 1] * inv), __NV_SATFINITE, __NV_E4M3));
+          *reinterpret_cast<uint16_t*>(dst + 8 * g + 2 * quad) = v;
         }
-        amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
-        amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
-        const uint32_t sb = mx::scale_byte(amax);
-        const float inv = __uint_as_float(sb == mx::kNanScale ? 0u : mx::inv_scale_bits(sb));
-        if (n_base + 32 * b < p.n_total) {
-#pragma unroll
-          for (int g = 0; g < 4; ++g) {
-            const uint16_t v = sb == mx::kNanScale
-                                   ? static_cast<uint16_t>(0x7F7F)
-                                   : static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(
-                                         make_float2(hv[2 * g] * inv, hv[2 * g + 1] * inv), __NV_SATFINITE, __NV_E4M3));
-            *reinterpret_cast<uint16_t*>(dst + 8 * (4 * b + g) + 2 * quad) = v;
-          }
-          if (quad == 0) p.inter_scales[grow * (p.ld_inter / SB) + (n_base + 32 * b) / SB] = static_cast<uint8_t>(sb);
-        }
+        if (quad == 0) p.inter_scales[grow * (p.ld_inter / SB) + hid0 / SB] = static_cast<uint8_t>(sb);
       }
     } else {
       const int slot = slot_of[lr];
       if (slot < 0) continue;
-      store_down_row<BN, MODE == DOWN_ATOMIC>(p, acc, h, quad, slot, n_base);
+      store_down_row<WG_N, MODE == DOWN_ATOMIC>(p, acc, h, quad, slot, n_base + wg_col);
     }
   }
 #else
