@@ -256,6 +256,17 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
 #pragma unroll
   for (int i = 0; i < WG_N / 2; ++i) acc[i] = 0.f;
   const uint32_t a_off = wg_row * BK, b_off = A_BYTES + wg_col * BK;
+  // Padding rows (sorted_token_ids -1) end an expert's last block, and the promotion binds this kernel: a warpgroup
+  // whose 64 rows are all padding only keeps the ring turning (its wgmmas leave the tensor cores to the others), a
+  // warp whose 16 rows are all padding skips its promotion (DeepSeek-V3: ~20% of the rows of the grid are padding).
+  if (__all_sync(0xffffffffu, slot_of[wg_row + lane] < 0 && slot_of[wg_row + 32 + lane] < 0)) {
+    for (int kt = 0; kt < p.k_tiles; ++kt) {
+      mbar_wait(full_bar(kt % STAGES), (kt / STAGES) & 1);
+      if (lane == 0) mbar_arrive(empty_bar(kt % STAGES));
+    }
+    return;  // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them
+  }
+  const bool warp_live = __any_sync(0xffffffffu, slot_of[wg_row + 16 * warp + lane % 16] >= 0);
   int stage = 0;
   uint32_t phase = 0;
   for (int kt = 0; kt < p.k_tiles; ++kt) {
@@ -273,6 +284,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs<WG_N / 2>(tmp);
+      if (!warp_live) continue;
       const float s0 = lds_f32(fa + 4 * j), s1 = lds_f32(fa + 4 * (8 * KB + j));  // rows row0 and row0 + 8
       const uint32_t fbj = fb + 4 * (j * 4 * FB_QUAD);
 #pragma unroll
