@@ -656,10 +656,14 @@ def test_cuda_quantize_mxfp8_matches_cpu_bitwise():
     t = torch.randn(999, 4 * MX, generator=g) * torch.exp2(torch.randint(-40, 40, (999, 1), generator=g).float())
     t = torch.cat([t, special_blocks().repeat(1, 4)])
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        q, s = ops.quantize_mxfp8(t.to(dtype))
-        qc, sc = ops.quantize_mxfp8(t.to(dtype).cuda())
-        assert torch.equal(qc.cpu().view(torch.uint8), q.view(torch.uint8))
-        assert torch.equal(sc.cpu().view(torch.uint8), s.view(torch.uint8))
+        # block 32 from a 16-byte aligned start: four lanes per block; another block size, or a start 2 / 4 bytes
+        # past alignment (a contiguous view at offset 1): one thread per block. Same bytes as the CPU op.
+        flat = torch.cat([t.new_zeros(1), t.flatten()]).to(dtype).cuda()
+        for tc, block in ((t.to(dtype).cuda(), MX), (t.to(dtype).cuda(), 2 * MX), (flat[1:].view(t.shape), MX)):
+            q, s = ops.quantize_mxfp8(tc.cpu(), block)
+            qc, sc = ops.quantize_mxfp8(tc, block)
+            assert torch.equal(qc.cpu().view(torch.uint8), q.view(torch.uint8)), (dtype, block, tc.data_ptr() % 16)
+            assert torch.equal(sc.cpu().view(torch.uint8), s.view(torch.uint8)), (dtype, block, tc.data_ptr() % 16)
 
 
 @pytest.mark.gpu

@@ -363,7 +363,58 @@ __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
 
-// quantize_mxfp8: one thread per scale block (the same mx:: rule as the CPU op: bit-identical results).
+// quantize_mxfp8 (the same mx:: rule as the CPU op: bit-identical results). Blocks of MXFP8_SCALE_BLOCK elements,
+// the fused ops' layout: four lanes per block, 8 elements each, so that a warp reads 8 whole blocks in one coalesced
+// sweep (16-byte loads of bf16 / fp16, two of fp32) and writes their 256 e4m3 bytes as 8-byte stores; the block's
+// amax meets across the quad by two shuffles. Other block sizes, or inputs not 16-byte aligned: one thread per block.
+constexpr int Q_LANES = 4;
+constexpr int Q_ELEMS = SB / Q_LANES;
+static_assert(Q_ELEMS == 8, "quantize_mxfp8: 8 elements (one 16-byte load of bf16) per lane");
+
+__device__ __forceinline__ void load8(const float* p, float* v) {
+  const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float* v) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = to_f32(e[i]);
+}
+
+template <typename T>
+__global__ void quantize_block32_kernel(const T* __restrict__ in, uint8_t* __restrict__ data,
+                                        uint8_t* __restrict__ scales, int64_t blocks) {
+  const int64_t lane_id = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t b = lane_id / Q_LANES;
+  const int part = static_cast<int>(lane_id % Q_LANES);
+  const bool valid = b < blocks;  // the last warp's spare lanes still take part in the shuffles
+  float v[Q_ELEMS] = {};
+  if (valid) load8(in + b * SB + part * Q_ELEMS, v);
+  uint32_t amax = 0;
+#pragma unroll
+  for (int i = 0; i < Q_ELEMS; ++i) amax = max(amax, __float_as_uint(v[i]) & 0x7FFFFFFFu);
+  amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+  amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+  if (!valid) return;
+  const uint32_t sb = mx::scale_byte(amax);
+  if (part == 0) scales[b] = static_cast<uint8_t>(sb);
+  uint2 q;
+  if (sb == mx::kNanScale) {
+    q.x = q.y = 0x01010101u * mx::kNanElement;
+  } else {
+    const float inv = __uint_as_float(mx::inv_scale_bits(sb));
+    uint32_t pairs[Q_ELEMS / 2];
+#pragma unroll
+    for (int i = 0; i < Q_ELEMS / 2; ++i)
+      pairs[i] = __nv_cvt_float2_to_fp8x2(make_float2(v[2 * i] * inv, v[2 * i + 1] * inv), __NV_SATFINITE, __NV_E4M3);
+    q.x = pairs[0] | pairs[1] << 16;
+    q.y = pairs[2] | pairs[3] << 16;
+  }
+  *reinterpret_cast<uint2*>(data + b * SB + part * Q_ELEMS) = q;
+}
+
 template <typename T>
 __global__ void quantize_kernel(const T* __restrict__ in, uint8_t* __restrict__ data, uint8_t* __restrict__ scales,
                                 int64_t blocks, int block) {
@@ -382,6 +433,19 @@ __global__ void quantize_kernel(const T* __restrict__ in, uint8_t* __restrict__ 
   const float inv = __uint_as_float(mx::inv_scale_bits(sb));
   for (int i = 0; i < block; ++i)
     q[i] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(to_f32(v[i]) * inv, __NV_SATFINITE, __NV_E4M3));
+}
+
+// One launch of either kernel above for `blocks` scale blocks of `block` elements of `in`.
+template <typename T>
+void quantize(const T* in, uint8_t* data, uint8_t* scales, int64_t blocks, int block, cudaStream_t stream) {
+  constexpr int threads = 256;
+  if (block == SB && reinterpret_cast<uintptr_t>(in) % 16 == 0) {
+    const auto grid = static_cast<unsigned>((blocks * Q_LANES + threads - 1) / threads);
+    quantize_block32_kernel<T><<<grid, threads, 0, stream>>>(in, data, scales, blocks);
+  } else {
+    const auto grid = static_cast<unsigned>((blocks + threads - 1) / threads);
+    quantize_kernel<T><<<grid, threads, 0, stream>>>(in, data, scales, blocks, block);
+  }
 }
 
 }  // namespace mxk
@@ -405,20 +469,16 @@ std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_cuda(const at::Tensor& t, int6
   auto scales = at::empty(scale_sizes, t.options().dtype(at::kFloat8_e8m0fnu));
   const int64_t blocks = scales.numel();
   if (blocks == 0) return {data, scales};
-  const int threads = 256;
-  const auto grid = static_cast<unsigned>((blocks + threads - 1) / threads);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   auto* q = reinterpret_cast<uint8_t*>(data.mutable_data_ptr());
   auto* sc = reinterpret_cast<uint8_t*>(scales.mutable_data_ptr());
   const int blk = static_cast<int>(block);
   if (t.scalar_type() == at::kFloat) {
-    sm90::mxk::quantize_kernel<float><<<grid, threads, 0, stream>>>(tc.const_data_ptr<float>(), q, sc, blocks, blk);
+    sm90::mxk::quantize(tc.const_data_ptr<float>(), q, sc, blocks, blk, stream);
   } else if (t.scalar_type() == at::kBFloat16) {
-    sm90::mxk::quantize_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(
-        reinterpret_cast<const __nv_bfloat16*>(tc.const_data_ptr()), q, sc, blocks, blk);
+    sm90::mxk::quantize(reinterpret_cast<const __nv_bfloat16*>(tc.const_data_ptr()), q, sc, blocks, blk, stream);
   } else {
-    sm90::mxk::quantize_kernel<__half><<<grid, threads, 0, stream>>>(
-        reinterpret_cast<const __half*>(tc.const_data_ptr()), q, sc, blocks, blk);
+    sm90::mxk::quantize(reinterpret_cast<const __half*>(tc.const_data_ptr()), q, sc, blocks, blk, stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {data, scales};
@@ -426,11 +486,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_cuda(const at::Tensor& t, int6
 
 const uint8_t* bytes(const at::Tensor& t) { return reinterpret_cast<const uint8_t*>(t.const_data_ptr()); }
 
-// The TMA map over a contiguous e4m3 weight as [rows, K] bytes, boxes of B_BOX_ROWS x BK.
 void weight_map(const char* op, const char* name, CUtensorMap* map, const at::Tensor& w, int64_t rows, int64_t K) {
-  const int rc = prime_kernels::make_tmap_2d(map, w.const_data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, rows, K, K,
-                                             sm90::mxk::B_BOX_ROWS, sm90::mxk::BK);
-  TORCH_CHECK(rc == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for ", name, " (CUresult ", rc, ")");
+  sm90::expert_weight_map(op, name, map, w, rows, K, CU_TENSOR_MAP_DATA_TYPE_UINT8, sm90::mxk::B_BOX_ROWS,
+                          sm90::mxk::BK);
 }
 
 // gate/up (+ re-quantization) then down; mode DOWN_ATOMIC fills an fp32 [M, dim] buffer, DOWN_SLOTS bf16 per-slot rows.
@@ -479,7 +537,7 @@ at::Tensor run_mx(const char* op, const at::Tensor& x_b, const at::Tensor& xs_b,
   p.a = bytes(x);
   p.a_scales = bytes(xs);
   p.lda = s.dim;
-  weight_map(op, "w", &p.tm_b, w, s.E * 2 * s.hidden, s.dim);
+  weight_map(op, "w", &p.tm_b, w, 2 * s.hidden, s.dim);
   p.b_scales = bytes(ws);
   p.b_rows = static_cast<int>(2 * s.hidden);
   p.up_offset = static_cast<int>(s.hidden);
@@ -494,7 +552,7 @@ at::Tensor run_mx(const char* op, const at::Tensor& x_b, const at::Tensor& xs_b,
   p.a = inter.const_data_ptr<uint8_t>();
   p.a_scales = inter_s.const_data_ptr<uint8_t>();
   p.lda = s.hidden;
-  weight_map(op, "w2", &p.tm_b, w2, s.E * s.dim, s.hidden);
+  weight_map(op, "w2", &p.tm_b, w2, s.dim, s.hidden);
   p.b_scales = bytes(w2s);
   p.b_rows = static_cast<int>(s.dim);
   p.up_offset = 0;

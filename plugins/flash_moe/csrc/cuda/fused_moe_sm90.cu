@@ -285,15 +285,8 @@ void check_cuda_operand(const char* op, const char* name, const at::Tensor& t) {
               " must be 16-byte aligned (cp.async), got data pointer ", t.const_data_ptr());
 }
 
-// The TMA map over an (E, rows, K) weight view with unit K stride and whole rows between experts: map rows
-// (E - 1) * (stride(0) / stride(1)) + rows (exactly the memory the view spans), boxes of B_BOX_ROWS x BK. A tile's
-// rows past `rows` read the next expert's rows or zeros past the end: columns the epilogue never stores.
-void weight_map(const char* op, const char* name, CUtensorMap* map, const at::Tensor& w, int64_t E, int64_t rows,
-                int64_t K) {
-  const int64_t per_expert = w.stride(0) / w.stride(1);
-  const int rc = prime_kernels::make_tmap_2d(map, w.const_data_ptr(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                                             (E - 1) * per_expert + rows, K, w.stride(1), sm90::B_BOX_ROWS, sm90::BK);
-  TORCH_CHECK(rc == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for ", name, " (CUresult ", rc, ")");
+void weight_map(const char* op, const char* name, CUtensorMap* map, const at::Tensor& w, int64_t rows, int64_t K) {
+  sm90::expert_weight_map(op, name, map, w, rows, K, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, sm90::B_BOX_ROWS, sm90::BK);
 }
 
 // The gate/up GEMM's parameters for gate/up views (E, hidden, dim); the contiguous copies it needed stay in `keep`.
@@ -322,8 +315,8 @@ sm90::Params gate_up_params(const char* op, const at::Tensor& x_in, const at::Te
   p.a = reinterpret_cast<const __nv_bfloat16*>(x.const_data_ptr());
   p.lda = s.dim;
   p.b_rows_per_expert = static_cast<int>(gate.stride(0) / gate.stride(1));
-  weight_map(op, "the gate weight", &p.tm_b0, gate, s.E, s.hidden, s.dim);
-  weight_map(op, "the up weight", &p.tm_b1, up, s.E, s.hidden, s.dim);
+  weight_map(op, "the gate weight", &p.tm_b0, gate, s.hidden, s.dim);
+  weight_map(op, "the up weight", &p.tm_b1, up, s.hidden, s.dim);
   p.n_total = static_cast<int>(s.hidden);
   p.k_tiles = static_cast<int>(s.dim / sm90::BK);
   return p;
@@ -377,7 +370,7 @@ void run(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::
   p.a = reinterpret_cast<const __nv_bfloat16*>(inter.const_data_ptr());
   p.lda = s.hidden;
   p.b_rows_per_expert = static_cast<int>(s.dim);
-  weight_map(op, "w2", &p.tm_b0, w2, s.E, s.dim, s.hidden);
+  weight_map(op, "w2", &p.tm_b0, w2, s.dim, s.hidden);
   p.n_total = static_cast<int>(s.dim);
   p.k_tiles = static_cast<int>(s.hidden / sm90::BK);
   p.ld_out = s.dim;

@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 #include <cuda_bf16.h>
 #include <prime_kernels/sm90.cuh>
+#include <prime_kernels/tma.h>
 
 #include <cstdint>
 
@@ -62,6 +63,18 @@ inline void check_sm90(const char* op, const at::Tensor& x) {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, x.get_device()));
   TORCH_CHECK(major == 9 && minor == 0, op, " (CUDA): the kernels are built for sm_90a; device ", x.get_device(),
               " is sm_", major, minor);
+}
+
+// The TMA map over an (E, rows, K) expert weight view with unit K stride and whole rows between experts (bf16 views
+// of w, or the e4m3 bytes of a contiguous weight): map rows (E - 1) * (stride(0) / stride(1)) + rows (exactly the
+// memory the view spans), boxes of box_rows x box_k. A tile's rows past `rows` read the next expert's rows or zeros
+// past the end: columns the epilogue never stores.
+inline void expert_weight_map(const char* op, const char* name, CUtensorMap* map, const at::Tensor& w, int64_t rows,
+                              int64_t K, CUtensorMapDataType dtype, int box_rows, int box_k) {
+  const int64_t per_expert = w.stride(0) / w.stride(1);
+  const int rc = prime_kernels::make_tmap_2d(map, w.const_data_ptr(), dtype, (w.size(0) - 1) * per_expert + rows, K,
+                                             w.stride(1), box_rows, box_k);
+  TORCH_CHECK(rc == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for ", name, " (CUresult ", rc, ")");
 }
 
 // A stage is full once each of the 128 producer threads has arrived (its A copies landed) and thread 0's expect_tx
