@@ -1,8 +1,8 @@
-// flash_moe mxfp8 on CUDA sm_90a: quantize_mxfp8 (one thread per scale block) and the fused expert GEMMs on e4m3
+// flash_moe mxfp8 on CUDA sm_90a: quantize_mxfp8 (four lanes per scale block) and the fused expert GEMMs on e4m3
 // operands with e8m0 block scales (see docs/notes/flash_moe.md, "mxfp8").
 //
 // Hopper has no block-scaled tensor-core instruction, so the scales are applied outside the tensor core: every
-// wgmma.m64n128k32 e4m3 x e4m3 -> fp32 covers exactly one 32-wide scale block of K, runs into a temporary
+// wgmma.m64n64k32 e4m3 x e4m3 -> fp32 covers exactly one 32-wide scale block of K, runs into a temporary
 // accumulator (scale-d = 0), and is promoted into the fp32 accumulator with both scales:
 //   acc[r][c] = fma(tmp[r][c], sw[c][kb] * sx[r][kb], acc[r][c])       (both factors powers of two: exact products)
 // CTA = one aligned block (BLOCK_M = 128 routed slots, one expert) x MXFP8_BLOCK_N = 128 columns, 640 threads:
