@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The GPU harness, for a bare H200 machine (torch preinstalled, no network):
-#   bash scripts/gpu_check.sh OUT_DIR [build] [test] [sanitize] [bench]     (default: all four)
+#   bash scripts/gpu_check.sh OUT_DIR [build] [test] [sanitize] [bench] [ab]     (default: the first four)
 # One device call runs at most 10 minutes: run "build test sanitize" in one call and "bench" in the next (the machine
 # keeps what the first installed while it stays warm, 30 s after a call).
 # Installs the core and every plugin from the working tree (no build isolation, no index), runs the gpu-marked tests,
 # compute-sanitizer memcheck, racecheck and synccheck on each plugin's small-shape script, the benchmarks (with peers from .peers/
 # when present), and prints a short table last. JSON and logs go to OUT_DIR.
+# ab: builds each revision staged by scripts/stage_variant.sh under .variants/ (carry it) into its own site dir and
+# runs bench/ab.py on AB_BENCH (e.g. AB_BENCH="bench/bench_flash_moe.py --mxfp8-only") for the tree and each of them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: gpu_check.sh OUT_DIR [build] [test] [sanitize] [bench]}; shift
+out=${1:?usage: gpu_check.sh OUT_DIR [build] [test] [sanitize] [bench] [ab]}; shift
 phases=${*:-build test sanitize bench}
 mkdir -p "$out"
 py=${PYTHON:-python3}
@@ -83,6 +85,25 @@ if phase bench; then
   done
 fi
 
+if phase ab; then
+  variant_args=()
+  for v in .variants/*/; do
+    [ -d "$v/plugins" ] || continue
+    name=$(basename "$v")
+    for p in "$v"/plugins/*/; do
+      ( if pip_offline --target "/tmp/variants/$name" "$p" > "$out/build-ab-$name-$(basename "$p").log" 2>&1; then r=ok
+        else r=FAILED; fi
+        record ab "build $name $(basename "$p") ($(cat "$v/COMMIT"))" "$r" ) &
+    done
+    variant_args+=(--variant "$name=/tmp/variants/$name")
+  done
+  wait
+  # shellcheck disable=SC2086
+  timeout 540 "$py" bench/ab.py --json "$out/ab.json" "${variant_args[@]}" -- ${AB_BENCH:?AB_BENCH names the benchmark} \
+    2>&1 | tee "$out/ab.log"
+  record ab "bench/ab.py" "exit ${PIPESTATUS[0]}"
+fi
+
 echo; echo "== gpu_check summary =="
 # The device copy of the tree has no .git: pass COMMIT=<hash> from the machine that sent it.
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -92,4 +113,5 @@ for log in "$out"/bench_*.log; do
   [ -f "$log" ] || continue
   echo "-- $(basename "$log" .log)"; grep -E '^\||^ours' "$log" | tail -n 8
 done
+[ -f "$out/ab.log" ] && { echo "-- A/B (median ms over rounds, ratio to the tree)"; grep -E '^\|' "$out/ab.log"; }
 ! grep -qE 'FAILED|failed|exit [1-9]' "$results"
