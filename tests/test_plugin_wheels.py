@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import prime_kernels
+from prime_kernels_core.build import ARCH_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "third_party_plugin"
@@ -40,9 +41,11 @@ def test_wheel_contents(wheel):
 def _build_example(tmp_path, **env):
     source = tmp_path / "src"
     shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.so", "_build_record.json", "tests"))
+    # An arch override (scripts/test.sh is often run with PRIME_KERNELS_ARCH=native) would skip CUDA for its own reason.
+    inherited = {k: v for k, v in os.environ.items() if k != ARCH_ENV}
     return subprocess.run(
         [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path / "out"), str(source)],
-        capture_output=True, text=True, env=dict(os.environ, **env),
+        capture_output=True, text=True, env=dict(inherited, **env),
     )
 
 
