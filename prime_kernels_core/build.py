@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .manifest import BUILD_RECORD_NAME, MANIFEST_NAME, load
+from .manifest import ARCH_PATTERN, BUILD_RECORD_NAME, EXTENSION_MODULE, MANIFEST_NAME, load, major_minor
 
 ARCH_ENV = "PRIME_KERNELS_ARCH"
 REQUIRE_ENV = "PRIME_KERNELS_REQUIRE"
@@ -97,7 +97,7 @@ def cuda_skip_reason(toolchain: Toolchain, archs: list[str]) -> str | None:
     if not archs:
         return f"no CUDA arch was requested (the manifest lists none and {ARCH_ENV} is unset)"
     for arch in archs:
-        found = re.fullmatch(r"(\d+)\.(\d+)([af]?)", arch)
+        found = ARCH_PATTERN.fullmatch(arch)
         if not found:
             return f"arch {arch!r} is not of the form MAJOR.MINOR[a|f] (e.g. 9.0a)"
         needed = NVCC_MIN_FOR_MAJOR.get(int(found[1]))
@@ -117,9 +117,8 @@ def gencode_flags(archs: list[str]) -> list[str]:
 
 def abi_tag(toolchain: Toolchain, with_cuda: bool) -> str:
     """The wheel's local version: the torch (and CUDA) ABI it imports under, e.g. ``cu130torch2.14``."""
-    torch_mm = ".".join(toolchain.torch_version.split("+")[0].split(".")[:2])
     cuda = "cu" + toolchain.torch_cuda.replace(".", "") if with_cuda else "cpu"
-    return f"{cuda}torch{torch_mm}"
+    return f"{cuda}torch{major_minor(toolchain.torch_version)}"
 
 
 def _build_requirement_includes(requirement: str) -> list[str]:
@@ -247,7 +246,7 @@ def setup_plugin(root: str | Path | None = None, **setup_kwargs) -> None:
     module_init.parent.mkdir(exist_ok=True)
     module_init.write_text(MODULE_INIT.read_text())
     extension = extension_type(
-        name=f"{plan['package']}._C",
+        name=f"{plan['package']}.{EXTENSION_MODULE}",
         sources=[*plan["cpu_sources"], str(module_init), *plan["cuda_sources"]],
         include_dirs=plan["include_dirs"],
         extra_compile_args=compile_args,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import re
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -23,6 +24,10 @@ else:  # pragma: no cover
 
 MANIFEST_NAME = "kernel.toml"
 BUILD_RECORD_NAME = "_build_record.json"
+# The compiled module of every plugin package, <package>._C; module_init.cpp takes its name from the build's define.
+EXTENSION_MODULE = "_C"
+# A CUDA arch as manifests and PRIME_KERNELS_ARCH spell it: MAJOR.MINOR, then "a" (arch-specific) or "f" (family).
+ARCH_PATTERN = re.compile(r"(\d+)\.(\d+)([af]?)")
 KERNEL_KEYS = {
     "description", "namespace", "ops", "trainable", "module", "archs", "cxx_std", "sources", "include_dirs",
     "extra_cxx_flags", "extra_nvcc_flags", "build_requires", "constants",
@@ -76,6 +81,11 @@ def load(path: str | Path) -> dict:
     return {"version": data["version"], "kernels": kernels}
 
 
+def major_minor(version: str | None) -> str | None:
+    """``2.14.1+cu130`` -> ``2.14``: the part of a torch version whose C++ ABI an extension is bound to."""
+    return ".".join(version.split("+")[0].split(".")[:2]) if version else None
+
+
 def read_build_record(package_dir: str | Path) -> dict | None:
     """The build record the build kit wrote into the package, or None when the package was never built by it."""
     try:
@@ -99,7 +109,7 @@ def declare(hook_module_file: str) -> list[KernelSpec]:
             archs=tuple(table.get("archs", ())),
             trainable=tuple(table.get("trainable", ())),
             constants=dict(table.get("constants", {})),
-            extension=f"{package_dir.name}._C",
+            extension=f"{package_dir.name}.{EXTENSION_MODULE}",
             build=record,
         )
         for name, table in manifest["kernels"].items()

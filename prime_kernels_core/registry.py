@@ -15,10 +15,8 @@ from functools import lru_cache
 
 import pluggy
 
-from . import hookspecs
-from .manifest import KernelSpec
-
-ENTRY_POINT_GROUP = "prime_kernels"
+from . import ENTRY_POINT_GROUP, hookspecs
+from .manifest import ARCH_PATTERN, KernelSpec, major_minor
 DISABLE_ENV = "PRIME_KERNELS_DISABLE"
 ALLOW_ENV = "PRIME_KERNELS_PLUGINS"
 AVAILABLE = "available"
@@ -167,7 +165,7 @@ def arch_runs_on(arch: str, capability: tuple[int, int]) -> bool:
 
     Arch-specific ("a") code runs only on its exact capability; family ("f") and plain code on later minors of the major.
     """
-    match = re.fullmatch(r"(\d+)\.(\d+)([af]?)", arch)
+    match = ARCH_PATTERN.fullmatch(arch)
     if not match:
         return False
     major, minor, suffix = int(match[1]), int(match[2]), match[3]
@@ -177,10 +175,6 @@ def arch_runs_on(arch: str, capability: tuple[int, int]) -> bool:
 
 
 # ---------------------------------------------------------------- gating
-
-def _major_minor(version: str | None) -> str | None:
-    return ".".join(version.split("+")[0].split(".")[:2]) if version else None
-
 
 def _foreign_namespace_reason(spec: KernelSpec) -> str | None:
     if spec.extension in sys.modules or spec.module in sys.modules:  # registered by the plugin itself
@@ -200,8 +194,8 @@ def _foreign_namespace_reason(spec: KernelSpec) -> str | None:
 def _abi_reason(spec: KernelSpec, target: Target | str) -> str | None:
     import torch
 
-    built_torch, built_cuda = _major_minor(spec.build.get("torch")), spec.build.get("torch_cuda")
-    running_torch, running_cuda = _major_minor(torch.__version__), torch.version.cuda
+    built_torch, built_cuda = major_minor(spec.build.get("torch")), spec.build.get("torch_cuda")
+    running_torch, running_cuda = major_minor(torch.__version__), torch.version.cuda
     if built_torch != running_torch:
         return (
             f"{spec.name} was built against torch {built_torch} but this process runs torch {running_torch}; "
