@@ -49,12 +49,15 @@ class Entry:
 
 # ---------------------------------------------------------------- discovery
 
+def normalized_name(name: str) -> str:
+    """A distribution or plugin name as packaging compares them: case-folded, each run of "-", "_" and "." one "-"."""
+    return re.sub(r"[-_.]+", "-", name.strip()).lower()
+
+
 def _allowed(ep, dist_name: str) -> bool:
-    allow = os.environ.get(ALLOW_ENV)
-    if allow is None:
-        return True
-    names = {n.strip() for n in allow.split(",") if n.strip()}
-    return ep.name in names or dist_name in names
+    """Whether the allow-list (ALLOW_ENV; unset or empty: every plugin) names this entry point or its distribution."""
+    allowed = {normalized_name(n) for n in os.environ.get(ALLOW_ENV, "").split(",") if n.strip()}
+    return not allowed or normalized_name(ep.name) in allowed or normalized_name(dist_name) in allowed
 
 
 def _plugin_entry_points():
@@ -62,7 +65,7 @@ def _plugin_entry_points():
     seen = set()
     for dist in importlib.metadata.distributions():
         name = dist.metadata["Name"] or "?"
-        key = re.sub(r"[-_.]+", "-", name).lower()
+        key = normalized_name(name)
         if key in seen:
             continue
         seen.add(key)

@@ -181,6 +181,23 @@ def test_allow_list_limits_discovery(plugin_dir, api, monkeypatch):
     assert set(api.status("cpu")) == {"kb"}
 
 
+@pytest.mark.parametrize("spelling", ["PK_B", " pk.b ", "Pk-B"])
+def test_allow_list_is_compared_by_normalised_name(plugin_dir, api, monkeypatch, spelling):
+    plugin_dir("pk-a", kernel="ka")
+    plugin_dir("pk-b", kernel="kb")
+    monkeypatch.setenv("PRIME_KERNELS_PLUGINS", spelling)
+    api.refresh()
+    assert set(api.status("cpu")) == {"kb"}
+
+
+def test_empty_allow_list_is_unset(plugin_dir, api, monkeypatch):
+    plugin_dir("pk-a", kernel="ka")
+    plugin_dir("pk-b", kernel="kb")
+    monkeypatch.setenv("PRIME_KERNELS_PLUGINS", " ")
+    api.refresh()
+    assert {"ka", "kb"} <= set(api.status("cpu"))
+
+
 def test_status_never_raises(plugin_dir, api):
     plugin_dir("pk-weird")
     assert isinstance(api.status(object()), dict)
