@@ -15,7 +15,7 @@ from functools import lru_cache
 
 import pluggy
 
-from . import ENTRY_POINT_GROUP, hookspecs
+from . import ENTRY_POINT_GROUP, hookspecs, manifest
 from .manifest import ARCH_PATTERN, KernelSpec, major_minor
 DISABLE_ENV = "PRIME_KERNELS_DISABLE"
 ALLOW_ENV = "PRIME_KERNELS_PLUGINS"
@@ -118,9 +118,11 @@ def _discover() -> tuple[tuple[Entry, ...], dict]:
 
 
 def refresh() -> None:
-    """Forget discovery and import results, e.g. after installing a plugin into a running process."""
+    """Forget discovery, manifests and import results, e.g. after installing a plugin into a running process."""
     _discover.cache_clear()
     _import_module.cache_clear()
+    manifest.load.cache_clear()
+    importlib.invalidate_caches()  # the import system's directory listings predate the install
 
 
 def entries() -> tuple[Entry, ...]:

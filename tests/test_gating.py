@@ -29,6 +29,15 @@ def test_entry_point_naming_manifest_hooks(plugin_dir, api, tmp_path):
     assert entry.manager.hook.prime_kernels_sample_inputs(kernel="demo", device="cpu") == [[("op_a", ("demo", "cpu"), {})]]
 
 
+def test_refresh_rereads_the_manifest(plugin_dir, api, tmp_path):
+    package = plugin_dir("pk-renamed", kernel="before")
+    assert set(api.status("cpu")) == {"before"}
+    manifest = tmp_path / package / "kernel.toml"
+    manifest.write_text(manifest.read_text().replace("[before]", "[after]"))
+    api.refresh()
+    assert set(api.status("cpu")) == {"after"}
+
+
 def test_unknown_kernel_is_a_reason(plugin_dir, api):
     plugin_dir("pk-good2")
     assert api.unavailable_reason("nope", "cpu") == "no installed plugin declares a kernel named 'nope'"
