@@ -9,6 +9,7 @@ import sys
 from . import registry
 
 COLUMNS = ("kernel", "distribution", "namespace", "archs built", "torch built/running", "state", "reason")
+UNAVAILABLE = "unavailable"
 PROBE_SCRIPT = (
     "import json, sys, prime_kernels_core.registry as r; "
     "print(json.dumps(r.unavailable_reason(sys.argv[1], None if sys.argv[2] == 'None' else sys.argv[2])))"
@@ -31,6 +32,9 @@ def _probe_reason(name: str, device) -> str | None:
 def rows(device=None, probe: bool = False) -> list[dict]:
     import torch
 
+    failure = registry.discovery_failure()
+    if failure:
+        return [dict(dict.fromkeys(COLUMNS, ""), kernel=registry.DISCOVERY_KEY, state=UNAVAILABLE, reason=failure)]
     out = []
     for entry in registry.entries():
         reason = _probe_reason(entry.name, device) if probe else registry.unavailable_reason(entry.name, device)
@@ -41,7 +45,7 @@ def rows(device=None, probe: bool = False) -> list[dict]:
             "namespace": spec.namespace if spec else "",
             "archs built": ",".join(build.get("archs") or []) or ("none" if build else ""),
             "torch built/running": f"{build.get('torch', '?')} / {torch.__version__}",
-            "state": registry.AVAILABLE if reason is None else "unavailable",
+            "state": registry.AVAILABLE if reason is None else UNAVAILABLE,
             "reason": reason or "",
         })
     return out

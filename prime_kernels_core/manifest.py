@@ -89,9 +89,10 @@ def major_minor(version: str | None) -> str | None:
 def read_build_record(package_dir: str | Path) -> dict | None:
     """The build record the build kit wrote into the package, or None when the package was never built by it."""
     try:
-        return json.loads((Path(package_dir) / BUILD_RECORD_NAME).read_text())
+        record = json.loads((Path(package_dir) / BUILD_RECORD_NAME).read_text())
     except (OSError, ValueError):
         return None
+    return record if isinstance(record, dict) else None
 
 
 def declare(hook_module_file: str) -> list[KernelSpec]:
@@ -116,14 +117,19 @@ def declare(hook_module_file: str) -> list[KernelSpec]:
     ]
 
 
-def constants(package: str, kernel: str) -> dict:
-    """The ``constants`` table of ``kernel`` in the installed ``package``'s manifest (what the build compiled in)."""
+def package_dir(package: str) -> Path:
+    """The folder of the installed top-level ``package``, found without importing it."""
     import importlib.util
 
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ManifestError(f"package {package!r} is not installed")
-    table = load(Path(list(spec.submodule_search_locations)[0]))["kernels"].get(kernel)
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def constants(package: str, kernel: str) -> dict:
+    """The ``constants`` table of ``kernel`` in the installed ``package``'s manifest (what the build compiled in)."""
+    table = load(package_dir(package))["kernels"].get(kernel)
     if table is None:
         raise ManifestError(f"package {package!r} declares no kernel {kernel!r}")
     return dict(table.get("constants", {}))

@@ -12,6 +12,7 @@ import re
 import sys
 from collections import defaultdict
 from functools import lru_cache
+from pathlib import Path
 
 import pluggy
 
@@ -20,6 +21,8 @@ from .manifest import ARCH_PATTERN, KernelSpec, major_minor
 DISABLE_ENV = "PRIME_KERNELS_DISABLE"
 ALLOW_ENV = "PRIME_KERNELS_PLUGINS"
 AVAILABLE = "available"
+# status()'s one key when discovery itself failed: no kernel is named like this.
+DISCOVERY_KEY = "<discovery>"
 
 
 class KernelUnavailableError(RuntimeError):
@@ -60,22 +63,53 @@ def _allowed(ep, dist_name: str) -> bool:
     return not allowed or normalized_name(ep.name) in allowed or normalized_name(dist_name) in allowed
 
 
+def _installed_as(dist) -> tuple[str, str]:
+    """(name, version) from the folder a distribution is installed as (``name-version.dist-info``), for when its
+    METADATA cannot be read."""
+    stem = Path(str(getattr(dist, "_path", "?-?"))).name.rsplit(".", 1)[0]
+    name, _, version = stem.partition("-")
+    return name, version or "?"
+
+
 def _plugin_entry_points():
-    """(distribution name, version, entry point) for each plugin, first copy of each distribution on sys.path only."""
+    """(distribution name, version, entry point, why its METADATA is unreadable or None) for each plugin, first copy of
+    each distribution on sys.path only. Each distribution is read on its own: a broken unrelated install hides nothing."""
     seen = set()
     for dist in importlib.metadata.distributions():
-        name = dist.metadata["Name"] or "?"
+        try:
+            plugin_eps = [ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
+        except Exception:  # an unparsable entry_points.txt names no plugin that could be loaded
+            continue
+        try:
+            name, version, unreadable = dist.metadata["Name"] or "?", dist.version, None
+        except Exception as exc:
+            (name, version), unreadable = _installed_as(dist), f"its METADATA cannot be read: {type(exc).__name__}: {exc}"
         key = normalized_name(name)
         if key in seen:
             continue
         seen.add(key)
-        for ep in dist.entry_points:
-            if ep.group == ENTRY_POINT_GROUP and _allowed(ep, name):
-                yield name, dist.version, ep
+        for ep in plugin_eps:
+            if _allowed(ep, name):
+                yield name, version, ep, unreadable
 
 
-def _declare(dist_name: str, version: str, ep) -> list[Entry]:
+def _manifest_kernel_names(ep) -> list[str]:
+    """The kernels in the kernel.toml of the entry point's package, found without importing it (the entry point names
+    only one of them); the entry point's name when no manifest can be read."""
+    try:
+        return list(manifest.load(manifest.package_dir(ep.module.split(".")[0]))["kernels"])
+    except Exception:
+        return [ep.name]
+
+
+def _failed(dist_name: str, version: str, ep, error: str) -> list[Entry]:
+    return [Entry(name, dist_name, version, error=error) for name in _manifest_kernel_names(ep)]
+
+
+def _declare(dist_name: str, version: str, ep, unreadable: str | None) -> list[Entry]:
     """Import one plugin's hook module in its own PluginManager, so one plugin's failure touches no other."""
+    if unreadable:
+        return _failed(dist_name, version, ep, unreadable)
     try:
         manager = pluggy.PluginManager(ENTRY_POINT_GROUP)
         manager.add_hookspecs(hookspecs)
@@ -89,7 +123,7 @@ def _declare(dist_name: str, version: str, ep) -> list[Entry]:
             for s in specs
         ]
     except Exception as exc:  # a broken plugin is a row, never an abort
-        return [Entry(ep.name, dist_name, version, error=f"{type(exc).__name__}: {exc}")]
+        return _failed(dist_name, version, ep, f"{type(exc).__name__}: {exc}")
 
 
 def _clashes(entries: list[Entry]) -> dict[int, str]:
@@ -113,7 +147,7 @@ def _clashes(entries: list[Entry]) -> dict[int, str]:
 
 @lru_cache(maxsize=1)
 def _discover() -> tuple[tuple[Entry, ...], dict]:
-    entries = [e for dist, version, ep in _plugin_entry_points() for e in _declare(dist, version, ep)]
+    entries = [e for found in _plugin_entry_points() for e in _declare(*found)]
     return tuple(entries), _clashes(entries)
 
 
@@ -285,13 +319,21 @@ def is_available(name: str, device=None) -> bool:
     return unavailable_reason(name, device) is None
 
 
-def status(device=None) -> dict[str, str]:
-    """{kernel name: "available" or the reason}; never raises."""
+def discovery_failure() -> str | None:
+    """Why discovery itself failed (then there are no rows), or None; never raises."""
     try:
-        names = dict.fromkeys(e.name for e in entries())
+        entries()
     except Exception as exc:
-        return {"<discovery>": f"plugin discovery failed: {type(exc).__name__}: {exc}"}
-    return {n: unavailable_reason(n, device) or AVAILABLE for n in names}
+        return f"plugin discovery failed: {type(exc).__name__}: {exc}"
+    return None
+
+
+def status(device=None) -> dict[str, str]:
+    """{kernel name: "available" or the reason}, or {DISCOVERY_KEY: the reason} when discovery failed; never raises."""
+    failure = discovery_failure()
+    if failure:
+        return {DISCOVERY_KEY: failure}
+    return {n: unavailable_reason(n, device) or AVAILABLE for n in dict.fromkeys(e.name for e in entries())}
 
 
 def spec(name: str) -> KernelSpec:

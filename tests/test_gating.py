@@ -56,6 +56,18 @@ def test_rule1_broken_import_beside_good_plugin(plugin_dir, api, tmp_path):
     assert api.load("fine", "cpu") is not None
 
 
+def test_rule1_broken_plugin_names_every_kernel_of_its_manifest(plugin_dir, api, tmp_path):
+    package = plugin_dir("pk-multi", kernel="first")
+    with open(tmp_path / package / "kernel.toml", "a") as manifest:
+        manifest.write(f'[second]\nnamespace = "pk_test_{package}"\nops = ["op_b"]\nmodule = "{package}.ops"\n')
+    (tmp_path / package / "plugin.py").write_text("raise ImportError('boom')\n")
+    api.refresh()
+    assert api.status("cpu") == dict.fromkeys(["first", "second"], "plugin pk-multi 0.1.0 failed to load: ImportError: boom")
+    (tmp_path / package / "kernel.toml").unlink()
+    api.refresh()
+    assert api.status("cpu") == {"first": "plugin pk-multi 0.1.0 failed to load: ImportError: boom"}
+
+
 def test_rule1_hook_raising(plugin_dir, api, tmp_path):
     plugin_dir("pk-hookok", kernel="hookok")
     package = plugin_dir("pk-hookraise", kernel="hookraise")
@@ -207,10 +219,35 @@ def test_empty_allow_list_is_unset(plugin_dir, api, monkeypatch):
     assert {"ka", "kb"} <= set(api.status("cpu"))
 
 
-def test_status_never_raises(plugin_dir, api):
+UNDECODABLE_METADATA = b"Metadata-Version: 2.1\nName: other\nVersion: 1.0\nSummary: caf\xe9\n"
+
+
+@pytest.mark.parametrize("broken", ["METADATA", "entry_points.txt"])
+def test_broken_unrelated_distribution_hides_no_plugin(plugin_dir, api, tmp_path, broken):
+    plugin_dir("pk-good")
+    info = tmp_path / "other-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_bytes(UNDECODABLE_METADATA if broken == "METADATA" else b"Name: other\nVersion: 1.0\n")
+    if broken == "entry_points.txt":
+        (info / "entry_points.txt").write_text("[console_scripts]\nno equals sign here\n")
+    api.refresh()
+    assert api.status("cpu") == {"demo": "available"}
+    assert api.load("demo", "cpu").unsupported_shape_reason(16) is None
+
+
+def test_plugin_with_unreadable_metadata_is_a_row(plugin_dir, api, tmp_path):
+    package = plugin_dir("pk-latin")
+    (tmp_path / f"{package}-0.1.0.dist-info" / "METADATA").write_bytes(UNDECODABLE_METADATA)
+    api.refresh()
+    reason = api.unavailable_reason("demo", "cpu")
+    assert reason.startswith("plugin pk_latin 0.1.0 failed to load: its METADATA cannot be read: UnicodeDecodeError"), reason
+
+
+def test_unresolvable_device_is_a_reason(plugin_dir, api):
     plugin_dir("pk-weird")
-    assert isinstance(api.status(object()), dict)
-    assert "could not resolve device" in api.unavailable_reason("demo", object())
+    device = object()
+    assert api.status(device) == {"demo": api.unavailable_reason("demo", device)}
+    assert "could not resolve device" in api.unavailable_reason("demo", device)
     assert api.unavailable_reason("demo", "meta") == "device type 'meta' is not supported; use a CUDA device or 'cpu'"
 
 
