@@ -122,7 +122,7 @@ def _declare(dist_name: str, version: str, ep, unreadable: str | None) -> list[E
             Entry(s.name, dist_name, version, dataclasses.replace(s, distribution=dist_name, version=version), None, manager)
             for s in specs
         ]
-    except Exception as exc:  # a broken plugin is a row, never an abort
+    except (Exception, SystemExit) as exc:  # a broken plugin is a row, never an abort (sys.exit() included)
         return _failed(dist_name, version, ep, f"{type(exc).__name__}: {exc}")
 
 
@@ -254,7 +254,7 @@ def _import_module(module: str):
     """(module, None) or (None, reason), imported once per process."""
     try:
         return importlib.import_module(module), None
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         text = f"{type(exc).__name__}: {exc}"
         symbol = re.search(r"undefined symbol: (\S+)", text)
         if symbol:
@@ -265,6 +265,15 @@ def _import_module(module: str):
                 f"match the running torch {torch.__version__}; rebuild it against this torch"
             )
         return None, f"importing {module} failed: {text}"
+
+
+def _extra_check_reason(spec: KernelSpec, answer) -> str | None:
+    """The extra check's answer as a reason: a non-empty sentence is one, anything else falsy is none."""
+    if isinstance(answer, str):
+        return answer if answer.strip() else None
+    if answer:
+        return f"{spec.distribution}'s extra check refused {spec.name} without saying why (it returned {answer!r}, not a sentence)"
+    return None
 
 
 def _reason(name: str, device) -> str | None:
@@ -302,9 +311,10 @@ def _reason(name: str, device) -> str | None:
     if failure:
         return failure
     try:  # rule 9
-        return entry.manager.hook.prime_kernels_extra_check(kernel=name, device=target)
-    except Exception as exc:
+        answer = entry.manager.hook.prime_kernels_extra_check(kernel=name, device=target)
+    except (Exception, SystemExit) as exc:
         return f"{spec.distribution}'s extra check raised {type(exc).__name__}: {exc}"
+    return _extra_check_reason(spec, answer)
 
 
 def unavailable_reason(name: str, device=None) -> str | None:

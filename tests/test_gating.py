@@ -186,6 +186,42 @@ def test_rule9_extra_check(plugin_dir, api):
     assert api.unavailable_reason("demo", "cpu") is None
 
 
+EXTRA_CHECK_ANSWERS = {"empty": "''", "blank": "'   '", "false": "False", "zero": "0", "true": "True", "list": "['2 GPUs']"}
+
+
+@pytest.mark.parametrize("case", sorted(EXTRA_CHECK_ANSWERS))
+def test_rule9_extra_check_answers_are_normalised(plugin_dir, api, case):
+    answer, refused = EXTRA_CHECK_ANSWERS[case], case in ("true", "list")
+    dist = f"pk-extra-{case}"  # a package per case: a hook module is imported once per process
+    plugin_dir(dist, hooks=f"""
+        @hookimpl
+        def prime_kernels_extra_check(kernel, device):
+            return {answer}
+    """)
+    expected = f"{dist}'s extra check refused demo without saying why (it returned {answer}, not a sentence)"
+    assert api.unavailable_reason("demo", "cpu") == (expected if refused else None)
+    assert api.status("cpu") == {"demo": expected if refused else "available"}
+
+
+@pytest.mark.parametrize("where", ["plugin.py", "ops.py", "extra check"])
+def test_sys_exit_in_plugin_code_is_a_reason(plugin_dir, api, tmp_path, where):
+    dist = "pk-exits-in-" + where.replace(".", "-").replace(" ", "-")
+    package = plugin_dir(dist, hooks="""
+        @hookimpl
+        def prime_kernels_extra_check(kernel, device):
+            raise SystemExit("extra check exits")
+    """ if where == "extra check" else "")
+    if where != "extra check":
+        (tmp_path / package / where).write_text("import sys\nsys.exit('module exits')\n")
+    api.refresh()
+    expected = {
+        "plugin.py": f"plugin {dist} 0.1.0 failed to load: SystemExit: module exits",
+        "ops.py": f"importing {package}.ops failed: SystemExit: module exits",
+        "extra check": f"{dist}'s extra check raised SystemExit: extra check exits",
+    }[where]
+    assert api.status("cpu") == {"demo": expected}
+
+
 def test_disabled_by_env(plugin_dir, api, monkeypatch):
     plugin_dir("pk-disabled")
     monkeypatch.setenv("PRIME_KERNELS_DISABLE", "other,demo")
