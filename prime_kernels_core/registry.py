@@ -242,6 +242,11 @@ def _abi_reason(spec: KernelSpec, target: Target | str) -> str | None:
         )
     cuda_built = not spec.build.get("cuda_skipped")
     if cuda_built and not (isinstance(target, Target) and target.kind == "cpu") and built_cuda != running_cuda:
+        if running_cuda is None:
+            return (
+                f"{spec.name} was built against CUDA {built_cuda} but this process runs a CPU-only torch; "
+                f"install a torch built with CUDA {built_cuda}, or use device 'cpu'"
+            )
         return (
             f"{spec.name} was built against CUDA {built_cuda} but this process runs torch with CUDA {running_cuda}; "
             f"rebuild {spec.distribution} against the running torch"

@@ -137,6 +137,18 @@ def test_rule5_cuda_mismatch(plugin_dir, api):
     assert "was built against CUDA 11.8" in api.unavailable_reason("demo", SM90)
 
 
+def test_rule5_cpu_only_torch(plugin_dir, api, monkeypatch):
+    import torch
+
+    plugin_dir("pk-cputorch", record={"torch": torch.__version__, "torch_cuda": "13.0", "archs": ["9.0a"],
+                                      "cuda_skipped": None})
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert api.unavailable_reason("demo", SM90) == (
+        "demo was built against CUDA 13.0 but this process runs a CPU-only torch; "
+        "install a torch built with CUDA 13.0, or use device 'cpu'")
+    assert api.unavailable_reason("demo", "cpu") is None
+
+
 def test_rule6_no_such_cuda_device(plugin_dir, api):
     plugin_dir("pk-nodev")
     reason = api.unavailable_reason("demo", "cuda:64")
