@@ -272,6 +272,20 @@ def _import_module(module: str):
         return None, f"importing {module} failed: {text}"
 
 
+def _arch_reason(spec: KernelSpec, capability: tuple[int, int]) -> str | None:
+    """Why ``spec`` has no code for a device of ``capability``: the kernel's own manifest archs must name the device
+    (a plugin's kernels share one _C, compiled for all their archs together) and the build must have compiled it."""
+    device = "sm_{}{}".format(*capability)
+    listed = ", ".join(spec.archs) or "none"
+    if not any(arch_runs_on(a, capability) for a in spec.archs):
+        return f"{spec.name} lists archs {listed}; this device is {device}"
+    built = spec.build.get("archs") or []
+    if not any(arch_runs_on(a, capability) for a in built):
+        compiled = ", ".join(built) or "none"
+        return f"{spec.name} lists archs {listed} but its build compiled {compiled}; this device is {device}"
+    return None
+
+
 def _extra_check_reason(spec: KernelSpec, answer) -> str | None:
     """The extra check's answer as a reason: a non-empty sentence is one, anything else falsy is none."""
     if isinstance(answer, str):
@@ -308,10 +322,9 @@ def _reason(name: str, device) -> str | None:
     if isinstance(target, str):  # rule 6
         return target
     if target.kind == "cuda":  # rule 7
-        built = spec.build.get("archs") or []
-        if not any(arch_runs_on(a, target.capability) for a in built):
-            major, minor = target.capability
-            return f"{spec.name} is compiled for {', '.join(built) or 'no arch'}, this device is sm_{major}{minor}"
+        arch = _arch_reason(spec, target.capability)
+        if arch:
+            return arch
     _, failure = _import_module(spec.module)  # rule 8
     if failure:
         return failure

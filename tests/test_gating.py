@@ -5,6 +5,7 @@ import torch
 from prime_kernels_core.registry import Target, arch_runs_on
 
 SM90 = Target("cuda", 0, (9, 0))
+SM100 = Target("cuda", 0, (10, 0))
 
 
 def test_available_on_cpu_and_matching_gpu(plugin_dir, api):
@@ -164,7 +165,33 @@ def test_rule6_default_device_without_gpu(plugin_dir, api):
 
 def test_rule7_arch_mismatch(plugin_dir, api):
     plugin_dir("pk-hopper", archs=("9.0a",))
-    assert api.unavailable_reason("demo", Target("cuda", 0, (10, 0))) == "demo is compiled for 9.0a, this device is sm_100"
+    assert api.unavailable_reason("demo", SM100) == "demo lists archs 9.0a; this device is sm_100"
+    assert api.unavailable_reason("demo", SM90) is None
+
+
+def test_rule7_archs_are_per_kernel(plugin_dir, api, tmp_path):
+    import torch
+
+    record = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "archs": ["10.0a", "9.0a"],
+              "cuda_skipped": None}  # one _C for both kernels, compiled for both archs
+    package = plugin_dir("pk-two-archs", kernel="hopper_only", archs=("9.0a",), record=record)
+    with open(tmp_path / package / "kernel.toml", "a") as manifest:
+        manifest.write(f'[blackwell_only]\nnamespace = "pk_test_{package}"\nops = ["op_b"]\nmodule = "{package}.ops"\n'
+                       'archs = ["10.0a"]\n')
+    api.refresh()
+    assert api.unavailable_reason("hopper_only", SM90) is None
+    assert api.unavailable_reason("blackwell_only", SM100) is None
+    assert api.unavailable_reason("hopper_only", SM100) == "hopper_only lists archs 9.0a; this device is sm_100"
+    assert api.unavailable_reason("blackwell_only", SM90) == "blackwell_only lists archs 10.0a; this device is sm_90"
+
+
+def test_rule7_listed_arch_not_compiled(plugin_dir, api):
+    import torch
+
+    record = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "archs": ["9.0a"], "cuda_skipped": None}
+    plugin_dir("pk-partial-build", archs=("9.0a", "10.0a"), record=record)
+    assert api.unavailable_reason("demo", SM100) == (
+        "demo lists archs 9.0a, 10.0a but its build compiled 9.0a; this device is sm_100")
     assert api.unavailable_reason("demo", SM90) is None
 
 
