@@ -10,9 +10,10 @@ from . import registry
 
 COLUMNS = ("kernel", "distribution", "namespace", "archs built", "torch built/running", "state", "reason")
 UNAVAILABLE = "unavailable"
+# The child gets the device as --device spelled it (none: the current device) and parses it the same way.
 PROBE_SCRIPT = (
-    "import json, sys, prime_kernels_core.registry as r; "
-    "print(json.dumps(r.unavailable_reason(sys.argv[1], None if sys.argv[2] == 'None' else sys.argv[2])))"
+    "import json, sys; from prime_kernels_core import cli, registry; "
+    "print(json.dumps(registry.unavailable_reason(sys.argv[1], cli._device_arg(sys.argv[2]) if sys.argv[2:] else None)))"
 )
 
 
@@ -22,7 +23,8 @@ def _device_arg(value: str):
 
 def _probe_reason(name: str, device) -> str | None:
     """The reason computed in a child process, so a crash while loading a shared library becomes a row."""
-    done = subprocess.run([sys.executable, "-c", PROBE_SCRIPT, name, str(device)], capture_output=True, text=True)
+    device_args = [] if device is None else [str(device)]
+    done = subprocess.run([sys.executable, "-c", PROBE_SCRIPT, name, *device_args], capture_output=True, text=True)
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return f"probing {name} crashed the child process (exit code {done.returncode}): {tail}"

@@ -76,5 +76,15 @@ def test_failed_discovery_is_one_row(monkeypatch):
         registry.refresh()
 
 
+def test_probe_parses_the_device_like_the_parent(plugin_dir, tmp_path):
+    plugin_dir("pk-cli-good", kernel="good")
+    for device in ([], ["--device", "0"], ["--device", "cpu"]):
+        direct, probed = (json.loads(_run(tmp_path, "--json", *device, *probe, allow="pk-cli-good").stdout)
+                          for probe in ([], ["--probe"]))
+        assert probed == direct, device
+    (row,) = probed
+    assert row["state"] == "available"
+
+
 def test_empty_table_has_a_hint():
     assert "No prime-kernels plugins are installed" in format_table([])
