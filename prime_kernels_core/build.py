@@ -25,6 +25,10 @@ MODULE_INIT = Path(__file__).parent / "csrc" / "module_init.cpp"
 CORE_INCLUDE = Path(__file__).parent / "include"
 # The first CUDA release whose nvcc can target each arch-specific major (a fact about nvcc, not a project choice).
 NVCC_MIN_FOR_MAJOR = {9: (12, 0), 10: (12, 8), 11: (13, 0), 12: (12, 8)}
+# The first CUDA release whose nvcc knows family-specific targets ("10.0f"), whatever the major.
+NVCC_MIN_FOR_FAMILY = (12, 9)
+# Arch-specific targets ("9.0a") begin with Hopper; older GPUs have plain ones only ("8.0").
+FIRST_ARCH_SPECIFIC_MAJOR = 9
 
 
 class BuildError(RuntimeError):
@@ -79,7 +83,7 @@ def requested_archs(manifest_archs: list[str]) -> list[str] | str:
         if not torch.cuda.is_available():
             return f"{ARCH_ENV}=native but no CUDA device is visible to the build"
         major, minor = torch.cuda.get_device_capability()
-        return [f"{major}.{minor}a"]
+        return [f"{major}.{minor}{'a' if major >= FIRST_ARCH_SPECIFIC_MAJOR else ''}"]
     return [a.strip() for a in re.split(r"[;,\s]+", override) if a.strip()]
 
 
@@ -100,8 +104,8 @@ def cuda_skip_reason(toolchain: Toolchain, archs: list[str]) -> str | None:
         found = ARCH_PATTERN.fullmatch(arch)
         if not found:
             return f"arch {arch!r} is not of the form MAJOR.MINOR[a|f] (e.g. 9.0a)"
-        needed = NVCC_MIN_FOR_MAJOR.get(int(found[1]))
-        if needed and _version_tuple(toolchain.nvcc_version) < needed:
+        needed = max(NVCC_MIN_FOR_MAJOR.get(int(found[1]), (0, 0)), NVCC_MIN_FOR_FAMILY if found[3] == "f" else (0, 0))
+        if _version_tuple(toolchain.nvcc_version) < needed:
             return f"nvcc {toolchain.nvcc_version} cannot build {arch}; it needs CUDA {needed[0]}.{needed[1]} or newer"
     return None
 

@@ -24,6 +24,10 @@ def test_suitable_toolchain_builds():
      "nvcc is CUDA 12.8 but torch 2.14.1+cu130 was built with CUDA 13.0; the CUDA majors must match"),
     (Toolchain("2.7.0+cu126", "12.6", "/usr/local/cuda", "12.6"), ["10.0a"],
      "nvcc 12.6 cannot build 10.0a; it needs CUDA 12.8 or newer"),
+    (Toolchain("2.7.0+cu128", "12.8", "/usr/local/cuda", "12.8"), ["10.0f"],
+     "nvcc 12.8 cannot build 10.0f; it needs CUDA 12.9 or newer"),
+    (Toolchain("2.7.0+cu129", "12.9", "/usr/local/cuda", "12.9"), ["11.0f"],
+     "nvcc 12.9 cannot build 11.0f; it needs CUDA 13.0 or newer"),
     (GOOD, ["sm90"], "arch 'sm90' is not of the form MAJOR.MINOR[a|f] (e.g. 9.0a)"),
     (GOOD, [], "no CUDA arch was requested (the manifest lists none and PRIME_KERNELS_ARCH is unset)"),
 ])
@@ -41,6 +45,16 @@ def test_arch_override(monkeypatch):
     assert build.requested_archs(["9.0a"]) == ["9.0a", "10.0a"]
     monkeypatch.delenv(build.ARCH_ENV)
     assert build.requested_archs(["9.0a"]) == ["9.0a"]
+
+
+@pytest.mark.parametrize("capability,arch", [((8, 0), "8.0"), ((8, 6), "8.6"), ((9, 0), "9.0a"), ((10, 0), "10.0a")])
+def test_native_arch_is_arch_specific_only_from_hopper_on(monkeypatch, capability, arch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *device: capability)
+    monkeypatch.setenv(build.ARCH_ENV, "native")
+    assert build.requested_archs(["9.0a"]) == [arch]
 
 
 def test_native_arch_without_a_device(monkeypatch):
