@@ -175,10 +175,10 @@ def extension_plan(root: Path, toolchain: Toolchain) -> dict:
     manifest = load(package_dir)
     kernels = manifest["kernels"]
     archs = requested_archs(sorted({a for t in kernels.values() for a in t.get("archs", [])}))
-    skip = archs if isinstance(archs, str) else cuda_skip_reason(toolchain, archs)
-    if not any(t.get("sources", {}).get("cuda") for t in kernels.values()):
-        skip = skip or "the manifest lists no CUDA sources"
-    with_cuda = skip is None
+    has_cuda_sources = any(t.get("sources", {}).get("cuda") for t in kernels.values())
+    # A plugin without CUDA sources is CPU-only by design: nothing is skipped, so PRIME_KERNELS_REQUIRE has no say.
+    skip = (archs if isinstance(archs, str) else cuda_skip_reason(toolchain, archs)) if has_cuda_sources else None
+    with_cuda = has_cuda_sources and skip is None
     cxx_std = {t.get("cxx_std", "c++20") for t in kernels.values()}
     if len(cxx_std) != 1:
         raise BuildError(f"{package_dir.name}: kernels disagree on cxx_std ({sorted(cxx_std)}); they share one _C")

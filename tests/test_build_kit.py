@@ -112,6 +112,16 @@ def test_plan_skips_cuda_but_keeps_cpu(tmp_path, monkeypatch):
     assert plan["cuda_skipped"].startswith("no CUDA toolkit was found")
 
 
+def test_plugin_without_cuda_sources_is_no_skip(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(build.REQUIRE_ENV, "1")
+    _write_plugin(tmp_path, cuda="[]")
+    plan = build.extension_plan(tmp_path, GOOD)
+    build.announce_skip(plan)
+    assert "skipping CUDA" not in capsys.readouterr().err
+    assert plan["cuda_skipped"] is None and plan["cuda_sources"] == [] and plan["nvcc_flags"] == [] and plan["archs"] == []
+    assert plan["version"] == "0.2.0+cputorch2.14"
+
+
 def test_string_constants_are_refused(tmp_path):
     _write_plugin(tmp_path, constants='NAME = "x"')
     with pytest.raises(build.BuildError, match="constant moe.NAME must be a number or boolean"):
