@@ -259,9 +259,11 @@ def setup_plugin(root: str | Path | None = None, **setup_kwargs) -> None:
     class BuildWithRecord(cpp_extension.BuildExtension):
         def run(self):
             super().run()
-            target = Path(self.build_lib) / plan["package"] / BUILD_RECORD_NAME
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(json.dumps(record, indent=2))
+            # Beside the built _C, and beside the in-place copy an editable install (pip install -e) imports.
+            in_place = Path(self.get_ext_fullpath(extension.name)).parent
+            for package_dir in {Path(self.build_lib) / plan["package"], in_place}:
+                package_dir.mkdir(parents=True, exist_ok=True)
+                (package_dir / BUILD_RECORD_NAME).write_text(json.dumps(record, indent=2))
 
     setuptools.setup(
         version=plan["version"],
