@@ -13,7 +13,8 @@ UNAVAILABLE = "unavailable"
 # The child gets the device as --device spelled it (none: the current device) and parses it the same way.
 PROBE_SCRIPT = (
     "import json, sys; from prime_kernels_core import cli, registry; "
-    "print(json.dumps(registry.unavailable_reason(sys.argv[1], cli._device_arg(sys.argv[2]) if sys.argv[2:] else None)))"
+    "device = cli._device_arg(sys.argv[2]) if sys.argv[2:] else None; "
+    "print(json.dumps(registry.unavailable_reason(sys.argv[1], device)))"
 )
 
 

@@ -18,6 +18,7 @@ import pluggy
 
 from . import ENTRY_POINT_GROUP, hookspecs, manifest
 from .manifest import ARCH_PATTERN, KernelSpec, major_minor
+
 DISABLE_ENV = "PRIME_KERNELS_DISABLE"
 ALLOW_ENV = "PRIME_KERNELS_PLUGINS"
 AVAILABLE = "available"
@@ -66,6 +67,7 @@ def _allowed(ep, dist_name: str) -> bool:
 def _installed_as(dist) -> tuple[str, str]:
     """(name, version) from the folder a distribution is installed as (``name-version.dist-info``), for when its
     METADATA cannot be read."""
+    # importlib.metadata keeps a distribution's folder only in the private _path; other finders may not have one.
     stem = Path(str(getattr(dist, "_path", "?-?"))).name.rsplit(".", 1)[0]
     name, _, version = stem.partition("-")
     return name, version or "?"
@@ -73,7 +75,7 @@ def _installed_as(dist) -> tuple[str, str]:
 
 def _plugin_entry_points():
     """(distribution name, version, entry point, why its METADATA is unreadable or None) for each plugin, first copy of
-    each distribution on sys.path only. Each distribution is read on its own: a broken unrelated install hides nothing."""
+    each distribution on sys.path only. Each distribution is read on its own: a broken unrelated one hides nothing."""
     seen = set()
     for dist in importlib.metadata.distributions():
         try:
@@ -83,7 +85,8 @@ def _plugin_entry_points():
         try:
             name, version, unreadable = dist.metadata["Name"] or "?", dist.version, None
         except Exception as exc:
-            (name, version), unreadable = _installed_as(dist), f"its METADATA cannot be read: {type(exc).__name__}: {exc}"
+            name, version = _installed_as(dist)
+            unreadable = f"its METADATA cannot be read: {type(exc).__name__}: {exc}"
         key = normalized_name(name)
         if key in seen:
             continue
@@ -287,11 +290,15 @@ def _arch_reason(spec: KernelSpec, capability: tuple[int, int]) -> str | None:
 
 
 def _extra_check_reason(spec: KernelSpec, answer) -> str | None:
-    """The extra check's answer as a reason: a non-empty sentence is one, anything else falsy is none."""
+    """The extra check's answer as a reason: a non-blank string is one; any other truthy value refuses without saying
+    why, which is a reason too; a blank string or a falsy value is none."""
     if isinstance(answer, str):
         return answer if answer.strip() else None
     if answer:
-        return f"{spec.distribution}'s extra check refused {spec.name} without saying why (it returned {answer!r}, not a sentence)"
+        return (
+            f"{spec.distribution}'s extra check refused {spec.name} without saying why "
+            f"(it returned {answer!r}, not a sentence)"
+        )
     return None
 
 
