@@ -3,5 +3,8 @@ import pluggy
 
 __version__ = "0.1.0"
 
-hookimpl = pluggy.HookimplMarker("prime_kernels")
+# The entry-point group plugins register under, and pluggy's project name for their hooks.
+ENTRY_POINT_GROUP = "prime_kernels"
+
+hookimpl = pluggy.HookimplMarker(ENTRY_POINT_GROUP)
 """Decorator for a plugin's hook implementations (see prime_kernels_core.hookspecs)."""

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .manifest import BUILD_RECORD_NAME, MANIFEST_NAME, load
+from .manifest import ARCH_PATTERN, BUILD_RECORD_NAME, EXTENSION_MODULE, MANIFEST_NAME, load, major_minor
 
 ARCH_ENV = "PRIME_KERNELS_ARCH"
 REQUIRE_ENV = "PRIME_KERNELS_REQUIRE"
@@ -25,6 +25,10 @@ MODULE_INIT = Path(__file__).parent / "csrc" / "module_init.cpp"
 CORE_INCLUDE = Path(__file__).parent / "include"
 # The first CUDA release whose nvcc can target each arch-specific major (a fact about nvcc, not a project choice).
 NVCC_MIN_FOR_MAJOR = {9: (12, 0), 10: (12, 8), 11: (13, 0), 12: (12, 8)}
+# The first CUDA release whose nvcc knows family-specific targets ("10.0f"), whatever the major.
+NVCC_MIN_FOR_FAMILY = (12, 9)
+# Arch-specific targets ("9.0a") begin with Hopper; older GPUs have plain ones only ("8.0").
+FIRST_ARCH_SPECIFIC_MAJOR = 9
 
 
 class BuildError(RuntimeError):
@@ -79,7 +83,7 @@ def requested_archs(manifest_archs: list[str]) -> list[str] | str:
         if not torch.cuda.is_available():
             return f"{ARCH_ENV}=native but no CUDA device is visible to the build"
         major, minor = torch.cuda.get_device_capability()
-        return [f"{major}.{minor}a"]
+        return [f"{major}.{minor}{'a' if major >= FIRST_ARCH_SPECIFIC_MAJOR else ''}"]
     return [a.strip() for a in re.split(r"[;,\s]+", override) if a.strip()]
 
 
@@ -97,11 +101,11 @@ def cuda_skip_reason(toolchain: Toolchain, archs: list[str]) -> str | None:
     if not archs:
         return f"no CUDA arch was requested (the manifest lists none and {ARCH_ENV} is unset)"
     for arch in archs:
-        found = re.fullmatch(r"(\d+)\.(\d+)([af]?)", arch)
+        found = ARCH_PATTERN.fullmatch(arch)
         if not found:
             return f"arch {arch!r} is not of the form MAJOR.MINOR[a|f] (e.g. 9.0a)"
-        needed = NVCC_MIN_FOR_MAJOR.get(int(found[1]))
-        if needed and _version_tuple(toolchain.nvcc_version) < needed:
+        needed = max(NVCC_MIN_FOR_MAJOR.get(int(found[1]), (0, 0)), NVCC_MIN_FOR_FAMILY if found[3] == "f" else (0, 0))
+        if _version_tuple(toolchain.nvcc_version) < needed:
             return f"nvcc {toolchain.nvcc_version} cannot build {arch}; it needs CUDA {needed[0]}.{needed[1]} or newer"
     return None
 
@@ -117,9 +121,8 @@ def gencode_flags(archs: list[str]) -> list[str]:
 
 def abi_tag(toolchain: Toolchain, with_cuda: bool) -> str:
     """The wheel's local version: the torch (and CUDA) ABI it imports under, e.g. ``cu130torch2.14``."""
-    torch_mm = ".".join(toolchain.torch_version.split("+")[0].split(".")[:2])
     cuda = "cu" + toolchain.torch_cuda.replace(".", "") if with_cuda else "cpu"
-    return f"{cuda}torch{torch_mm}"
+    return f"{cuda}torch{major_minor(toolchain.torch_version)}"
 
 
 def _build_requirement_includes(requirement: str) -> list[str]:
@@ -172,10 +175,10 @@ def extension_plan(root: Path, toolchain: Toolchain) -> dict:
     manifest = load(package_dir)
     kernels = manifest["kernels"]
     archs = requested_archs(sorted({a for t in kernels.values() for a in t.get("archs", [])}))
-    skip = archs if isinstance(archs, str) else cuda_skip_reason(toolchain, archs)
-    if not any(t.get("sources", {}).get("cuda") for t in kernels.values()):
-        skip = skip or "the manifest lists no CUDA sources"
-    with_cuda = skip is None
+    has_cuda_sources = any(t.get("sources", {}).get("cuda") for t in kernels.values())
+    # A plugin without CUDA sources is CPU-only by design: nothing is skipped, so PRIME_KERNELS_REQUIRE has no say.
+    skip = (archs if isinstance(archs, str) else cuda_skip_reason(toolchain, archs)) if has_cuda_sources else None
+    with_cuda = has_cuda_sources and skip is None
     cxx_std = {t.get("cxx_std", "c++20") for t in kernels.values()}
     if len(cxx_std) != 1:
         raise BuildError(f"{package_dir.name}: kernels disagree on cxx_std ({sorted(cxx_std)}); they share one _C")
@@ -247,7 +250,7 @@ def setup_plugin(root: str | Path | None = None, **setup_kwargs) -> None:
     module_init.parent.mkdir(exist_ok=True)
     module_init.write_text(MODULE_INIT.read_text())
     extension = extension_type(
-        name=f"{plan['package']}._C",
+        name=f"{plan['package']}.{EXTENSION_MODULE}",
         sources=[*plan["cpu_sources"], str(module_init), *plan["cuda_sources"]],
         include_dirs=plan["include_dirs"],
         extra_compile_args=compile_args,
@@ -256,9 +259,11 @@ def setup_plugin(root: str | Path | None = None, **setup_kwargs) -> None:
     class BuildWithRecord(cpp_extension.BuildExtension):
         def run(self):
             super().run()
-            target = Path(self.build_lib) / plan["package"] / BUILD_RECORD_NAME
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(json.dumps(record, indent=2))
+            # Beside the built _C, and beside the in-place copy an editable install (pip install -e) imports.
+            in_place = Path(self.get_ext_fullpath(extension.name)).parent
+            for package_dir in {Path(self.build_lib) / plan["package"], in_place}:
+                package_dir.mkdir(parents=True, exist_ok=True)
+                (package_dir / BUILD_RECORD_NAME).write_text(json.dumps(record, indent=2))
 
     setuptools.setup(
         version=plan["version"],

@@ -9,9 +9,12 @@ import sys
 from . import registry
 
 COLUMNS = ("kernel", "distribution", "namespace", "archs built", "torch built/running", "state", "reason")
+UNAVAILABLE = "unavailable"
+# The child gets the device as --device spelled it (none: the current device) and parses it the same way.
 PROBE_SCRIPT = (
-    "import json, sys, prime_kernels_core.registry as r; "
-    "print(json.dumps(r.unavailable_reason(sys.argv[1], None if sys.argv[2] == 'None' else sys.argv[2])))"
+    "import json, sys; from prime_kernels_core import cli, registry; "
+    "device = cli._device_arg(sys.argv[2]) if sys.argv[2:] else None; "
+    "print(json.dumps(registry.unavailable_reason(sys.argv[1], device)))"
 )
 
 
@@ -21,7 +24,8 @@ def _device_arg(value: str):
 
 def _probe_reason(name: str, device) -> str | None:
     """The reason computed in a child process, so a crash while loading a shared library becomes a row."""
-    done = subprocess.run([sys.executable, "-c", PROBE_SCRIPT, name, str(device)], capture_output=True, text=True)
+    device_args = [] if device is None else [str(device)]
+    done = subprocess.run([sys.executable, "-c", PROBE_SCRIPT, name, *device_args], capture_output=True, text=True)
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return f"probing {name} crashed the child process (exit code {done.returncode}): {tail}"
@@ -31,6 +35,9 @@ def _probe_reason(name: str, device) -> str | None:
 def rows(device=None, probe: bool = False) -> list[dict]:
     import torch
 
+    failure = registry.discovery_failure()
+    if failure:
+        return [dict(dict.fromkeys(COLUMNS, ""), kernel=registry.DISCOVERY_KEY, state=UNAVAILABLE, reason=failure)]
     out = []
     for entry in registry.entries():
         reason = _probe_reason(entry.name, device) if probe else registry.unavailable_reason(entry.name, device)
@@ -41,7 +48,7 @@ def rows(device=None, probe: bool = False) -> list[dict]:
             "namespace": spec.namespace if spec else "",
             "archs built": ",".join(build.get("archs") or []) or ("none" if build else ""),
             "torch built/running": f"{build.get('torch', '?')} / {torch.__version__}",
-            "state": registry.AVAILABLE if reason is None else "unavailable",
+            "state": registry.AVAILABLE if reason is None else UNAVAILABLE,
             "reason": reason or "",
         })
     return out

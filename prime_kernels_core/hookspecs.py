@@ -2,7 +2,9 @@
 holding them (``prime_kernels_core.manifest.ManifestHooks`` implements the common three from a manifest)."""
 import pluggy
 
-hookspec = pluggy.HookspecMarker("prime_kernels")
+from . import ENTRY_POINT_GROUP
+
+hookspec = pluggy.HookspecMarker(ENTRY_POINT_GROUP)
 
 
 @hookspec

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import re
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -23,6 +24,10 @@ else:  # pragma: no cover
 
 MANIFEST_NAME = "kernel.toml"
 BUILD_RECORD_NAME = "_build_record.json"
+# The compiled module of every plugin package, <package>._C; module_init.cpp takes its name from the build's define.
+EXTENSION_MODULE = "_C"
+# A CUDA arch as manifests and PRIME_KERNELS_ARCH spell it: MAJOR.MINOR, then "a" (arch-specific) or "f" (family).
+ARCH_PATTERN = re.compile(r"(\d+)\.(\d+)([af]?)")
 KERNEL_KEYS = {
     "description", "namespace", "ops", "trainable", "module", "archs", "cxx_std", "sources", "include_dirs",
     "extra_cxx_flags", "extra_nvcc_flags", "build_requires", "constants",
@@ -76,12 +81,18 @@ def load(path: str | Path) -> dict:
     return {"version": data["version"], "kernels": kernels}
 
 
+def major_minor(version: str | None) -> str | None:
+    """``2.14.1+cu130`` -> ``2.14``: the part of a torch version whose C++ ABI an extension is bound to."""
+    return ".".join(version.split("+")[0].split(".")[:2]) if version else None
+
+
 def read_build_record(package_dir: str | Path) -> dict | None:
     """The build record the build kit wrote into the package, or None when the package was never built by it."""
     try:
-        return json.loads((Path(package_dir) / BUILD_RECORD_NAME).read_text())
+        record = json.loads((Path(package_dir) / BUILD_RECORD_NAME).read_text())
     except (OSError, ValueError):
         return None
+    return record if isinstance(record, dict) else None
 
 
 def declare(hook_module_file: str) -> list[KernelSpec]:
@@ -99,21 +110,26 @@ def declare(hook_module_file: str) -> list[KernelSpec]:
             archs=tuple(table.get("archs", ())),
             trainable=tuple(table.get("trainable", ())),
             constants=dict(table.get("constants", {})),
-            extension=f"{package_dir.name}._C",
+            extension=f"{package_dir.name}.{EXTENSION_MODULE}",
             build=record,
         )
         for name, table in manifest["kernels"].items()
     ]
 
 
-def constants(package: str, kernel: str) -> dict:
-    """The ``constants`` table of ``kernel`` in the installed ``package``'s manifest (what the build compiled in)."""
+def package_dir(package: str) -> Path:
+    """The folder of the installed top-level ``package``, found without importing it."""
     import importlib.util
 
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ManifestError(f"package {package!r} is not installed")
-    table = load(Path(list(spec.submodule_search_locations)[0]))["kernels"].get(kernel)
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def constants(package: str, kernel: str) -> dict:
+    """The ``constants`` table of ``kernel`` in the installed ``package``'s manifest (what the build compiled in)."""
+    table = load(package_dir(package))["kernels"].get(kernel)
     if table is None:
         raise ManifestError(f"package {package!r} declares no kernel {kernel!r}")
     return dict(table.get("constants", {}))

@@ -12,16 +12,18 @@ import re
 import sys
 from collections import defaultdict
 from functools import lru_cache
+from pathlib import Path
 
 import pluggy
 
-from . import hookspecs
-from .manifest import KernelSpec
+from . import ENTRY_POINT_GROUP, hookspecs, manifest
+from .manifest import ARCH_PATTERN, KernelSpec, major_minor
 
-ENTRY_POINT_GROUP = "prime_kernels"
 DISABLE_ENV = "PRIME_KERNELS_DISABLE"
 ALLOW_ENV = "PRIME_KERNELS_PLUGINS"
 AVAILABLE = "available"
+# status()'s one key when discovery itself failed: no kernel is named like this.
+DISCOVERY_KEY = "<discovery>"
 
 
 class KernelUnavailableError(RuntimeError):
@@ -51,30 +53,66 @@ class Entry:
 
 # ---------------------------------------------------------------- discovery
 
+def normalized_name(name: str) -> str:
+    """A distribution or plugin name as packaging compares them: case-folded, each run of "-", "_" and "." one "-"."""
+    return re.sub(r"[-_.]+", "-", name.strip()).lower()
+
+
 def _allowed(ep, dist_name: str) -> bool:
-    allow = os.environ.get(ALLOW_ENV)
-    if allow is None:
-        return True
-    names = {n.strip() for n in allow.split(",") if n.strip()}
-    return ep.name in names or dist_name in names
+    """Whether the allow-list (ALLOW_ENV; unset or empty: every plugin) names this entry point or its distribution."""
+    allowed = {normalized_name(n) for n in os.environ.get(ALLOW_ENV, "").split(",") if n.strip()}
+    return not allowed or normalized_name(ep.name) in allowed or normalized_name(dist_name) in allowed
+
+
+def _installed_as(dist) -> tuple[str, str]:
+    """(name, version) from the folder a distribution is installed as (``name-version.dist-info``), for when its
+    METADATA cannot be read."""
+    # importlib.metadata keeps a distribution's folder only in the private _path; other finders may not have one.
+    stem = Path(str(getattr(dist, "_path", "?-?"))).name.rsplit(".", 1)[0]
+    name, _, version = stem.partition("-")
+    return name, version or "?"
 
 
 def _plugin_entry_points():
-    """(distribution name, version, entry point) for each plugin, first copy of each distribution on sys.path only."""
+    """(distribution name, version, entry point, why its METADATA is unreadable or None) for each plugin, first copy of
+    each distribution on sys.path only. Each distribution is read on its own: a broken unrelated one hides nothing."""
     seen = set()
     for dist in importlib.metadata.distributions():
-        name = dist.metadata["Name"] or "?"
-        key = re.sub(r"[-_.]+", "-", name).lower()
+        try:
+            plugin_eps = [ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
+        except Exception:  # an unparsable entry_points.txt names no plugin that could be loaded
+            continue
+        try:
+            name, version, unreadable = dist.metadata["Name"] or "?", dist.version, None
+        except Exception as exc:
+            name, version = _installed_as(dist)
+            unreadable = f"its METADATA cannot be read: {type(exc).__name__}: {exc}"
+        key = normalized_name(name)
         if key in seen:
             continue
         seen.add(key)
-        for ep in dist.entry_points:
-            if ep.group == ENTRY_POINT_GROUP and _allowed(ep, name):
-                yield name, dist.version, ep
+        for ep in plugin_eps:
+            if _allowed(ep, name):
+                yield name, version, ep, unreadable
 
 
-def _declare(dist_name: str, version: str, ep) -> list[Entry]:
+def _manifest_kernel_names(ep) -> list[str]:
+    """The kernels in the kernel.toml of the entry point's package, found without importing it (the entry point names
+    only one of them); the entry point's name when no manifest can be read."""
+    try:
+        return list(manifest.load(manifest.package_dir(ep.module.split(".")[0]))["kernels"])
+    except Exception:
+        return [ep.name]
+
+
+def _failed(dist_name: str, version: str, ep, error: str) -> list[Entry]:
+    return [Entry(name, dist_name, version, error=error) for name in _manifest_kernel_names(ep)]
+
+
+def _declare(dist_name: str, version: str, ep, unreadable: str | None) -> list[Entry]:
     """Import one plugin's hook module in its own PluginManager, so one plugin's failure touches no other."""
+    if unreadable:
+        return _failed(dist_name, version, ep, unreadable)
     try:
         manager = pluggy.PluginManager(ENTRY_POINT_GROUP)
         manager.add_hookspecs(hookspecs)
@@ -87,8 +125,8 @@ def _declare(dist_name: str, version: str, ep) -> list[Entry]:
             Entry(s.name, dist_name, version, dataclasses.replace(s, distribution=dist_name, version=version), None, manager)
             for s in specs
         ]
-    except Exception as exc:  # a broken plugin is a row, never an abort
-        return [Entry(ep.name, dist_name, version, error=f"{type(exc).__name__}: {exc}")]
+    except (Exception, SystemExit) as exc:  # a broken plugin is a row, never an abort (sys.exit() included)
+        return _failed(dist_name, version, ep, f"{type(exc).__name__}: {exc}")
 
 
 def _clashes(entries: list[Entry]) -> dict[int, str]:
@@ -112,14 +150,16 @@ def _clashes(entries: list[Entry]) -> dict[int, str]:
 
 @lru_cache(maxsize=1)
 def _discover() -> tuple[tuple[Entry, ...], dict]:
-    entries = [e for dist, version, ep in _plugin_entry_points() for e in _declare(dist, version, ep)]
+    entries = [e for found in _plugin_entry_points() for e in _declare(*found)]
     return tuple(entries), _clashes(entries)
 
 
 def refresh() -> None:
-    """Forget discovery and import results, e.g. after installing a plugin into a running process."""
+    """Forget discovery, manifests and import results, e.g. after installing a plugin into a running process."""
     _discover.cache_clear()
     _import_module.cache_clear()
+    manifest.load.cache_clear()
+    importlib.invalidate_caches()  # the import system's directory listings predate the install
 
 
 def entries() -> tuple[Entry, ...]:
@@ -167,7 +207,7 @@ def arch_runs_on(arch: str, capability: tuple[int, int]) -> bool:
 
     Arch-specific ("a") code runs only on its exact capability; family ("f") and plain code on later minors of the major.
     """
-    match = re.fullmatch(r"(\d+)\.(\d+)([af]?)", arch)
+    match = ARCH_PATTERN.fullmatch(arch)
     if not match:
         return False
     major, minor, suffix = int(match[1]), int(match[2]), match[3]
@@ -177,10 +217,6 @@ def arch_runs_on(arch: str, capability: tuple[int, int]) -> bool:
 
 
 # ---------------------------------------------------------------- gating
-
-def _major_minor(version: str | None) -> str | None:
-    return ".".join(version.split("+")[0].split(".")[:2]) if version else None
-
 
 def _foreign_namespace_reason(spec: KernelSpec) -> str | None:
     if spec.extension in sys.modules or spec.module in sys.modules:  # registered by the plugin itself
@@ -200,8 +236,8 @@ def _foreign_namespace_reason(spec: KernelSpec) -> str | None:
 def _abi_reason(spec: KernelSpec, target: Target | str) -> str | None:
     import torch
 
-    built_torch, built_cuda = _major_minor(spec.build.get("torch")), spec.build.get("torch_cuda")
-    running_torch, running_cuda = _major_minor(torch.__version__), torch.version.cuda
+    built_torch, built_cuda = major_minor(spec.build.get("torch")), spec.build.get("torch_cuda")
+    running_torch, running_cuda = major_minor(torch.__version__), torch.version.cuda
     if built_torch != running_torch:
         return (
             f"{spec.name} was built against torch {built_torch} but this process runs torch {running_torch}; "
@@ -209,6 +245,11 @@ def _abi_reason(spec: KernelSpec, target: Target | str) -> str | None:
         )
     cuda_built = not spec.build.get("cuda_skipped")
     if cuda_built and not (isinstance(target, Target) and target.kind == "cpu") and built_cuda != running_cuda:
+        if running_cuda is None:
+            return (
+                f"{spec.name} was built against CUDA {built_cuda} but this process runs a CPU-only torch; "
+                f"install a torch built with CUDA {built_cuda}, or use device 'cpu'"
+            )
         return (
             f"{spec.name} was built against CUDA {built_cuda} but this process runs torch with CUDA {running_cuda}; "
             f"rebuild {spec.distribution} against the running torch"
@@ -221,7 +262,7 @@ def _import_module(module: str):
     """(module, None) or (None, reason), imported once per process."""
     try:
         return importlib.import_module(module), None
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         text = f"{type(exc).__name__}: {exc}"
         symbol = re.search(r"undefined symbol: (\S+)", text)
         if symbol:
@@ -232,6 +273,33 @@ def _import_module(module: str):
                 f"match the running torch {torch.__version__}; rebuild it against this torch"
             )
         return None, f"importing {module} failed: {text}"
+
+
+def _arch_reason(spec: KernelSpec, capability: tuple[int, int]) -> str | None:
+    """Why ``spec`` has no code for a device of ``capability``: the kernel's own manifest archs must name the device
+    (a plugin's kernels share one _C, compiled for all their archs together) and the build must have compiled it."""
+    device = "sm_{}{}".format(*capability)
+    listed = ", ".join(spec.archs) or "none"
+    if not any(arch_runs_on(a, capability) for a in spec.archs):
+        return f"{spec.name} lists archs {listed}; this device is {device}"
+    built = spec.build.get("archs") or []
+    if not any(arch_runs_on(a, capability) for a in built):
+        compiled = ", ".join(built) or "none"
+        return f"{spec.name} lists archs {listed} but its build compiled {compiled}; this device is {device}"
+    return None
+
+
+def _extra_check_reason(spec: KernelSpec, answer) -> str | None:
+    """The extra check's answer as a reason: a non-blank string is one; any other truthy value refuses without saying
+    why, which is a reason too; a blank string or a falsy value is none."""
+    if isinstance(answer, str):
+        return answer if answer.strip() else None
+    if answer:
+        return (
+            f"{spec.distribution}'s extra check refused {spec.name} without saying why "
+            f"(it returned {answer!r}, not a sentence)"
+        )
+    return None
 
 
 def _reason(name: str, device) -> str | None:
@@ -261,17 +329,17 @@ def _reason(name: str, device) -> str | None:
     if isinstance(target, str):  # rule 6
         return target
     if target.kind == "cuda":  # rule 7
-        built = spec.build.get("archs") or []
-        if not any(arch_runs_on(a, target.capability) for a in built):
-            major, minor = target.capability
-            return f"{spec.name} is compiled for {', '.join(built) or 'no arch'}, this device is sm_{major}{minor}"
+        arch = _arch_reason(spec, target.capability)
+        if arch:
+            return arch
     _, failure = _import_module(spec.module)  # rule 8
     if failure:
         return failure
     try:  # rule 9
-        return entry.manager.hook.prime_kernels_extra_check(kernel=name, device=target)
-    except Exception as exc:
+        answer = entry.manager.hook.prime_kernels_extra_check(kernel=name, device=target)
+    except (Exception, SystemExit) as exc:
         return f"{spec.distribution}'s extra check raised {type(exc).__name__}: {exc}"
+    return _extra_check_reason(spec, answer)
 
 
 def unavailable_reason(name: str, device=None) -> str | None:
@@ -286,13 +354,21 @@ def is_available(name: str, device=None) -> bool:
     return unavailable_reason(name, device) is None
 
 
-def status(device=None) -> dict[str, str]:
-    """{kernel name: "available" or the reason}; never raises."""
+def discovery_failure() -> str | None:
+    """Why discovery itself failed (then there are no rows), or None; never raises."""
     try:
-        names = dict.fromkeys(e.name for e in entries())
+        entries()
     except Exception as exc:
-        return {"<discovery>": f"plugin discovery failed: {type(exc).__name__}: {exc}"}
-    return {n: unavailable_reason(n, device) or AVAILABLE for n in names}
+        return f"plugin discovery failed: {type(exc).__name__}: {exc}"
+    return None
+
+
+def status(device=None) -> dict[str, str]:
+    """{kernel name: "available" or the reason}, or {DISCOVERY_KEY: the reason} when discovery failed; never raises."""
+    failure = discovery_failure()
+    if failure:
+        return {DISCOVERY_KEY: failure}
+    return {n: unavailable_reason(n, device) or AVAILABLE for n in dict.fromkeys(e.name for e in entries())}
 
 
 def spec(name: str) -> KernelSpec:

@@ -100,7 +100,7 @@ def assert_conforms(name: str, compile_backend: str = "aot_eager") -> None:
             f"{name}: op {op} is declared trainable but has no autograd registration"
         )
 
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensorMode, UnsupportedOperatorException
 
     for device in _devices(name):
         samples = _hook_results(entry, "prime_kernels_sample_inputs", kernel=name, device=device)
@@ -108,9 +108,14 @@ def assert_conforms(name: str, compile_backend: str = "aot_eager") -> None:
         assert sampled >= set(spec.ops), f"{name}: no sample inputs for ops {sorted(set(spec.ops) - sampled)} on {device}"
         for op_name, args, kwargs in samples:
             op = getattr(getattr(torch.ops, spec.namespace), op_name).default
-            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-                fake = lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
-                op(*map(fake, args), **{k: fake(v) for k, v in kwargs.items()})
+            try:
+                with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                    fake = lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
+                    op(*map(fake, args), **{k: fake(v) for k, v in kwargs.items()})
+            except UnsupportedOperatorException as exc:  # its message is only the op's name
+                raise AssertionError(
+                    f"{name}: op {op_name} has no fake implementation; register one with torch.library.register_fake"
+                ) from exc
             torch.library.opcheck(op, args, kwargs)
 
         for fn, args, kwargs in _hook_results(entry, "prime_kernels_surface_samples", kernel=name, device=device):

@@ -33,7 +33,7 @@ fi
 
 if phase build; then
   start=$(date +%s)
-  pip_offline . && record build core ok
+  pip_offline . && record build core ok || record build core FAILED
   for p in $plugins; do
     ( s=$(date +%s); rm -rf "$p/build"
       if pip_offline "$p" > "$out/build-$(basename "$p").log" 2>&1; then r=ok; else r=FAILED; fi

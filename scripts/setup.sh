@@ -17,7 +17,8 @@ pip_install() {
   "$py" -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v '^WARNING: Location .* is ignored' || true; } >&2
 }
 log "installing torch and build tools"
-pip_install torch==2.14.1 pluggy pytest ninja build wheel "setuptools>=64" numpy
+# The core is installed with --no-deps below, so its dependencies come here (tomli: manifests on Python 3.10).
+pip_install torch==2.14.1 pluggy "tomli; python_version < '3.11'" pytest ninja build wheel "setuptools>=64" numpy
 # --no-build-isolation everywhere: an isolated build would pull another torch and produce a wheel that fails at import.
 pip_install --no-build-isolation --no-deps --force-reinstall .
 

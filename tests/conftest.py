@@ -65,7 +65,6 @@ def plugin_dir(tmp_path, monkeypatch):
         registry.refresh()
         return package
 
-    monkeypatch.setenv(registry.ALLOW_ENV, "")
     registry.refresh()
     yield make
     registry.refresh()

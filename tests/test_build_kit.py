@@ -1,4 +1,5 @@
 """The build kit's decisions (pure functions, any toolchain) and its manifest handling."""
+import importlib.util
 import textwrap
 from pathlib import Path
 
@@ -24,6 +25,10 @@ def test_suitable_toolchain_builds():
      "nvcc is CUDA 12.8 but torch 2.14.1+cu130 was built with CUDA 13.0; the CUDA majors must match"),
     (Toolchain("2.7.0+cu126", "12.6", "/usr/local/cuda", "12.6"), ["10.0a"],
      "nvcc 12.6 cannot build 10.0a; it needs CUDA 12.8 or newer"),
+    (Toolchain("2.7.0+cu128", "12.8", "/usr/local/cuda", "12.8"), ["10.0f"],
+     "nvcc 12.8 cannot build 10.0f; it needs CUDA 12.9 or newer"),
+    (Toolchain("2.7.0+cu129", "12.9", "/usr/local/cuda", "12.9"), ["11.0f"],
+     "nvcc 12.9 cannot build 11.0f; it needs CUDA 13.0 or newer"),
     (GOOD, ["sm90"], "arch 'sm90' is not of the form MAJOR.MINOR[a|f] (e.g. 9.0a)"),
     (GOOD, [], "no CUDA arch was requested (the manifest lists none and PRIME_KERNELS_ARCH is unset)"),
 ])
@@ -41,6 +46,16 @@ def test_arch_override(monkeypatch):
     assert build.requested_archs(["9.0a"]) == ["9.0a", "10.0a"]
     monkeypatch.delenv(build.ARCH_ENV)
     assert build.requested_archs(["9.0a"]) == ["9.0a"]
+
+
+@pytest.mark.parametrize("capability,arch", [((8, 0), "8.0"), ((8, 6), "8.6"), ((9, 0), "9.0a"), ((10, 0), "10.0a")])
+def test_native_arch_is_arch_specific_only_from_hopper_on(monkeypatch, capability, arch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *device: capability)
+    monkeypatch.setenv(build.ARCH_ENV, "native")
+    assert build.requested_archs(["9.0a"]) == [arch]
 
 
 def test_native_arch_without_a_device(monkeypatch):
@@ -98,6 +113,16 @@ def test_plan_skips_cuda_but_keeps_cpu(tmp_path, monkeypatch):
     assert plan["cuda_skipped"].startswith("no CUDA toolkit was found")
 
 
+def test_plugin_without_cuda_sources_is_no_skip(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(build.REQUIRE_ENV, "1")
+    _write_plugin(tmp_path, cuda="[]")
+    plan = build.extension_plan(tmp_path, GOOD)
+    build.announce_skip(plan)
+    assert "skipping CUDA" not in capsys.readouterr().err
+    assert plan["cuda_skipped"] is None and plan["cuda_sources"] == [] and plan["nvcc_flags"] == [] and plan["archs"] == []
+    assert plan["version"] == "0.2.0+cputorch2.14"
+
+
 def test_string_constants_are_refused(tmp_path):
     _write_plugin(tmp_path, constants='NAME = "x"')
     with pytest.raises(build.BuildError, match="constant moe.NAME must be a number or boolean"):
@@ -145,5 +170,9 @@ def test_cuda_library_headers_only_when_the_toolkit_lacks_them(tmp_path):
     (tmp_path / "include").mkdir()
     (tmp_path / "include" / "cusparse.h").write_text("")
     assert build.cuda_library_includes(str(tmp_path)) == []
-    for include in build.cuda_library_includes(str(tmp_path / "nvcc-and-cudart-only")):
+    includes = build.cuda_library_includes(str(tmp_path / "nvcc-and-cudart-only"))
+    if importlib.util.find_spec("nvidia") is None:
+        pytest.skip("no CUDA library wheels (the nvidia namespace) are installed beside torch")
+    assert includes, "the nvidia wheels beside torch have no include folder with cusparse.h"
+    for include in includes:
         assert (Path(include) / "cusparse.h").exists()

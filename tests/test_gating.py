@@ -5,6 +5,7 @@ import torch
 from prime_kernels_core.registry import Target, arch_runs_on
 
 SM90 = Target("cuda", 0, (9, 0))
+SM100 = Target("cuda", 0, (10, 0))
 
 
 def test_available_on_cpu_and_matching_gpu(plugin_dir, api):
@@ -29,6 +30,15 @@ def test_entry_point_naming_manifest_hooks(plugin_dir, api, tmp_path):
     assert entry.manager.hook.prime_kernels_sample_inputs(kernel="demo", device="cpu") == [[("op_a", ("demo", "cpu"), {})]]
 
 
+def test_refresh_rereads_the_manifest(plugin_dir, api, tmp_path):
+    package = plugin_dir("pk-renamed", kernel="before")
+    assert set(api.status("cpu")) == {"before"}
+    manifest = tmp_path / package / "kernel.toml"
+    manifest.write_text(manifest.read_text().replace("[before]", "[after]"))
+    api.refresh()
+    assert set(api.status("cpu")) == {"after"}
+
+
 def test_unknown_kernel_is_a_reason(plugin_dir, api):
     plugin_dir("pk-good2")
     assert api.unavailable_reason("nope", "cpu") == "no installed plugin declares a kernel named 'nope'"
@@ -45,6 +55,18 @@ def test_rule1_broken_import_beside_good_plugin(plugin_dir, api, tmp_path):
     assert status["fine"] == "available"
     assert status["broken"] == "plugin pk-broken 0.1.0 failed to load: RuntimeError: boom at import"
     assert api.load("fine", "cpu") is not None
+
+
+def test_rule1_broken_plugin_names_every_kernel_of_its_manifest(plugin_dir, api, tmp_path):
+    package = plugin_dir("pk-multi", kernel="first")
+    with open(tmp_path / package / "kernel.toml", "a") as manifest:
+        manifest.write(f'[second]\nnamespace = "pk_test_{package}"\nops = ["op_b"]\nmodule = "{package}.ops"\n')
+    (tmp_path / package / "plugin.py").write_text("raise ImportError('boom')\n")
+    api.refresh()
+    assert api.status("cpu") == dict.fromkeys(["first", "second"], "plugin pk-multi 0.1.0 failed to load: ImportError: boom")
+    (tmp_path / package / "kernel.toml").unlink()
+    api.refresh()
+    assert api.status("cpu") == {"first": "plugin pk-multi 0.1.0 failed to load: ImportError: boom"}
 
 
 def test_rule1_hook_raising(plugin_dir, api, tmp_path):
@@ -116,6 +138,18 @@ def test_rule5_cuda_mismatch(plugin_dir, api):
     assert "was built against CUDA 11.8" in api.unavailable_reason("demo", SM90)
 
 
+def test_rule5_cpu_only_torch(plugin_dir, api, monkeypatch):
+    import torch
+
+    plugin_dir("pk-cputorch", record={"torch": torch.__version__, "torch_cuda": "13.0", "archs": ["9.0a"],
+                                      "cuda_skipped": None})
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert api.unavailable_reason("demo", SM90) == (
+        "demo was built against CUDA 13.0 but this process runs a CPU-only torch; "
+        "install a torch built with CUDA 13.0, or use device 'cpu'")
+    assert api.unavailable_reason("demo", "cpu") is None
+
+
 def test_rule6_no_such_cuda_device(plugin_dir, api):
     plugin_dir("pk-nodev")
     reason = api.unavailable_reason("demo", "cuda:64")
@@ -131,7 +165,33 @@ def test_rule6_default_device_without_gpu(plugin_dir, api):
 
 def test_rule7_arch_mismatch(plugin_dir, api):
     plugin_dir("pk-hopper", archs=("9.0a",))
-    assert api.unavailable_reason("demo", Target("cuda", 0, (10, 0))) == "demo is compiled for 9.0a, this device is sm_100"
+    assert api.unavailable_reason("demo", SM100) == "demo lists archs 9.0a; this device is sm_100"
+    assert api.unavailable_reason("demo", SM90) is None
+
+
+def test_rule7_archs_are_per_kernel(plugin_dir, api, tmp_path):
+    import torch
+
+    record = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "archs": ["10.0a", "9.0a"],
+              "cuda_skipped": None}  # one _C for both kernels, compiled for both archs
+    package = plugin_dir("pk-two-archs", kernel="hopper_only", archs=("9.0a",), record=record)
+    with open(tmp_path / package / "kernel.toml", "a") as manifest:
+        manifest.write(f'[blackwell_only]\nnamespace = "pk_test_{package}"\nops = ["op_b"]\nmodule = "{package}.ops"\n'
+                       'archs = ["10.0a"]\n')
+    api.refresh()
+    assert api.unavailable_reason("hopper_only", SM90) is None
+    assert api.unavailable_reason("blackwell_only", SM100) is None
+    assert api.unavailable_reason("hopper_only", SM100) == "hopper_only lists archs 9.0a; this device is sm_100"
+    assert api.unavailable_reason("blackwell_only", SM90) == "blackwell_only lists archs 10.0a; this device is sm_90"
+
+
+def test_rule7_listed_arch_not_compiled(plugin_dir, api):
+    import torch
+
+    record = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "archs": ["9.0a"], "cuda_skipped": None}
+    plugin_dir("pk-partial-build", archs=("9.0a", "10.0a"), record=record)
+    assert api.unavailable_reason("demo", SM100) == (
+        "demo lists archs 9.0a, 10.0a but its build compiled 9.0a; this device is sm_100")
     assert api.unavailable_reason("demo", SM90) is None
 
 
@@ -165,6 +225,42 @@ def test_rule9_extra_check(plugin_dir, api):
     assert api.unavailable_reason("demo", "cpu") is None
 
 
+EXTRA_CHECK_ANSWERS = {"empty": "''", "blank": "'   '", "false": "False", "zero": "0", "true": "True", "list": "['2 GPUs']"}
+
+
+@pytest.mark.parametrize("case", sorted(EXTRA_CHECK_ANSWERS))
+def test_rule9_extra_check_answers_are_normalised(plugin_dir, api, case):
+    answer, refused = EXTRA_CHECK_ANSWERS[case], case in ("true", "list")
+    dist = f"pk-extra-{case}"  # a package per case: a hook module is imported once per process
+    plugin_dir(dist, hooks=f"""
+        @hookimpl
+        def prime_kernels_extra_check(kernel, device):
+            return {answer}
+    """)
+    expected = f"{dist}'s extra check refused demo without saying why (it returned {answer}, not a sentence)"
+    assert api.unavailable_reason("demo", "cpu") == (expected if refused else None)
+    assert api.status("cpu") == {"demo": expected if refused else "available"}
+
+
+@pytest.mark.parametrize("where", ["plugin.py", "ops.py", "extra check"])
+def test_sys_exit_in_plugin_code_is_a_reason(plugin_dir, api, tmp_path, where):
+    dist = "pk-exits-in-" + where.replace(".", "-").replace(" ", "-")
+    package = plugin_dir(dist, hooks="""
+        @hookimpl
+        def prime_kernels_extra_check(kernel, device):
+            raise SystemExit("extra check exits")
+    """ if where == "extra check" else "")
+    if where != "extra check":
+        (tmp_path / package / where).write_text("import sys\nsys.exit('module exits')\n")
+    api.refresh()
+    expected = {
+        "plugin.py": f"plugin {dist} 0.1.0 failed to load: SystemExit: module exits",
+        "ops.py": f"importing {package}.ops failed: SystemExit: module exits",
+        "extra check": f"{dist}'s extra check raised SystemExit: extra check exits",
+    }[where]
+    assert api.status("cpu") == {"demo": expected}
+
+
 def test_disabled_by_env(plugin_dir, api, monkeypatch):
     plugin_dir("pk-disabled")
     monkeypatch.setenv("PRIME_KERNELS_DISABLE", "other,demo")
@@ -181,10 +277,52 @@ def test_allow_list_limits_discovery(plugin_dir, api, monkeypatch):
     assert set(api.status("cpu")) == {"kb"}
 
 
-def test_status_never_raises(plugin_dir, api):
+@pytest.mark.parametrize("spelling", ["PK_B", " pk.b ", "Pk-B"])
+def test_allow_list_is_compared_by_normalised_name(plugin_dir, api, monkeypatch, spelling):
+    plugin_dir("pk-a", kernel="ka")
+    plugin_dir("pk-b", kernel="kb")
+    monkeypatch.setenv("PRIME_KERNELS_PLUGINS", spelling)
+    api.refresh()
+    assert set(api.status("cpu")) == {"kb"}
+
+
+def test_empty_allow_list_is_unset(plugin_dir, api, monkeypatch):
+    plugin_dir("pk-a", kernel="ka")
+    plugin_dir("pk-b", kernel="kb")
+    monkeypatch.setenv("PRIME_KERNELS_PLUGINS", " ")
+    api.refresh()
+    assert {"ka", "kb"} <= set(api.status("cpu"))
+
+
+UNDECODABLE_METADATA = b"Metadata-Version: 2.1\nName: other\nVersion: 1.0\nSummary: caf\xe9\n"
+
+
+@pytest.mark.parametrize("broken", ["METADATA", "entry_points.txt"])
+def test_broken_unrelated_distribution_hides_no_plugin(plugin_dir, api, tmp_path, broken):
+    plugin_dir("pk-good")
+    info = tmp_path / "other-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_bytes(UNDECODABLE_METADATA if broken == "METADATA" else b"Name: other\nVersion: 1.0\n")
+    if broken == "entry_points.txt":
+        (info / "entry_points.txt").write_text("[console_scripts]\nno equals sign here\n")
+    api.refresh()
+    assert api.status("cpu") == {"demo": "available"}
+    assert api.load("demo", "cpu").unsupported_shape_reason(16) is None
+
+
+def test_plugin_with_unreadable_metadata_is_a_row(plugin_dir, api, tmp_path):
+    package = plugin_dir("pk-latin")
+    (tmp_path / f"{package}-0.1.0.dist-info" / "METADATA").write_bytes(UNDECODABLE_METADATA)
+    api.refresh()
+    reason = api.unavailable_reason("demo", "cpu")
+    assert reason.startswith("plugin pk_latin 0.1.0 failed to load: its METADATA cannot be read: UnicodeDecodeError"), reason
+
+
+def test_unresolvable_device_is_a_reason(plugin_dir, api):
     plugin_dir("pk-weird")
-    assert isinstance(api.status(object()), dict)
-    assert "could not resolve device" in api.unavailable_reason("demo", object())
+    device = object()
+    assert api.status(device) == {"demo": api.unavailable_reason("demo", device)}
+    assert "could not resolve device" in api.unavailable_reason("demo", device)
     assert api.unavailable_reason("demo", "meta") == "device type 'meta' is not supported; use a CUDA device or 'cpu'"
 
 

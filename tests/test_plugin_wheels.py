@@ -1,27 +1,44 @@
 """The installed plugins as CI builds them: wheel contents, a real CPU-only build, and a clash between two copies."""
+import importlib.metadata
 import json
 import os
 import shutil
 import subprocess
 import sys
+import urllib.parse
 import zipfile
 from pathlib import Path
 
 import pytest
 
 import prime_kernels
+from prime_kernels_core.build import ARCH_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "third_party_plugin"
 WHEELHOUSE = os.environ.get("PRIME_KERNELS_WHEELHOUSE")
-WHEELS = sorted(Path(ROOT, WHEELHOUSE).glob("*/*.whl")) if WHEELHOUSE else []
+
+
+def _installed_wheels(wheelhouse: Path) -> list[Path]:
+    """The wheels from ``wheelhouse`` that are installed now, as pip recorded them (direct_url.json): scripts/setup.sh
+    leaves the builds of earlier sources in the wheelhouse, and those are not what runs."""
+    wheels = []
+    for dist in importlib.metadata.distributions():
+        url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+        path = Path(urllib.parse.unquote(urllib.parse.urlparse(url).path))
+        if url.startswith("file:") and path.suffix == ".whl" and path.parent.parent == wheelhouse.resolve():
+            wheels.append(path)
+    return sorted(wheels)
+
+
+WHEELS = _installed_wheels(Path(ROOT, WHEELHOUSE)) if WHEELHOUSE else []
 
 
 @pytest.mark.skipif(not WHEELHOUSE, reason="PRIME_KERNELS_WHEELHOUSE is unset (scripts/test.sh sets it)")
 def test_every_plugin_has_a_wheel():
     built = {w.parent.name.rsplit("-", 1)[0] for w in WHEELS}
     expected = {p.parent.name for p in [*ROOT.glob("plugins/*/pyproject.toml"), *ROOT.glob("examples/*/pyproject.toml")]}
-    assert built >= expected, f"no wheel for {sorted(expected - built)} in {WHEELHOUSE}"
+    assert built >= expected, f"no wheel from {WHEELHOUSE} is installed for {sorted(expected - built)}"
 
 
 @pytest.mark.parametrize("wheel", WHEELS, ids=lambda w: w.name)
@@ -37,12 +54,15 @@ def test_wheel_contents(wheel):
     assert f"+{tag}torch" in wheel.name, f"{wheel.name} does not carry its ABI ({tag})"
 
 
-def _build_example(tmp_path, **env):
+def _build_example(tmp_path, *command, **env):
+    """Runs ``command`` (default: build a wheel into tmp_path/out) in a fresh copy of the example; returns the run."""
     source = tmp_path / "src"
     shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.so", "_build_record.json", "tests"))
+    # An arch override (scripts/test.sh is often run with PRIME_KERNELS_ARCH=native) would skip CUDA for its own reason.
+    inherited = {k: v for k, v in os.environ.items() if k != ARCH_ENV}
+    command = command or ("-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path / "out"), ".")
     return subprocess.run(
-        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path / "out"), str(source)],
-        capture_output=True, text=True, env=dict(os.environ, **env),
+        [sys.executable, *command], cwd=source, capture_output=True, text=True, env=dict(inherited, **env),
     )
 
 
@@ -67,6 +87,16 @@ def test_missing_nvcc_skips_cuda_and_status_says_why(tmp_path):
     rows = json.loads(subprocess.run([sys.executable, "-m", "prime_kernels", "--json", "--device", "cuda:0"],
                                      capture_output=True, text=True, env=env, check=True).stdout)
     assert rows[0]["reason"] == "residual_rmsnorm was built without CUDA: no CUDA toolkit was found (CUDA_HOME=/nonexistent has no bin/nvcc and include/cuda_runtime.h)"
+
+
+def test_in_place_build_records_beside_the_in_place_extension(tmp_path):
+    """An editable install (pip install -e) builds in place and imports the package from the source tree."""
+    done = _build_example(tmp_path, "setup.py", "build_ext", "--inplace", CUDA_HOME="/nonexistent")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    package = tmp_path / "src" / "pk_example_rmsnorm"
+    assert list(package.glob("_C*.so")), "the in-place build wrote no _C"
+    record = json.loads((package / "_build_record.json").read_text())
+    assert SKIP.endswith(record["cuda_skipped"])
 
 
 def test_second_copy_of_a_namespace_is_a_clash_not_an_abort(tmp_path, monkeypatch):
