@@ -21,20 +21,6 @@ CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device; none is visible")]
 
 
-@pytest.fixture(autouse=True)
-def _seeded_and_poisoned(request):
-    """Seed per test (printed) and fill every uninitialised allocation with NaN, so an unwritten output shows."""
-    seed = (SEED + hash(request.node.name)) % 2**31
-    torch.manual_seed(seed)
-    print(f"[{request.node.name}] seed {seed}")
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(was)
-
-
 def make_logits(n, v, dtype, device="cpu", kind="random", scale=3.0):
     x = torch.randn(n, v, device=device) * scale
     if kind == "peaked":

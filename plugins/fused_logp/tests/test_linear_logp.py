@@ -20,11 +20,6 @@ gpu = [pytest.mark.gpu, pytest.mark.kernel("linear_logp")]
 MAX_RATIO = 1.5
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(SEED)
-
-
 def _paths(h, w, y, T, bias=None, ignore_index=-100, dtype64=False):
     """(logp, entropy) of the PyTorch path: 16-bit matmul + fp32 softmax; with dtype64, the float64 reference."""
     if dtype64:
