@@ -142,8 +142,20 @@ def test_tied_embedding():
     assert_error_ratio("tied embedding grad_weight", ours.grad, base.grad, ref.grad, MAX_RATIO)
 
 
-def test_needs_input_grad():
+def test_needs_input_grad(monkeypatch):
+    masks = []  # the output_mask autograd passes to the backward op, per backward
+
+    class RecordingOps:
+        linear_logp_entropy = torch.ops.fused_logp.linear_logp_entropy
+
+        @staticmethod
+        def linear_logp_entropy_backward(*args):
+            masks.append(list(args[10]))
+            return torch.ops.fused_logp.linear_logp_entropy_backward(*args)
+
+    monkeypatch.setattr(linear_ops, "_ops", RecordingOps)
     hid, w, y = _inputs(9, 16, 77, torch.bfloat16, "cpu")
+    b = torch.randn(77)
     full = [t.clone().requires_grad_() for t in (hid, w)]
     lp, ent = linear_logp_entropy(*full, y, 0.7)
     (lp + ent).sum().backward()
@@ -155,6 +167,11 @@ def test_needs_input_grad():
     lp, ent = linear_logp_entropy(hid, frozen_h, y, 0.7)
     (lp + ent).sum().backward()
     torch.testing.assert_close(frozen_h.grad, full[1].grad, rtol=0, atol=0)
+    bias_only = b.clone().requires_grad_()
+    lp, ent = linear_logp_entropy(hid, w, y, 0.7, bias=bias_only)
+    (lp + ent).sum().backward()
+    assert bias_only.grad is not None
+    assert masks == [[True, True, False], [True, False, False], [False, True, False], [False, False, True]]
     # the backward op itself honours the mask: empty outputs where not requested
     _, _, stats = torch.ops.fused_logp.linear_logp_entropy(hid, w, y, 0.7, None, None, -100, True)
     gh, gw, gb = torch.ops.fused_logp.linear_logp_entropy_backward(
