@@ -156,6 +156,9 @@ def linear_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
 
     hidden [..., H] and weight [V, H] in bfloat16/float16 (float32 on CPU), labels [...] integer, temperature a float
     or an fp32 tensor (0-d or labels' shape; not differentiated). Ignored tokens give 0 and no gradient.
+    Every other token needs a label in [0, V) and a temperature that is finite and > 0: on CPU either raises, naming
+    the first offending position; on CUDA (no sync) the token gets NaN logp and entropy (a bad temperature also NaN
+    gradients).
     On CUDA, shapes outside the kernel's contract (``unsupported_shape_reason``) raise UnsupportedShapeError unless
     ``fallback="chunked"``: vocab chunks of ``chunk_size`` logits through the logits op ``fused_logp::logp_entropy``,
     merged by logsumexp, each chunk recomputed in the backward.

@@ -120,7 +120,9 @@ def logp_entropy(
         check reads one device word back (a stream sync). ``check_labels=False`` skips that read (no sync, CUDA-graph
         capturable); such tokens then get NaN instead of an error. On CPU labels are always checked.
     temperature: a positive float, or a float32 tensor with logits' leading shape (one temperature per token; no
-        gradient flows to it).
+        gradient flows to it). A token's temperature must be finite and > 0 unless the token is ignored: on CPU any
+        other raises, naming the first offending position; on CUDA that token gets NaN and, with ``check_labels``,
+        the same read-back raises naming it.
     process_group: a torch.distributed group over which the vocabulary is sharded (tensor-parallel lm_head): logits
         is then this rank's [..., V_local] slice, labels are global vocab ids, and the result is the global logp and
         entropy (module ``vocab_parallel``, docs/notes/vocab_parallel.md). None (default): single rank, unchanged.

@@ -215,6 +215,28 @@ def test_cpu_bad_label_names_first_position():
         logp_entropy(logits, labels, check_labels=False)
 
 
+BAD_TEMPERATURES = [(0.0, "0"), (-1.5, "-1.5"), (float("inf"), "inf"), (float("nan"), "nan")]  # (value, as printed)
+
+
+@pytest.mark.parametrize("bad, shown", BAD_TEMPERATURES, ids=[s for _, s in BAD_TEMPERATURES])
+def test_cpu_bad_token_temperature_names_first_position(bad, shown):
+    logits = torch.randn(2, 3, 11)
+    labels = torch.randint(0, 11, (2, 3))
+    labels[0, 1] = -100
+    temperature = torch.rand(2, 3) + 0.5
+    _, _, stats = torch.ops.fused_logp.logp_entropy(logits.reshape(6, 11), labels.reshape(6), 1.0,
+                                                    temperature.reshape(6), -100, True, True)
+    temperature[0, 1] = bad  # an ignored token's temperature is never read
+    temperature[1, 0] = bad
+    temperature[1, 2] = bad
+    match = rf"token_temperature\[3\] = {shown} must be finite and > 0"
+    with pytest.raises(RuntimeError, match=match):
+        logp_entropy(logits, labels, temperature)
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.fused_logp.logp_entropy_backward(torch.ones(6), torch.ones(6), logits.reshape(6, 11),
+                                                   labels.reshape(6), 1.0, temperature.reshape(6), stats, -100)
+
+
 @pytest.mark.parametrize(
     "call, match",
     [

@@ -260,6 +260,25 @@ def test_errors_name_the_argument():
         linear_logp_entropy(hid, w, y, 1.0, fallback="nope")
 
 
+BAD_TEMPERATURES = [(0.0, "0"), (-1.5, "-1.5"), (float("inf"), "inf"), (float("nan"), "nan")]  # (value, as printed)
+
+
+@pytest.mark.parametrize("bad, shown", BAD_TEMPERATURES, ids=[s for _, s in BAD_TEMPERATURES])
+def test_bad_token_temperature_names_first_position(bad, shown):
+    hid, w, y = _inputs(6, 16, 30, torch.bfloat16, "cpu")
+    y[1] = -100
+    temperature = torch.rand(6) + 0.5
+    _, _, stats = torch.ops.fused_logp.linear_logp_entropy(hid, w, y, 1.0, temperature, None, -100, True)
+    temperature[1] = bad  # an ignored token's temperature is never read
+    temperature[3] = bad
+    temperature[5] = bad
+    match = rf"token_temperature\[3\] = {shown} must be finite and > 0"
+    with pytest.raises(RuntimeError, match=match):
+        linear_logp_entropy(hid.reshape(2, 3, 16), w, y.reshape(2, 3), temperature.reshape(2, 3))
+    with pytest.raises(RuntimeError, match=match):
+        linear_ops.linear_logp_entropy_backward(torch.ones(6), torch.ones(6), hid, w, y, temperature, stats=stats)
+
+
 def test_shape_contract():
     assert unsupported_shape_reason(4096, 151936) is None
     assert "multiple of" in unsupported_shape_reason(4100, 1000)
