@@ -194,7 +194,8 @@ def linear_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
 
 
 def _chunked(h2, weight, l1, temperature, token_temperature, bias, ignore_index, chunk_size):
-    """The fallback: per vocab chunk, logits -> fused_logp::logp_entropy, merged by logsumexp (checkpointed chunks)."""
+    """The fallback: per vocab chunk, logits -> fused_logp::logp_entropy, merged by logsumexp (checkpointed chunks).
+    A label outside [0, V) that is not ignore_index gives NaN logp and entropy, as the CUDA kernel (no sync)."""
     from torch.utils.checkpoint import checkpoint
 
     from . import ops as _logits_ops  # noqa: F401  (autograd of fused_logp::logp_entropy)
@@ -202,6 +203,7 @@ def _chunked(h2, weight, l1, temperature, token_temperature, bias, ignore_index,
     n, V = h2.shape[0], weight.shape[0]
     labels = l1.to(torch.int64)
     ignored = labels == ignore_index
+    out_of_range = ~ignored & ((labels < 0) | (labels >= V))
     tvec = temperature * (token_temperature if token_temperature is not None
                           else torch.ones(n, dtype=torch.float32, device=h2.device))
 
@@ -226,7 +228,8 @@ def _chunked(h2, weight, l1, temperature, token_temperature, bias, ignore_index,
     lse = torch.logsumexp(lse_c, dim=0)
     spz = (torch.exp(lse_c - lse) * spz_c).sum(0)
     zero = torch.zeros_like(lse)
-    return torch.where(ignored, zero, zy - lse), torch.where(ignored, zero, lse - spz)
+    logp, entropy = torch.where(ignored, zero, zy - lse), torch.where(ignored, zero, lse - spz)
+    return torch.where(out_of_range, float("nan"), logp), torch.where(out_of_range, float("nan"), entropy)
 
 
 def linear_logp_entropy_backward(grad_logp, grad_entropy, hidden, weight, labels, temperature=1.0, *, bias=None,

@@ -307,6 +307,18 @@ def test_chunked_fallback_matches():
         assert (x.grad.double() - z.grad.double()).norm() / x.grad.double().norm() < 3e-2
 
 
+def test_chunked_fallback_out_of_range_labels_give_nan():
+    """As the CUDA kernel (no sync): NaN logp and entropy for those tokens only; the others are unchanged."""
+    hid, w, _ = _inputs(6, 16, 300, torch.bfloat16, "cpu")
+    y = torch.tensor([0, 299, 300, -3, -100, 150])
+    lp, ent = linear_ops._chunked(hid, w, y, 0.7, None, None, -100, 128)
+    bad = torch.tensor([False, False, True, True, False, False])
+    assert torch.isnan(lp[bad]).all() and torch.isnan(ent[bad]).all()
+    lp_ok, ent_ok = linear_ops._chunked(hid, w, torch.where(bad, 7, y), 0.7, None, None, -100, 128)
+    assert torch.equal(lp[~bad], lp_ok[~bad]) and torch.equal(ent[~bad], ent_ok[~bad])
+    assert lp[4] == 0 and ent[4] == 0
+
+
 # ---- GPU ------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.gpu
