@@ -209,10 +209,15 @@ def _chunked(h2, weight, l1, temperature, token_temperature, bias, ignore_index,
 
     def chunk(h, w, b, local):
         logits = h @ w.t() if b is None else torch.addmm(b.to(h.dtype), h, w.t())
-        lp, ent, _ = _ops.logp_entropy(logits, local, temperature, token_temperature, -1, True, False)
+        # A token whose logits in this chunk are all -inf (e.g. a -inf bias on padded vocab rows) has no softmax here:
+        # the op would give NaN (and NaN gradients). It runs as ignored instead (0, zero gradient), so its lse is
+        # zsel = -inf and the merge gives the chunk weight 0; its sum p z must then be finite, not -inf (0 * -inf).
+        dead = logits.amax(1) == float("-inf")
+        lp, ent, _ = _ops.logp_entropy(logits, torch.where(dead, -1, local), temperature, token_temperature, -1, True,
+                                       False)
         zsel = logits.gather(1, local[:, None]).squeeze(1).float() / tvec
         lse = zsel - lp
-        return lse, lse - ent, zsel  # logsumexp, sum p z, the selected logit
+        return lse, torch.where(dead, 0.0, lse - ent), zsel  # logsumexp, sum p z, the selected logit
 
     lses, spzs, zy = [], [], torch.zeros(n, dtype=torch.float32, device=h2.device)
     for v0 in range(0, V, chunk_size):
@@ -224,7 +229,9 @@ def _chunked(h2, weight, l1, temperature, token_temperature, bias, ignore_index,
         lses.append(lse)
         spzs.append(spz)
         zy = torch.where(inside, zsel, zy)
-    lse_c, spz_c = torch.stack(lses), torch.stack(spzs)
+    # Ignored tokens' outputs are masked below; a stand-in lse of 0 keeps their (zero) gradients finite even where all
+    # their logits are -inf.
+    lse_c, spz_c = torch.where(ignored, 0.0, torch.stack(lses)), torch.stack(spzs)
     lse = torch.logsumexp(lse_c, dim=0)
     spz = (torch.exp(lse_c - lse) * spz_c).sum(0)
     zero = torch.zeros_like(lse)

@@ -33,7 +33,7 @@ def _paths(h, w, y, T, bias=None, ignore_index=-100, dtype64=False):
     ls = torch.log_softmax(z / Tt, dim=-1)
     ok = y != ignore_index
     lp = ls.gather(1, torch.where(ok, y, 0)[:, None]).squeeze(1)
-    ent = -(ls.exp() * ls).sum(-1)
+    ent = -(ls.exp() * ls.masked_fill(ls == float("-inf"), 0)).sum(-1)  # a -inf logit: p log p = 0, also in grads
     zero = torch.zeros_like(lp)
     return torch.where(ok, lp, zero), torch.where(ok, ent, zero)
 
@@ -317,6 +317,35 @@ def test_chunked_fallback_out_of_range_labels_give_nan():
     lp_ok, ent_ok = linear_ops._chunked(hid, w, torch.where(bad, 7, y), 0.7, None, None, -100, 128)
     assert torch.equal(lp[~bad], lp_ok[~bad]) and torch.equal(ent[~bad], ent_ok[~bad])
     assert lp[4] == 0 and ent[4] == 0
+
+
+def test_chunked_fallback_dead_chunk():
+    """A vocab chunk whose logits are all -inf (a -inf bias on padded vocab rows) contributes nothing: padding the vocab
+    with one leaves outputs and gradients bitwise unchanged (zero gradient on the padding); accuracy as the PyTorch
+    path's against float64, values as the op's."""
+    n, h, live, padded, chunk = 64, 16, 256, 300, 128
+    hid, w, y = _inputs(n, h, padded, torch.bfloat16, "cpu", ignore=0.2)
+    y = torch.where(y >= live, y - live, y)
+    b = torch.randn(padded)
+    b[live:] = float("-inf")  # the last chunk, [256, 300), is all -inf
+    full = [t.clone().requires_grad_() for t in (hid, w, b)]
+    cut = [t.clone().requires_grad_() for t in (hid, w[:live], b[:live])]
+    lp, ent = linear_ops._chunked(full[0], full[1], y, 0.7, None, full[2], -100, chunk)
+    lp_cut, ent_cut = linear_ops._chunked(cut[0], cut[1], y, 0.7, None, cut[2], -100, chunk)
+    assert torch.equal(lp, lp_cut) and torch.equal(ent, ent_cut)
+    g1, g2 = torch.randn(n), torch.randn(n)
+    (lp * g1 + ent * g2).sum().backward()
+    (lp_cut * g1 + ent_cut * g2).sum().backward()
+    assert torch.equal(full[0].grad, cut[0].grad)
+    for padded_grad, live_grad in ((full[1].grad, cut[1].grad), (full[2].grad, cut[2].grad)):
+        assert torch.equal(padded_grad[:live], live_grad) and (padded_grad[live:] == 0).all()
+    lp64, ent64 = _paths(hid.double(), w.double(), y, 0.7, b.double(), dtype64=True)
+    lpb, entb = _paths(hid, w, y, 0.7, b)
+    assert_error_ratio("dead chunk logp", lp, lpb, lp64, MAX_RATIO)
+    assert_error_ratio("dead chunk entropy", ent, entb, ent64, MAX_RATIO)
+    lp_op, ent_op = linear_logp_entropy(hid, w, y, 0.7, bias=b)
+    torch.testing.assert_close(lp, lp_op, rtol=2e-2, atol=2e-2)  # the fallback rounds logits to bf16
+    torch.testing.assert_close(ent, ent_op, rtol=2e-2, atol=2e-2)
 
 
 # ---- GPU ------------------------------------------------------------------------------------------------------------
