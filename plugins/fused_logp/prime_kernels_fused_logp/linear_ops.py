@@ -127,8 +127,15 @@ def _flatten(hidden, weight, labels, temperature, bias):
     if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"labels must have hidden's leading shape {tuple(hidden.shape[:-1])}, "
                          f"got {tuple(getattr(labels, 'shape', ()))}")
+    if hidden.shape[-1] < 1:
+        raise ValueError(f"hidden size (last dim of hidden) must be >= 1, got {hidden.shape[-1]}")
     if weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must be [V, {hidden.shape[-1]}] (hidden size of hidden), got {tuple(weight.shape)}")
+    # Checked here, not only in the op: with one tensor on meta the dispatcher would run the fake implementation and
+    # return uninitialised memory.
+    for name, t in (("weight", weight), ("labels", labels), ("temperature", temperature), ("bias", bias)):
+        if isinstance(t, torch.Tensor) and t.device != hidden.device:
+            raise ValueError(f"{name} must be on hidden's device {hidden.device}, got {t.device}")
     h2 = hidden.reshape(-1, hidden.shape[-1])
     l1 = labels.reshape(-1)
     token_temperature = None

@@ -158,6 +158,11 @@ def _flatten(logits, labels, temperature):
         raise ValueError(
             f"fused_logp: labels shape {tuple(labels.shape)} must equal logits' leading shape {tuple(lead)}"
         )
+    # Checked here, not only in the op: with one tensor on meta the dispatcher would run the fake implementation and
+    # return uninitialised memory.
+    for name, t in (("labels", labels), ("temperature", temperature)):
+        if isinstance(t, torch.Tensor) and t.device != logits.device:
+            raise ValueError(f"fused_logp: {name} must be on logits' device {logits.device}, got {t.device}")
     x = logits.reshape(-1, vocab)
     if vocab > 1 and x.stride(-1) != 1:
         x = x.contiguous()

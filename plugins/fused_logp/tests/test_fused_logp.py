@@ -248,6 +248,10 @@ def test_cpu_bad_token_temperature_names_first_position(bad, shown):
         (lambda: logp_entropy(torch.randn(3, 8), torch.zeros(3, dtype=torch.long), float("nan")), "temperature must be finite and > 0, got nan"),
         (lambda: logp_entropy(torch.randn(3, 8), torch.zeros(3, dtype=torch.long), torch.ones(3).double()), "token_temperature dtype must be float32, got Double"),
         (lambda: logp_entropy(torch.randn(3, 8), torch.zeros(3, dtype=torch.long), torch.ones(4)), r"per-token temperature shape \(4,\) must equal logits' leading shape \(3,\)"),
+        # one tensor on meta would run the fake implementation: uninitialised outputs instead of an error
+        (lambda: logp_entropy(torch.randn(3, 8), torch.zeros(3, dtype=torch.long, device="meta")), "labels must be on logits' device cpu, got meta"),
+        (lambda: logp_entropy(torch.randn(3, 8, device="meta"), torch.zeros(3, dtype=torch.long)), "labels must be on logits' device meta, got cpu"),
+        (lambda: logp_entropy(torch.randn(3, 8), torch.zeros(3, dtype=torch.long), torch.ones(3, device="meta")), "temperature must be on logits' device cpu, got meta"),
         (lambda: logp_entropy(torch.randn(3, 0), torch.zeros(3, dtype=torch.long)), "vocab size .* must be >= 1, got 0"),
         (lambda: logp_entropy(torch.tensor(1.0), torch.tensor(0)), "logits must have at least 1 dim"),
         (lambda: torch.ops.fused_logp.logp_entropy(torch.randn(8), torch.zeros(1, dtype=torch.long), 1.0, None, -100, True, True), r"logits must be 2-D \[N, V\], got 1-D"),

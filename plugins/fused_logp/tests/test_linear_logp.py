@@ -258,6 +258,18 @@ def test_errors_name_the_argument():
         torch.ops.fused_logp.linear_logp_entropy(hid, w, y, 1.0, torch.ones(3), None, -100, True)
     with pytest.raises(ValueError, match="fallback"):
         linear_logp_entropy(hid, w, y, 1.0, fallback="nope")
+    with pytest.raises(ValueError, match=r"hidden size \(last dim of hidden\) must be >= 1, got 0"):
+        linear_logp_entropy(hid[:, :0], w[:, :0], y, 1.0)
+
+
+@pytest.mark.parametrize("name", ["weight", "labels", "temperature", "bias"])
+def test_mixed_devices_name_the_argument(name):
+    """One tensor on meta would run the fake implementation: uninitialised outputs instead of an error."""
+    hid, w, y = _inputs(4, 16, 30, torch.bfloat16, "cpu")
+    args = dict(weight=w, labels=y, temperature=torch.rand(4) + 0.5, bias=torch.randn(30))
+    args[name] = args[name].to("meta")
+    with pytest.raises(ValueError, match=f"{name} must be on hidden's device cpu, got meta"):
+        linear_logp_entropy(hid, args["weight"], args["labels"], args["temperature"], bias=args["bias"])
 
 
 BAD_TEMPERATURES = [(0.0, "0"), (-1.5, "-1.5"), (float("inf"), "inf"), (float("nan"), "nan")]  # (value, as printed)
