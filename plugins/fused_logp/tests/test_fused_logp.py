@@ -79,6 +79,10 @@ def test_cpu_temperature(dtype):
     check_against_float64(f"cpu {dtype} T=1.9", logits, labels, 1.9)
     per_token = (torch.rand(32) * 1.5 + 0.25).float()
     check_against_float64(f"cpu {dtype} per-token T", logits, labels, per_token)
+    check_against_float64(f"cpu {dtype} 0-d T", logits, labels, torch.tensor(0.7))
+    broadcast = logp_entropy(logits, labels, torch.tensor(0.7))
+    expanded = logp_entropy(logits, labels, torch.full((32,), 0.7))
+    assert torch.equal(broadcast[0], expanded[0]) and torch.equal(broadcast[1], expanded[1])
 
 
 def test_cpu_large_vocab():
@@ -327,7 +331,7 @@ def test_compile_fullgraph(device):
     logits = make_logits(12, 97, torch.bfloat16, device).reshape(3, 4, 97)
     labels = make_labels(12, 97, device).reshape(3, 4)
     per_token = torch.rand(3, 4, device=device) + 0.5
-    for t in (0.7, per_token):
+    for t in (0.7, per_token, torch.tensor(0.7, device=device)):
         x1 = logits.clone().requires_grad_()
         x2 = logits.clone().requires_grad_()
         out_eager = f(x1, labels, t)
