@@ -165,7 +165,8 @@ def linear_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     or an fp32 tensor (0-d or labels' shape; not differentiated). Ignored tokens give 0 and no gradient.
     Every other token needs a label in [0, V) and a temperature that is finite and > 0: on CPU either raises, naming
     the first offending position; on CUDA (no sync) the token gets NaN logp and entropy (a bad temperature also NaN
-    gradients).
+    gradients). Gradients come in the inputs' dtypes (autograd casts each to its input's); for an fp32 grad_weight
+    (fp32 master gradients) call ``linear_logp_entropy_backward`` with ``grad_weight_fp32=True`` instead.
     On CUDA, shapes outside the kernel's contract (``unsupported_shape_reason``) raise UnsupportedShapeError unless
     ``fallback="chunked"``: vocab chunks of ``chunk_size`` logits through the logits op ``fused_logp::logp_entropy``,
     merged by logsumexp, each chunk recomputed in the backward.
@@ -248,8 +249,11 @@ def _chunked(h2, weight, l1, temperature, token_temperature, bias, ignore_index,
 
 def linear_logp_entropy_backward(grad_logp, grad_entropy, hidden, weight, labels, temperature=1.0, *, bias=None,
                                  stats, ignore_index=-100, needs=(True, True, True), grad_weight_fp32=False):
-    """The backward op directly (e.g. ``grad_weight_fp32=True`` for an fp32 grad_weight, which autograd would cast
-    back to weight's dtype): (grad_hidden, grad_weight, grad_bias), None where not requested."""
+    """The backward op directly, for what autograd cannot return: ``grad_weight_fp32=True`` gives grad_weight in fp32
+    (accumulated in fp32 and never rounded to weight's dtype), e.g. for fp32 master gradients; autograd casts every
+    gradient to its input's dtype. ``stats``: the third output of ``torch.ops.fused_logp.linear_logp_entropy`` on the
+    same inputs (2-D hidden). Returns (grad_hidden, grad_weight, grad_bias), None where not requested. Example:
+    docs/notes/linear_logp.md, "fp32 grad_weight"."""
     h2, l1, temp, token_temperature = _flatten(hidden, weight, labels, temperature, bias)
     ge = None if grad_entropy is None else grad_entropy.reshape(-1)
     mask = [bool(needs[0]), bool(needs[1]), bool(needs[2]) and bias is not None]
