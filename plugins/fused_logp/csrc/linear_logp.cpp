@@ -91,6 +91,11 @@ void check_forward_args(const at::Tensor& hidden, const at::Tensor& weight, cons
   check_same_device(labels, hidden, "labels");
   TORCH_CHECK(std::isfinite(temperature) && temperature > 0.0, "linear_logp: temperature must be finite and > 0, got ",
               temperature);
+  // The CUDA kernels take it as a float32, which must not become 0, a denormal or inf.
+  constexpr double kFloatMin = std::numeric_limits<float>::min(), kFloatMax = std::numeric_limits<float>::max();
+  TORCH_CHECK(temperature >= kFloatMin && temperature <= kFloatMax,
+              "linear_logp: temperature must be a normal float32, in [", kFloatMin, ", ", kFloatMax, "], got ",
+              temperature);
   if (token_temperature.has_value()) {
     const auto& tt = *token_temperature;
     TORCH_CHECK(tt.scalar_type() == at::kFloat, "linear_logp: token_temperature dtype must be float32, got ",

@@ -252,6 +252,10 @@ def test_errors_name_the_argument():
         linear_logp_entropy(hid, w.half(), y, 1.0)
     with pytest.raises(RuntimeError, match="temperature"):
         linear_logp_entropy(hid, w, y, -1.0)
+    for beyond_float32, shown in ((1e-40, "1e-40"), (1e39, r"1e\+39")):  # CUDA would see a denormal or inf
+        with pytest.raises(RuntimeError, match=r"temperature must be a normal float32, in \[1.17549e-38, "
+                                               rf"3.40282e\+38\], got {shown}"):
+            linear_logp_entropy(hid, w, y, beyond_float32)
     with pytest.raises(RuntimeError, match=r"labels\[2\]"):
         linear_logp_entropy(hid, w, torch.tensor([0, 1, 30, 2]), 1.0)
     with pytest.raises(RuntimeError, match="token_temperature"):
