@@ -7,6 +7,8 @@
 //                bool return_entropy, bool check_labels) -> (Tensor logp, Tensor entropy, Tensor stats)
 //     logits [N, V] (fp32/bf16/fp16, last dim stride 1, any row stride), labels [N] (int64/int32),
 //     token_temperature None or fp32 [N]; the temperature of token i is temperature * token_temperature[i].
+//     token_temperature[i] of a token that is not ignored must be finite and > 0: on CPU an error naming the first
+//     offending position; on CUDA that token gets NaN like an out-of-range label (and check_labels raises for it).
 //     z = logits / T;  logp = z_y - logsumexp(z);  entropy = logsumexp(z) - sum softmax(z) * z.
 //     logp fp32 [N]; entropy fp32 [N] (shape [0] when return_entropy is false);
 //     stats float64 [N, 2] = (logsumexp(z), sum softmax(z) * z) per token, saved for the backward (the second column
@@ -113,6 +115,10 @@ void check_backward_args(const at::Tensor& grad_logp, const std::optional<at::Te
               ") or equal ignore_index (", ignore_index, ")");
 }
 
+[[noreturn]] void fail_bad_token_temperature(int64_t position, float value) {
+  TORCH_CHECK(false, "fused_logp: token_temperature[", position, "] = ", value, " must be finite and > 0");
+}
+
 }  // namespace fused_logp_detail
 
 namespace {
@@ -162,6 +168,14 @@ inline int64_t label_at(const at::Tensor& labels, int64_t i) {
                                            : static_cast<int64_t>(labels.data_ptr<int32_t>()[i]);
 }
 
+// Serial, so that the first offending position is the one named. An ignored token's temperature is never read.
+void cpu_check_token_temperature(const at::Tensor& labels, const float* ttp, int64_t ignore_index) {
+  for (int64_t i = 0; i < labels.size(0); ++i) {
+    if (label_at(labels, i) != ignore_index && !(std::isfinite(ttp[i]) && ttp[i] > 0.f))
+      fused_logp_detail::fail_bad_token_temperature(i, ttp[i]);
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cpu(const at::Tensor& logits_in, const at::Tensor& labels_in,
                                                                 double temperature,
                                                                 const std::optional<at::Tensor>& token_temperature,
@@ -184,6 +198,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cpu(const at::Tensor
   at::Tensor tt;
   if (token_temperature.has_value()) tt = token_temperature->contiguous();
   const float* ttp = tt.defined() ? tt.data_ptr<float>() : nullptr;
+  if (ttp) cpu_check_token_temperature(labels, ttp, ignore_index);
   float* lp = logp.data_ptr<float>();
   float* ep = return_entropy ? entropy.data_ptr<float>() : nullptr;
   double* sp = stats.data_ptr<double>();
@@ -265,6 +280,7 @@ at::Tensor logp_entropy_backward_cpu(const at::Tensor& grad_logp_in, const std::
   at::Tensor tt;
   if (token_temperature.has_value()) tt = token_temperature->contiguous();
   const float* ttp = tt.defined() ? tt.data_ptr<float>() : nullptr;
+  if (ttp) cpu_check_token_temperature(labels, ttp, ignore_index);
   const double* gp = g.data_ptr<double>();
   const double* gep = ge.defined() ? ge.data_ptr<double>() : nullptr;
   const double* sp = stats.data_ptr<double>();

@@ -11,7 +11,9 @@
 //     floating [V]. z = (hidden @ weight^T + bias) / T; logp = z_y - logsumexp(z); entropy = logsumexp(z) - sum p z.
 //     logp fp32 [N]; entropy fp32 [N] ([0] when return_entropy is false); stats fp32 [N, 2] = (logsumexp(z),
 //     sum softmax(z) z) for the backward. Ignored tokens: 0 everywhere. A label outside [0, V) that is not
-//     ignore_index is an error on CPU; on CUDA it gives NaN logp and entropy (no device sync).
+//     ignore_index is an error on CPU; on CUDA it gives NaN logp and entropy (no device sync). Likewise a
+//     token_temperature[i] that is not finite and > 0 (of a token that is not ignored): an error naming the first such
+//     position on CPU (forward and backward); on CUDA NaN logp, entropy and stats (so its gradients are NaN too).
 //
 //   linear_logp_entropy_backward(Tensor grad_logp, Tensor? grad_entropy, Tensor hidden, Tensor weight, Tensor labels,
 //       float temperature, Tensor? token_temperature, Tensor? bias, Tensor stats, int ignore_index, bool[3] output_mask,
@@ -88,6 +90,11 @@ void check_forward_args(const at::Tensor& hidden, const at::Tensor& weight, cons
               labels.size(0));
   check_same_device(labels, hidden, "labels");
   TORCH_CHECK(std::isfinite(temperature) && temperature > 0.0, "linear_logp: temperature must be finite and > 0, got ",
+              temperature);
+  // The CUDA kernels take it as a float32, which must not become 0, a denormal or inf.
+  constexpr double kFloatMin = std::numeric_limits<float>::min(), kFloatMax = std::numeric_limits<float>::max();
+  TORCH_CHECK(temperature >= kFloatMin && temperature <= kFloatMax,
+              "linear_logp: temperature must be a normal float32, in [", kFloatMin, ", ", kFloatMax, "], got ",
               temperature);
   if (token_temperature.has_value()) {
     const auto& tt = *token_temperature;
@@ -189,6 +196,13 @@ Inputs prepare(const at::Tensor& hidden, const at::Tensor& weight, const at::Ten
   return in;
 }
 
+// Called for each token that is not ignored (an ignored token's temperature is never read).
+void check_token_temperature(const Inputs& in, int64_t i) {
+  if (!in.tt.defined()) return;
+  const float t = in.tt.data_ptr<float>()[i];
+  TORCH_CHECK(std::isfinite(t) && t > 0.f, "linear_logp: token_temperature[", i, "] = ", t, " must be finite and > 0");
+}
+
 // z[j - j0] for j in [j0, j1) of token i, in double.
 void logits_block(const Inputs& in, int64_t i, int64_t j0, int64_t j1, double invT, double* z) {
   const float* h = in.h.data_ptr<float>() + i * in.H;
@@ -214,6 +228,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_cpu(
     const int64_t y = label_at(in.labels, i);
     TORCH_CHECK(y == ignore_index || (y >= 0 && y < V), "linear_logp: labels[", i, "] = ", y,
                 " is out of range: labels must be in [0, ", V, ") or equal ignore_index (", ignore_index, ")");
+    if (y != ignore_index) check_token_temperature(in, i);
   }
   const auto f32 = hidden.options().dtype(at::kFloat);
   at::Tensor logp = at::empty({N}, f32), entropy = at::empty({return_entropy ? N : 0}, f32),
@@ -273,6 +288,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_backward_cpu(
   check_backward_args(grad_logp, grad_entropy, hidden, weight, labels, temperature, token_temperature, bias, stats);
   const Inputs in = prepare(hidden, weight, labels, temperature, token_temperature, bias);
   const int64_t N = in.N, H = in.H, V = in.V;
+  for (int64_t i = 0; i < N; ++i) {
+    if (label_at(in.labels, i) != ignore_index) check_token_temperature(in, i);
+  }
   const bool need_h = output_mask[0], need_w = output_mask[1], need_b = output_mask[2] && bias.has_value();
   const auto dtype = hidden.scalar_type();
   const at::Tensor glp = grad_logp.to(at::kDouble).contiguous();

@@ -127,8 +127,15 @@ def _flatten(hidden, weight, labels, temperature, bias):
     if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"labels must have hidden's leading shape {tuple(hidden.shape[:-1])}, "
                          f"got {tuple(getattr(labels, 'shape', ()))}")
+    if hidden.shape[-1] < 1:
+        raise ValueError(f"hidden size (last dim of hidden) must be >= 1, got {hidden.shape[-1]}")
     if weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must be [V, {hidden.shape[-1]}] (hidden size of hidden), got {tuple(weight.shape)}")
+    # Checked here, not only in the op: with one tensor on meta the dispatcher would run the fake implementation and
+    # return uninitialised memory.
+    for name, t in (("weight", weight), ("labels", labels), ("temperature", temperature), ("bias", bias)):
+        if isinstance(t, torch.Tensor) and t.device != hidden.device:
+            raise ValueError(f"{name} must be on hidden's device {hidden.device}, got {t.device}")
     h2 = hidden.reshape(-1, hidden.shape[-1])
     l1 = labels.reshape(-1)
     token_temperature = None
@@ -156,6 +163,10 @@ def linear_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
 
     hidden [..., H] and weight [V, H] in bfloat16/float16 (float32 on CPU), labels [...] integer, temperature a float
     or an fp32 tensor (0-d or labels' shape; not differentiated). Ignored tokens give 0 and no gradient.
+    Every other token needs a label in [0, V) and a temperature that is finite and > 0: on CPU either raises, naming
+    the first offending position; on CUDA (no sync) the token gets NaN logp and entropy (a bad temperature also NaN
+    gradients). Gradients come in the inputs' dtypes (autograd casts each to its input's); for an fp32 grad_weight
+    (fp32 master gradients) call ``linear_logp_entropy_backward`` with ``grad_weight_fp32=True`` instead.
     On CUDA, shapes outside the kernel's contract (``unsupported_shape_reason``) raise UnsupportedShapeError unless
     ``fallback="chunked"``: vocab chunks of ``chunk_size`` logits through the logits op ``fused_logp::logp_entropy``,
     merged by logsumexp, each chunk recomputed in the backward.
@@ -191,7 +202,8 @@ def linear_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
 
 
 def _chunked(h2, weight, l1, temperature, token_temperature, bias, ignore_index, chunk_size):
-    """The fallback: per vocab chunk, logits -> fused_logp::logp_entropy, merged by logsumexp (checkpointed chunks)."""
+    """The fallback: per vocab chunk, logits -> fused_logp::logp_entropy, merged by logsumexp (checkpointed chunks).
+    A label outside [0, V) that is not ignore_index gives NaN logp and entropy, as the CUDA kernel (no sync)."""
     from torch.utils.checkpoint import checkpoint
 
     from . import ops as _logits_ops  # noqa: F401  (autograd of fused_logp::logp_entropy)
@@ -199,15 +211,21 @@ def _chunked(h2, weight, l1, temperature, token_temperature, bias, ignore_index,
     n, V = h2.shape[0], weight.shape[0]
     labels = l1.to(torch.int64)
     ignored = labels == ignore_index
+    out_of_range = ~ignored & ((labels < 0) | (labels >= V))
     tvec = temperature * (token_temperature if token_temperature is not None
                           else torch.ones(n, dtype=torch.float32, device=h2.device))
 
     def chunk(h, w, b, local):
         logits = h @ w.t() if b is None else torch.addmm(b.to(h.dtype), h, w.t())
-        lp, ent, _ = _ops.logp_entropy(logits, local, temperature, token_temperature, -1, True, False)
+        # A token whose logits in this chunk are all -inf (e.g. a -inf bias on padded vocab rows) has no softmax here:
+        # the op would give NaN (and NaN gradients). It runs as ignored instead (0, zero gradient), so its lse is
+        # zsel = -inf and the merge gives the chunk weight 0; its sum p z must then be finite, not -inf (0 * -inf).
+        dead = logits.amax(1) == float("-inf")
+        lp, ent, _ = _ops.logp_entropy(logits, torch.where(dead, -1, local), temperature, token_temperature, -1, True,
+                                       False)
         zsel = logits.gather(1, local[:, None]).squeeze(1).float() / tvec
         lse = zsel - lp
-        return lse, lse - ent, zsel  # logsumexp, sum p z, the selected logit
+        return lse, torch.where(dead, 0.0, lse - ent), zsel  # logsumexp, sum p z, the selected logit
 
     lses, spzs, zy = [], [], torch.zeros(n, dtype=torch.float32, device=h2.device)
     for v0 in range(0, V, chunk_size):
@@ -219,17 +237,23 @@ def _chunked(h2, weight, l1, temperature, token_temperature, bias, ignore_index,
         lses.append(lse)
         spzs.append(spz)
         zy = torch.where(inside, zsel, zy)
-    lse_c, spz_c = torch.stack(lses), torch.stack(spzs)
+    # Ignored tokens' outputs are masked below; a stand-in lse of 0 keeps their (zero) gradients finite even where all
+    # their logits are -inf.
+    lse_c, spz_c = torch.where(ignored, 0.0, torch.stack(lses)), torch.stack(spzs)
     lse = torch.logsumexp(lse_c, dim=0)
     spz = (torch.exp(lse_c - lse) * spz_c).sum(0)
     zero = torch.zeros_like(lse)
-    return torch.where(ignored, zero, zy - lse), torch.where(ignored, zero, lse - spz)
+    logp, entropy = torch.where(ignored, zero, zy - lse), torch.where(ignored, zero, lse - spz)
+    return torch.where(out_of_range, float("nan"), logp), torch.where(out_of_range, float("nan"), entropy)
 
 
 def linear_logp_entropy_backward(grad_logp, grad_entropy, hidden, weight, labels, temperature=1.0, *, bias=None,
                                  stats, ignore_index=-100, needs=(True, True, True), grad_weight_fp32=False):
-    """The backward op directly (e.g. ``grad_weight_fp32=True`` for an fp32 grad_weight, which autograd would cast
-    back to weight's dtype): (grad_hidden, grad_weight, grad_bias), None where not requested."""
+    """The backward op directly, for what autograd cannot return: ``grad_weight_fp32=True`` gives grad_weight in fp32
+    (accumulated in fp32 and never rounded to weight's dtype), e.g. for fp32 master gradients; autograd casts every
+    gradient to its input's dtype. ``stats``: the third output of ``torch.ops.fused_logp.linear_logp_entropy`` on the
+    same inputs (2-D hidden). Returns (grad_hidden, grad_weight, grad_bias), None where not requested. Example:
+    docs/notes/linear_logp.md, "fp32 grad_weight"."""
     h2, l1, temp, token_temperature = _flatten(hidden, weight, labels, temperature, bias)
     ge = None if grad_entropy is None else grad_entropy.reshape(-1)
     mask = [bool(needs[0]), bool(needs[1]), bool(needs[2]) and bias is not None]

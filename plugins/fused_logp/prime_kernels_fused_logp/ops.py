@@ -119,8 +119,11 @@ def logp_entropy(
         zero gradient. Any other label outside [0, V) raises, naming the first offending flat position; on CUDA this
         check reads one device word back (a stream sync). ``check_labels=False`` skips that read (no sync, CUDA-graph
         capturable); such tokens then get NaN instead of an error. On CPU labels are always checked.
-    temperature: a positive float, or a float32 tensor with logits' leading shape (one temperature per token; no
-        gradient flows to it).
+    temperature: a positive float, or a float32 tensor (no gradient flows to it): 0-d (one temperature for every
+        token, broadcast on its device without a host read) or with logits' leading shape (one per token). A token's
+        temperature must be finite and > 0 unless the token is ignored: on CPU any other raises, naming the first
+        offending position; on CUDA that token gets NaN and, with ``check_labels``, the same read-back raises naming
+        it.
     process_group: a torch.distributed group over which the vocabulary is sharded (tensor-parallel lm_head): logits
         is then this rank's [..., V_local] slice, labels are global vocab ids, and the result is the global logp and
         entropy (module ``vocab_parallel``, docs/notes/vocab_parallel.md). None (default): single rank, unchanged.
@@ -156,16 +159,24 @@ def _flatten(logits, labels, temperature):
         raise ValueError(
             f"fused_logp: labels shape {tuple(labels.shape)} must equal logits' leading shape {tuple(lead)}"
         )
+    # Checked here, not only in the op: with one tensor on meta the dispatcher would run the fake implementation and
+    # return uninitialised memory.
+    for name, t in (("labels", labels), ("temperature", temperature)):
+        if isinstance(t, torch.Tensor) and t.device != logits.device:
+            raise ValueError(f"fused_logp: {name} must be on logits' device {logits.device}, got {t.device}")
     x = logits.reshape(-1, vocab)
     if vocab > 1 and x.stride(-1) != 1:
         x = x.contiguous()
     if isinstance(temperature, torch.Tensor):
-        if temperature.shape != lead:
+        if temperature.dim() == 0:
+            token_temperature = temperature.detach().expand(x.shape[0]).contiguous()
+        elif temperature.shape != lead:
             raise ValueError(
                 f"fused_logp: per-token temperature shape {tuple(temperature.shape)} must equal logits' leading shape "
-                f"{tuple(lead)}"
+                f"{tuple(lead)} (or be 0-d)"
             )
-        token_temperature = temperature.detach().reshape(-1)
+        else:
+            token_temperature = temperature.detach().reshape(-1)
         scalar_t = 1.0
     else:
         token_temperature = None

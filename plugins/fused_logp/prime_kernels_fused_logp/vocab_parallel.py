@@ -15,9 +15,10 @@ backward op turns into no onehot term at all (``_LinearFn.backward``). The backw
 op with the global (lse, sum_pz), so grad_logits / grad_weight / grad_bias need no collective; grad_hidden of the
 linear version is a sum over all vocab shards, hence one all_reduce SUM of [N, H] (fp32).
 
-Every call first runs ``_agree``: one all_gather of a 13-int64 row per rank and one host read, so that ranks that
-disagree on N, H, the temperature, the labels or the shard layout, or that failed their own argument checks, all
-raise the same kind of error instead of hanging in a later collective. Details: docs/notes/vocab_parallel.md.
+Every call first runs ``_agree``: one all_gather of a 14-int64 row per rank and one host read, so that ranks that
+disagree on N, H, the temperature (a tensor's values by checksum), the labels or the shard layout, or that failed
+their own argument checks, all raise the same kind of error instead of hanging in a later collective. Details:
+docs/notes/vocab_parallel.md.
 """
 from __future__ import annotations
 
@@ -33,13 +34,14 @@ _I64_MAX = 2**63 - 1
 # The int64 row each rank contributes to the all_gather of _agree.
 _FIELDS = ("error", "num_tokens", "local_vocab", "vocab_start", "hidden_size", "temperature_kind",
            "temperature_bits", "ignore_index", "return_entropy", "grad_hidden", "labels_checksum", "label_min",
-           "label_max")
+           "label_max", "temperature_checksum")
 _F = {name: i for i, name in enumerate(_FIELDS)}
 
 
 # ---- the per-call agreement ------------------------------------------------------------------------------------------
 def _temperature_code(temperature) -> tuple[int, int]:
-    """(kind, bits): kind -1 = a float (bits = its float64 bit pattern), -2 = a 0-d tensor, else per-token numel."""
+    """(kind, bits): kind -1 = a float (bits = its float64 bit pattern), -2 = a 0-d tensor, else per-token numel (a
+    tensor's values enter the row through _checksum, on the device)."""
     if isinstance(temperature, torch.Tensor):
         return (-2, 0) if temperature.dim() == 0 else (temperature.numel(), 0)
     return -1, struct.unpack("<q", struct.pack("<d", float(temperature)))[0]
@@ -49,6 +51,12 @@ def _describe_temperature(kind: int, bits: int) -> str:
     if kind == -1:
         return f"the float {struct.unpack('<d', struct.pack('<q', bits))[0]!r}"
     return "a 0-d tensor" if kind == -2 else f"a per-token tensor of {kind} elements"
+
+
+def _checksum(values: torch.Tensor) -> torch.Tensor:
+    """0-d int64 on values' device, position-weighted so that a permutation changes it."""
+    flat = values.reshape(-1)
+    return (flat * (torch.arange(flat.numel(), device=flat.device) % 127 + 1)).sum()
 
 
 def _agree(group, device, error, n, local_vocab, vocab_start, hidden_size, temperature, ignore_index, return_entropy,
@@ -63,12 +71,16 @@ def _agree(group, device, error, n, local_vocab, vocab_start, hidden_size, tempe
         host = [0, n, local_vocab, -1 if vocab_start is None else vocab_start, hidden_size, kind, bits, ignore_index,
                 int(return_entropy), int(grad_hidden)]
         lab = labels.long()
-        weights = torch.arange(lab.numel(), device=device) % 127 + 1  # position-weighted: a permutation changes it
         valid = lab != ignore_index
+        if isinstance(temperature, torch.Tensor):  # its float32 bits, as the ops read it
+            temperature_checksum = _checksum(temperature.detach().to(torch.float32).view(torch.int32).long())
+        else:
+            temperature_checksum = lab.new_zeros(())
         dev = torch.stack([
-            (lab * weights).sum(),
+            _checksum(lab),
             torch.cat([torch.where(valid, lab, _I64_MAX), lab.new_full((1,), _I64_MAX)]).min(),
             torch.cat([torch.where(valid, lab, -1), lab.new_full((1,), -1)]).max(),
+            temperature_checksum,
         ])
         row = torch.cat([torch.tensor(host, dtype=torch.int64, device=device), dev])
     else:
@@ -101,6 +113,7 @@ def _agree(group, device, error, n, local_vocab, vocab_start, hidden_size, tempe
     same("temperature_kind", "the temperature",
          lambda r: _describe_temperature(table[r][_F["temperature_kind"]], table[r][_F["temperature_bits"]]))
     same("temperature_bits", "the temperature", lambda r: _describe_temperature(-1, table[r][_F["temperature_bits"]]))
+    same("temperature_checksum", "the temperature tensor's values (position-weighted checksum of the float32 bits)")
     same("ignore_index", "ignore_index")
     same("return_entropy", "return_entropy", lambda r: str(bool(table[r][_F["return_entropy"]])))
     same("grad_hidden", "whether hidden requires grad (the backward all-reduces grad_hidden)",
@@ -255,12 +268,10 @@ def logp_entropy_vocab_parallel(logits, labels, temperature=1.0, *, ignore_index
         n, v_local = x.shape
         if x.dtype not in _FLOAT_DTYPES:
             raise ValueError(f"fused_logp: logits dtype must be float32, bfloat16 or float16, got {x.dtype}")
-        if l1.dtype not in (torch.int64, torch.int32) or l1.device != x.device:
-            raise ValueError(f"fused_logp: labels must be int64/int32 on logits' device {x.device}, got {l1.dtype} "
-                             f"on {l1.device}")
-        if tt is not None and (tt.dtype != torch.float32 or tt.device != x.device):
-            raise ValueError(f"fused_logp: a per-token temperature must be float32 on logits' device {x.device}, got "
-                             f"{tt.dtype} on {tt.device}")
+        if l1.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"fused_logp: labels dtype must be int64 or int32, got {l1.dtype}")
+        if tt is not None and tt.dtype != torch.float32:
+            raise ValueError(f"fused_logp: a per-token temperature must be float32, got {tt.dtype}")
         if not (scalar_t > 0 and scalar_t < float("inf")):
             raise ValueError(f"fused_logp: temperature must be finite and > 0, got {scalar_t}")
     except Exception as e:  # raised on every rank by _agree, after the one collective
@@ -356,9 +367,8 @@ def linear_logp_entropy_vocab_parallel(hidden, weight, labels, temperature=1.0, 
                                                      weight=weight if weight.is_cuda else None)
         if reason is not None:
             raise UnsupportedShapeError(f"linear_logp_entropy: {reason}")
-        if weight.dtype != h2.dtype or weight.device != h2.device or l1.device != h2.device:
-            raise ValueError(f"linear_logp_entropy: hidden, weight and labels must share a device and hidden/weight a "
-                             f"dtype, got {h2.dtype}/{weight.dtype} on {h2.device}/{weight.device}/{l1.device}")
+        if weight.dtype != h2.dtype:
+            raise ValueError(f"linear_logp_entropy: weight dtype must equal hidden's ({h2.dtype}), got {weight.dtype}")
         if l1.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"linear_logp_entropy: labels dtype must be int64 or int32, got {l1.dtype}")
         if not (temp > 0 and temp < float("inf")):

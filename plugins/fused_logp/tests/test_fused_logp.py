@@ -21,20 +21,6 @@ CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device; none is visible")]
 
 
-@pytest.fixture(autouse=True)
-def _seeded_and_poisoned(request):
-    """Seed per test (printed) and fill every uninitialised allocation with NaN, so an unwritten output shows."""
-    seed = (SEED + hash(request.node.name)) % 2**31
-    torch.manual_seed(seed)
-    print(f"[{request.node.name}] seed {seed}")
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(was)
-
-
 def make_logits(n, v, dtype, device="cpu", kind="random", scale=3.0):
     x = torch.randn(n, v, device=device) * scale
     if kind == "peaked":
@@ -93,6 +79,10 @@ def test_cpu_temperature(dtype):
     check_against_float64(f"cpu {dtype} T=1.9", logits, labels, 1.9)
     per_token = (torch.rand(32) * 1.5 + 0.25).float()
     check_against_float64(f"cpu {dtype} per-token T", logits, labels, per_token)
+    check_against_float64(f"cpu {dtype} 0-d T", logits, labels, torch.tensor(0.7))
+    broadcast = logp_entropy(logits, labels, torch.tensor(0.7))
+    expanded = logp_entropy(logits, labels, torch.full((32,), 0.7))
+    assert torch.equal(broadcast[0], expanded[0]) and torch.equal(broadcast[1], expanded[1])
 
 
 def test_cpu_large_vocab():
@@ -229,6 +219,28 @@ def test_cpu_bad_label_names_first_position():
         logp_entropy(logits, labels, check_labels=False)
 
 
+BAD_TEMPERATURES = [(0.0, "0"), (-1.5, "-1.5"), (float("inf"), "inf"), (float("nan"), "nan")]  # (value, as printed)
+
+
+@pytest.mark.parametrize("bad, shown", BAD_TEMPERATURES, ids=[s for _, s in BAD_TEMPERATURES])
+def test_cpu_bad_token_temperature_names_first_position(bad, shown):
+    logits = torch.randn(2, 3, 11)
+    labels = torch.randint(0, 11, (2, 3))
+    labels[0, 1] = -100
+    temperature = torch.rand(2, 3) + 0.5
+    _, _, stats = torch.ops.fused_logp.logp_entropy(logits.reshape(6, 11), labels.reshape(6), 1.0,
+                                                    temperature.reshape(6), -100, True, True)
+    temperature[0, 1] = bad  # an ignored token's temperature is never read
+    temperature[1, 0] = bad
+    temperature[1, 2] = bad
+    match = rf"token_temperature\[3\] = {shown} must be finite and > 0"
+    with pytest.raises(RuntimeError, match=match):
+        logp_entropy(logits, labels, temperature)
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.fused_logp.logp_entropy_backward(torch.ones(6), torch.ones(6), logits.reshape(6, 11),
+                                                   labels.reshape(6), 1.0, temperature.reshape(6), stats, -100)
+
+
 @pytest.mark.parametrize(
     "call, match",
     [
@@ -240,6 +252,10 @@ def test_cpu_bad_label_names_first_position():
         (lambda: logp_entropy(torch.randn(3, 8), torch.zeros(3, dtype=torch.long), float("nan")), "temperature must be finite and > 0, got nan"),
         (lambda: logp_entropy(torch.randn(3, 8), torch.zeros(3, dtype=torch.long), torch.ones(3).double()), "token_temperature dtype must be float32, got Double"),
         (lambda: logp_entropy(torch.randn(3, 8), torch.zeros(3, dtype=torch.long), torch.ones(4)), r"per-token temperature shape \(4,\) must equal logits' leading shape \(3,\)"),
+        # one tensor on meta would run the fake implementation: uninitialised outputs instead of an error
+        (lambda: logp_entropy(torch.randn(3, 8), torch.zeros(3, dtype=torch.long, device="meta")), "labels must be on logits' device cpu, got meta"),
+        (lambda: logp_entropy(torch.randn(3, 8, device="meta"), torch.zeros(3, dtype=torch.long)), "labels must be on logits' device meta, got cpu"),
+        (lambda: logp_entropy(torch.randn(3, 8), torch.zeros(3, dtype=torch.long), torch.ones(3, device="meta")), "temperature must be on logits' device cpu, got meta"),
         (lambda: logp_entropy(torch.randn(3, 0), torch.zeros(3, dtype=torch.long)), "vocab size .* must be >= 1, got 0"),
         (lambda: logp_entropy(torch.tensor(1.0), torch.tensor(0)), "logits must have at least 1 dim"),
         (lambda: torch.ops.fused_logp.logp_entropy(torch.randn(8), torch.zeros(1, dtype=torch.long), 1.0, None, -100, True, True), r"logits must be 2-D \[N, V\], got 1-D"),
@@ -315,7 +331,7 @@ def test_compile_fullgraph(device):
     logits = make_logits(12, 97, torch.bfloat16, device).reshape(3, 4, 97)
     labels = make_labels(12, 97, device).reshape(3, 4)
     per_token = torch.rand(3, 4, device=device) + 0.5
-    for t in (0.7, per_token):
+    for t in (0.7, per_token, torch.tensor(0.7, device=device)):
         x1 = logits.clone().requires_grad_()
         x2 = logits.clone().requires_grad_()
         out_eager = f(x1, labels, t)
@@ -334,8 +350,9 @@ class TestCUDA:
     @pytest.mark.parametrize("kind", ["random", "peaked"])
     # Both paths' errors sit at the fp32 rounding floor, so a handful of rows makes the ratio a coin toss (8 rows of
     # 151936 failed once at 1.005x, 2 x 3 rows of 193 once, on an H200): every case has >= 64 rows. (64, 151936)
-    # runs the split-vocab path; (4, 96, 193) a 3-D leading shape with odd V.
-    @pytest.mark.parametrize("shape", [(256, 32000), (64, 257), (64, 151936), (1000, 151), (4, 96, 193)], ids=str)
+    # runs the split-vocab path; (4, 96, 193) a 3-D leading shape with odd V; (256, 32001) the issue's vocab that is no
+    # multiple of the tile (a scalar tail after the 16-byte vectors).
+    @pytest.mark.parametrize("shape", [(256, 32001), (64, 257), (64, 151936), (1000, 151), (4, 96, 193)], ids=str)
     def test_matches_float64(self, dtype, kind, shape):
         *lead, v = shape
         n = int(torch.tensor(lead).prod())

@@ -20,11 +20,6 @@ gpu = [pytest.mark.gpu, pytest.mark.kernel("linear_logp")]
 MAX_RATIO = 1.5
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(SEED)
-
-
 def _paths(h, w, y, T, bias=None, ignore_index=-100, dtype64=False):
     """(logp, entropy) of the PyTorch path: 16-bit matmul + fp32 softmax; with dtype64, the float64 reference."""
     if dtype64:
@@ -38,7 +33,7 @@ def _paths(h, w, y, T, bias=None, ignore_index=-100, dtype64=False):
     ls = torch.log_softmax(z / Tt, dim=-1)
     ok = y != ignore_index
     lp = ls.gather(1, torch.where(ok, y, 0)[:, None]).squeeze(1)
-    ent = -(ls.exp() * ls).sum(-1)
+    ent = -(ls.exp() * ls.masked_fill(ls == float("-inf"), 0)).sum(-1)  # a -inf logit: p log p = 0, also in grads
     zero = torch.zeros_like(lp)
     return torch.where(ok, lp, zero), torch.where(ok, ent, zero)
 
@@ -147,8 +142,20 @@ def test_tied_embedding():
     assert_error_ratio("tied embedding grad_weight", ours.grad, base.grad, ref.grad, MAX_RATIO)
 
 
-def test_needs_input_grad():
+def test_needs_input_grad(monkeypatch):
+    masks = []  # the output_mask autograd passes to the backward op, per backward
+
+    class RecordingOps:
+        linear_logp_entropy = torch.ops.fused_logp.linear_logp_entropy
+
+        @staticmethod
+        def linear_logp_entropy_backward(*args):
+            masks.append(list(args[10]))
+            return torch.ops.fused_logp.linear_logp_entropy_backward(*args)
+
+    monkeypatch.setattr(linear_ops, "_ops", RecordingOps)
     hid, w, y = _inputs(9, 16, 77, torch.bfloat16, "cpu")
+    b = torch.randn(77)
     full = [t.clone().requires_grad_() for t in (hid, w)]
     lp, ent = linear_logp_entropy(*full, y, 0.7)
     (lp + ent).sum().backward()
@@ -160,6 +167,11 @@ def test_needs_input_grad():
     lp, ent = linear_logp_entropy(hid, frozen_h, y, 0.7)
     (lp + ent).sum().backward()
     torch.testing.assert_close(frozen_h.grad, full[1].grad, rtol=0, atol=0)
+    bias_only = b.clone().requires_grad_()
+    lp, ent = linear_logp_entropy(hid, w, y, 0.7, bias=bias_only)
+    (lp + ent).sum().backward()
+    assert bias_only.grad is not None
+    assert masks == [[True, True, False], [True, False, False], [False, True, False], [False, False, True]]
     # the backward op itself honours the mask: empty outputs where not requested
     _, _, stats = torch.ops.fused_logp.linear_logp_entropy(hid, w, y, 0.7, None, None, -100, True)
     gh, gw, gb = torch.ops.fused_logp.linear_logp_entropy_backward(
@@ -240,12 +252,47 @@ def test_errors_name_the_argument():
         linear_logp_entropy(hid, w.half(), y, 1.0)
     with pytest.raises(RuntimeError, match="temperature"):
         linear_logp_entropy(hid, w, y, -1.0)
+    for beyond_float32, shown in ((1e-40, "1e-40"), (1e39, r"1e\+39")):  # CUDA would see a denormal or inf
+        with pytest.raises(RuntimeError, match=r"temperature must be a normal float32, in \[1.17549e-38, "
+                                               rf"3.40282e\+38\], got {shown}"):
+            linear_logp_entropy(hid, w, y, beyond_float32)
     with pytest.raises(RuntimeError, match=r"labels\[2\]"):
         linear_logp_entropy(hid, w, torch.tensor([0, 1, 30, 2]), 1.0)
     with pytest.raises(RuntimeError, match="token_temperature"):
         torch.ops.fused_logp.linear_logp_entropy(hid, w, y, 1.0, torch.ones(3), None, -100, True)
     with pytest.raises(ValueError, match="fallback"):
         linear_logp_entropy(hid, w, y, 1.0, fallback="nope")
+    with pytest.raises(ValueError, match=r"hidden size \(last dim of hidden\) must be >= 1, got 0"):
+        linear_logp_entropy(hid[:, :0], w[:, :0], y, 1.0)
+
+
+@pytest.mark.parametrize("name", ["weight", "labels", "temperature", "bias"])
+def test_mixed_devices_name_the_argument(name):
+    """One tensor on meta would run the fake implementation: uninitialised outputs instead of an error."""
+    hid, w, y = _inputs(4, 16, 30, torch.bfloat16, "cpu")
+    args = dict(weight=w, labels=y, temperature=torch.rand(4) + 0.5, bias=torch.randn(30))
+    args[name] = args[name].to("meta")
+    with pytest.raises(ValueError, match=f"{name} must be on hidden's device cpu, got meta"):
+        linear_logp_entropy(hid, args["weight"], args["labels"], args["temperature"], bias=args["bias"])
+
+
+BAD_TEMPERATURES = [(0.0, "0"), (-1.5, "-1.5"), (float("inf"), "inf"), (float("nan"), "nan")]  # (value, as printed)
+
+
+@pytest.mark.parametrize("bad, shown", BAD_TEMPERATURES, ids=[s for _, s in BAD_TEMPERATURES])
+def test_bad_token_temperature_names_first_position(bad, shown):
+    hid, w, y = _inputs(6, 16, 30, torch.bfloat16, "cpu")
+    y[1] = -100
+    temperature = torch.rand(6) + 0.5
+    _, _, stats = torch.ops.fused_logp.linear_logp_entropy(hid, w, y, 1.0, temperature, None, -100, True)
+    temperature[1] = bad  # an ignored token's temperature is never read
+    temperature[3] = bad
+    temperature[5] = bad
+    match = rf"token_temperature\[3\] = {shown} must be finite and > 0"
+    with pytest.raises(RuntimeError, match=match):
+        linear_logp_entropy(hid.reshape(2, 3, 16), w, y.reshape(2, 3), temperature.reshape(2, 3))
+    with pytest.raises(RuntimeError, match=match):
+        linear_ops.linear_logp_entropy_backward(torch.ones(6), torch.ones(6), hid, w, y, temperature, stats=stats)
 
 
 def test_shape_contract():
@@ -274,6 +321,47 @@ def test_chunked_fallback_matches():
     (lpc + entc).sum().backward()
     for x, z in zip(a, c):
         assert (x.grad.double() - z.grad.double()).norm() / x.grad.double().norm() < 3e-2
+
+
+def test_chunked_fallback_out_of_range_labels_give_nan():
+    """As the CUDA kernel (no sync): NaN logp and entropy for those tokens only; the others are unchanged."""
+    hid, w, _ = _inputs(6, 16, 300, torch.bfloat16, "cpu")
+    y = torch.tensor([0, 299, 300, -3, -100, 150])
+    lp, ent = linear_ops._chunked(hid, w, y, 0.7, None, None, -100, 128)
+    bad = torch.tensor([False, False, True, True, False, False])
+    assert torch.isnan(lp[bad]).all() and torch.isnan(ent[bad]).all()
+    lp_ok, ent_ok = linear_ops._chunked(hid, w, torch.where(bad, 7, y), 0.7, None, None, -100, 128)
+    assert torch.equal(lp[~bad], lp_ok[~bad]) and torch.equal(ent[~bad], ent_ok[~bad])
+    assert lp[4] == 0 and ent[4] == 0
+
+
+def test_chunked_fallback_dead_chunk():
+    """A vocab chunk whose logits are all -inf (a -inf bias on padded vocab rows) contributes nothing: padding the vocab
+    with one leaves outputs and gradients bitwise unchanged (zero gradient on the padding); accuracy as the PyTorch
+    path's against float64, values as the op's."""
+    n, h, live, padded, chunk = 64, 16, 256, 300, 128
+    hid, w, y = _inputs(n, h, padded, torch.bfloat16, "cpu", ignore=0.2)
+    y = torch.where(y >= live, y - live, y)
+    b = torch.randn(padded)
+    b[live:] = float("-inf")  # the last chunk, [256, 300), is all -inf
+    full = [t.clone().requires_grad_() for t in (hid, w, b)]
+    cut = [t.clone().requires_grad_() for t in (hid, w[:live], b[:live])]
+    lp, ent = linear_ops._chunked(full[0], full[1], y, 0.7, None, full[2], -100, chunk)
+    lp_cut, ent_cut = linear_ops._chunked(cut[0], cut[1], y, 0.7, None, cut[2], -100, chunk)
+    assert torch.equal(lp, lp_cut) and torch.equal(ent, ent_cut)
+    g1, g2 = torch.randn(n), torch.randn(n)
+    (lp * g1 + ent * g2).sum().backward()
+    (lp_cut * g1 + ent_cut * g2).sum().backward()
+    assert torch.equal(full[0].grad, cut[0].grad)
+    for padded_grad, live_grad in ((full[1].grad, cut[1].grad), (full[2].grad, cut[2].grad)):
+        assert torch.equal(padded_grad[:live], live_grad) and (padded_grad[live:] == 0).all()
+    lp64, ent64 = _paths(hid.double(), w.double(), y, 0.7, b.double(), dtype64=True)
+    lpb, entb = _paths(hid, w, y, 0.7, b)
+    assert_error_ratio("dead chunk logp", lp, lpb, lp64, MAX_RATIO)
+    assert_error_ratio("dead chunk entropy", ent, entb, ent64, MAX_RATIO)
+    lp_op, ent_op = linear_logp_entropy(hid, w, y, 0.7, bias=b)
+    torch.testing.assert_close(lp, lp_op, rtol=2e-2, atol=2e-2)  # the fallback rounds logits to bf16
+    torch.testing.assert_close(ent, ent_op, rtol=2e-2, atol=2e-2)
 
 
 # ---- GPU ------------------------------------------------------------------------------------------------------------

@@ -172,6 +172,13 @@ def _error_cases(rank, world, group, device):
         "labels differ": lambda: logp_entropy(
             torch.randn(6, v, device=device), torch.full((6,), rank, dtype=torch.long, device=device),
             process_group=group),
+        "per-token temperature differs (logits)": lambda: logp_entropy(
+            torch.randn(6, v, device=device), torch.zeros(6, dtype=torch.long, device=device),
+            torch.full((6,), 1.0 + rank, device=device), process_group=group),
+        "0-d temperature differs (linear)": lambda: linear_logp_entropy(
+            torch.randn(4, 16, device=device), torch.randn(v, 16, device=device),
+            torch.zeros(4, dtype=torch.long, device=device), torch.tensor(1.0 + rank, device=device),
+            process_group=group),
     }
     messages = {}
     for name, fn in cases.items():
@@ -212,6 +219,7 @@ def worker_main(rank: int, world: int, tmp: str, backend: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True, warn_only=True)  # as conftest.py: an unwritten output shows as NaN
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
@@ -398,6 +406,9 @@ def test_gloo_errors_instead_of_hanging(runs, world):
         assert lab and f"labels[4] = {10 * world} is out of range" in lab and f"[0, {10 * world})" in lab, lab
         d = msgs["labels differ"]
         assert d and "ranks disagree on the labels" in d, d
+        for case in ("per-token temperature differs (logits)", "0-d temperature differs (linear)"):
+            t = msgs[case]
+            assert t and "ranks disagree on the temperature tensor's values" in t, t
         o = msgs["overlapping shards"]
         assert o and f"the shards must tile [0, {10 * world}) without gaps or overlaps" in o, o
 

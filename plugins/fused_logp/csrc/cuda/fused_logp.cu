@@ -12,6 +12,8 @@
 // for that token and atomicMin's its row into a device word. With check_labels the host reads that word back (one
 // 8-byte device->host copy, which synchronises the stream) and raises naming the first offending position;
 // check_labels=false skips the copy so the op stays capturable in CUDA graphs and sync-free (the NaN remains).
+// A token temperature that is not finite and > 0 (of a token that is not ignored) takes the same path: NaN, the row
+// in the device word, and with check_labels an error naming token_temperature at that position.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -45,6 +47,7 @@ void check_backward_args(const at::Tensor& grad_logp, const std::optional<at::Te
                          const at::Tensor& logits, const at::Tensor& labels, double temperature,
                          const std::optional<at::Tensor>& token_temperature, const at::Tensor& stats);
 [[noreturn]] void fail_bad_label(int64_t position, int64_t value, int64_t V, int64_t ignore_index);
+[[noreturn]] void fail_bad_token_temperature(int64_t position, float value);
 }  // namespace fused_logp_detail
 
 namespace {
@@ -279,7 +282,7 @@ struct FwdParams {
   float* entropy;  // nullable
   double* stats;   // [N, 2]
   double* partial; // [N, splits, 3] when splits > 1
-  unsigned long long* bad;  // nullable: smallest row with an out-of-range label
+  unsigned long long* bad;  // nullable: smallest row with an out-of-range label or temperature
 };
 
 __device__ __forceinline__ double row_temperature(double temperature, const float* tt, int64_t row) {
@@ -292,7 +295,9 @@ __device__ void finalize_row(const FwdParams<label_t>& p, int64_t row, int64_t y
                              double T) {
   const double nan = __longlong_as_double(0x7ff8000000000000ll);
   const double inf = __longlong_as_double(0x7ff0000000000000ll);
-  if (y < 0 || y >= p.V) {  // not ignore_index (checked by the caller): never read out of bounds
+  const bool bad_label = y < 0 || y >= p.V;  // not ignore_index (checked by the caller): never read out of bounds
+  const bool bad_temperature = !(T > 0.0 && T < inf);  // a per-token temperature of 0, < 0, inf or NaN
+  if (bad_label || bad_temperature) {
     p.logp[row] = static_cast<float>(nan);
     if (p.entropy) p.entropy[row] = static_cast<float>(nan);
     p.stats[2 * row] = nan;
@@ -741,7 +746,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cuda(const at::Tenso
 
   if (check_labels) {
     const int64_t first = bad.item<int64_t>();  // one 8-byte device->host copy: synchronises the stream
-    if (first != -1) fused_logp_detail::fail_bad_label(first, labels[first].item<int64_t>(), V, ignore_index);
+    if (first != -1) {
+      const int64_t y = labels[first].item<int64_t>();
+      if (y < 0 || y >= V) fused_logp_detail::fail_bad_label(first, y, V, ignore_index);
+      fused_logp_detail::fail_bad_token_temperature(first, tt[first].item<float>());  // label in range: flagged for T
+    }
   }
   return {logp, entropy, stats};
 }

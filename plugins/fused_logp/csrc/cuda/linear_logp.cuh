@@ -40,6 +40,9 @@
 #ifndef LINEAR_LOGP_MAX_SPLITS
 #error "LINEAR_LOGP_MAX_SPLITS must come from kernel.toml ([linear_logp.constants])"
 #endif
+#ifndef LINEAR_LOGP_HIDDEN_ALIGN
+#error "LINEAR_LOGP_HIDDEN_ALIGN must come from kernel.toml ([linear_logp.constants])"
+#endif
 
 namespace linear_logp {
 
@@ -423,8 +426,12 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
 // token/vocab/K tiles rely on it). Returns a CUresult (0 on success).
 inline int make_tmap(CUtensorMap* map, const void* ptr, bool bf16, int64_t rows, int64_t cols, int64_t row_stride,
                      int box_rows) {
+  // A map of at most one row never steps by its row stride, so the shape contract leaves that stride unchecked; the
+  // encoder still wants a multiple of 16 bytes, which the padded row length is.
+  constexpr int64_t kAlign = LINEAR_LOGP_HIDDEN_ALIGN;
+  const int64_t stride = rows <= 1 ? (cols + kAlign - 1) / kAlign * kAlign : row_stride;
   return prime_kernels::make_tmap_2d(map, ptr, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                                     rows, cols, row_stride, box_rows, BK);
+                                     rows, cols, stride, box_rows, BK);
 }
 
 // One launch of the kernel (forward, or the backward's dZ pass): token_tiles x splits CTAs.

@@ -39,11 +39,15 @@ __global__ void linear_logp_combine(Params p, int N, float* logp, float* entropy
   const float log2s = log2f(s);
   const float lse2 = m + log2s;
   const float mean_dev = u / s;  // sum p (z - m), log2 units
-  const bool bad = y < 0 || y >= p.vocab;
+  const float temp = p.temperature * (p.token_temperature ? p.token_temperature[i] : 1.f);  // as the kernel forms it
+  const bool bad_temperature = !(temp > 0.f && temp < INFINITY);  // a per-token temperature of 0, < 0, inf or NaN
+  const bool bad = bad_temperature || y < 0 || y >= p.vocab;
   logp[i] = bad ? NAN : ((p.zy[i] - m) - log2s) * LN2;
   if (entropy) entropy[i] = bad ? NAN : (log2s - mean_dev) * LN2;
-  stats[2 * i] = lse2 * LN2;
-  stats[2 * i + 1] = (m + mean_dev) * LN2;
+  // NaN stats make that token's gradients NaN as well; a bad label keeps them: the vocabulary-parallel backward
+  // passes labels outside [0, V) on purpose.
+  stats[2 * i] = bad_temperature ? NAN : lse2 * LN2;
+  stats[2 * i + 1] = bad_temperature ? NAN : (m + mean_dev) * LN2;
 }
 
 }  // namespace linear_logp
