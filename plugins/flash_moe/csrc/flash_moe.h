@@ -79,12 +79,20 @@ inline AlignPlan check_align_args(const at::Tensor& topk_ids, int64_t num_expert
   TORCH_CHECK(local >= 1 && expert_start + local <= num_experts, "moe_align: num_local_experts must be in [1, ",
               num_experts - expert_start, "] (num_experts - expert_start), got ", local);
   TORCH_CHECK(local <= kMaxExperts, "moe_align: at most ", kMaxExperts, " local experts, got ", local);
+  constexpr int64_t kInt32Max = (int64_t{1} << 31) - 1;
+  TORCH_CHECK(expert_start + local - 1 <= kInt32Max, "moe_align: the local experts [expert_start, expert_start + "
+              "num_local_experts) must be int32 ids, got expert_start=", expert_start, ", num_local_experts=", local);
   AlignPlan p;
   p.slots = topk_ids.numel();
-  TORCH_CHECK(p.slots < (int64_t{1} << 31) - 1, "moe_align: M * top_k must fit in int32, got ", p.slots);
+  TORCH_CHECK(p.slots < kInt32Max, "moe_align: M * top_k must fit in int32, got ", p.slots);
   p.local = local;
+  // checked before multiplying: block_m * bpc could overflow int64, and the padding (so the padded length) is int32
+  TORCH_CHECK(block_m <= kInt32Max / bpc, "moe_align: block_m * bpc (the pad unit) must fit in int32, got block_m=",
+              block_m, ", bpc=", bpc);
   p.pad = block_m * bpc;
   p.max_padded = (p.slots + local * (p.pad - 1) + p.pad - 1) / p.pad * p.pad;
+  TORCH_CHECK(p.max_padded < kInt32Max, "moe_align: the padded length (sorted_token_ids) must fit in int32, got ",
+              p.max_padded, " for M * top_k=", p.slots, ", ", local, " local experts, block_m * bpc=", p.pad);
   p.max_blocks = p.max_padded / block_m;
   return p;
 }

@@ -76,6 +76,8 @@ def max_padded(num_slots, num_local_experts: int, block_m: int = BLOCK_M, bpc: i
 @torch.library.register_fake("flash_moe::moe_align")
 def _(topk_ids, num_experts, block_m, bpc, expert_start, num_local_experts):
     torch._check(topk_ids.dim() == 2, lambda: "moe_align: topk_ids must be 2-D (M, top_k)")
+    torch._check(block_m >= 1, lambda: f"moe_align: block_m must be positive, got {block_m}")
+    torch._check(bpc >= 1, lambda: f"moe_align: bpc (blocks per expert pad unit) must be positive, got {bpc}")
     local = num_experts - expert_start if num_local_experts < 0 else num_local_experts
     n = max_padded(topk_ids.numel(), local, block_m, bpc)
     return (topk_ids.new_empty(n, dtype=torch.int32), topk_ids.new_empty(n // block_m, dtype=torch.int32),

@@ -155,6 +155,26 @@ def test_moe_align_rejects():
 
 
 @cpu
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_moe_align_rejects_bad_padding(device):
+    ids = torch.zeros(4, 2, dtype=torch.int32, device=device)
+    with pytest.raises(RuntimeError, match="block_m must be positive, got 0"):
+        torch.ops.flash_moe.moe_align(ids, 4, 0, 1, 0, -1)
+    with pytest.raises(RuntimeError, match="bpc .* must be positive, got -1"):
+        torch.ops.flash_moe.moe_align(ids, 4, 128, -1, 0, -1)
+    if device == "meta":  # the fake computes sizes in Python integers: only the CPU op can overflow
+        return
+    with pytest.raises(RuntimeError, match=r"block_m \* bpc \(the pad unit\) must fit in int32, got "
+                                           r"block_m=1099511627776, bpc=1073741824"):
+        torch.ops.flash_moe.moe_align(ids, 4, 2**40, 2**30, 0, -1)
+    # one slot, two experts padded to 2^30 each: 2^31 entries
+    with pytest.raises(RuntimeError, match="the padded length .* must fit in int32, got 2147483648"):
+        torch.ops.flash_moe.moe_align(ids[:1, :1], 2, 2**30, 1, 0, -1)
+    with pytest.raises(RuntimeError, match="must be int32 ids, got expert_start=4294967296, num_local_experts=4"):
+        ops.moe_align(ids, 2**33, expert_start=2**32, num_local_experts=4)
+
+
+@cpu
 def test_shape_contract():
     c = manifest.constants("prime_kernels_flash_moe", KERNEL)
     assert ops.BLOCK_M == c["BLOCK_M"] and ops.MXFP8_SCALE_BLOCK == c["MXFP8_SCALE_BLOCK"] == 32

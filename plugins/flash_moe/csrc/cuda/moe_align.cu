@@ -115,8 +115,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_align_cuda(const at::Tensor& 
                                                               int64_t num_local_experts) {
   const AlignPlan p = check_align_args(topk_ids, num_experts, block_m, bpc, expert_start, num_local_experts);
   TORCH_CHECK(topk_ids.is_cuda(), "moe_align (CUDA): topk_ids must be a CUDA tensor, got ", topk_ids.device());
-  TORCH_CHECK(p.max_padded < (int64_t{1} << 31) - 1, "moe_align: the padded length must fit in int32, got ",
-              p.max_padded);
   const c10::cuda::CUDAGuard guard(topk_ids.device());
   const auto ids = topk_ids.contiguous();
   const auto opts = ids.options().dtype(at::kInt);
