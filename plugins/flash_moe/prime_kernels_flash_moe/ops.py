@@ -76,6 +76,8 @@ def max_padded(num_slots, num_local_experts: int, block_m: int = BLOCK_M, bpc: i
 @torch.library.register_fake("flash_moe::moe_align")
 def _(topk_ids, num_experts, block_m, bpc, expert_start, num_local_experts):
     torch._check(topk_ids.dim() == 2, lambda: "moe_align: topk_ids must be 2-D (M, top_k)")
+    torch._check(topk_ids.dtype in (torch.int32, torch.int64),
+                 lambda: f"moe_align: topk_ids must be int32 or int64, got {topk_ids.dtype}")
     torch._check(block_m >= 1, lambda: f"moe_align: block_m must be positive, got {block_m}")
     torch._check(bpc >= 1, lambda: f"moe_align: bpc (blocks per expert pad unit) must be positive, got {bpc}")
     local = num_experts - expert_start if num_local_experts < 0 else num_local_experts
@@ -143,11 +145,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, 
     an expert, each expert padded to block_m * bpc with -1; ``expert_ids`` (int32, one per block of block_m): the
     local expert of each block, -1 past ``num_tokens_post_padded`` (int32 [1]). Experts with no slot get no block.
     Expert parallelism: ids in [expert_start, expert_start + num_local_experts) are local (id - expert_start); -1 and
-    other ranks' ids are skipped. ``num_experts`` is the global count (ids must lie in [-1, num_experts)); int64 ids are
-    converted to int32.
+    other ranks' ids are skipped. ``num_experts`` is the global count: ids must lie in [-1, num_experts). ``topk_ids``
+    is int32 or int64 (read as given, never narrowed); an id outside [-1, num_experts) raises on the CPU and is
+    skipped on CUDA (no host sync), an int64 id outside int32 included.
     """
-    if topk_ids.dtype != torch.int32:
-        topk_ids = topk_ids.to(torch.int32)
     return torch.ops.flash_moe.moe_align(topk_ids, num_experts, block_m, bpc, expert_start,
                                          -1 if num_local_experts is None else num_local_experts)
 
@@ -270,12 +271,11 @@ class _MoE(torch.autograd.Function):
     def forward(ctx, x, w1, w2, w3, topk_ids, topk_weights, expert_start, num_experts, deterministic,
                 recompute_gate_up):
         top_k = topk_ids.shape[1]
-        ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
         tw = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
-        align = torch.ops.flash_moe.moe_align(ids, num_experts, BLOCK_M, 1, expert_start, w1.shape[0])
+        align = torch.ops.flash_moe.moe_align(topk_ids, num_experts, BLOCK_M, 1, expert_start, w1.shape[0])
         save = not recompute_gate_up and any(ctx.needs_input_grad[:6])
         out, gate_up = torch.ops.flash_moe.moe_forward(x, w1, w3, w2, *align, tw, top_k, BLOCK_M, deterministic, save)
-        ctx.save_for_backward(x, w1, w2, w3, ids, tw, *align, gate_up)
+        ctx.save_for_backward(x, w1, w2, w3, topk_ids, tw, *align, gate_up)
         ctx.saved_gate_up = save
         ctx.expert_start = expert_start
         ctx.tw_dtype = topk_weights.dtype
@@ -345,12 +345,11 @@ class _MoEMxfp8(torch.autograd.Function):
     def forward(ctx, x, w1, w2, w3, topk_ids, topk_weights, wq, ws, w2q, w2s, expert_start, num_experts,
                 deterministic):
         top_k = topk_ids.shape[1]
-        ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
         tw = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
         xq, xs = torch.ops.flash_moe.quantize_mxfp8(x, MXFP8_SCALE_BLOCK)
-        align = torch.ops.flash_moe.moe_align(ids, num_experts, BLOCK_M, 1, expert_start, wq.shape[0])
+        align = torch.ops.flash_moe.moe_align(topk_ids, num_experts, BLOCK_M, 1, expert_start, wq.shape[0])
         out = torch.ops.flash_moe.moe_forward_mxfp8(xq, xs, wq, ws, w2q, w2s, *align, tw, top_k, BLOCK_M, deterministic)
-        ctx.save_for_backward(xq, xs, wq, ws, w2q, w2s, ids, tw, *align)
+        ctx.save_for_backward(xq, xs, wq, ws, w2q, w2s, topk_ids, tw, *align)
         ctx.expert_start = expert_start
         ctx.tw_dtype = topk_weights.dtype
         ctx.x_dtype = x.dtype
@@ -377,9 +376,10 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, t
     """SwiGLU MoE experts: sum_k topk_weights[t, k] * (silu(x W1[e]^T) * (x W3[e]^T)) W2[e]^T, differentiable.
 
     x (..., dim) bf16; w1 (gate), w3 (up): (E_local, hidden, dim) bf16; w2 (E_local, dim, hidden) bf16; topk_ids
-    (..., top_k) int (global ids; -1 = not routed); topk_weights (..., top_k) float. Expert parallelism: experts
-    [expert_start, expert_start + E_local) are local, other ids contribute nothing (``num_experts``: the global count
-    for the id range check; default E_local when expert_start is 0, unchecked above otherwise).
+    (..., top_k) int32 or int64 (global ids; -1 = not routed; ids out of range as ``moe_align`` treats them);
+    topk_weights (..., top_k) float. Expert parallelism: experts [expert_start, expert_start + E_local) are local,
+    other ids contribute nothing (``num_experts``: the global count for the id range check; default E_local when
+    expert_start is 0, unchecked above otherwise).
     Forward: ``moe_align`` + ``moe_forward`` (the fused kernels; w1 and w3 are read in place, never concatenated).
     Backward: closed form: the gate/up projections recomputed by the fused gate/up kernel (``moe_gate_up``), the
     SwiGLU derivative in one pass (``swiglu_backward``), the five GEMMs with ``torch._grouped_mm`` (CUDA and CPU);

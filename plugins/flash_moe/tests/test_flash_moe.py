@@ -150,8 +150,24 @@ def test_moe_align_rejects():
         ops.moe_align(ids, 2048)
     with pytest.raises(RuntimeError, match="topk_ids must be 2-D"):
         torch.ops.flash_moe.moe_align(ids.view(-1), 4, 128, 1, 0, -1)
-    with pytest.raises(RuntimeError, match="topk_ids must be int32"):
-        torch.ops.flash_moe.moe_align(ids.long(), 4, 128, 1, 0, -1)
+    with pytest.raises(RuntimeError, match="topk_ids must be int32 or int64, got Float"):
+        torch.ops.flash_moe.moe_align(ids.float(), 4, 128, 1, 0, -1)
+
+
+@cpu
+def test_int64_routing_ids_are_not_narrowed():
+    x, w1, w2, w3, ids, tw = make(64, 128, 128, 4, 2, seed=50)
+    long_ids = ids.long()
+    for a, b in zip(ops.moe_align(long_ids, 4), ops.moe_align(ids, 4)):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(ops.moe(x, w1, w2, w3, long_ids, tw), ops.moe(x, w1, w2, w3, ids, tw), rtol=0, atol=0)
+    long_ids[5, 1] = 2**32 + 1  # narrowed to int32 it would be expert 1
+    for route in (lambda t: ops.moe_align(t, 4), lambda t: ops.moe(x, w1, w2, w3, t, tw),
+                  lambda t: ops.moe(x, w1, w2, w3, t, tw, mxfp8=True)):
+        with pytest.raises(RuntimeError, match=r"topk_ids must be in \[-1, num_experts=4\) .* got 4294967297"):
+            route(long_ids)
+        with pytest.raises(RuntimeError, match="topk_ids must be int32 or int64, got Float"):
+            route(ids.float() + 0.5)
 
 
 @cpu
@@ -396,6 +412,17 @@ def test_cuda_align_matches_cpu():
         for a, b in zip(got, want):
             assert torch.equal(a.cpu(), b)
         _check_align(ids, E, 128, 2, expert_start=start, num_local=local, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+def test_cuda_align_skips_out_of_range_int64_ids():
+    ids = torch.randint(-1, 8, (500, 4), generator=torch.Generator().manual_seed(2))
+    bad, skipped = ids.clone(), ids.clone()
+    bad[::3, 0], bad[1::3, 1], bad[2::3, 2] = 2**32 + 1, -2**40, 8  # past int32, below -1, past num_experts
+    skipped[::3, 0], skipped[1::3, 1], skipped[2::3, 2] = -1, -1, -1
+    for a, b in zip(ops.moe_align(bad.cuda(), 8), ops.moe_align(skipped.int(), 8)):
+        assert torch.equal(a.cpu(), b)
 
 
 @pytest.mark.gpu
