@@ -370,6 +370,25 @@ class _MoEMxfp8(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None, None)
 
 
+def _check_moe_args(x, w1, w2, w3):
+    """moe()'s operand contract, checked before either path runs: the mxfp8 path quantizes before any op checks, and
+    its bf16 backward would be the first to see a wrong dtype."""
+    for name, t in (("x", x), ("w1", w1), ("w2", w2), ("w3", w3)):
+        if t.dtype != torch.bfloat16:
+            raise RuntimeError(f"moe: {name} must be bfloat16, got {t.dtype}")
+    if x.dim() < 1:
+        raise RuntimeError("moe: x must have shape (..., dim), got a 0-dim tensor")
+    dim = x.shape[-1]
+    if w1.dim() != 3 or w1.shape[2] != dim:
+        raise RuntimeError(f"moe: w1 must be 3-D (E, hidden, dim) with dim = x's last dimension, got w1 of shape "
+                           f"{tuple(w1.shape)} for x of shape {tuple(x.shape)}")
+    E, hidden = w1.shape[:2]
+    if w3.shape != w1.shape:
+        raise RuntimeError(f"moe: w3 must have w1's shape (E, hidden, dim) = {tuple(w1.shape)}, got {tuple(w3.shape)}")
+    if w2.shape != (E, dim, hidden):
+        raise RuntimeError(f"moe: w2 must have shape (E, dim, hidden) = {(E, dim, hidden)}, got {tuple(w2.shape)}")
+
+
 def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, topk_ids: torch.Tensor,
         topk_weights: torch.Tensor, *, expert_start: int = 0, deterministic: bool = False,
         num_experts: int | None = None, mxfp8: bool = False, recompute_gate_up: bool = True) -> torch.Tensor:
@@ -397,6 +416,7 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, t
     every call), and the forward runs the fused mxfp8 kernels (dim and hidden multiples of MXFP8_ALIGN). The backward
     is the bf16 closed form on the dequantized x and weights (straight-through: gradients land on the bf16 leaves).
     """
+    _check_moe_args(x, w1, w2, w3)
     lead = x.shape[:-1]
     top_k = topk_ids.shape[-1]
     if num_experts is None:

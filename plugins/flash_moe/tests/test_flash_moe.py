@@ -291,6 +291,32 @@ def test_cpu_saved_gate_up_matches_recompute(deterministic):
 
 
 @cpu
+@pytest.mark.parametrize("mxfp8", [False, True])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: a.update(x=a["x"].float()), "moe: x must be bfloat16, got torch.float32"),
+        (lambda a: a.update(w1=a["w1"].float()), "moe: w1 must be bfloat16, got torch.float32"),
+        (lambda a: a.update(w2=a["w2"].half()), "moe: w2 must be bfloat16, got torch.float16"),
+        (lambda a: a.update(w3=a["w3"].float()), "moe: w3 must be bfloat16, got torch.float32"),
+        (lambda a: a.update(w1=a["w1"][0]), r"moe: w1 must be 3-D \(E, hidden, dim\) with dim = x's last dimension, "
+                                            r"got w1 of shape \(256, 128\) for x of shape \(16, 128\)"),
+        (lambda a: a.update(w1=a["w1"][:, :, :64]), r"w1 must be 3-D .* got w1 of shape \(4, 256, 64\)"),
+        (lambda a: a.update(w3=a["w3"][:3]), r"moe: w3 must have w1's shape \(E, hidden, dim\) = \(4, 256, 128\), "
+                                             r"got \(3, 256, 128\)"),
+        (lambda a: a.update(w2=a["w2"].transpose(1, 2)), r"moe: w2 must have shape \(E, dim, hidden\) = "
+                                                         r"\(4, 128, 256\), got \(4, 256, 128\)"),
+    ],
+)
+def test_moe_checks_operands_before_either_path(change, message, mxfp8):
+    x, w1, w2, w3, ids, tw = make(16, 128, 256, 4, 2, seed=51)
+    args = dict(x=x, w1=w1, w2=w2, w3=w3, topk_ids=ids, topk_weights=tw)
+    change(args)
+    with pytest.raises(RuntimeError, match=message):
+        ops.moe(**args, mxfp8=mxfp8)
+
+
+@cpu
 def test_needs_input_grad_subset():
     x, w1, w2, w3, ids, tw = make(32, 128, 64, 4, 2, seed=8)
     w2.requires_grad_()
