@@ -370,9 +370,10 @@ class _MoEMxfp8(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None, None)
 
 
-def _check_moe_args(x, w1, w2, w3):
-    """moe()'s operand contract, checked before either path runs: the mxfp8 path quantizes before any op checks, and
-    its bf16 backward would be the first to see a wrong dtype."""
+def _check_moe_args(x, w1, w2, w3, topk_ids, topk_weights):
+    """moe()'s operand contract, checked before either path runs: the mxfp8 path quantizes before any op checks, its
+    bf16 backward would be the first to see a wrong dtype, and the ops see flattened tokens only (routing for fewer
+    tokens than x has would leave the others' rows zero)."""
     for name, t in (("x", x), ("w1", w1), ("w2", w2), ("w3", w3)):
         if t.dtype != torch.bfloat16:
             raise RuntimeError(f"moe: {name} must be bfloat16, got {t.dtype}")
@@ -387,6 +388,12 @@ def _check_moe_args(x, w1, w2, w3):
         raise RuntimeError(f"moe: w3 must have w1's shape (E, hidden, dim) = {tuple(w1.shape)}, got {tuple(w3.shape)}")
     if w2.shape != (E, dim, hidden):
         raise RuntimeError(f"moe: w2 must have shape (E, dim, hidden) = {(E, dim, hidden)}, got {tuple(w2.shape)}")
+    if topk_ids.dim() != x.dim() or topk_ids.shape[:-1] != x.shape[:-1]:
+        raise RuntimeError(f"moe: topk_ids must have shape (..., top_k) with x's leading dimensions, got topk_ids of "
+                           f"shape {tuple(topk_ids.shape)} for x of shape {tuple(x.shape)}")
+    if topk_weights.shape != topk_ids.shape:
+        raise RuntimeError(f"moe: topk_weights must have topk_ids' shape (..., top_k), got topk_weights of shape "
+                           f"{tuple(topk_weights.shape)} for topk_ids of shape {tuple(topk_ids.shape)}")
 
 
 def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, topk_ids: torch.Tensor,
@@ -416,7 +423,7 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, t
     every call), and the forward runs the fused mxfp8 kernels (dim and hidden multiples of MXFP8_ALIGN). The backward
     is the bf16 closed form on the dequantized x and weights (straight-through: gradients land on the bf16 leaves).
     """
-    _check_moe_args(x, w1, w2, w3)
+    _check_moe_args(x, w1, w2, w3, topk_ids, topk_weights)
     lead = x.shape[:-1]
     top_k = topk_ids.shape[-1]
     if num_experts is None:

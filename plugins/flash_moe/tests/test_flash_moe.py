@@ -306,6 +306,15 @@ def test_cpu_saved_gate_up_matches_recompute(deterministic):
                                              r"got \(3, 256, 128\)"),
         (lambda a: a.update(w2=a["w2"].transpose(1, 2)), r"moe: w2 must have shape \(E, dim, hidden\) = "
                                                          r"\(4, 128, 256\), got \(4, 256, 128\)"),
+        (lambda a: a.update(topk_ids=a["topk_ids"][:8], topk_weights=a["topk_weights"][:8]),
+         r"moe: topk_ids must have shape \(..., top_k\) with x's leading dimensions, got topk_ids of shape \(8, 2\) "
+         r"for x of shape \(16, 128\)"),
+        (lambda a: a.update(topk_ids=a["topk_ids"].repeat(2, 1)), r"got topk_ids of shape \(32, 2\) for x of shape"),
+        (lambda a: a.update(topk_ids=a["topk_ids"].view(4, 4, 2)), r"got topk_ids of shape \(4, 4, 2\) for x of shape"),
+        (lambda a: a.update(topk_weights=a["topk_weights"][:8]), r"moe: topk_weights must have topk_ids' shape "
+                                                                 r"\(..., top_k\), got topk_weights of shape \(8, 2\) "
+                                                                 r"for topk_ids of shape \(16, 2\)"),
+        (lambda a: a.update(topk_weights=a["topk_weights"][:, :1]), r"got topk_weights of shape \(16, 1\)"),
     ],
 )
 def test_moe_checks_operands_before_either_path(change, message, mxfp8):
