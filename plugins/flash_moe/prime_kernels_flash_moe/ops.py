@@ -13,7 +13,8 @@ Surface (compatible with the original Blackwell flash_moe, namespace ``prime_moe
 - mxfp8 (OCP MX: e4m3 elements, one e8m0 power-of-two scale per 32 elements along K): ``quantize_mxfp8``,
   ``dequantize_mxfp8``, ``pack_scales_blocked`` / ``unpack_scales_blocked`` (the weight-scale layout the kernels read),
   ``fused_moe_mxfp8`` (same semantics as fused_moe_bf16; the SwiGLU output is re-quantized to mxfp8 per 32 hidden
-  elements before the down projection; out bf16, overwritten entirely) and ``moe(..., mxfp8=True)``.
+  elements before the down projection; out bf16, overwritten entirely) and ``moe(..., mxfp8=True)`` (its weight
+  cache: see ``moe``; ``clear_mxfp8_weight_cache()`` empties it).
 
 Tuning keywords of the original: ``block_m`` must equal BLOCK_M (the compiled tile; checked); ``bpc`` is honoured by
 ``moe_align`` (experts padded to block_m * bpc) and ignored by the GEMM (blocks are independent); ``block_n``,
@@ -30,6 +31,7 @@ fixed-order.
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from prime_kernels_core import manifest
 
@@ -233,31 +235,37 @@ def _quantize_weights(w1, w2, w3):
     return wq, pack_scales_blocked(ws), w2q, pack_scales_blocked(w2s)
 
 
-# Weight cache of moe(mxfp8=True): one entry per (w1, w2, w3) storage, keyed by each tensor's
-# (data_ptr, _version, shape, dtype) and checked by identity (weak references), so a freed tensor whose memory is
-# reused never hits. Any in-place update (an optimizer step, copy_, a no_grad add_) bumps _version and re-quantizes
-# on the next call; the stale entry is replaced. Inference-mode tensors (no version counter) and traced calls
-# (torch.compile) are quantized every call.
-_WEIGHT_CACHE: dict = {}
-_WEIGHT_CACHE_MAX = 32
+# moe(mxfp8=True)'s quantized weights, keyed weakly by the tensors owning the weights' storage (a view's _base, so
+# fresh views of one parameter hit): owner of w1 -> owner of w2 -> owner of w3 -> {the views' geometry: (each weight's
+# (_version, data_ptr) when quantized, the quantized weights)}. An entry is freed with any of its three weights; a
+# stale one is replaced in place.
+_WEIGHT_CACHE = WeakTensorKeyDictionary()
+
+
+def clear_mxfp8_weight_cache() -> None:
+    """Drop every weight quantization moe(mxfp8=True) holds. Needed after writes that keep a weight's _version:
+    through ``w.data`` or under ``torch.autograd._unsafe_preserve_version_counter`` (see ``moe``)."""
+    _WEIGHT_CACHE.clear()
+
+
+def _storage_owner(w: torch.Tensor) -> torch.Tensor:
+    return w if w._base is None else w._base
 
 
 def _cached_quantized_weights(w1, w2, w3):
     if torch.compiler.is_compiling() or any(w.is_inference() for w in (w1, w2, w3)):
         return _quantize_weights(w1, w2, w3)
-    import weakref
-
-    ptrs = (w1.data_ptr(), w2.data_ptr(), w3.data_ptr(), str(w1.device))
-    key = tuple((w._version, tuple(w.shape), w.dtype) for w in (w1, w2, w3))
-    hit = _WEIGHT_CACHE.get(ptrs)
-    if hit is not None and hit[0] == key and all(r() is w for r, w in zip(hit[1], (w1, w2, w3))):
-        return hit[2]
-    value = _quantize_weights(w1, w2, w3)
-    _WEIGHT_CACHE.pop(ptrs, None)
-    while len(_WEIGHT_CACHE) >= _WEIGHT_CACHE_MAX:
-        _WEIGHT_CACHE.pop(next(iter(_WEIGHT_CACHE)))
-    _WEIGHT_CACHE[ptrs] = (key, tuple(weakref.ref(w) for w in (w1, w2, w3)), value)
-    return value
+    by_w2 = _WEIGHT_CACHE.setdefault(_storage_owner(w1), WeakTensorKeyDictionary())
+    by_w3 = by_w2.setdefault(_storage_owner(w2), WeakTensorKeyDictionary())
+    entries = by_w3.setdefault(_storage_owner(w3), {})
+    geometry = tuple((w.storage_offset(), tuple(w.shape), tuple(w.stride()), w.dtype) for w in (w1, w2, w3))
+    state = tuple((w._version, w.data_ptr()) for w in (w1, w2, w3))
+    hit = entries.get(geometry)
+    if hit is not None and hit[0] == state:
+        return hit[1]
+    quantized = _quantize_weights(w1, w2, w3)
+    entries[geometry] = (state, quantized)
+    return quantized
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -417,11 +425,18 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, t
     uses them instead of recomputing them: the gate/up GEMM, two thirds of the forward's FLOPs, traded for that
     memory. Same gradients, bitwise. (The mxfp8 path always recomputes.)
 
-    ``mxfp8=True``: x is quantized to mxfp8 on every call, the weights once per weight version (see
-    ``_WEIGHT_CACHE``: keyed by each weight's data_ptr, _version and shape, so an optimizer's in-place update, which
-    bumps _version, re-quantizes on the next call; under torch.compile the weights are quantized inside the graph on
-    every call), and the forward runs the fused mxfp8 kernels (dim and hidden multiples of MXFP8_ALIGN). The backward
-    is the bf16 closed form on the dequantized x and weights (straight-through: gradients land on the bf16 leaves).
+    ``mxfp8=True``: x is quantized to mxfp8 on every call, the weights once per weight version, and the forward runs
+    the fused mxfp8 kernels (dim and hidden multiples of MXFP8_ALIGN). The backward is the bf16 closed form on the
+    dequantized x and weights (straight-through: gradients land on the bf16 leaves).
+    Weight caching rule: the quantized weights are cached per (w1, w2, w3), keyed weakly by the tensors themselves (a
+    view by its base tensor and its geometry, so fresh views of one parameter hit) and freed with them; no size cap.
+    A cached copy is reused while every weight keeps its ``_version`` and data_ptr. Detected: in-place updates that
+    bump ``_version`` (an optimizer step, ``copy_``, ``load_state_dict``, a ``no_grad`` ``add_``, also through a view)
+    and new storage (``w.data = t``): the next call re-quantizes. Not detected: writes that keep ``_version``, through
+    ``w.data`` (``w.data.mul_(2)``: ``.data`` has its own version counter) or under
+    ``torch.autograd._unsafe_preserve_version_counter``: call ``clear_mxfp8_weight_cache()`` after such writes.
+    Inference tensors (no version counter) and traced calls (torch.compile: quantized inside the graph) quantize the
+    weights on every call.
     """
     _check_moe_args(x, w1, w2, w3, topk_ids, topk_weights)
     lead = x.shape[:-1]
