@@ -16,6 +16,9 @@ Surface (compatible with the original Blackwell flash_moe, namespace ``prime_moe
   elements before the down projection; out bf16, overwritten entirely) and ``moe(..., mxfp8=True)`` (its weight
   cache: see ``moe``; ``clear_mxfp8_weight_cache()`` empties it).
 
+The ``torch.ops.flash_moe`` ops are forward-only: a backward through ``moe_forward``, ``moe_forward_mxfp8``,
+``moe_gate_up``, ``swiglu_backward`` or ``quantize_mxfp8`` raises; ``moe`` is the differentiable entry point.
+
 Tuning keywords of the original: ``block_m`` must equal BLOCK_M (the compiled tile; checked); ``bpc`` is honoured by
 ``moe_align`` (experts padded to block_m * bpc) and ignored by the GEMM (blocks are independent); ``block_n``,
 ``warp_n``, ``stages``, ``cpc`` and ``split`` are accepted and ignored (the sm_90a kernels have one compiled
@@ -136,6 +139,27 @@ def _(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids, num
       top_k, block_m, deterministic):
     torch._check(x.dim() == 2, lambda: "moe_forward_mxfp8: x must be 2-D (M, dim)")
     return x.new_empty(x.shape, dtype=torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The functional ops are forward-only. Without an autograd formula PyTorch differentiates through whatever ATen ops the
+# CPU implementation records (a wrong gradient after a warning), so their backward raises instead. fused_moe_bf16 and
+# fused_moe_mxfp8 write ``out`` in place, which register_autograd does not take.
+def _forward_only(op_name: str, use_instead: str) -> None:
+    def backward(ctx, *grads):
+        raise RuntimeError(f"flash_moe::{op_name} has no derivative: {use_instead}")
+
+    torch.library.register_autograd(f"flash_moe::{op_name}", backward)
+
+
+for _op_name in ("moe_forward", "moe_forward_mxfp8"):
+    _forward_only(_op_name, "for gradients call prime_kernels_flash_moe.ops.moe (the same forward, with a closed-form "
+                            "backward)")
+for _op_name in ("moe_gate_up", "swiglu_backward"):
+    _forward_only(_op_name, "it is a piece of prime_kernels_flash_moe.ops.moe's closed-form backward, which is "
+                            "first-order only (no double backward)")
+_forward_only("quantize_mxfp8", "rounding to mxfp8 has none; prime_kernels_flash_moe.ops.moe(mxfp8=True) passes "
+                                "gradients straight through to the bf16 weights")
 
 
 # ---------------------------------------------------------------------------------------------------------------

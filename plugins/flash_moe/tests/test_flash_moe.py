@@ -4,11 +4,13 @@ the shape contract and argument checks, the conformance kit, torch.compile. CPU 
 ``@pytest.mark.gpu`` tests need CUDA and an sm_90a build. ``-s`` prints the error ratios."""
 from __future__ import annotations
 
+import collections
 import gc
 import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import prime_kernels
 from prime_kernels_core import manifest
@@ -328,13 +330,64 @@ def test_moe_checks_operands_before_either_path(change, message, mxfp8):
         ops.moe(**args, mxfp8=mxfp8)
 
 
+class OpCalls(TorchDispatchMode):
+    """Counts the ops that run under it by name ("aten::_grouped_mm", "flash_moe::moe_gate_up", ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.name()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+GRADIENT_INPUTS = ("x", "w1", "w2", "w3", "topk_weights")
+
+
 @cpu
-def test_needs_input_grad_subset():
+@pytest.mark.parametrize("needed, gemms", [(("w2",), 2), (("x",), 3), (("w1",), 2), (("topk_weights",), 1),
+                                           (GRADIENT_INPUTS, 6)])
+def test_backward_runs_only_what_the_needed_gradients_take(needed, gemms):
+    """Grouped GEMMs: grad_h, then one each for dW2, dW1, dW3 and two for dx; the gate/up recomputation and the
+    SwiGLU pass once."""
     x, w1, w2, w3, ids, tw = make(32, 128, 64, 4, 2, seed=8)
-    w2.requires_grad_()
-    out = ops.moe(x, w1, w2, w3, ids, tw)
-    (g,) = torch.autograd.grad(out.float().sum(), [w2])
-    assert g.shape == w2.shape and x.grad is None
+    inputs = dict(zip(GRADIENT_INPUTS, (x, w1, w2, w3, tw)))
+    for name in needed:
+        inputs[name].requires_grad_()
+    out = ops.moe(*(inputs[n] for n in GRADIENT_INPUTS[:4]), ids, inputs["topk_weights"])
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(out.dtype)
+    with OpCalls() as calls:
+        grads = torch.autograd.grad(out, [inputs[n] for n in needed], grad_out)
+    assert calls.counts["aten::_grouped_mm"] == gemms
+    assert calls.counts["flash_moe::moe_gate_up"] == 1 and calls.counts["flash_moe::swiglu_backward"] == 1
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w2, w3, tw)]
+    every = torch.autograd.grad(ops.moe(*leaves[:4], ids, leaves[4]), leaves, grad_out)
+    for name, grad in zip(needed, grads):  # the same gradients as when every input needs one
+        assert torch.equal(grad, every[GRADIENT_INPUTS.index(name)]), name
+
+
+@cpu
+def test_forward_only_ops_refuse_to_differentiate():
+    x, w1, w2, w3, ids, tw = make(16, 128, 128, 4, 2, seed=52)
+    align = ops.moe_align(ids, 4)
+    x_grad, tw_grad = x.clone().requires_grad_(), tw.clone().requires_grad_()
+    gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, 2, ops.BLOCK_M)
+    grad_h = torch.randn(32, 128, generator=torch.Generator().manual_seed(53)).to(torch.bfloat16).requires_grad_()
+    calls = {
+        "moe_forward": lambda: torch.ops.flash_moe.moe_forward(x_grad, w1, w3, w2, *align, tw, 2, ops.BLOCK_M,
+                                                               False)[0],
+        "moe_forward_mxfp8": lambda: torch.ops.flash_moe.moe_forward_mxfp8(*mx_operands(x, w1, w2, w3), *align,
+                                                                           tw_grad, 2, ops.BLOCK_M, False),
+        "moe_gate_up": lambda: torch.ops.flash_moe.moe_gate_up(x_grad, w1, w3, *align, 2, ops.BLOCK_M),
+        "swiglu_backward": lambda: torch.ops.flash_moe.swiglu_backward(gate_up, grad_h, tw.reshape(-1),
+                                                                       torch.ones(32, dtype=torch.bool))[0],
+        "quantize_mxfp8": lambda: ops.quantize_mxfp8(x_grad)[0],
+    }
+    for name, call in calls.items():
+        out = call()
+        with pytest.raises(RuntimeError, match=f"flash_moe::{name} has no derivative"):
+            out.float().sum().backward()
 
 
 # ---------------------------------------------------------------------------------------------------------------
