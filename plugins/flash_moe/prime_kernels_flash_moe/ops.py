@@ -327,7 +327,8 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     Per routed slot s (token t, expert e, weight p): g | u = x_t [W1; W3]^T recomputed by the fused gate/up kernel
     (``moe_gate_up``) unless the forward kept it (``gate_up``), grad_h = grad_out_t W2[e] (unweighted), then ``swiglu_backward`` gives dg, du, p h and
     dL/dp = grad_h . h in one pass; the weight and input gradients are grouped GEMMs over the slots sorted by expert.
-    dx is summed over a token's top_k slots in k order in fp32 (deterministic in both modes).
+    When w2's gradient alone is needed, the grad_h GEMM is skipped (dW2 takes p h only). dx is summed over a token's
+    top_k slots in k order in fp32 (deterministic in both modes).
     """
     need_x, need_w1, need_w2, need_w3, _, need_tw = needs
     T, dim = x.shape
@@ -347,7 +348,10 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     if gate_up is None:
         gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, BLOCK_M)
     go = grad_out.to(x.dtype)[tok]
-    grad_h = _gmm(go, w2, offs)  # rows past offs[-1] are not written: swiglu_backward masks them with `ok`
+    if need_x or need_w1 or need_w3 or need_tw:
+        grad_h = _gmm(go, w2, offs)  # rows past offs[-1] are not written: swiglu_backward masks them with `ok`
+    else:  # w2's gradient alone takes only p h, which swiglu_backward computes without reading grad_h
+        grad_h = go.new_zeros(S, w2.shape[2])
     grad_gate, grad_up, weighted_h, grad_p = torch.ops.flash_moe.swiglu_backward(gate_up, grad_h,
                                                                                  tw.reshape(-1)[order], ok)
     grad_tw = grad_x = grad_w1 = grad_w2 = grad_w3 = None
