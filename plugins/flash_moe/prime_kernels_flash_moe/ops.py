@@ -121,6 +121,7 @@ def _(gate_up, grad_h, row_weights, valid):
 
 @torch.library.register_fake("flash_moe::quantize_mxfp8")
 def _(t, block):
+    torch._check(block >= 1, lambda: f"quantize_mxfp8: block must be positive, got {block}")
     torch._check(t.dim() >= 1 and t.shape[-1] % block == 0,
                  lambda: f"quantize_mxfp8: the last dimension must be a multiple of block={block}")
     return (t.new_empty(t.shape, dtype=torch.float8_e4m3fn),
@@ -212,6 +213,16 @@ def quantize_mxfp8(t: torch.Tensor, block: int = MXFP8_SCALE_BLOCK):
 def dequantize_mxfp8(data: torch.Tensor, scales: torch.Tensor, block: int = MXFP8_SCALE_BLOCK,
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """quantize_mxfp8's inverse: data * 2^e per block (exact in float32; ``dtype`` casts the result)."""
+    if data.dtype != torch.float8_e4m3fn or scales.dtype != torch.float8_e8m0fnu:
+        raise RuntimeError(f"dequantize_mxfp8: data must be float8_e4m3fn and scales float8_e8m0fnu, got data "
+                           f"{data.dtype} and scales {scales.dtype}")
+    if block < 1 or data.dim() < 1 or data.shape[-1] % block:
+        raise RuntimeError(f"dequantize_mxfp8: block must be positive and divide data's last dimension, got "
+                           f"block={block} for data of shape {tuple(data.shape)}")
+    if scales.shape != (*data.shape[:-1], data.shape[-1] // block):
+        raise RuntimeError(f"dequantize_mxfp8: scales must have shape (..., K / block) = "
+                           f"{(*data.shape[:-1], data.shape[-1] // block)} for data of shape {tuple(data.shape)}, "
+                           f"got {tuple(scales.shape)}")
     return (data.float() * scales.float().repeat_interleave(block, -1)).to(dtype)
 
 
@@ -220,6 +231,9 @@ def pack_scales_blocked(scales: torch.Tensor) -> torch.Tensor:
     expert and each 128-wide K step, the 4 scale bytes of every row n in turn (one coalesced 4-byte copy per row and
     pipeline stage). K must be a multiple of MXFP8_ALIGN = 128."""
     g = MXFP8_ALIGN // MXFP8_SCALE_BLOCK
+    if scales.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise RuntimeError(f"pack_scales_blocked: scales must be float8_e8m0fnu (or its uint8 bytes), got "
+                           f"{scales.dtype}")
     if scales.dim() != 3 or scales.shape[-1] % g:
         raise RuntimeError(f"pack_scales_blocked: scales must be (E, N, K / {MXFP8_SCALE_BLOCK}) with K a multiple "
                            f"of {MXFP8_ALIGN}, got shape {tuple(scales.shape)}")
@@ -230,7 +244,12 @@ def pack_scales_blocked(scales: torch.Tensor) -> torch.Tensor:
 
 def unpack_scales_blocked(packed: torch.Tensor) -> torch.Tensor:
     """pack_scales_blocked's inverse: (E, K / 128, N, 4) -> (E, N, K / 32)."""
-    E, KT, N, g = packed.shape
+    g = MXFP8_ALIGN // MXFP8_SCALE_BLOCK
+    if packed.dtype not in (torch.float8_e8m0fnu, torch.uint8) or packed.dim() != 4 or packed.shape[-1] != g:
+        raise RuntimeError(f"unpack_scales_blocked: packed must be pack_scales_blocked's layout (E, K / {MXFP8_ALIGN}, "
+                           f"N, {g}) of float8_e8m0fnu (or its uint8 bytes), got {packed.dtype} of shape "
+                           f"{tuple(packed.shape)}")
+    E, KT, N, _ = packed.shape
     return packed.view(torch.uint8).permute(0, 2, 1, 3).reshape(E, N, KT * g).view(torch.float8_e8m0fnu)
 
 

@@ -676,6 +676,27 @@ def test_pack_scales_blocked_round_trip():
         ops.pack_scales_blocked(s[:, :, :6])
 
 
+@cpu
+def test_mxfp8_helpers_check_their_arguments():
+    t = torch.randn(4, 4 * MX, generator=torch.Generator().manual_seed(22))
+    q, s = ops.quantize_mxfp8(t)
+    for device in ("cpu", "meta"):
+        with pytest.raises(RuntimeError, match="quantize_mxfp8: block must be positive, got 0"):
+            ops.quantize_mxfp8(t.to(device), 0)
+    with pytest.raises(RuntimeError, match=r"dequantize_mxfp8: scales must have shape \(..., K / block\) = \(4, 4\) "
+                                           r"for data of shape \(4, 128\), got \(1, 4\)"):
+        ops.dequantize_mxfp8(q, s[:1])
+    with pytest.raises(RuntimeError, match=r"dequantize_mxfp8: block must be positive .* got block=0"):
+        ops.dequantize_mxfp8(q, s, block=0)
+    with pytest.raises(RuntimeError, match="dequantize_mxfp8: data must be float8_e4m3fn .* got data torch.uint8"):
+        ops.dequantize_mxfp8(q.view(torch.uint8), s)
+    with pytest.raises(RuntimeError, match="pack_scales_blocked: scales must be float8_e8m0fnu .* got torch.float32"):
+        ops.pack_scales_blocked(torch.ones(2, 4, 8))
+    with pytest.raises(RuntimeError, match=r"unpack_scales_blocked: packed must be pack_scales_blocked's layout "
+                                           r"\(E, K / 128, N, 4\) .* got torch.uint8 of shape \(2, 4, 8\)"):
+        ops.unpack_scales_blocked(torch.ones(2, 4, 8, dtype=torch.uint8))
+
+
 def mx_operands(x, w1, w2, w3):
     xq, xs = ops.quantize_mxfp8(x)
     wq, ws = ops.quantize_mxfp8(torch.cat([w1, w3], 1))
