@@ -229,6 +229,8 @@ def test_shape_contract():
         (lambda a: a.update(out=a["out"][:, :64]), r"out must have shape \(M, dim\)"),
         (lambda a: a.update(expert_ids=a["expert_ids"][:-1]), "expert_ids must be a 1-D int32 tensor"),
         (lambda a: a.update(expert_ids=a["expert_ids"] + 9), r"expert_ids must be in \[-1, E=4\)"),
+        (lambda a: a.update(sorted_token_ids=a["sorted_token_ids"].masked_fill(a["sorted_token_ids"] == 0, 32)),
+         r"sorted_token_ids must be in \[-1, M \* top_k=32\), got 32"),
     ],
 )
 def test_bad_arguments_name_the_argument(change, message):
