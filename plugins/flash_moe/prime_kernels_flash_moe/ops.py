@@ -188,6 +188,10 @@ def fused_moe_bf16(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padde
     x (M, dim) bf16; w (E, 2 hidden, dim) bf16, gate rows [0, hidden), up rows [hidden, 2 hidden); w2 (E, dim, hidden)
     bf16; topk_weights (M, top_k) fp32; out (M, dim) bf16, overwritten entirely. See the module docstring for the
     tuning keywords (accepted; only block_m is checked) and the combine's numerics.
+    Index values: the CPU op raises on a ``sorted_token_ids`` entry outside [-1, M * top_k) or an ``expert_ids`` entry
+    outside [-1, E); the CUDA kernels check them on the device instead (no host sync): such a sorted_token_ids entry
+    is skipped like padding, such an expert id skips its block (as other ranks' experts are skipped in expert
+    parallelism, and as ``moe_align`` on CUDA skips out-of-range ``topk_ids``).
     """
     torch.ops.flash_moe.fused_moe_bf16(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights,
                                        out, top_k, block_m, block_n, warp_n, stages, bpc, cpc, split)
@@ -261,7 +265,8 @@ def fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, e
     bytes); w (E, 2 hidden, dim) e4m3 (gate rows then up rows)
     with w_scales = pack_scales_blocked(scales of w along dim); w2 (E, dim, hidden) e4m3 with w2_scales =
     pack_scales_blocked(scales of w2 along hidden). SwiGLU in fp32 on the fp32 accumulators, h re-quantized to mxfp8
-    (quantize_mxfp8's rule, per 32 hidden elements) before the down projection; combine as fused_moe_bf16.
+    (quantize_mxfp8's rule, per 32 hidden elements) before the down projection; combine and index values as
+    fused_moe_bf16.
     ``block_m`` must equal BLOCK_M; the other tuning keywords are accepted and ignored.
     """
     torch.ops.flash_moe.fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids,

@@ -535,6 +535,33 @@ def test_cuda_fused_op_matches_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.kernel(KERNEL)
+def test_cuda_out_of_range_indices_are_skipped_like_padding():
+    """The CPU ops raise on these values; the CUDA kernels skip them without a host sync."""
+    x, w1, w2, w3, ids, tw = make(300, 256, 256, 6, 2, "cuda", seed=44)
+    s, e, n = ops.moe_align(ids, 6)
+    picked = torch.nonzero(s >= 0).squeeze(1)[::7]
+    bad_s, skipped_s = s.clone(), s.clone()
+    bad_s[picked[0::3]], bad_s[picked[1::3]], bad_s[picked[2::3]] = 300 * 2, 2**31 - 1, -5
+    skipped_s[picked] = -1
+    bad_e, skipped_e = e.clone(), e.clone()
+    bad_e[1], skipped_e[1] = 6, -1
+    w, mx = torch.cat([w1, w3], 1), mx_operands(x, w1, w2, w3)
+    # top_k = 2: the atomic combine adds two terms to zero per element, which is order-independent, so exact
+    runs = {
+        "fused_moe_bf16": lambda s, e: ops.fused_moe_bf16(x, w, w2, s, e, n, tw, torch.empty_like(x), 2),
+        "fused_moe_mxfp8": lambda s, e: ops.fused_moe_mxfp8(*mx, s, e, n, tw, torch.empty_like(x), 2),
+        "moe_forward deterministic": lambda s, e: torch.ops.flash_moe.moe_forward(x, w1, w3, w2, s, e, n, tw, 2,
+                                                                                  ops.BLOCK_M, True, True),
+        "moe_gate_up": lambda s, e: torch.ops.flash_moe.moe_gate_up(x, w1, w3, s, e, n, 2, ops.BLOCK_M),
+    }
+    for name, run in runs.items():
+        got, want = run(bad_s, bad_e), run(skipped_s, skipped_e)
+        for a, b in zip(got if isinstance(got, tuple) else [got], want if isinstance(want, tuple) else [want]):
+            assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
 def test_cuda_backward_pieces_match_reference():
     check_moe_gate_up("cuda")
     check_moe_gate_up("cuda", T=1000, dim=2048, hidden=768, E=16, top_k=8)

@@ -108,6 +108,7 @@ struct Params {
   int blocks;   // aligned blocks of the launch
   int top_k;
   int num_experts;
+  int num_slots;  // M * top_k: sorted entries outside [0, num_slots) are padding
   const int* sorted;
   const int* expert_ids;
   const int* ntpp;
@@ -531,6 +532,7 @@ at::Tensor run_mx(const char* op, const at::Tensor& x_b, const at::Tensor& xs_b,
   sm90::mxk::Params p{};
   p.top_k = static_cast<int>(top_k);
   p.num_experts = static_cast<int>(s.E);
+  p.num_slots = static_cast<int>(s.M * top_k);
   p.sorted = sorted_c.const_data_ptr<int>();
   p.expert_ids = eids_c.const_data_ptr<int>();
   p.ntpp = ntpp.const_data_ptr<int>();
