@@ -71,8 +71,8 @@ def bench_mxfp8(ops, fp8_peak, bf16_peak):
               f"({row['mxfp8_fused_op_tflops']:5.0f}, {100 * row['fraction_of_fp8_ceiling']:4.1f}% of fp8 ceiling; "
               f"floor {row['floor_fp8_ms']:.3f} ms), quantize x {quant:6.3f} ms | bf16 flash_moe fwd {bf16:7.3f} ms "
               f"(floor {row['floor_bf16_ms']:.3f} ms) | x{row['speedup_vs_bf16']:.2f}")
-        del p, xq, xs, s, e, n, out
-        ops._WEIGHT_CACHE.clear()
+        del p, xq, xs, wq, ws, w2q, w2s, s, e, n, out
+        ops.clear_mxfp8_weight_cache()
         free()
     return rows
 

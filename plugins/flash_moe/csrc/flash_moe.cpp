@@ -43,8 +43,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_align_cpu(const at::Tensor& t
                                                              int64_t num_local_experts) {
   const AlignPlan p = check_align_args(topk_ids, num_experts, block_m, bpc, expert_start, num_local_experts);
   TORCH_CHECK(topk_ids.device().is_cpu(), "moe_align (CPU): topk_ids must be a CPU tensor, got ", topk_ids.device());
-  const auto ids_c = topk_ids.contiguous();
-  const int32_t* ids = ids_c.const_data_ptr<int32_t>();
+  // read as int64, so an int64 id past int32 is out of range rather than truncated into range
+  const auto ids_c = topk_ids.to(at::kLong).contiguous();
+  const int64_t* ids = ids_c.const_data_ptr<int64_t>();
   const auto opts = topk_ids.options().dtype(at::kInt);
   auto sorted = at::full({p.max_padded}, -1, opts);
   auto eids = at::full({p.max_blocks}, -1, opts);
@@ -67,7 +68,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_align_cpu(const at::Tensor& t
   }
   int32_t* sp = sorted.mutable_data_ptr<int32_t>();
   for (int64_t s = 0; s < p.slots; ++s) {
-    const int64_t loc = static_cast<int64_t>(ids[s]) - expert_start;
+    const int64_t loc = ids[s] - expert_start;
     if (ids[s] >= 0 && loc >= 0 && loc < p.local) sp[cursor[loc]++] = static_cast<int32_t>(s);
   }
   ntpp.mutable_data_ptr<int32_t>()[0] = static_cast<int32_t>(total);
@@ -132,8 +133,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_cpu(const at::Tensor& t, int64
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, op,
               ": t must be float32, bfloat16 or float16, got ", t.scalar_type());
   TORCH_CHECK(t.dim() >= 1, op, ": t must have at least one dimension");
-  TORCH_CHECK(block >= 1 && t.size(-1) % block == 0, op, ": the last dimension must be a multiple of block=", block,
-              ", got ", t.size(-1));
+  TORCH_CHECK(block >= 1, op, ": block must be positive, got ", block);
+  TORCH_CHECK(t.size(-1) % block == 0, op, ": the last dimension must be a multiple of block=", block, ", got ",
+              t.size(-1));
   const auto f = t.contiguous().to(at::kFloat);
   auto data = at::empty(t.sizes(), t.options().dtype(at::kFloat8_e4m3fn));
   auto scale_sizes = t.sizes().vec();

@@ -36,6 +36,7 @@ constexpr int64_t kHiddenAlign = FLASH_MOE_HIDDEN_ALIGN;
 constexpr int64_t kMaxExperts = FLASH_MOE_MAX_EXPERTS;
 constexpr int64_t kMxScaleBlock = FLASH_MOE_MXFP8_SCALE_BLOCK;
 constexpr int64_t kMxAlign = FLASH_MOE_MXFP8_ALIGN;
+constexpr int64_t kInt32Max = (int64_t{1} << 31) - 1;
 static_assert(kMxAlign % kMxScaleBlock == 0 && kMxAlign % kDimAlign == 0 && kMxAlign % kHiddenAlign == 0,
               "MXFP8_ALIGN must be a multiple of MXFP8_SCALE_BLOCK, DIM_ALIGN and HIDDEN_ALIGN");
 
@@ -68,7 +69,8 @@ struct AlignPlan {
 
 inline AlignPlan check_align_args(const at::Tensor& topk_ids, int64_t num_experts, int64_t block_m, int64_t bpc,
                                   int64_t expert_start, int64_t num_local_experts) {
-  TORCH_CHECK(topk_ids.scalar_type() == at::kInt, "moe_align: topk_ids must be int32, got ", topk_ids.scalar_type());
+  TORCH_CHECK(topk_ids.scalar_type() == at::kInt || topk_ids.scalar_type() == at::kLong,
+              "moe_align: topk_ids must be int32 or int64, got ", topk_ids.scalar_type());
   TORCH_CHECK(topk_ids.dim() == 2, "moe_align: topk_ids must be 2-D (M, top_k), got shape ", topk_ids.sizes());
   TORCH_CHECK(num_experts >= 1, "moe_align: num_experts must be positive, got ", num_experts);
   TORCH_CHECK(block_m >= 1, "moe_align: block_m must be positive, got ", block_m);
@@ -79,12 +81,19 @@ inline AlignPlan check_align_args(const at::Tensor& topk_ids, int64_t num_expert
   TORCH_CHECK(local >= 1 && expert_start + local <= num_experts, "moe_align: num_local_experts must be in [1, ",
               num_experts - expert_start, "] (num_experts - expert_start), got ", local);
   TORCH_CHECK(local <= kMaxExperts, "moe_align: at most ", kMaxExperts, " local experts, got ", local);
+  TORCH_CHECK(expert_start + local - 1 <= kInt32Max, "moe_align: the local experts [expert_start, expert_start + "
+              "num_local_experts) must be int32 ids, got expert_start=", expert_start, ", num_local_experts=", local);
   AlignPlan p;
   p.slots = topk_ids.numel();
-  TORCH_CHECK(p.slots < (int64_t{1} << 31) - 1, "moe_align: M * top_k must fit in int32, got ", p.slots);
+  TORCH_CHECK(p.slots < kInt32Max, "moe_align: M * top_k must fit in int32, got ", p.slots);
   p.local = local;
+  // checked before multiplying: block_m * bpc could overflow int64, and the padding (so the padded length) is int32
+  TORCH_CHECK(block_m <= kInt32Max / bpc, "moe_align: block_m * bpc (the pad unit) must fit in int32, got block_m=",
+              block_m, ", bpc=", bpc);
   p.pad = block_m * bpc;
   p.max_padded = (p.slots + local * (p.pad - 1) + p.pad - 1) / p.pad * p.pad;
+  TORCH_CHECK(p.max_padded < kInt32Max, "moe_align: the padded length (sorted_token_ids) must fit in int32, got ",
+              p.max_padded, " for M * top_k=", p.slots, ", ", local, " local experts, block_m * bpc=", p.pad);
   p.max_blocks = p.max_padded / block_m;
   return p;
 }

@@ -13,7 +13,11 @@ Surface (compatible with the original Blackwell flash_moe, namespace ``prime_moe
 - mxfp8 (OCP MX: e4m3 elements, one e8m0 power-of-two scale per 32 elements along K): ``quantize_mxfp8``,
   ``dequantize_mxfp8``, ``pack_scales_blocked`` / ``unpack_scales_blocked`` (the weight-scale layout the kernels read),
   ``fused_moe_mxfp8`` (same semantics as fused_moe_bf16; the SwiGLU output is re-quantized to mxfp8 per 32 hidden
-  elements before the down projection; out bf16, overwritten entirely) and ``moe(..., mxfp8=True)``.
+  elements before the down projection; out bf16, overwritten entirely) and ``moe(..., mxfp8=True)`` (its weight
+  cache: see ``moe``; ``clear_mxfp8_weight_cache()`` empties it).
+
+The ``torch.ops.flash_moe`` ops are forward-only: a backward through ``moe_forward``, ``moe_forward_mxfp8``,
+``moe_gate_up``, ``swiglu_backward`` or ``quantize_mxfp8`` raises; ``moe`` is the differentiable entry point.
 
 Tuning keywords of the original: ``block_m`` must equal BLOCK_M (the compiled tile; checked); ``bpc`` is honoured by
 ``moe_align`` (experts padded to block_m * bpc) and ignored by the GEMM (blocks are independent); ``block_n``,
@@ -30,6 +34,7 @@ fixed-order.
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from prime_kernels_core import manifest
 
@@ -76,6 +81,10 @@ def max_padded(num_slots, num_local_experts: int, block_m: int = BLOCK_M, bpc: i
 @torch.library.register_fake("flash_moe::moe_align")
 def _(topk_ids, num_experts, block_m, bpc, expert_start, num_local_experts):
     torch._check(topk_ids.dim() == 2, lambda: "moe_align: topk_ids must be 2-D (M, top_k)")
+    torch._check(topk_ids.dtype in (torch.int32, torch.int64),
+                 lambda: f"moe_align: topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    torch._check(block_m >= 1, lambda: f"moe_align: block_m must be positive, got {block_m}")
+    torch._check(bpc >= 1, lambda: f"moe_align: bpc (blocks per expert pad unit) must be positive, got {bpc}")
     local = num_experts - expert_start if num_local_experts < 0 else num_local_experts
     n = max_padded(topk_ids.numel(), local, block_m, bpc)
     return (topk_ids.new_empty(n, dtype=torch.int32), topk_ids.new_empty(n // block_m, dtype=torch.int32),
@@ -112,6 +121,7 @@ def _(gate_up, grad_h, row_weights, valid):
 
 @torch.library.register_fake("flash_moe::quantize_mxfp8")
 def _(t, block):
+    torch._check(block >= 1, lambda: f"quantize_mxfp8: block must be positive, got {block}")
     torch._check(t.dim() >= 1 and t.shape[-1] % block == 0,
                  lambda: f"quantize_mxfp8: the last dimension must be a multiple of block={block}")
     return (t.new_empty(t.shape, dtype=torch.float8_e4m3fn),
@@ -133,6 +143,27 @@ def _(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids, num
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The functional ops are forward-only. Without an autograd formula PyTorch differentiates through whatever ATen ops the
+# CPU implementation records (a wrong gradient after a warning), so their backward raises instead. fused_moe_bf16 and
+# fused_moe_mxfp8 write ``out`` in place, which register_autograd does not take.
+def _forward_only(op_name: str, use_instead: str) -> None:
+    def backward(ctx, *grads):
+        raise RuntimeError(f"flash_moe::{op_name} has no derivative: {use_instead}")
+
+    torch.library.register_autograd(f"flash_moe::{op_name}", backward)
+
+
+for _op_name in ("moe_forward", "moe_forward_mxfp8"):
+    _forward_only(_op_name, "for gradients call prime_kernels_flash_moe.ops.moe (the same forward, with a closed-form "
+                            "backward)")
+for _op_name in ("moe_gate_up", "swiglu_backward"):
+    _forward_only(_op_name, "it is a piece of prime_kernels_flash_moe.ops.moe's closed-form backward, which is "
+                            "first-order only (no double backward)")
+_forward_only("quantize_mxfp8", "rounding to mxfp8 has none; prime_kernels_flash_moe.ops.moe(mxfp8=True) passes "
+                                "gradients straight through to the bf16 weights")
+
+
+# ---------------------------------------------------------------------------------------------------------------
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, bpc: int = 1, *,
               expert_start: int = 0, num_local_experts: int | None = None):
     """(sorted_token_ids, expert_ids, num_tokens_post_padded) for routing ``topk_ids`` (M, top_k).
@@ -141,11 +172,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, 
     an expert, each expert padded to block_m * bpc with -1; ``expert_ids`` (int32, one per block of block_m): the
     local expert of each block, -1 past ``num_tokens_post_padded`` (int32 [1]). Experts with no slot get no block.
     Expert parallelism: ids in [expert_start, expert_start + num_local_experts) are local (id - expert_start); -1 and
-    other ranks' ids are skipped. ``num_experts`` is the global count (ids must lie in [-1, num_experts)); int64 ids are
-    converted to int32.
+    other ranks' ids are skipped. ``num_experts`` is the global count: ids must lie in [-1, num_experts). ``topk_ids``
+    is int32 or int64 (read as given, never narrowed); an id outside [-1, num_experts) raises on the CPU and is
+    skipped on CUDA (no host sync), an int64 id outside int32 included.
     """
-    if topk_ids.dtype != torch.int32:
-        topk_ids = topk_ids.to(torch.int32)
     return torch.ops.flash_moe.moe_align(topk_ids, num_experts, block_m, bpc, expert_start,
                                          -1 if num_local_experts is None else num_local_experts)
 
@@ -158,6 +188,10 @@ def fused_moe_bf16(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padde
     x (M, dim) bf16; w (E, 2 hidden, dim) bf16, gate rows [0, hidden), up rows [hidden, 2 hidden); w2 (E, dim, hidden)
     bf16; topk_weights (M, top_k) fp32; out (M, dim) bf16, overwritten entirely. See the module docstring for the
     tuning keywords (accepted; only block_m is checked) and the combine's numerics.
+    Index values: the CPU op raises on a ``sorted_token_ids`` entry outside [-1, M * top_k) or an ``expert_ids`` entry
+    outside [-1, E); the CUDA kernels check them on the device instead (no host sync): such a sorted_token_ids entry
+    is skipped like padding, such an expert id skips its block (as other ranks' experts are skipped in expert
+    parallelism, and as ``moe_align`` on CUDA skips out-of-range ``topk_ids``).
     """
     torch.ops.flash_moe.fused_moe_bf16(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights,
                                        out, top_k, block_m, block_n, warp_n, stages, bpc, cpc, split)
@@ -183,6 +217,16 @@ def quantize_mxfp8(t: torch.Tensor, block: int = MXFP8_SCALE_BLOCK):
 def dequantize_mxfp8(data: torch.Tensor, scales: torch.Tensor, block: int = MXFP8_SCALE_BLOCK,
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """quantize_mxfp8's inverse: data * 2^e per block (exact in float32; ``dtype`` casts the result)."""
+    if data.dtype != torch.float8_e4m3fn or scales.dtype != torch.float8_e8m0fnu:
+        raise RuntimeError(f"dequantize_mxfp8: data must be float8_e4m3fn and scales float8_e8m0fnu, got data "
+                           f"{data.dtype} and scales {scales.dtype}")
+    if block < 1 or data.dim() < 1 or data.shape[-1] % block:
+        raise RuntimeError(f"dequantize_mxfp8: block must be positive and divide data's last dimension, got "
+                           f"block={block} for data of shape {tuple(data.shape)}")
+    if scales.shape != (*data.shape[:-1], data.shape[-1] // block):
+        raise RuntimeError(f"dequantize_mxfp8: scales must have shape (..., K / block) = "
+                           f"{(*data.shape[:-1], data.shape[-1] // block)} for data of shape {tuple(data.shape)}, "
+                           f"got {tuple(scales.shape)}")
     return (data.float() * scales.float().repeat_interleave(block, -1)).to(dtype)
 
 
@@ -191,6 +235,9 @@ def pack_scales_blocked(scales: torch.Tensor) -> torch.Tensor:
     expert and each 128-wide K step, the 4 scale bytes of every row n in turn (one coalesced 4-byte copy per row and
     pipeline stage). K must be a multiple of MXFP8_ALIGN = 128."""
     g = MXFP8_ALIGN // MXFP8_SCALE_BLOCK
+    if scales.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise RuntimeError(f"pack_scales_blocked: scales must be float8_e8m0fnu (or its uint8 bytes), got "
+                           f"{scales.dtype}")
     if scales.dim() != 3 or scales.shape[-1] % g:
         raise RuntimeError(f"pack_scales_blocked: scales must be (E, N, K / {MXFP8_SCALE_BLOCK}) with K a multiple "
                            f"of {MXFP8_ALIGN}, got shape {tuple(scales.shape)}")
@@ -201,7 +248,12 @@ def pack_scales_blocked(scales: torch.Tensor) -> torch.Tensor:
 
 def unpack_scales_blocked(packed: torch.Tensor) -> torch.Tensor:
     """pack_scales_blocked's inverse: (E, K / 128, N, 4) -> (E, N, K / 32)."""
-    E, KT, N, g = packed.shape
+    g = MXFP8_ALIGN // MXFP8_SCALE_BLOCK
+    if packed.dtype not in (torch.float8_e8m0fnu, torch.uint8) or packed.dim() != 4 or packed.shape[-1] != g:
+        raise RuntimeError(f"unpack_scales_blocked: packed must be pack_scales_blocked's layout (E, K / {MXFP8_ALIGN}, "
+                           f"N, {g}) of float8_e8m0fnu (or its uint8 bytes), got {packed.dtype} of shape "
+                           f"{tuple(packed.shape)}")
+    E, KT, N, _ = packed.shape
     return packed.view(torch.uint8).permute(0, 2, 1, 3).reshape(E, N, KT * g).view(torch.float8_e8m0fnu)
 
 
@@ -213,7 +265,8 @@ def fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, e
     bytes); w (E, 2 hidden, dim) e4m3 (gate rows then up rows)
     with w_scales = pack_scales_blocked(scales of w along dim); w2 (E, dim, hidden) e4m3 with w2_scales =
     pack_scales_blocked(scales of w2 along hidden). SwiGLU in fp32 on the fp32 accumulators, h re-quantized to mxfp8
-    (quantize_mxfp8's rule, per 32 hidden elements) before the down projection; combine as fused_moe_bf16.
+    (quantize_mxfp8's rule, per 32 hidden elements) before the down projection; combine and index values as
+    fused_moe_bf16.
     ``block_m`` must equal BLOCK_M; the other tuning keywords are accepted and ignored.
     """
     torch.ops.flash_moe.fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids,
@@ -230,31 +283,37 @@ def _quantize_weights(w1, w2, w3):
     return wq, pack_scales_blocked(ws), w2q, pack_scales_blocked(w2s)
 
 
-# Weight cache of moe(mxfp8=True): one entry per (w1, w2, w3) storage, keyed by each tensor's
-# (data_ptr, _version, shape, dtype) and checked by identity (weak references), so a freed tensor whose memory is
-# reused never hits. Any in-place update (an optimizer step, copy_, a no_grad add_) bumps _version and re-quantizes
-# on the next call; the stale entry is replaced. Inference-mode tensors (no version counter) and traced calls
-# (torch.compile) are quantized every call.
-_WEIGHT_CACHE: dict = {}
-_WEIGHT_CACHE_MAX = 32
+# moe(mxfp8=True)'s quantized weights, keyed weakly by the tensors owning the weights' storage (a view's _base, so
+# fresh views of one parameter hit): owner of w1 -> owner of w2 -> owner of w3 -> {the views' geometry: (each weight's
+# (_version, data_ptr) when quantized, the quantized weights)}. An entry is freed with any of its three weights; a
+# stale one is replaced in place.
+_WEIGHT_CACHE = WeakTensorKeyDictionary()
+
+
+def clear_mxfp8_weight_cache() -> None:
+    """Drop every weight quantization moe(mxfp8=True) holds. Needed after writes that keep a weight's _version:
+    through ``w.data`` or under ``torch.autograd._unsafe_preserve_version_counter`` (see ``moe``)."""
+    _WEIGHT_CACHE.clear()
+
+
+def _storage_owner(w: torch.Tensor) -> torch.Tensor:
+    return w if w._base is None else w._base
 
 
 def _cached_quantized_weights(w1, w2, w3):
     if torch.compiler.is_compiling() or any(w.is_inference() for w in (w1, w2, w3)):
         return _quantize_weights(w1, w2, w3)
-    import weakref
-
-    ptrs = (w1.data_ptr(), w2.data_ptr(), w3.data_ptr(), str(w1.device))
-    key = tuple((w._version, tuple(w.shape), w.dtype) for w in (w1, w2, w3))
-    hit = _WEIGHT_CACHE.get(ptrs)
-    if hit is not None and hit[0] == key and all(r() is w for r, w in zip(hit[1], (w1, w2, w3))):
-        return hit[2]
-    value = _quantize_weights(w1, w2, w3)
-    _WEIGHT_CACHE.pop(ptrs, None)
-    while len(_WEIGHT_CACHE) >= _WEIGHT_CACHE_MAX:
-        _WEIGHT_CACHE.pop(next(iter(_WEIGHT_CACHE)))
-    _WEIGHT_CACHE[ptrs] = (key, tuple(weakref.ref(w) for w in (w1, w2, w3)), value)
-    return value
+    by_w2 = _WEIGHT_CACHE.setdefault(_storage_owner(w1), WeakTensorKeyDictionary())
+    by_w3 = by_w2.setdefault(_storage_owner(w2), WeakTensorKeyDictionary())
+    entries = by_w3.setdefault(_storage_owner(w3), {})
+    geometry = tuple((w.storage_offset(), tuple(w.shape), tuple(w.stride()), w.dtype) for w in (w1, w2, w3))
+    state = tuple((w._version, w.data_ptr()) for w in (w1, w2, w3))
+    hit = entries.get(geometry)
+    if hit is not None and hit[0] == state:
+        return hit[1]
+    quantized = _quantize_weights(w1, w2, w3)
+    entries[geometry] = (state, quantized)
+    return quantized
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -268,12 +327,11 @@ class _MoE(torch.autograd.Function):
     def forward(ctx, x, w1, w2, w3, topk_ids, topk_weights, expert_start, num_experts, deterministic,
                 recompute_gate_up):
         top_k = topk_ids.shape[1]
-        ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
         tw = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
-        align = torch.ops.flash_moe.moe_align(ids, num_experts, BLOCK_M, 1, expert_start, w1.shape[0])
+        align = torch.ops.flash_moe.moe_align(topk_ids, num_experts, BLOCK_M, 1, expert_start, w1.shape[0])
         save = not recompute_gate_up and any(ctx.needs_input_grad[:6])
         out, gate_up = torch.ops.flash_moe.moe_forward(x, w1, w3, w2, *align, tw, top_k, BLOCK_M, deterministic, save)
-        ctx.save_for_backward(x, w1, w2, w3, ids, tw, *align, gate_up)
+        ctx.save_for_backward(x, w1, w2, w3, topk_ids, tw, *align, gate_up)
         ctx.saved_gate_up = save
         ctx.expert_start = expert_start
         ctx.tw_dtype = topk_weights.dtype
@@ -293,7 +351,8 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     Per routed slot s (token t, expert e, weight p): g | u = x_t [W1; W3]^T recomputed by the fused gate/up kernel
     (``moe_gate_up``) unless the forward kept it (``gate_up``), grad_h = grad_out_t W2[e] (unweighted), then ``swiglu_backward`` gives dg, du, p h and
     dL/dp = grad_h . h in one pass; the weight and input gradients are grouped GEMMs over the slots sorted by expert.
-    dx is summed over a token's top_k slots in k order in fp32 (deterministic in both modes).
+    When w2's gradient alone is needed, the grad_h GEMM is skipped (dW2 takes p h only). dx is summed over a token's
+    top_k slots in k order in fp32 (deterministic in both modes).
     """
     need_x, need_w1, need_w2, need_w3, _, need_tw = needs
     T, dim = x.shape
@@ -313,7 +372,10 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     if gate_up is None:
         gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, BLOCK_M)
     go = grad_out.to(x.dtype)[tok]
-    grad_h = _gmm(go, w2, offs)  # rows past offs[-1] are not written: swiglu_backward masks them with `ok`
+    if need_x or need_w1 or need_w3 or need_tw:
+        grad_h = _gmm(go, w2, offs)  # rows past offs[-1] are not written: swiglu_backward masks them with `ok`
+    else:  # w2's gradient alone takes only p h, which swiglu_backward computes without reading grad_h
+        grad_h = go.new_zeros(S, w2.shape[2])
     grad_gate, grad_up, weighted_h, grad_p = torch.ops.flash_moe.swiglu_backward(gate_up, grad_h,
                                                                                  tw.reshape(-1)[order], ok)
     grad_tw = grad_x = grad_w1 = grad_w2 = grad_w3 = None
@@ -343,12 +405,11 @@ class _MoEMxfp8(torch.autograd.Function):
     def forward(ctx, x, w1, w2, w3, topk_ids, topk_weights, wq, ws, w2q, w2s, expert_start, num_experts,
                 deterministic):
         top_k = topk_ids.shape[1]
-        ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
         tw = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
         xq, xs = torch.ops.flash_moe.quantize_mxfp8(x, MXFP8_SCALE_BLOCK)
-        align = torch.ops.flash_moe.moe_align(ids, num_experts, BLOCK_M, 1, expert_start, wq.shape[0])
+        align = torch.ops.flash_moe.moe_align(topk_ids, num_experts, BLOCK_M, 1, expert_start, wq.shape[0])
         out = torch.ops.flash_moe.moe_forward_mxfp8(xq, xs, wq, ws, w2q, w2s, *align, tw, top_k, BLOCK_M, deterministic)
-        ctx.save_for_backward(xq, xs, wq, ws, w2q, w2s, ids, tw, *align)
+        ctx.save_for_backward(xq, xs, wq, ws, w2q, w2s, topk_ids, tw, *align)
         ctx.expert_start = expert_start
         ctx.tw_dtype = topk_weights.dtype
         ctx.x_dtype = x.dtype
@@ -369,15 +430,42 @@ class _MoEMxfp8(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None, None)
 
 
+def _check_moe_args(x, w1, w2, w3, topk_ids, topk_weights):
+    """moe()'s operand contract, checked before either path runs: the mxfp8 path quantizes before any op checks, its
+    bf16 backward would be the first to see a wrong dtype, and the ops see flattened tokens only (routing for fewer
+    tokens than x has would leave the others' rows zero)."""
+    for name, t in (("x", x), ("w1", w1), ("w2", w2), ("w3", w3)):
+        if t.dtype != torch.bfloat16:
+            raise RuntimeError(f"moe: {name} must be bfloat16, got {t.dtype}")
+    if x.dim() < 1:
+        raise RuntimeError("moe: x must have shape (..., dim), got a 0-dim tensor")
+    dim = x.shape[-1]
+    if w1.dim() != 3 or w1.shape[2] != dim:
+        raise RuntimeError(f"moe: w1 must be 3-D (E, hidden, dim) with dim = x's last dimension, got w1 of shape "
+                           f"{tuple(w1.shape)} for x of shape {tuple(x.shape)}")
+    E, hidden = w1.shape[:2]
+    if w3.shape != w1.shape:
+        raise RuntimeError(f"moe: w3 must have w1's shape (E, hidden, dim) = {tuple(w1.shape)}, got {tuple(w3.shape)}")
+    if w2.shape != (E, dim, hidden):
+        raise RuntimeError(f"moe: w2 must have shape (E, dim, hidden) = {(E, dim, hidden)}, got {tuple(w2.shape)}")
+    if topk_ids.dim() != x.dim() or topk_ids.shape[:-1] != x.shape[:-1]:
+        raise RuntimeError(f"moe: topk_ids must have shape (..., top_k) with x's leading dimensions, got topk_ids of "
+                           f"shape {tuple(topk_ids.shape)} for x of shape {tuple(x.shape)}")
+    if topk_weights.shape != topk_ids.shape:
+        raise RuntimeError(f"moe: topk_weights must have topk_ids' shape (..., top_k), got topk_weights of shape "
+                           f"{tuple(topk_weights.shape)} for topk_ids of shape {tuple(topk_ids.shape)}")
+
+
 def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, topk_ids: torch.Tensor,
         topk_weights: torch.Tensor, *, expert_start: int = 0, deterministic: bool = False,
         num_experts: int | None = None, mxfp8: bool = False, recompute_gate_up: bool = True) -> torch.Tensor:
     """SwiGLU MoE experts: sum_k topk_weights[t, k] * (silu(x W1[e]^T) * (x W3[e]^T)) W2[e]^T, differentiable.
 
     x (..., dim) bf16; w1 (gate), w3 (up): (E_local, hidden, dim) bf16; w2 (E_local, dim, hidden) bf16; topk_ids
-    (..., top_k) int (global ids; -1 = not routed); topk_weights (..., top_k) float. Expert parallelism: experts
-    [expert_start, expert_start + E_local) are local, other ids contribute nothing (``num_experts``: the global count
-    for the id range check; default E_local when expert_start is 0, unchecked above otherwise).
+    (..., top_k) int32 or int64 (global ids; -1 = not routed; ids out of range as ``moe_align`` treats them);
+    topk_weights (..., top_k) float. Expert parallelism: experts [expert_start, expert_start + E_local) are local,
+    other ids contribute nothing (``num_experts``: the global count for the id range check; default E_local when
+    expert_start is 0, unchecked above otherwise).
     Forward: ``moe_align`` + ``moe_forward`` (the fused kernels; w1 and w3 are read in place, never concatenated).
     Backward: closed form: the gate/up projections recomputed by the fused gate/up kernel (``moe_gate_up``), the
     SwiGLU derivative in one pass (``swiglu_backward``), the five GEMMs with ``torch._grouped_mm`` (CUDA and CPU);
@@ -389,12 +477,20 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, t
     uses them instead of recomputing them: the gate/up GEMM, two thirds of the forward's FLOPs, traded for that
     memory. Same gradients, bitwise. (The mxfp8 path always recomputes.)
 
-    ``mxfp8=True``: x is quantized to mxfp8 on every call, the weights once per weight version (see
-    ``_WEIGHT_CACHE``: keyed by each weight's data_ptr, _version and shape, so an optimizer's in-place update, which
-    bumps _version, re-quantizes on the next call; under torch.compile the weights are quantized inside the graph on
-    every call), and the forward runs the fused mxfp8 kernels (dim and hidden multiples of MXFP8_ALIGN). The backward
-    is the bf16 closed form on the dequantized x and weights (straight-through: gradients land on the bf16 leaves).
+    ``mxfp8=True``: x is quantized to mxfp8 on every call, the weights once per weight version, and the forward runs
+    the fused mxfp8 kernels (dim and hidden multiples of MXFP8_ALIGN). The backward is the bf16 closed form on the
+    dequantized x and weights (straight-through: gradients land on the bf16 leaves).
+    Weight caching rule: the quantized weights are cached per (w1, w2, w3), keyed weakly by the tensors themselves (a
+    view by its base tensor and its geometry, so fresh views of one parameter hit) and freed with them; no size cap.
+    A cached copy is reused while every weight keeps its ``_version`` and data_ptr. Detected: in-place updates that
+    bump ``_version`` (an optimizer step, ``copy_``, ``load_state_dict``, a ``no_grad`` ``add_``, also through a view)
+    and new storage (``w.data = t``): the next call re-quantizes. Not detected: writes that keep ``_version``, through
+    ``w.data`` (``w.data.mul_(2)``: ``.data`` has its own version counter) or under
+    ``torch.autograd._unsafe_preserve_version_counter``: call ``clear_mxfp8_weight_cache()`` after such writes.
+    Inference tensors (no version counter) and traced calls (torch.compile: quantized inside the graph) quantize the
+    weights on every call.
     """
+    _check_moe_args(x, w1, w2, w3, topk_ids, topk_weights)
     lead = x.shape[:-1]
     top_k = topk_ids.shape[-1]
     if num_experts is None:

@@ -4,8 +4,13 @@ the shape contract and argument checks, the conformance kit, torch.compile. CPU 
 ``@pytest.mark.gpu`` tests need CUDA and an sm_90a build. ``-s`` prints the error ratios."""
 from __future__ import annotations
 
+import collections
+import gc
+import weakref
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import prime_kernels
 from prime_kernels_core import manifest
@@ -150,8 +155,44 @@ def test_moe_align_rejects():
         ops.moe_align(ids, 2048)
     with pytest.raises(RuntimeError, match="topk_ids must be 2-D"):
         torch.ops.flash_moe.moe_align(ids.view(-1), 4, 128, 1, 0, -1)
-    with pytest.raises(RuntimeError, match="topk_ids must be int32"):
-        torch.ops.flash_moe.moe_align(ids.long(), 4, 128, 1, 0, -1)
+    with pytest.raises(RuntimeError, match="topk_ids must be int32 or int64, got Float"):
+        torch.ops.flash_moe.moe_align(ids.float(), 4, 128, 1, 0, -1)
+
+
+@cpu
+def test_int64_routing_ids_are_not_narrowed():
+    x, w1, w2, w3, ids, tw = make(64, 128, 128, 4, 2, seed=50)
+    long_ids = ids.long()
+    for a, b in zip(ops.moe_align(long_ids, 4), ops.moe_align(ids, 4)):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(ops.moe(x, w1, w2, w3, long_ids, tw), ops.moe(x, w1, w2, w3, ids, tw), rtol=0, atol=0)
+    long_ids[5, 1] = 2**32 + 1  # narrowed to int32 it would be expert 1
+    for route in (lambda t: ops.moe_align(t, 4), lambda t: ops.moe(x, w1, w2, w3, t, tw),
+                  lambda t: ops.moe(x, w1, w2, w3, t, tw, mxfp8=True)):
+        with pytest.raises(RuntimeError, match=r"topk_ids must be in \[-1, num_experts=4\) .* got 4294967297"):
+            route(long_ids)
+        with pytest.raises(RuntimeError, match="topk_ids must be int32 or int64, got Float"):
+            route(ids.float() + 0.5)
+
+
+@cpu
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_moe_align_rejects_bad_padding(device):
+    ids = torch.zeros(4, 2, dtype=torch.int32, device=device)
+    with pytest.raises(RuntimeError, match="block_m must be positive, got 0"):
+        torch.ops.flash_moe.moe_align(ids, 4, 0, 1, 0, -1)
+    with pytest.raises(RuntimeError, match="bpc .* must be positive, got -1"):
+        torch.ops.flash_moe.moe_align(ids, 4, 128, -1, 0, -1)
+    if device == "meta":  # the fake computes sizes in Python integers: only the CPU op can overflow
+        return
+    with pytest.raises(RuntimeError, match=r"block_m \* bpc \(the pad unit\) must fit in int32, got "
+                                           r"block_m=1099511627776, bpc=1073741824"):
+        torch.ops.flash_moe.moe_align(ids, 4, 2**40, 2**30, 0, -1)
+    # one slot, two experts padded to 2^30 each: 2^31 entries
+    with pytest.raises(RuntimeError, match="the padded length .* must fit in int32, got 2147483648"):
+        torch.ops.flash_moe.moe_align(ids[:1, :1], 2, 2**30, 1, 0, -1)
+    with pytest.raises(RuntimeError, match="must be int32 ids, got expert_start=4294967296, num_local_experts=4"):
+        ops.moe_align(ids, 2**33, expert_start=2**32, num_local_experts=4)
 
 
 @cpu
@@ -188,6 +229,8 @@ def test_shape_contract():
         (lambda a: a.update(out=a["out"][:, :64]), r"out must have shape \(M, dim\)"),
         (lambda a: a.update(expert_ids=a["expert_ids"][:-1]), "expert_ids must be a 1-D int32 tensor"),
         (lambda a: a.update(expert_ids=a["expert_ids"] + 9), r"expert_ids must be in \[-1, E=4\)"),
+        (lambda a: a.update(sorted_token_ids=a["sorted_token_ids"].masked_fill(a["sorted_token_ids"] == 0, 32)),
+         r"sorted_token_ids must be in \[-1, M \* top_k=32\), got 32"),
     ],
 )
 def test_bad_arguments_name_the_argument(change, message):
@@ -255,12 +298,98 @@ def test_cpu_saved_gate_up_matches_recompute(deterministic):
 
 
 @cpu
-def test_needs_input_grad_subset():
+@pytest.mark.parametrize("mxfp8", [False, True])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: a.update(x=a["x"].float()), "moe: x must be bfloat16, got torch.float32"),
+        (lambda a: a.update(w1=a["w1"].float()), "moe: w1 must be bfloat16, got torch.float32"),
+        (lambda a: a.update(w2=a["w2"].half()), "moe: w2 must be bfloat16, got torch.float16"),
+        (lambda a: a.update(w3=a["w3"].float()), "moe: w3 must be bfloat16, got torch.float32"),
+        (lambda a: a.update(w1=a["w1"][0]), r"moe: w1 must be 3-D \(E, hidden, dim\) with dim = x's last dimension, "
+                                            r"got w1 of shape \(256, 128\) for x of shape \(16, 128\)"),
+        (lambda a: a.update(w1=a["w1"][:, :, :64]), r"w1 must be 3-D .* got w1 of shape \(4, 256, 64\)"),
+        (lambda a: a.update(w3=a["w3"][:3]), r"moe: w3 must have w1's shape \(E, hidden, dim\) = \(4, 256, 128\), "
+                                             r"got \(3, 256, 128\)"),
+        (lambda a: a.update(w2=a["w2"].transpose(1, 2)), r"moe: w2 must have shape \(E, dim, hidden\) = "
+                                                         r"\(4, 128, 256\), got \(4, 256, 128\)"),
+        (lambda a: a.update(topk_ids=a["topk_ids"][:8], topk_weights=a["topk_weights"][:8]),
+         r"moe: topk_ids must have shape \(..., top_k\) with x's leading dimensions, got topk_ids of shape \(8, 2\) "
+         r"for x of shape \(16, 128\)"),
+        (lambda a: a.update(topk_ids=a["topk_ids"].repeat(2, 1)), r"got topk_ids of shape \(32, 2\) for x of shape"),
+        (lambda a: a.update(topk_ids=a["topk_ids"].view(4, 4, 2)), r"got topk_ids of shape \(4, 4, 2\) for x of shape"),
+        (lambda a: a.update(topk_weights=a["topk_weights"][:8]), r"moe: topk_weights must have topk_ids' shape "
+                                                                 r"\(..., top_k\), got topk_weights of shape \(8, 2\) "
+                                                                 r"for topk_ids of shape \(16, 2\)"),
+        (lambda a: a.update(topk_weights=a["topk_weights"][:, :1]), r"got topk_weights of shape \(16, 1\)"),
+    ],
+)
+def test_moe_checks_operands_before_either_path(change, message, mxfp8):
+    x, w1, w2, w3, ids, tw = make(16, 128, 256, 4, 2, seed=51)
+    args = dict(x=x, w1=w1, w2=w2, w3=w3, topk_ids=ids, topk_weights=tw)
+    change(args)
+    with pytest.raises(RuntimeError, match=message):
+        ops.moe(**args, mxfp8=mxfp8)
+
+
+class OpCalls(TorchDispatchMode):
+    """Counts the ops that run under it by name ("aten::_grouped_mm", "flash_moe::moe_gate_up", ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.name()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+GRADIENT_INPUTS = ("x", "w1", "w2", "w3", "topk_weights")
+
+
+@cpu
+@pytest.mark.parametrize("needed, gemms", [(("w2",), 1), (("x",), 3), (("w1",), 2), (("topk_weights",), 1),
+                                           (GRADIENT_INPUTS, 6)])
+def test_backward_runs_only_what_the_needed_gradients_take(needed, gemms):
+    """Grouped GEMMs: grad_h (unless w2's gradient alone is needed), then one each for dW2, dW1, dW3 and two for dx;
+    the gate/up recomputation and the SwiGLU pass once."""
     x, w1, w2, w3, ids, tw = make(32, 128, 64, 4, 2, seed=8)
-    w2.requires_grad_()
-    out = ops.moe(x, w1, w2, w3, ids, tw)
-    (g,) = torch.autograd.grad(out.float().sum(), [w2])
-    assert g.shape == w2.shape and x.grad is None
+    inputs = dict(zip(GRADIENT_INPUTS, (x, w1, w2, w3, tw)))
+    for name in needed:
+        inputs[name].requires_grad_()
+    out = ops.moe(*(inputs[n] for n in GRADIENT_INPUTS[:4]), ids, inputs["topk_weights"])
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(out.dtype)
+    with OpCalls() as calls:
+        grads = torch.autograd.grad(out, [inputs[n] for n in needed], grad_out)
+    assert calls.counts["aten::_grouped_mm"] == gemms
+    assert calls.counts["flash_moe::moe_gate_up"] == 1 and calls.counts["flash_moe::swiglu_backward"] == 1
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w2, w3, tw)]
+    every = torch.autograd.grad(ops.moe(*leaves[:4], ids, leaves[4]), leaves, grad_out)
+    for name, grad in zip(needed, grads):  # the same gradients as when every input needs one
+        assert torch.equal(grad, every[GRADIENT_INPUTS.index(name)]), name
+
+
+@cpu
+def test_forward_only_ops_refuse_to_differentiate():
+    x, w1, w2, w3, ids, tw = make(16, 128, 128, 4, 2, seed=52)
+    align = ops.moe_align(ids, 4)
+    x_grad, tw_grad = x.clone().requires_grad_(), tw.clone().requires_grad_()
+    gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, 2, ops.BLOCK_M)
+    grad_h = torch.randn(32, 128, generator=torch.Generator().manual_seed(53)).to(torch.bfloat16).requires_grad_()
+    calls = {
+        "moe_forward": lambda: torch.ops.flash_moe.moe_forward(x_grad, w1, w3, w2, *align, tw, 2, ops.BLOCK_M,
+                                                               False)[0],
+        "moe_forward_mxfp8": lambda: torch.ops.flash_moe.moe_forward_mxfp8(*mx_operands(x, w1, w2, w3), *align,
+                                                                           tw_grad, 2, ops.BLOCK_M, False),
+        "moe_gate_up": lambda: torch.ops.flash_moe.moe_gate_up(x_grad, w1, w3, *align, 2, ops.BLOCK_M),
+        "swiglu_backward": lambda: torch.ops.flash_moe.swiglu_backward(gate_up, grad_h, tw.reshape(-1),
+                                                                       torch.ones(32, dtype=torch.bool))[0],
+        "quantize_mxfp8": lambda: ops.quantize_mxfp8(x_grad)[0],
+    }
+    for name, call in calls.items():
+        out = call()
+        with pytest.raises(RuntimeError, match=f"flash_moe::{name} has no derivative"):
+            out.float().sum().backward()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -380,6 +509,17 @@ def test_cuda_align_matches_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.kernel(KERNEL)
+def test_cuda_align_skips_out_of_range_int64_ids():
+    ids = torch.randint(-1, 8, (500, 4), generator=torch.Generator().manual_seed(2))
+    bad, skipped = ids.clone(), ids.clone()
+    bad[::3, 0], bad[1::3, 1], bad[2::3, 2] = 2**32 + 1, -2**40, 8  # past int32, below -1, past num_experts
+    skipped[::3, 0], skipped[1::3, 1], skipped[2::3, 2] = -1, -1, -1
+    for a, b in zip(ops.moe_align(bad.cuda(), 8), ops.moe_align(skipped.int(), 8)):
+        assert torch.equal(a.cpu(), b)
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
 def test_cuda_fused_op_matches_cpu():
     x, w1, w2, w3, ids, tw = make(500, 256, 192, 6, 2, seed=10)
     s, e, n = ops.moe_align(ids, 6)
@@ -391,6 +531,33 @@ def test_cuda_fused_op_matches_cpu():
     ref = moe_per_expert(x.double(), w1.double(), w2.double(), w3.double(), ids, tw.double())
     assert_error_ratio("cuda fused_moe_bf16", got, base, ref, MAX_RATIO)
     torch.testing.assert_close(got.cpu(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+def test_cuda_out_of_range_indices_are_skipped_like_padding():
+    """The CPU ops raise on these values; the CUDA kernels skip them without a host sync."""
+    x, w1, w2, w3, ids, tw = make(300, 256, 256, 6, 2, "cuda", seed=44)
+    s, e, n = ops.moe_align(ids, 6)
+    picked = torch.nonzero(s >= 0).squeeze(1)[::7]
+    bad_s, skipped_s = s.clone(), s.clone()
+    bad_s[picked[0::3]], bad_s[picked[1::3]], bad_s[picked[2::3]] = 300 * 2, 2**31 - 1, -5
+    skipped_s[picked] = -1
+    bad_e, skipped_e = e.clone(), e.clone()
+    bad_e[1], skipped_e[1] = 6, -1
+    w, mx = torch.cat([w1, w3], 1), mx_operands(x, w1, w2, w3)
+    # top_k = 2: the atomic combine adds two terms to zero per element, which is order-independent, so exact
+    runs = {
+        "fused_moe_bf16": lambda s, e: ops.fused_moe_bf16(x, w, w2, s, e, n, tw, torch.empty_like(x), 2),
+        "fused_moe_mxfp8": lambda s, e: ops.fused_moe_mxfp8(*mx, s, e, n, tw, torch.empty_like(x), 2),
+        "moe_forward deterministic": lambda s, e: torch.ops.flash_moe.moe_forward(x, w1, w3, w2, s, e, n, tw, 2,
+                                                                                  ops.BLOCK_M, True, True),
+        "moe_gate_up": lambda s, e: torch.ops.flash_moe.moe_gate_up(x, w1, w3, s, e, n, 2, ops.BLOCK_M),
+    }
+    for name, run in runs.items():
+        got, want = run(bad_s, bad_e), run(skipped_s, skipped_e)
+        for a, b in zip(got if isinstance(got, tuple) else [got], want if isinstance(want, tuple) else [want]):
+            assert torch.equal(a, b), name
 
 
 @pytest.mark.gpu
@@ -538,6 +705,27 @@ def test_pack_scales_blocked_round_trip():
         ops.pack_scales_blocked(s[:, :, :6])
 
 
+@cpu
+def test_mxfp8_helpers_check_their_arguments():
+    t = torch.randn(4, 4 * MX, generator=torch.Generator().manual_seed(22))
+    q, s = ops.quantize_mxfp8(t)
+    for device in ("cpu", "meta"):
+        with pytest.raises(RuntimeError, match="quantize_mxfp8: block must be positive, got 0"):
+            ops.quantize_mxfp8(t.to(device), 0)
+    with pytest.raises(RuntimeError, match=r"dequantize_mxfp8: scales must have shape \(..., K / block\) = \(4, 4\) "
+                                           r"for data of shape \(4, 128\), got \(1, 4\)"):
+        ops.dequantize_mxfp8(q, s[:1])
+    with pytest.raises(RuntimeError, match=r"dequantize_mxfp8: block must be positive .* got block=0"):
+        ops.dequantize_mxfp8(q, s, block=0)
+    with pytest.raises(RuntimeError, match="dequantize_mxfp8: data must be float8_e4m3fn .* got data torch.uint8"):
+        ops.dequantize_mxfp8(q.view(torch.uint8), s)
+    with pytest.raises(RuntimeError, match="pack_scales_blocked: scales must be float8_e8m0fnu .* got torch.float32"):
+        ops.pack_scales_blocked(torch.ones(2, 4, 8))
+    with pytest.raises(RuntimeError, match=r"unpack_scales_blocked: packed must be pack_scales_blocked's layout "
+                                           r"\(E, K / 128, N, 4\) .* got torch.uint8 of shape \(2, 4, 8\)"):
+        ops.unpack_scales_blocked(torch.ones(2, 4, 8, dtype=torch.uint8))
+
+
 def mx_operands(x, w1, w2, w3):
     xq, xs = ops.quantize_mxfp8(x)
     wq, ws = ops.quantize_mxfp8(torch.cat([w1, w3], 1))
@@ -597,8 +785,29 @@ def test_mxfp8_backward_is_the_bf16_closed_form_on_dequantized_operands():
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+@pytest.fixture
+def weight_quantizations(monkeypatch):
+    """The weight sets moe(mxfp8=True)'s cache quantized (one entry per quantization)."""
+    calls = []
+    quantize = ops._quantize_weights
+
+    def counted(w1, w2, w3):
+        calls.append((w1, w2, w3))
+        return quantize(w1, w2, w3)
+
+    monkeypatch.setattr(ops, "_quantize_weights", counted)
+    return calls
+
+
+def quantized_weight_bytes(w1, w2, w3):
+    """What moe(mxfp8=True) should run on, from the public quantization ops."""
+    wq, ws = ops.quantize_mxfp8(torch.cat([w1, w3], 1))
+    w2q, w2s = ops.quantize_mxfp8(w2)
+    return [t.view(torch.uint8) for t in (wq, ops.pack_scales_blocked(ws), w2q, ops.pack_scales_blocked(w2s))]
+
+
 @cpu
-def test_mxfp8_weight_cache_follows_versions():
+def test_mxfp8_weight_cache_follows_versions(weight_quantizations):
     x, w1, w2, w3, ids, tw = make(32, 128, 128, 4, 2, seed=36)
     w1 = w1.clone().requires_grad_()
     first = ops._cached_quantized_weights(w1, w2, w3)
@@ -611,6 +820,52 @@ def test_mxfp8_weight_cache_follows_versions():
     assert second is not first and not torch.equal(second[0].view(torch.uint8), first[0].view(torch.uint8))
     assert torch.equal(second[0].view(torch.uint8), ops.quantize_mxfp8(torch.cat([w1.detach(), w3], 1))[0].view(torch.uint8))
     assert not torch.equal(ops.moe(x, w1, w2, w3, ids, tw, mxfp8=True), out0.detach())
+    assert len(weight_quantizations) == 2
+
+
+@cpu
+def test_mxfp8_weight_cache_holds_every_layer(weight_quantizations):
+    layers = [make(1, 128, 128, 2, 1, seed=60 + i)[1:4] for i in range(40)]  # more than the old FIFO cap of 32
+    for _ in range(3):
+        for w1, w2, w3 in layers:
+            ops._cached_quantized_weights(w1, w2, w3)
+    assert len(weight_quantizations) == len(layers)
+    # fresh views of one fused gate/up parameter hit too; an in-place update of the parameter re-quantizes
+    w1, w2, w3 = layers[0]
+    w13 = torch.nn.Parameter(torch.cat([w1, w3], 1))
+    views = [ops._cached_quantized_weights(w13[:, :128], w2, w13[:, 128:]) for _ in range(3)]
+    assert all(v is views[0] for v in views) and len(weight_quantizations) == len(layers) + 1
+    with torch.no_grad():
+        w13.mul_(-2.0)
+    updated = ops._cached_quantized_weights(w13[:, :128], w2, w13[:, 128:])
+    assert len(weight_quantizations) == len(layers) + 2
+    for got, want in zip(updated, quantized_weight_bytes(w13[:, :128].detach(), w2, w13[:, 128:].detach())):
+        assert torch.equal(got.view(torch.uint8), want)
+
+
+@cpu
+@pytest.mark.parametrize("freed", range(3))
+def test_mxfp8_weight_cache_entry_dies_with_its_weights(freed):
+    weights = [t.clone() for t in make(1, 128, 128, 2, 1, seed=70 + freed)[1:4]]
+    cached = [weakref.ref(t) for t in ops._cached_quantized_weights(*weights)]
+    gc.collect()
+    assert all(r() is not None for r in cached)  # held by the cache
+    del weights[freed]
+    gc.collect()
+    assert all(r() is None for r in cached)
+
+
+@cpu
+def test_mxfp8_weight_cache_clear_after_writes_that_keep_the_version(weight_quantizations):
+    w1, w2, w3 = (torch.nn.Parameter(t) for t in make(1, 128, 128, 2, 1, seed=80)[1:4])
+    first = ops._cached_quantized_weights(w1, w2, w3)
+    w1.data.mul_(-2.0)  # .data has its own version counter: w1._version stays, so the cache cannot see this write
+    assert ops._cached_quantized_weights(w1, w2, w3) is first
+    ops.clear_mxfp8_weight_cache()
+    fresh = ops._cached_quantized_weights(w1, w2, w3)
+    assert len(weight_quantizations) == 2
+    for got, want in zip(fresh, quantized_weight_bytes(w1.detach(), w2.detach(), w3.detach())):
+        assert torch.equal(got.view(torch.uint8), want)
 
 
 @cpu

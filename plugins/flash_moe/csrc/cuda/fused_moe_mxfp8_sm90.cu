@@ -108,6 +108,7 @@ struct Params {
   int blocks;   // aligned blocks of the launch
   int top_k;
   int num_experts;
+  int num_slots;  // M * top_k: sorted entries outside [0, num_slots) are padding
   const int* sorted;
   const int* expert_ids;
   const int* ntpp;
@@ -459,8 +460,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_cuda(const at::Tensor& t, int6
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, op,
               ": t must be float32, bfloat16 or float16, got ", t.scalar_type());
   TORCH_CHECK(t.dim() >= 1, op, ": t must have at least one dimension");
-  TORCH_CHECK(block >= 1 && t.size(-1) % block == 0, op, ": the last dimension must be a multiple of block=", block,
-              ", got ", t.size(-1));
+  TORCH_CHECK(block >= 1, op, ": block must be positive, got ", block);
+  TORCH_CHECK(t.size(-1) % block == 0, op, ": the last dimension must be a multiple of block=", block, ", got ",
+              t.size(-1));
   const c10::cuda::CUDAGuard guard(t.device());
   const auto tc = t.contiguous();
   auto data = at::empty(t.sizes(), t.options().dtype(at::kFloat8_e4m3fn));
@@ -530,6 +532,7 @@ at::Tensor run_mx(const char* op, const at::Tensor& x_b, const at::Tensor& xs_b,
   sm90::mxk::Params p{};
   p.top_k = static_cast<int>(top_k);
   p.num_experts = static_cast<int>(s.E);
+  p.num_slots = static_cast<int>(s.M * top_k);
   p.sorted = sorted_c.const_data_ptr<int>();
   p.expert_ids = eids_c.const_data_ptr<int>();
   p.ntpp = ntpp.const_data_ptr<int>();

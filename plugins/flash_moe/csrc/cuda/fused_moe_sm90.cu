@@ -87,6 +87,7 @@ struct Params {
   int blocks;   // aligned blocks of the launch
   int top_k;
   int num_experts;
+  int num_slots;  // M * top_k: sorted entries outside [0, num_slots) are padding
   const int* sorted;
   const int* expert_ids;
   const int* ntpp;
@@ -309,6 +310,7 @@ sm90::Params gate_up_params(const char* op, const at::Tensor& x_in, const at::Te
   sm90::Params p{};
   p.top_k = static_cast<int>(s.top_k);
   p.num_experts = static_cast<int>(s.E);
+  p.num_slots = static_cast<int>(s.M * s.top_k);
   p.sorted = keep[3].const_data_ptr<int>();
   p.expert_ids = keep[4].const_data_ptr<int>();
   p.ntpp = ntpp.const_data_ptr<int>();
@@ -330,7 +332,7 @@ int gate_up_tiles(const MoeShape& s) { return static_cast<int>((s.hidden + sm90:
 // returns): p.saved points at the returned tensor; `rows` holds each padded row's compact row (-1 for padding).
 at::Tensor saved_gate_up(sm90::Params& p, const at::Tensor& sorted, const MoeShape& s, at::Tensor& rows) {
   auto saved = at::zeros({s.M * s.top_k, 2 * s.hidden}, sorted.options().dtype(at::kBFloat16));
-  const auto routed = sorted.ge(0);
+  const auto routed = sorted.ge(0).logical_and_(sorted.lt(s.M * s.top_k));  // the kernel's padding rule
   rows = (routed.cumsum(0, at::kInt) - 1).masked_fill_(routed.logical_not(), -1);
   p.saved = reinterpret_cast<__nv_bfloat16*>(saved.mutable_data_ptr());
   p.ld_saved = 2 * s.hidden;

@@ -6,7 +6,8 @@
 //   3. scatter: one warp per chunk walks its slots in order, 32 at a time; lanes with the same expert get their rank
 //               from __match_any_sync, so the order within an expert is the slot order (stable).
 // sorted_token_ids and expert_ids are pre-filled with -1 (padding and the unused tail). Ids outside the local range
-// (including -1) are skipped; unlike the CPU implementation, ids >= num_experts are skipped silently (no host sync).
+// (including -1) are skipped; unlike the CPU implementation, ids >= num_experts or < -1 (int64 ids outside int32
+// included) are skipped silently (no host sync).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -115,10 +116,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_align_cuda(const at::Tensor& 
                                                               int64_t num_local_experts) {
   const AlignPlan p = check_align_args(topk_ids, num_experts, block_m, bpc, expert_start, num_local_experts);
   TORCH_CHECK(topk_ids.is_cuda(), "moe_align (CUDA): topk_ids must be a CUDA tensor, got ", topk_ids.device());
-  TORCH_CHECK(p.max_padded < (int64_t{1} << 31) - 1, "moe_align: the padded length must fit in int32, got ",
-              p.max_padded);
   const c10::cuda::CUDAGuard guard(topk_ids.device());
-  const auto ids = topk_ids.contiguous();
+  // int64 ids outside int32 are out of range like ids >= num_experts, so skipped as those are (no host sync)
+  const auto ids = (topk_ids.scalar_type() == at::kInt
+                        ? topk_ids
+                        : at::where(topk_ids.ge(-1).logical_and_(topk_ids.le(kInt32Max)), topk_ids, -1).to(at::kInt))
+                       .contiguous();
   const auto opts = ids.options().dtype(at::kInt);
   auto sorted = at::full({p.max_padded}, -1, opts);
   auto eids = at::full({p.max_blocks}, -1, opts);
