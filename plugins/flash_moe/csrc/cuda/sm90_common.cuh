@@ -84,20 +84,25 @@ constexpr int kFullArrivals = 128 + 1;
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
 
-// The block's routing rows into shared memory (threads < BM): slot_of[r] = sorted_token_ids[block * BM + r] and
+// sorted_token_ids[row], or padding (-1) for an entry outside [0, p.num_slots): such an entry would gather past x and
+// write past the output, and checking the values on the host would cost a sync.
+template <class Params>
+__device__ __forceinline__ int routed_slot(const Params& p, int row) {
+  const int entry = p.sorted[row];
+  return entry < p.num_slots ? entry : -1;
+}
+
+// The block's routing rows into shared memory (threads < BM): slot_of[r] = routed_slot(p, block * BM + r) and
 // a_row[r] = the element offset of A's row r: x's row slot / top_k for the gate/up GEMMs (-1 for padding), the
-// intermediate's row block * BM + r for the down GEMMs. An entry outside [0, p.num_slots) becomes padding (-1): it
-// would gather past x and write past the output, and checking the values on the host would cost a sync. Thread 0
-// initialises the stage ring: "full" completes on kFullArrivals arrivals, "empty" on empty_arrivals (lane 0 of each
-// of the 8 consumer warps; 16 where a cluster peer's consumers also release the stage, its weight tile being
-// multicast into both). Ends with __syncthreads().
+// intermediate's row block * BM + r for the down GEMMs. Thread 0 initialises the stage ring: "full" completes on
+// kFullArrivals arrivals, "empty" on empty_arrivals (lane 0 of each of the 8 consumer warps; 16 where a cluster peer's
+// consumers also release the stage, its weight tile being multicast into both). Ends with __syncthreads().
 template <int BM, int STAGES, bool kGatherX, class Params>
 __device__ __forceinline__ void block_prologue(const Params& p, int block, int64_t* a_row, int* slot_of,
                                                uint32_t bars, uint32_t empty_arrivals = 8) {
   if (threadIdx.x < BM) {
     const int row = block * BM + threadIdx.x;
-    const int entry = p.sorted[row];
-    const int slot = entry < p.num_slots ? entry : -1;
+    const int slot = routed_slot(p, row);
     slot_of[threadIdx.x] = slot;
     if constexpr (kGatherX) {
       a_row[threadIdx.x] = slot >= 0 ? static_cast<int64_t>(slot / p.top_k) * p.lda : -1;
