@@ -37,6 +37,8 @@
 #include <optional>
 #include <type_traits>
 
+#include "cpu_common.h"
+
 #ifndef FUSED_LOGP_MAX_VOCAB_SIZE
 #error "FUSED_LOGP_MAX_VOCAB_SIZE must come from kernel.toml ([fused_logp.constants])"
 #endif
@@ -116,12 +118,15 @@ void check_backward_args(const at::Tensor& grad_logp, const std::optional<at::Te
 }
 
 [[noreturn]] void fail_bad_token_temperature(int64_t position, float value) {
-  TORCH_CHECK(false, "fused_logp: token_temperature[", position, "] = ", value, " must be finite and > 0");
+  fused_logp_cpu::fail_bad_token_temperature("fused_logp", position, value);
 }
 
 }  // namespace fused_logp_detail
 
 namespace {
+
+using fused_logp_cpu::check_token_temperatures;
+using fused_logp_cpu::label_at;
 
 using fused_logp_detail::check_backward_args;
 using fused_logp_detail::check_forward_args;
@@ -163,19 +168,6 @@ inline scalar_t round_from_double(double d) {
   return static_cast<scalar_t>(f);
 }
 
-inline int64_t label_at(const at::Tensor& labels, int64_t i) {
-  return labels.scalar_type() == at::kLong ? labels.data_ptr<int64_t>()[i]
-                                           : static_cast<int64_t>(labels.data_ptr<int32_t>()[i]);
-}
-
-// Serial, so that the first offending position is the one named. An ignored token's temperature is never read.
-void cpu_check_token_temperature(const at::Tensor& labels, const float* ttp, int64_t ignore_index) {
-  for (int64_t i = 0; i < labels.size(0); ++i) {
-    if (label_at(labels, i) != ignore_index && !(std::isfinite(ttp[i]) && ttp[i] > 0.f))
-      fused_logp_detail::fail_bad_token_temperature(i, ttp[i]);
-  }
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cpu(const at::Tensor& logits_in, const at::Tensor& labels_in,
                                                                 double temperature,
                                                                 const std::optional<at::Tensor>& token_temperature,
@@ -198,7 +190,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cpu(const at::Tensor
   at::Tensor tt;
   if (token_temperature.has_value()) tt = token_temperature->contiguous();
   const float* ttp = tt.defined() ? tt.data_ptr<float>() : nullptr;
-  if (ttp) cpu_check_token_temperature(labels, ttp, ignore_index);
+  if (ttp) check_token_temperatures("fused_logp", labels, ttp, ignore_index);
   float* lp = logp.data_ptr<float>();
   float* ep = return_entropy ? entropy.data_ptr<float>() : nullptr;
   double* sp = stats.data_ptr<double>();
@@ -280,7 +272,7 @@ at::Tensor logp_entropy_backward_cpu(const at::Tensor& grad_logp_in, const std::
   at::Tensor tt;
   if (token_temperature.has_value()) tt = token_temperature->contiguous();
   const float* ttp = tt.defined() ? tt.data_ptr<float>() : nullptr;
-  if (ttp) cpu_check_token_temperature(labels, ttp, ignore_index);
+  if (ttp) check_token_temperatures("fused_logp", labels, ttp, ignore_index);
   const double* gp = g.data_ptr<double>();
   const double* gep = ge.defined() ? ge.data_ptr<double>() : nullptr;
   const double* sp = stats.data_ptr<double>();

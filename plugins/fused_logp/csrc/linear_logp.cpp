@@ -37,6 +37,8 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu_common.h"
+
 #ifndef LINEAR_LOGP_CPU_BLOCK_V
 #error "LINEAR_LOGP_CPU_BLOCK_V must come from kernel.toml ([linear_logp.constants])"
 #endif
@@ -164,13 +166,9 @@ namespace {
 
 using linear_logp_detail::check_backward_args;
 using linear_logp_detail::check_forward_args;
+using fused_logp_cpu::label_at;
 
 constexpr int64_t kBlockV = LINEAR_LOGP_CPU_BLOCK_V;
-
-int64_t label_at(const at::Tensor& labels, int64_t i) {
-  return labels.scalar_type() == at::kLong ? labels.data_ptr<int64_t>()[i]
-                                           : static_cast<int64_t>(labels.data_ptr<int32_t>()[i]);
-}
 
 struct Inputs {
   at::Tensor h, w, b, labels, tt;  // fp32 contiguous copies (bias may be undefined)
@@ -196,11 +194,9 @@ Inputs prepare(const at::Tensor& hidden, const at::Tensor& weight, const at::Ten
   return in;
 }
 
-// Called for each token that is not ignored (an ignored token's temperature is never read).
-void check_token_temperature(const Inputs& in, int64_t i) {
-  if (!in.tt.defined()) return;
-  const float t = in.tt.data_ptr<float>()[i];
-  TORCH_CHECK(std::isfinite(t) && t > 0.f, "linear_logp: token_temperature[", i, "] = ", t, " must be finite and > 0");
+void check_token_temperatures(const Inputs& in, int64_t ignore_index) {
+  if (in.tt.defined()) fused_logp_cpu::check_token_temperatures("linear_logp", in.labels, in.tt.data_ptr<float>(),
+                                                                ignore_index);
 }
 
 // z[j - j0] for j in [j0, j1) of token i, in double.
@@ -228,8 +224,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_cpu(
     const int64_t y = label_at(in.labels, i);
     TORCH_CHECK(y == ignore_index || (y >= 0 && y < V), "linear_logp: labels[", i, "] = ", y,
                 " is out of range: labels must be in [0, ", V, ") or equal ignore_index (", ignore_index, ")");
-    if (y != ignore_index) check_token_temperature(in, i);
   }
+  check_token_temperatures(in, ignore_index);
   const auto f32 = hidden.options().dtype(at::kFloat);
   at::Tensor logp = at::empty({N}, f32), entropy = at::empty({return_entropy ? N : 0}, f32),
              stats = at::empty({N, 2}, f32);
@@ -288,9 +284,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_backward_cpu(
   check_backward_args(grad_logp, grad_entropy, hidden, weight, labels, temperature, token_temperature, bias, stats);
   const Inputs in = prepare(hidden, weight, labels, temperature, token_temperature, bias);
   const int64_t N = in.N, H = in.H, V = in.V;
-  for (int64_t i = 0; i < N; ++i) {
-    if (label_at(in.labels, i) != ignore_index) check_token_temperature(in, i);
-  }
+  check_token_temperatures(in, ignore_index);
   const bool need_h = output_mask[0], need_w = output_mask[1], need_b = output_mask[2] && bias.has_value();
   const auto dtype = hidden.scalar_type();
   const at::Tensor glp = grad_logp.to(at::kDouble).contiguous();
