@@ -8,6 +8,7 @@
 # when present), and prints a short table last. JSON and logs go to OUT_DIR.
 # ab: builds each revision staged by scripts/stage_variant.sh under .variants/ (carry it) into its own site dir and
 # runs bench/ab.py on AB_BENCH (e.g. AB_BENCH="bench/bench_flash_moe.py --mxfp8-only") for the tree and each of them.
+# BENCHES="bench_a bench_b" limits the bench phase to those scripts (default: every bench/bench_*.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: gpu_check.sh OUT_DIR [build] [test] [sanitize] [bench] [ab]}; shift
@@ -80,6 +81,7 @@ if phase bench; then
   for bench in bench/bench_*.py; do
     [ -f "$bench" ] || continue
     name=$(basename "$bench" .py)
+    [ -n "${BENCHES:-}" ] && case " $BENCHES " in *" $name "*) ;; *) continue;; esac
     timeout 420 "$py" "$bench" --json "$out/$name.json" 2>&1 | tee "$out/$name.log"
     record bench "$name" "exit ${PIPESTATUS[0]}"
   done
