@@ -7,7 +7,8 @@
 # compute-sanitizer memcheck, racecheck and synccheck on each plugin's small-shape script, the benchmarks (with peers from .peers/
 # when present), and prints a short table last. JSON and logs go to OUT_DIR.
 # ab: builds each revision staged by scripts/stage_variant.sh under .variants/ (carry it) into its own site dir and
-# runs bench/ab.py on AB_BENCH (e.g. AB_BENCH="bench/bench_flash_moe.py --mxfp8-only") for the tree and each of them.
+# runs bench/ab.py on each ';'-separated command of AB_BENCH (e.g. AB_BENCH="bench/bench_flash_moe.py --mxfp8-only")
+# for the tree and each of them.
 # BENCHES="bench_a bench_b" limits the bench phase to those scripts (default: every bench/bench_*.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -100,10 +101,13 @@ if phase ab; then
     variant_args+=(--variant "$name=/tmp/variants/$name")
   done
   wait
-  # shellcheck disable=SC2086
-  timeout 540 "$py" bench/ab.py --json "$out/ab.json" "${variant_args[@]}" -- ${AB_BENCH:?AB_BENCH names the benchmark} \
-    2>&1 | tee "$out/ab.log"
-  record ab "bench/ab.py" "exit ${PIPESTATUS[0]}"
+  IFS=';' read -ra ab_benches <<< "${AB_BENCH:?AB_BENCH names the benchmark}"
+  for i in "${!ab_benches[@]}"; do
+    # shellcheck disable=SC2086
+    timeout 540 "$py" bench/ab.py --json "$out/ab-$i.json" "${variant_args[@]}" -- ${ab_benches[$i]} \
+      2>&1 | tee -a "$out/ab.log"
+    record ab "bench/ab.py ${ab_benches[$i]}" "exit ${PIPESTATUS[0]}"
+  done
 fi
 
 echo; echo "== gpu_check summary =="
