@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # The GPU harness, for a bare H200 machine (torch preinstalled, no network):
-#   bash scripts/gpu_check.sh OUT_DIR [build] [test] [sanitize] [bench] [ab]     (default: the first four)
+#   bash scripts/gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [bench] [ab]  (default: build test sanitize bench)
 # One device call runs at most 10 minutes: run "build test sanitize" in one call and "bench" in the next (the machine
 # keeps what the first installed while it stays warm, 30 s after a call).
 # Installs the core and every plugin from the working tree (no build isolation, no index), runs the gpu-marked tests,
 # compute-sanitizer memcheck, racecheck and synccheck on each plugin's small-shape script, the benchmarks (with peers from .peers/
 # when present), and prints a short table last. JSON and logs go to OUT_DIR.
-# ab: builds each revision staged by scripts/stage_variant.sh under .variants/ (carry it) into its own site dir and
-# runs bench/ab.py on each ';'-separated command of AB_BENCH (e.g. AB_BENCH="bench/bench_flash_moe.py --mxfp8-only")
-# for the tree and each of them.
+# variants: builds each revision staged by scripts/stage_variant.sh under .variants/ (carry it) into its own site dir
+# (/tmp/variants/NAME, kept while the machine stays warm). ab: runs bench/ab.py on each ';'-separated command of
+# AB_BENCH (e.g. AB_BENCH="bench/bench_flash_moe.py --mxfp8-only") for the tree and each built variant (AB_VARIANTS
+# names a subset).
 # BENCHES="bench_a bench_b" limits the bench phase to those scripts (default: every bench/bench_*.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: gpu_check.sh OUT_DIR [build] [test] [sanitize] [bench] [ab]}; shift
+out=${1:?usage: gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [bench] [ab]}; shift
 phases=${*:-build test sanitize bench}
 mkdir -p "$out"
 py=${PYTHON:-python3}
@@ -45,6 +46,21 @@ if phase build; then
   echo "[gpu_check] build took $(( $(date +%s) - start )) s"
   "$py" -m prime_kernels | tee "$out/status.txt"
   "$py" -m prime_kernels --json > "$out/status.json"
+fi
+
+# The staged variants build on the CPUs while the GPU runs the tests (a warm machine keeps them for later calls).
+if phase variants; then
+  for v in .variants/*/; do
+    [ -d "$v/plugins" ] || continue
+    name=$(basename "$v")
+    [ "$(cat "/tmp/variants/$name/.built" 2>/dev/null)" = "$(cat "$v/COMMIT")" ] && continue
+    ( ok=1
+      for p in "$v"/plugins/*/; do
+        pip_offline --target "/tmp/variants/$name" "$p" > "$out/build-$name-$(basename "$p").log" 2>&1 || ok=0
+      done
+      if [ $ok = 1 ]; then cp "$v/COMMIT" "/tmp/variants/$name/.built"; r=ok; else r=FAILED; fi
+      record variants "build $name ($(cat "$v/COMMIT"))" "$r" ) &
+  done
 fi
 
 # Tests and sanitizer runs are not timed: they share the GPU, all at once, to save device minutes.
@@ -90,17 +106,9 @@ fi
 
 if phase ab; then
   variant_args=()
-  for v in .variants/*/; do
-    [ -d "$v/plugins" ] || continue
-    name=$(basename "$v")
-    for p in "$v"/plugins/*/; do
-      ( if pip_offline --target "/tmp/variants/$name" "$p" > "$out/build-ab-$name-$(basename "$p").log" 2>&1; then r=ok
-        else r=FAILED; fi
-        record ab "build $name $(basename "$p") ($(cat "$v/COMMIT"))" "$r" ) &
-    done
-    variant_args+=(--variant "$name=/tmp/variants/$name")
+  for name in ${AB_VARIANTS:-$(ls .variants 2>/dev/null)}; do
+    [ -f "/tmp/variants/$name/.built" ] && variant_args+=(--variant "$name=/tmp/variants/$name")
   done
-  wait
   IFS=';' read -ra ab_benches <<< "${AB_BENCH:?AB_BENCH names the benchmark}"
   for i in "${!ab_benches[@]}"; do
     # shellcheck disable=SC2086
