@@ -13,6 +13,7 @@ from prime_kernels_core import manifest
 from prime_kernels_core.contracts import UnsupportedShapeError
 
 from . import _C  # noqa: F401  (registers the ops)
+from .ops import require_device  # the module also registers fused_logp::logp_entropy's autograd (the fallback's)
 
 _CONSTANTS = manifest.constants("prime_kernels_fused_logp", "linear_logp")
 BLOCK_N: int = _CONSTANTS["BLOCK_N"]
@@ -131,11 +132,7 @@ def _flatten(hidden, weight, labels, temperature, bias):
         raise ValueError(f"hidden size (last dim of hidden) must be >= 1, got {hidden.shape[-1]}")
     if weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must be [V, {hidden.shape[-1]}] (hidden size of hidden), got {tuple(weight.shape)}")
-    # Checked here, not only in the op: with one tensor on meta the dispatcher would run the fake implementation and
-    # return uninitialised memory.
-    for name, t in (("weight", weight), ("labels", labels), ("temperature", temperature), ("bias", bias)):
-        if isinstance(t, torch.Tensor) and t.device != hidden.device:
-            raise ValueError(f"{name} must be on hidden's device {hidden.device}, got {t.device}")
+    require_device(hidden, "hidden's", {"weight": weight, "labels": labels, "temperature": temperature, "bias": bias})
     h2 = hidden.reshape(-1, hidden.shape[-1])
     l1 = labels.reshape(-1)
     token_temperature = None
@@ -205,8 +202,6 @@ def _chunked(h2, weight, l1, temperature, token_temperature, bias, ignore_index,
     """The fallback: per vocab chunk, logits -> fused_logp::logp_entropy, merged by logsumexp (checkpointed chunks).
     A label outside [0, V) that is not ignore_index gives NaN logp and entropy, as the CUDA kernel (no sync)."""
     from torch.utils.checkpoint import checkpoint
-
-    from . import ops as _logits_ops  # noqa: F401  (autograd of fused_logp::logp_entropy)
 
     n, V = h2.shape[0], weight.shape[0]
     labels = l1.to(torch.int64)

@@ -146,6 +146,15 @@ def logp_entropy(
     return logp, (entropy.reshape(lead) if return_entropy else None)
 
 
+def require_device(reference: torch.Tensor, whose: str, operands: dict, prefix: str = "") -> None:
+    """Every tensor among ``operands`` (name -> tensor or anything else) on ``reference``'s device (``whose``: the
+    reference's name in the possessive, for the message). Checked by the Python surfaces, not only in the ops: with
+    one tensor on meta the dispatcher would run the fake implementation and return uninitialised memory."""
+    for name, t in operands.items():
+        if isinstance(t, torch.Tensor) and t.device != reference.device:
+            raise ValueError(f"{prefix}{name} must be on {whose} device {reference.device}, got {t.device}")
+
+
 def _flatten(logits, labels, temperature):
     """Checks of the public surface; (logits [N, V] stride-1 rows, labels [N], scalar T, token temperatures or None,
     leading shape)."""
@@ -159,11 +168,7 @@ def _flatten(logits, labels, temperature):
         raise ValueError(
             f"fused_logp: labels shape {tuple(labels.shape)} must equal logits' leading shape {tuple(lead)}"
         )
-    # Checked here, not only in the op: with one tensor on meta the dispatcher would run the fake implementation and
-    # return uninitialised memory.
-    for name, t in (("labels", labels), ("temperature", temperature)):
-        if isinstance(t, torch.Tensor) and t.device != logits.device:
-            raise ValueError(f"fused_logp: {name} must be on logits' device {logits.device}, got {t.device}")
+    require_device(logits, "logits'", {"labels": labels, "temperature": temperature}, prefix="fused_logp: ")
     x = logits.reshape(-1, vocab)
     if vocab > 1 and x.stride(-1) != 1:
         x = x.contiguous()
