@@ -130,12 +130,7 @@ at::Tensor round_bf16(const at::Tensor& h) { return h.to(at::kBFloat16).to(at::k
 std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_cpu(const at::Tensor& t, int64_t block) {
   const char* op = "quantize_mxfp8";
   TORCH_CHECK(t.device().is_cpu(), op, " (CPU): t must be a CPU tensor, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, op,
-              ": t must be float32, bfloat16 or float16, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() >= 1, op, ": t must have at least one dimension");
-  TORCH_CHECK(block >= 1, op, ": block must be positive, got ", block);
-  TORCH_CHECK(t.size(-1) % block == 0, op, ": the last dimension must be a multiple of block=", block, ", got ",
-              t.size(-1));
+  check_quantize_args(t, block);
   const auto f = t.contiguous().to(at::kFloat);
   auto data = at::empty(t.sizes(), t.options().dtype(at::kFloat8_e4m3fn));
   auto scale_sizes = t.sizes().vec();

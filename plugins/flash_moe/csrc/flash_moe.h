@@ -176,6 +176,17 @@ inline at::Tensor as_bits_of(const at::Tensor& t, at::ScalarType dtype) {
   return t.scalar_type() == at::kByte ? t.view(dtype) : t;
 }
 
+// quantize_mxfp8's argument checks, the same on every device (each implementation checks the device itself).
+inline void check_quantize_args(const at::Tensor& t, int64_t block) {
+  const char* op = "quantize_mxfp8";
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, op,
+              ": t must be float32, bfloat16 or float16, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() >= 1, op, ": t must have at least one dimension");
+  TORCH_CHECK(block >= 1, op, ": block must be positive, got ", block);
+  TORCH_CHECK(t.size(-1) % block == 0, op, ": the last dimension must be a multiple of block=", block, ", got ",
+              t.size(-1));
+}
+
 // mxfp8 scales: x_scales row-major (M, dim / 32); w_scales / w2_scales in pack_scales_blocked's layout
 // (E, K / MXFP8_ALIGN, N, MXFP8_ALIGN / 32): for each expert and each 128-wide K step, the N rows' 4 scale bytes.
 inline void check_mx_scales(const char* op, const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& w_scales,

@@ -457,12 +457,7 @@ namespace {
 std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_cuda(const at::Tensor& t, int64_t block) {
   const char* op = "quantize_mxfp8";
   TORCH_CHECK(t.is_cuda(), op, " (CUDA): t must be a CUDA tensor, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, op,
-              ": t must be float32, bfloat16 or float16, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() >= 1, op, ": t must have at least one dimension");
-  TORCH_CHECK(block >= 1, op, ": block must be positive, got ", block);
-  TORCH_CHECK(t.size(-1) % block == 0, op, ": the last dimension must be a multiple of block=", block, ", got ",
-              t.size(-1));
+  check_quantize_args(t, block);
   const c10::cuda::CUDAGuard guard(t.device());
   const auto tc = t.contiguous();
   auto data = at::empty(t.sizes(), t.options().dtype(at::kFloat8_e4m3fn));
