@@ -957,6 +957,31 @@ def test_cuda_fused_moe_mxfp8_matches_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.kernel(KERNEL)
+def test_cuda_fused_moe_mxfp8_rare_values_match_cpu():
+    # The CUDA kernels' e4m3 -> bf16 conversion outside its fast path: scales above 2^7 (x of magnitude ~2^20), e4m3
+    # subnormal elements (blocks spanning 2^-16 of their amax) and a NaN element under a finite scale (its token's
+    # output is NaN on both devices).
+    x, w1, w2, w3, ids, tw = make(300, 256, 384, 6, 2, seed=44)
+    x = (x.float() * 2.0**20).to(torch.bfloat16)
+    x[:, :32] *= torch.exp2(-torch.arange(32) / 2).to(torch.bfloat16)
+    w1[:, :, 32:64] *= torch.exp2(-torch.arange(32) / 2).to(torch.bfloat16)
+    xq, xs, wq, ws, w2q, w2s = mx_operands(x, w1, w2, w3)
+    assert xs.view(torch.uint8).max() > 127 + 7  # the second multiplier runs
+    assert ((xq.view(torch.uint8) & 0x78) == 0).logical_and(xq.view(torch.uint8) & 0x7 != 0).any()  # subnormals
+    xq.view(torch.uint8)[7, 5] = 0x7F
+    s, e, n = ops.moe_align(ids, 6)
+    operands = (xq, xs, wq, ws, w2q, w2s)
+    want = ops.fused_moe_mxfp8(*operands, s, e, n, tw, torch.empty_like(x), 2).float()
+    out = torch.full_like(x, float("nan")).cuda()
+    got = ops.fused_moe_mxfp8(*(t.cuda() for t in operands), s.cuda(), e.cuda(), n.cuda(), tw.cuda(), out, 2)
+    got = got.cpu().float()
+    assert want[7].isnan().all() and torch.equal(got.isnan(), want.isnan())
+    finite = ~want.isnan()
+    torch.testing.assert_close(got[finite] / 2.0**20, want[finite] / 2.0**20, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
 def test_cuda_mxfp8_deterministic_is_bitwise_reproducible():
     x, w1, w2, w3, ids, tw = make(2048, 1024, 512, 32, 8, "cuda", seed=43)
     runs = [ops.moe(x, w1, w2, w3, ids, tw, deterministic=True, mxfp8=True) for _ in range(3)]

@@ -25,9 +25,10 @@ inline EncodeTiledFn encode_tiled_fn() {
 
 // A map over a row-major [rows, cols] matrix of 16-bit elements (8-bit for CU_TENSOR_MAP_DATA_TYPE_UINT8) with
 // `row_stride` elements between rows, boxes of box_rows x box_cols (one 128-byte swizzle row at most) with 128-byte
-// swizzle; reads past the edges are zero-filled. Returns a CUresult (0 on success).
+// swizzle (or `swizzle`); reads past the edges are zero-filled. Returns a CUresult (0 on success).
 inline int make_tmap_2d(CUtensorMap* map, const void* ptr, CUtensorMapDataType dtype, int64_t rows, int64_t cols,
-                        int64_t row_stride, int box_rows, int box_cols) {
+                        int64_t row_stride, int box_rows, int box_cols,
+                        CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
   const EncodeTiledFn fn = encode_tiled_fn();
   if (fn == nullptr) return -1;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
@@ -36,7 +37,7 @@ inline int make_tmap_2d(CUtensorMap* map, const void* ptr, CUtensorMapDataType d
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t estr[2] = {1, 1};
   return static_cast<int>(fn(map, dtype, 2, const_cast<void*>(ptr), dims, strides, box, estr,
-                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                             CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
 }
 

@@ -1,27 +1,26 @@
 // flash_moe mxfp8 on CUDA sm_90a: quantize_mxfp8 (four lanes per scale block) and the fused expert GEMMs on e4m3
 // operands with e8m0 block scales (see docs/notes/flash_moe.md, "mxfp8").
 //
-// Hopper has no block-scaled tensor-core instruction, so the scales are applied outside the tensor core: every
-// wgmma.m64n64k32 e4m3 x e4m3 -> fp32 covers exactly one 32-wide scale block of K, runs into a temporary
-// accumulator (scale-d = 0), and is promoted into the fp32 accumulator with both scales:
-//   acc[r][c] = fma(tmp[r][c], sw[c][kb] * sx[r][kb], acc[r][c])       (both factors powers of two: exact products)
-// CTA = one aligned block (BLOCK_M = 128 routed slots, one expert) x MXFP8_BLOCK_N = 128 columns, 640 threads:
-//   warpgroup 0  producer: cp.async 16-byte copies of the e4m3 A rows (gathered through sorted_token_ids, as in the
-//                bf16 kernel; their source addresses kept in registers) into a STAGES-deep ring of 128-byte-swizzled
-//                tiles (BK = 128 bytes = 4 scale blocks per stage), the B tile by TMA (four boxes issued by thread 0),
-//                plus one 4-byte cp.async per A row (x_scales row-major) and per B row (the blocked weight-scale
-//                layout: the 4 bytes of row n at [e][kt][n]). When its copies have landed each
-//                producer thread decodes its 8 scale bytes to fp32 into the stage's scale tables (laid out for the
-//                consumers' accumulator fragments), fences the async proxy and arrives on the stage's full mbarrier.
-//   warpgroups 1-4  consumers, a 64 x 64 quarter of the tile each (rows 64 (w & 1), columns 64 (w >> 1)): per K step
-//                4 x (wgmma m64n64k32 into tmp, wait, promote); the stage is released on its empty mbarrier once its
-//                last wgmma has completed. Four consumer warps per scheduler (not two of m64n128) hide each other's
-//                wgmma and scale-load latency, which bound the two-warpgroup kernel (docs/notes/flash_moe.md).
-// Kernel 1 (gate/up): B = 32 gate rows, the matching 32 up rows, the next 32 gate rows, their 32 up rows, so that a
-//   consumer's 64 columns are the gate and up halves of the same 32 hidden columns; epilogue h = silu(g) * u in fp32,
-//   re-quantized to mxfp8 per 32 hidden columns (amax across the 4 lanes of a quad holding one row's 32 columns;
-//   mx::scale_byte, the rule quantize_mxfp8 uses) into the e4m3 intermediate [padded slots, hidden] and its row-major
-//   scales.
+// Hopper has no block-scaled tensor-core instruction. The kernels turn every e4m3 element into the bf16 value
+// element x 2^(scale) inside the SM (exact: e4m3 x a power of two fits bf16's 8-bit mantissa and exponent) and run the
+// bf16 kernel's wgmma.m64n256k16 on it. Per 32-element scale block this costs O(rows + columns) conversions, where
+// promoting fp8 wgmma results costs O(rows x columns) FMAs, and it keeps HBM and L2 traffic at one byte per element,
+// half of bf16's: the bf16 kernels are L2-bandwidth-bound on DeepSeek-V3 (docs/notes/flash_moe.md).
+// CTA = one aligned block (BLOCK_M = 128 routed slots, one expert) x one 256-wide column tile, 384 threads:
+//   warpgroup 0  producer. Loads a RAW_STAGES-deep ring of e4m3 stages (BLOCK_K bytes of K per row): the gathered A
+//                rows by cp.async (row r reads x[sorted_token_ids[r] / top_k], zero-filled for padding; addresses
+//                kept in registers), the B rows by TMA (two 128-row boxes issued by thread 0), the 4-byte scale words
+//                of the A rows (cp.async, one per thread) and of the B rows (the blocked layout of
+//                pack_scales_blocked: 16-byte cp.async, 64 threads). Once a raw stage has landed, the 128 threads
+//                convert it into a STAGES-deep ring of 128-byte-swizzled bf16 tiles (16 elements of one scale block
+//                per step: e4m3 bytes -> bf16 bits of element x 2^-120 by byte permutes and shifts, subnormals
+//                included, then one bf16x2 multiply by 2^(scale + 120)), fence the async proxy and arrive on the bf16
+//                stage's full mbarrier.
+//   warpgroups 1-2  consumers, 64 rows each: the bf16 kernel's mainloop (wgmma.m64n256k16 bf16 -> fp32, one group
+//                in flight, stage released on its empty mbarrier).
+// Kernel 1 (gate/up): B = 128 gate rows + the matching 128 up rows; epilogue h = silu(g) * u in fp32, re-quantized to
+//   mxfp8 per 32 hidden columns (amax across the 4 lanes of a quad holding one row's 32 columns; mx::scale_byte, the
+//   rule quantize_mxfp8 uses) into the e4m3 intermediate [padded slots, hidden] and its row-major scales.
 // Kernel 2 (down): A = intermediate rows of the block, B = w2[e]; epilogue as the bf16 kernel (float2 atomics of
 //   topk_weight * y into an fp32 [M, dim] buffer, or bf16 per-slot rows for the deterministic combine).
 #include <ATen/ATen.h>
@@ -42,11 +41,11 @@
 #include "../mxfp8.h"
 #include "sm90_common.cuh"
 
-#ifndef FLASH_MOE_MXFP8_BLOCK_N
-#error "FLASH_MOE_MXFP8_BLOCK_N must come from kernel.toml ([flash_moe.constants])"
-#endif
 #ifndef FLASH_MOE_MXFP8_STAGES
 #error "FLASH_MOE_MXFP8_STAGES must come from kernel.toml ([flash_moe.constants])"
+#endif
+#ifndef FLASH_MOE_MXFP8_RAW_STAGES
+#error "FLASH_MOE_MXFP8_RAW_STAGES must come from kernel.toml ([flash_moe.constants])"
 #endif
 
 namespace flash_moe {
@@ -54,41 +53,39 @@ namespace sm90 {
 namespace mxk {
 
 constexpr int BM = FLASH_MOE_BLOCK_M;
-constexpr int BN = FLASH_MOE_MXFP8_BLOCK_N;
-constexpr int BN_GU = BN / 2;
+constexpr int BN = 256;  // wgmma N: a gate/up tile's gate and up columns, or a down tile
+constexpr int BN_GU = FLASH_MOE_BLOCK_N_GATE_UP;
+constexpr int BN_DOWN = FLASH_MOE_BLOCK_N_DOWN;
 constexpr int SB = FLASH_MOE_MXFP8_SCALE_BLOCK;
-constexpr int BK = FLASH_MOE_MXFP8_ALIGN;  // e4m3 bytes per K step: one 128-byte swizzle row
-constexpr int KB = BK / SB;                // scale blocks (wgmma k32 steps) per K step
+constexpr int BK = FLASH_MOE_BLOCK_K;            // K per stage: e4m3 bytes of a raw row, bf16 elements of a tile row
+constexpr int WORD_K = FLASH_MOE_MXFP8_ALIGN;    // K covered by one 4-byte scale word (4 scale blocks)
 constexpr int STAGES = FLASH_MOE_MXFP8_STAGES;
-static_assert(BM == 128, "BLOCK_M must be 128 (two row halves of wgmma m64)");
-static_assert(BN == 128, "MXFP8_BLOCK_N must be 128 (two column halves of wgmma m64n64k32)");
-static_assert(SB == 32 && BK == 128, "mxfp8 kernels: scale block 32 (= wgmma k32 of e4m3) and MXFP8_ALIGN 128");
-static_assert(STAGES >= 3 && STAGES <= 5, "MXFP8_STAGES must be 3..5 (shared memory)");
+constexpr int RAW_STAGES = FLASH_MOE_MXFP8_RAW_STAGES;
+static_assert(BM == 128, "BLOCK_M must be 128 (two consumer warpgroups of wgmma m64)");
+static_assert(2 * BN_GU == BN && BN_DOWN == BN, "BLOCK_N_GATE_UP must be 128 and BLOCK_N_DOWN 256 (m64n256k16)");
+static_assert(BK == 64 && SB == 32 && WORD_K == 128,
+              "mxfp8 kernels: BLOCK_K 64 (one swizzle row of bf16), scale block 32, MXFP8_ALIGN 128 (a scale word)");
+static_assert(STAGES >= 2 && RAW_STAGES >= 2, "MXFP8_STAGES and MXFP8_RAW_STAGES must be at least 2");
 
-constexpr int WG_M = 64, WG_N = 64;  // one consumer warpgroup's quarter of the tile
-constexpr int CONSUMERS = (BM / WG_M) * (BN / WG_N);
-constexpr int NUM_THREADS = 128 * (1 + CONSUMERS);
-constexpr int CONSUMER_WARPS = 4 * CONSUMERS;
-// Registers: the CTA holds what it was launched with (NUM_THREADS x 96 of the 64 K register file) and setmaxnreg only
-// moves registers within it: the consumers' increase must fit in what the producer gives back, or it waits forever.
+constexpr int NUM_THREADS = 384;
+constexpr int CONSUMER_WARPS = 8;
+// Registers: the CTA keeps what it was launched with (NUM_THREADS x LAUNCH_REGS) and setmaxnreg only moves registers
+// within it: the consumers' increase must fit in what the producer gives back, or it waits forever.
 constexpr int LAUNCH_REGS = 65536 / NUM_THREADS / 8 * 8;
-constexpr int PRODUCER_REGS = 48, CONSUMER_REGS = 104;
-static_assert(128 * (PRODUCER_REGS + CONSUMERS * CONSUMER_REGS) <= NUM_THREADS * LAUNCH_REGS,
+constexpr int PRODUCER_REGS = 96, CONSUMER_REGS = 200;
+static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= NUM_THREADS * LAUNCH_REGS,
               "setmaxnreg: the consumers' registers must come from the producer's");
-constexpr int A_BYTES = BM * BK;
-constexpr int B_BYTES = BN * BK;
-constexpr int FA_BYTES = BM * KB * 4;  // fp32 x scales [row][kb]
-// fp32 w scales [kb][quad][group][pair]: a quad lane's 32 columns contiguous, each quad's run padded to FB_QUAD floats
-// so that the 4 quads of a warp, reading their runs at once (ld.shared.v4), hit 4 different bank groups (at 32 floats
-// apart all four fell in the same 4 banks: a 4-way conflict on every load).
-constexpr int FB_QUAD = BN / 4 + 4;
-constexpr int FB_BYTES = KB * 4 * FB_QUAD * 4;
-constexpr int RAW_BYTES = (BM + BN) * KB;  // e8m0 bytes as copied: A rows then B rows, 4 bytes each
-// rounded up to keep the 1024-byte alignment of the 128B-swizzled tiles
-constexpr int STAGE_BYTES = (A_BYTES + B_BYTES + FA_BYTES + FB_BYTES + RAW_BYTES + 1023) / 1024 * 1024;
-constexpr int LOOKAHEAD = STAGES - 1;
-constexpr int B_BOX_ROWS = WG_N / 2;  // one TMA box: the gate (or up) half of a consumer's gate/up columns
-constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + BM * 8 + BM * 4 + 2 * STAGES * 8;
+constexpr int A_BYTES = BM * BK * 2;
+constexpr int B_BYTES = BN * BK * 2;
+constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+// raw stage: e4m3 rows, unswizzled (a warp reads 8 rows x 64 contiguous bytes: no bank conflict), then the scale words
+constexpr int RAW_A = BM * BK, RAW_B = BN * BK, RAW_SA = BM * 4, RAW_SB = BN * 4;
+constexpr int RAW_BYTES = RAW_A + RAW_B + RAW_SA + RAW_SB;
+static_assert(RAW_BYTES % 128 == 0, "raw stages keep TMA's 128-byte alignment");
+constexpr int B_BOX_ROWS = 128;  // one TMA box: the gate (or up) rows of a gate/up tile, half a down tile
+constexpr int STAGES_PER_WORD = WORD_K / BK;
+constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + RAW_STAGES * RAW_BYTES + BM * 8 + BM * 4 +
+                           (2 * STAGES + 2 * RAW_STAGES) * 8;
 
 enum Mode : int { GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2 };
 
@@ -96,10 +93,10 @@ struct Params {
   const uint8_t* a;         // x (GATE_UP) or the intermediate (DOWN), e4m3 [rows][lda]
   const uint8_t* a_scales;  // e8m0 [rows][lda / 32]
   int64_t lda;
-  // B tiles by TMA: a 2-D map over w (GATE_UP, gate rows then up rows) or w2 (DOWN), e4m3 [E * b_rows][K]; boxes of
-  // B_BOX_ROWS x BK
+  // B tiles by TMA: a 2-D map over w (GATE_UP, gate rows then up rows) or w2 (DOWN), e4m3 [E * b_rows][K], unswizzled
+  // boxes of B_BOX_ROWS x BK
   CUtensorMap tm_b;
-  const uint8_t* b_scales;  // e8m0 [E][k_tiles][b_rows][KB]
+  const uint8_t* b_scales;  // e8m0 [E][K / 128][b_rows][4] (pack_scales_blocked)
   int b_rows;
   int up_offset;  // GATE_UP: first up row (hidden)
   int n_total;    // valid output columns: hidden (GATE_UP) or dim (DOWN)
@@ -122,31 +119,73 @@ struct Params {
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ void wgmma_m64n64k32_e4m3(float* d, uint64_t da, uint64_t db) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(da), "l"(db), "n"(0));  // scale-d = 0: tmp = A B (the promotion accumulates)
-}
-__device__ __forceinline__ float decode_scale(uint32_t byte) { return __uint_as_float(mx::scale_bits(byte)); }
-__device__ __forceinline__ float lds_f32(uint32_t addr) {
-  float v;
-  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+__device__ __forceinline__ uint4 lds_u32x4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
 }
-__device__ __forceinline__ float4 lds_f32x4(uint32_t addr) {
-  float4 v;
-  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
+__device__ __forceinline__ uint32_t lds_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr));
   return v;
+}
+__device__ __forceinline__ void sts_u32x4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// The bf16 multipliers for scale byte s (2^(s - 127)) applied to values held as element x 2^-120: 2^(s - 7) when that is
+// a bf16 normal (s <= 134), else 2^127 then 2^(s - 134) (`second`, 0 when unused); the NaN scale gives NaN.
+__device__ __forceinline__ void scale_multipliers(uint32_t s, uint32_t& first, uint32_t& second) {
+  first = s <= 134u ? (s + 120u) * 0x00800080u : (s == mx::kNanScale ? 0x7FC07FC0u : 0x7F007F00u);
+  second = s > 134u && s != mx::kNanScale ? (s - 7u) * 0x00800080u : 0u;
+}
+
+// Two e4m3 bytes placed at bits 8-15 and 24-31 of u -> bf16x2 of element x 2^-120: the sign in place, the 4 exponent and
+// 3 mantissa bits shifted onto bf16's bits 4-10, so e4m3 exponent field e becomes bf16 exponent field e (bias 127
+// instead of 7) and the e4m3 subnormals (e = 0) become bf16 subnormals of the same value x 2^-120.
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2_scaled_down(uint32_t u) {
+  return ((u >> 4) & 0x07F007F0u) | (u & 0x80008000u);
+}
+
+// 16 e4m3 bytes of one scale block -> 16 bf16 (8 words) times the block's first multiplier. Returns nonzero when a
+// byte is an e4m3 NaN (0x7F, 0xFF), which exact_rare_cases below must then fix.
+__device__ __forceinline__ uint32_t e4m3x16_to_bf16(const uint4 q, uint32_t first, uint32_t* o) {
+  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+  uint32_t nan_probe = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    o[2 * i] = bf16x2_mul(e4m3x2_to_bf16x2_scaled_down(__byte_perm(w[i], 0u, 0x1404)), first);
+    o[2 * i + 1] = bf16x2_mul(e4m3x2_to_bf16x2_scaled_down(__byte_perm(w[i], 0u, 0x3424)), first);
+    nan_probe |= (w[i] & 0x7F7F7F7Fu) + 0x01010101u;  // bit 7 of a byte set iff its low 7 bits were all ones
+  }
+  return nan_probe & 0x80808080u;
+}
+
+// The cases the fast path leaves out: the second multiplier of scales above 2^7, and e4m3 NaN bytes -> bf16 NaN.
+__device__ __forceinline__ void exact_rare_cases(const uint4 q, uint32_t second, uint32_t* o) {
+  if (second != 0u) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[i] = bf16x2_mul(o[i], second);
+  }
+  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int e = 0; e < 16; ++e) {
+    if (((w[e / 4] >> (8 * (e % 4))) & 0x7Fu) == 0x7Fu) o[e / 2] |= 0x7FC0u << (16 * (e % 2));
+  }
 }
 #endif
 
-// Accumulator register i of a consumer thread: row warp * 16 + lane / 4 + 8 * ((i / 2) % 2) of its warpgroup's 64
-// rows, column 8 * (i / 4) + 2 * (lane % 4) + i % 2 of its 64.
+// Accumulator register i of a consumer thread holds row (warp * 16 + lane / 4 + 8 * ((i / 2) % 2)) and column
+// (8 * (i / 4) + 2 * (lane % 4) + i % 2) of its warpgroup's 64 x 256 tile.
 template <int MODE>
 __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool kGateUp = MODE == GATE_UP;
   int block, n_tile;
   raster(static_cast<int>(blockIdx.x), p.n_tiles, p.blocks, block, n_tile);
   if (block * BM >= __ldg(p.ntpp)) return;
@@ -157,197 +196,215 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   uint8_t* const gbase = smem_raw + (base - raw);
-  int64_t* const a_row = reinterpret_cast<int64_t*>(gbase + STAGES * STAGE_BYTES);
-  int* const slot_of = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + BM * 8);
-  const uint32_t bars = base + STAGES * STAGE_BYTES + BM * 12;
+  const uint32_t raw_base = base + STAGES * STAGE_BYTES;
+  constexpr int ROWS_OFF = STAGES * STAGE_BYTES + RAW_STAGES * RAW_BYTES;
+  int64_t* const a_row = reinterpret_cast<int64_t*>(gbase + ROWS_OFF);
+  int* const slot_of = reinterpret_cast<int*>(gbase + ROWS_OFF + BM * 8);
+  // raw ring barriers (block_prologue: full = 128 producer arrivals + thread 0's expect_tx, empty = 128 converters),
+  // then the bf16 ring's (full = 128 converters, empty = the 8 consumer warps)
+  const uint32_t raw_bars = base + ROWS_OFF + BM * 12;
+  const uint32_t bars = raw_bars + 2 * RAW_STAGES * 8;
+  auto raw_full = [&](int s) { return raw_bars + 8u * s; };
+  auto raw_empty = [&](int s) { return raw_bars + 8u * (RAW_STAGES + s); };
   auto full_bar = [&](int s) { return bars + 8u * s; };
   auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
-  auto fa_ptr = [&](int s) { return reinterpret_cast<float*>(gbase + s * STAGE_BYTES + A_BYTES + B_BYTES); };
-  auto fb_ptr = [&](int s) { return reinterpret_cast<float*>(gbase + s * STAGE_BYTES + A_BYTES + B_BYTES + FA_BYTES); };
-  constexpr int RAW_OFF = A_BYTES + B_BYTES + FA_BYTES + FB_BYTES;
-  const int n_base = n_tile * (MODE == GATE_UP ? BN_GU : BN);
+  const int n_base = n_tile * (kGateUp ? BN_GU : BN_DOWN);
 
-  block_prologue<BM, STAGES, MODE == GATE_UP>(p, block, a_row, slot_of, bars, CONSUMER_WARPS);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full_bar(s), 128);
+      mbar_init(empty_bar(s), CONSUMER_WARPS);
+    }
+  }
+  block_prologue<BM, RAW_STAGES, kGateUp>(p, block, a_row, slot_of, raw_bars, 128);
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {  // ------------------------------- producer -------------------------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
-    const int tid = threadIdx.x;
-    const int c = tid & 7, r0 = tid >> 3;
-    // Row of w (w2) that lands in tile row r: GATE_UP boxes of gate rows and their up rows in turn, DOWN the 128 rows
-    // of w2 in order. The shape contract (dim, hidden in whole MXFP8_ALIGN) makes every tile full.
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    // This thread's 16-byte chunk c of rows 8 (warp + 4 i) + lane / 4: a warp covers 8 whole 64-byte rows per step.
+    const int c = lane & 3, row8 = lane >> 2;
+    auto tile_row = [&](int i) { return 8 * (warp + 4 * i) + row8; };
+    // the chunk's two 16-byte halves in the swizzled bf16 tile (tile rows are = row8 mod 8)
+    const uint32_t dst_lo = static_cast<uint32_t>(((2 * c) ^ row8) << 4);
+    const uint32_t dst_hi = static_cast<uint32_t>(((2 * c + 1) ^ row8) << 4);
+    // Row of w (w2) that lands in B tile row r: GATE_UP the gate rows, then the same up rows; DOWN the w2 rows in order.
     auto weight_row = [&](int r) {
-      if constexpr (MODE == GATE_UP) {
-        const int box = r / B_BOX_ROWS;
-        return n_base + (box / 2) * B_BOX_ROWS + r % B_BOX_ROWS + (box % 2 ? p.up_offset : 0);
+      if constexpr (kGateUp) {
+        return r < BN_GU ? n_base + r : p.up_offset + n_base + r - BN_GU;
       } else {
         return n_base + r;
       }
     };
-    const int b_row0 = expert * p.b_rows;
-    // this thread's scales: those of B tile row `tid` (its column) and of A row `tid`
-    const int s_row = weight_row(tid);
-    const uint8_t* const bsc = p.b_scales + static_cast<int64_t>(expert) * p.k_tiles * p.b_rows * KB +
-                               static_cast<int64_t>(s_row) * KB;
-    const int64_t a_off = a_row[tid];
-    const uint8_t* const asc = p.a_scales + (a_off >= 0 ? a_off / SB : 0);
-    // The A rows this thread copies, kept in registers across the K loop; padding rows copy 0 bytes (zero fill)
-    // from an in-bounds address.
-    const uint8_t* a_src[BM / 16];
+    // copies: A rows of this thread's chunks (source addresses in registers; padding rows copy 0 bytes, zero fill),
+    // the scale word of A row `tid`, and (threads < 64) the scale words of B rows 4 tid .. 4 tid + 3
+    constexpr int A_STEPS = BM / 32, B_STEPS = BN / 32;
+    const uint8_t* a_src[A_STEPS];
     uint32_t a_valid = 0;
 #pragma unroll
-    for (int i = 0; i < BM / 16; ++i) {
-      const int64_t off = a_row[r0 + 16 * i];
+    for (int i = 0; i < A_STEPS; ++i) {
+      const int64_t off = a_row[tile_row(i)];
       a_src[i] = p.a + (off >= 0 ? off : 0) + c * 16;
       a_valid |= (off >= 0 ? 1u : 0u) << i;
     }
-    auto decode = [&](int s) {  // this thread's own (landed) scale bytes of stage s -> fp32 tables
-      const uint8_t* rs = gbase + s * STAGE_BYTES + RAW_OFF;
-      const uint32_t ra = *reinterpret_cast<const uint32_t*>(rs + 4 * tid);
-      const uint32_t rb = *reinterpret_cast<const uint32_t*>(rs + 4 * BM + 4 * tid);
-      *reinterpret_cast<float4*>(fa_ptr(s) + KB * tid) =
-          make_float4(decode_scale(ra & 0xFF), decode_scale((ra >> 8) & 0xFF), decode_scale((ra >> 16) & 0xFF),
-                      decode_scale(ra >> 24));
-      float* fb = fb_ptr(s);
-      const int g = tid >> 3, q = (tid >> 1) & 3, pr = tid & 1;  // column tid = 8 g + 2 q + pr
-#pragma unroll
-      for (int j = 0; j < KB; ++j) fb[(j * 4 + q) * FB_QUAD + g * 2 + pr] = decode_scale((rb >> (8 * j)) & 0xFF);
-    };
-    for (int kt = 0; kt < p.k_tiles; ++kt) {
-      const int stage = kt % STAGES;
-      mbar_wait(empty_bar(stage), ((kt / STAGES) & 1) ^ 1);
-      const uint32_t st = base + stage * STAGE_BYTES;
-      const int kofs = kt * BK;
+    const int64_t my_row = a_row[tid];
+    const uint8_t* const a_scale_src = p.a_scales + (my_row >= 0 ? my_row / SB : 0);
+    const int word_groups = p.k_tiles / STAGES_PER_WORD;
+    const int sb_row = weight_row(4 * (tid & 63));
+    const bool sb_valid = tid < 64 && sb_row < p.b_rows;
+    const uint8_t* const b_scale_src =
+        p.b_scales + (static_cast<int64_t>(expert) * word_groups * p.b_rows + (sb_valid ? sb_row : 0)) * 4;
+    const int b_row0 = expert * p.b_rows;
+
+    auto issue = [&](int kt) {
+      const int s = kt % RAW_STAGES;
+      mbar_wait(raw_empty(s), ((kt / RAW_STAGES) & 1) ^ 1);
+      const uint32_t rs = raw_base + s * RAW_BYTES;
+      const int kofs = kt * BK, word = kt / STAGES_PER_WORD;
       if (tid == 0) {
-        mbar_expect_tx(full_bar(stage), B_BYTES);
+        mbar_expect_tx(raw_full(s), RAW_B);
 #pragma unroll
         for (int box = 0; box < BN / B_BOX_ROWS; ++box)
-          tma_load_2d(st + A_BYTES + box * B_BOX_ROWS * BK, &p.tm_b, full_bar(stage), kofs,
+          tma_load_2d(rs + RAW_A + box * B_BOX_ROWS * BK, &p.tm_b, raw_full(s), kofs,
                       b_row0 + weight_row(box * B_BOX_ROWS));
       }
 #pragma unroll
-      for (int i = 0; i < BM / 16; ++i)
-        cp_async_16(st + swz(r0 + 16 * i, c), a_src[i] + kofs, (a_valid >> i) & 1u ? 16u : 0u);
-      cp_async_4(st + RAW_OFF + 4 * tid, a_off >= 0 ? asc + kt * KB : p.a_scales, a_off >= 0 ? 4u : 0u);
-      cp_async_4(st + RAW_OFF + 4 * BM + 4 * tid, bsc + static_cast<int64_t>(kt) * p.b_rows * KB, 4u);
-      cp_async_commit();
-      if (kt >= LOOKAHEAD - 1) {
-        cp_async_wait<LOOKAHEAD - 1>();
-        const int done = (kt - (LOOKAHEAD - 1)) % STAGES;
-        decode(done);
-        fence_proxy_async();
-        mbar_arrive(full_bar(done));
+      for (int i = 0; i < A_STEPS; ++i)
+        cp_async_16(rs + tile_row(i) * BK + c * 16, a_src[i] + kofs, (a_valid >> i) & 1u ? 16u : 0u);
+      cp_async_4(rs + RAW_A + RAW_B + 4 * tid, my_row >= 0 ? a_scale_src + 4 * word : p.a_scales,
+                 my_row >= 0 ? 4u : 0u);
+      if (tid < 64)
+        cp_async_16(rs + RAW_A + RAW_B + RAW_SA + 16 * tid,
+                    sb_valid ? b_scale_src + static_cast<int64_t>(word) * p.b_rows * 4 : p.b_scales,
+                    sb_valid ? 16u : 0u);
+      cp_async_mbar_arrive_noinc(raw_full(s));  // fires when this thread's copies of the stage have landed
+    };
+    // Rows of one operand: raw e4m3 (BK bytes per row) + scale words -> the swizzled bf16 tile. The fast pass leaves
+    // scales above 2^7 and e4m3 NaN bytes to an exact pass over the stage (rare: no branch inside the fast loop, so
+    // its chunks interleave).
+    auto convert = [&]<bool kExact>(uint32_t raw_tile, uint32_t raw_words, uint32_t tile, uint32_t byte_sel, int steps,
+                                    uint32_t& rare) {
+#pragma unroll
+      for (int i = 0; i < steps; ++i) {
+        const int r = tile_row(i);
+        const uint4 q = lds_u32x4(raw_tile + r * BK + c * 16);
+        const uint32_t scale = __byte_perm(lds_u32(raw_words + 4 * r), 0u, byte_sel);
+        uint32_t o[8];
+        if constexpr (kExact) {
+          uint32_t first, second;
+          scale_multipliers(scale, first, second);
+          e4m3x16_to_bf16(q, first, o);
+          exact_rare_cases(q, second, o);
+        } else {  // first multiplier of scales up to 2^7; larger ones (and NaN, 0xFF) are rare
+          rare |= e4m3x16_to_bf16(q, (scale + 120u) * 0x00800080u, o) | ((scale + 121u) & 0x100u);
+        }
+        sts_u32x4(tile + r * 128 + dst_lo, o[0], o[1], o[2], o[3]);
+        sts_u32x4(tile + r * 128 + dst_hi, o[4], o[5], o[6], o[7]);
       }
+    };
+    for (int kt = 0; kt < min(RAW_STAGES - 1, p.k_tiles); ++kt) issue(kt);
+    for (int kt = 0; kt < p.k_tiles; ++kt) {
+      if (kt + RAW_STAGES - 1 < p.k_tiles) issue(kt + RAW_STAGES - 1);
+      const int rs_i = kt % RAW_STAGES, stage = kt % STAGES;
+      mbar_wait(raw_full(rs_i), (kt / RAW_STAGES) & 1);
+      mbar_wait(empty_bar(stage), ((kt / STAGES) & 1) ^ 1);
+      const uint32_t rs = raw_base + rs_i * RAW_BYTES, st = base + stage * STAGE_BYTES;
+      // the byte of a row's scale word that holds the scale block of chunk c in stage kt, as a byte_perm selector
+      const uint32_t byte_sel = 0x4440u | static_cast<uint32_t>((kt % STAGES_PER_WORD) * (BK / SB) + c * 16 / SB);
+      uint32_t rare = 0;
+      convert.template operator()<false>(rs, rs + RAW_A + RAW_B, st, byte_sel, A_STEPS, rare);
+      convert.template operator()<false>(rs + RAW_A, rs + RAW_A + RAW_B + RAW_SA, st + A_BYTES, byte_sel, B_STEPS, rare);
+      if (rare != 0u) {
+        convert.template operator()<true>(rs, rs + RAW_A + RAW_B, st, byte_sel, A_STEPS, rare);
+        convert.template operator()<true>(rs + RAW_A, rs + RAW_A + RAW_B + RAW_SA, st + A_BYTES, byte_sel, B_STEPS,
+                                          rare);
+      }
+      fence_proxy_async();  // generic-proxy stores, read by wgmma through the async proxy
+      mbar_arrive(full_bar(stage));
+      mbar_arrive(raw_empty(rs_i));
     }
     cp_async_wait<0>();
-    for (int kt = max(0, p.k_tiles - (LOOKAHEAD - 1)); kt < p.k_tiles; ++kt) decode(kt % STAGES);
-    fence_proxy_async();
-    for (int kt = max(0, p.k_tiles - (LOOKAHEAD - 1)); kt < p.k_tiles; ++kt) mbar_arrive(full_bar(kt % STAGES));
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
 
   // ------------------------------- consumers -------------------------------
   const int wg = warpgroup - 1;
-  const int wg_row = WG_M * (wg % 2), wg_col = WG_N * (wg / 2);  // the warpgroup's quarter of the tile
   const int ctid = threadIdx.x - 128 * warpgroup;
   const int warp = ctid / 32, lane = ctid % 32, quad = lane & 3;
-  const int row0 = wg_row + warp * 16 + (lane >> 2);  // the thread's rows: row0 and row0 + 8
-  float acc[WG_N / 2], tmp[WG_N / 2];
-#pragma unroll
-  for (int i = 0; i < WG_N / 2; ++i) acc[i] = 0.f;
-  const uint32_t a_off = wg_row * BK, b_off = A_BYTES + wg_col * BK;
-  // Padding rows (sorted_token_ids -1) end an expert's last block, and the promotion binds this kernel: a warpgroup
-  // whose 64 rows are all padding only keeps the ring turning (its wgmmas leave the tensor cores to the others), a
-  // warp whose 16 rows are all padding skips its promotion (DeepSeek-V3: ~20% of the rows of the grid are padding).
-  if (__all_sync(0xffffffffu, slot_of[wg_row + lane] < 0 && slot_of[wg_row + 32 + lane] < 0)) {
+  float acc[128];
+  int prev = 0;
+  const uint32_t a_off = wg * 64 * 128;
+  // A warpgroup whose 64 rows are all padding only keeps the ring turning (its tensor-core time goes to the other).
+  if (__all_sync(0xffffffffu, slot_of[wg * 64 + lane] < 0 && slot_of[wg * 64 + 32 + lane] < 0)) {
     for (int kt = 0; kt < p.k_tiles; ++kt) {
       mbar_wait(full_bar(kt % STAGES), (kt / STAGES) & 1);
       if (lane == 0) mbar_arrive(empty_bar(kt % STAGES));
     }
     return;  // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them
   }
-  const bool warp_live = __any_sync(0xffffffffu, slot_of[wg_row + 16 * warp + lane % 16] >= 0);
-  int stage = 0;
-  uint32_t phase = 0;
   for (int kt = 0; kt < p.k_tiles; ++kt) {
-    mbar_wait(full_bar(stage), phase);
+    const int stage = kt % STAGES;
+    mbar_wait(full_bar(stage), (kt / STAGES) & 1);
     const uint32_t st = base + stage * STAGE_BYTES;
-    const uint64_t da = smem_desc(st + a_off), db = smem_desc(st + b_off);
-    const uint32_t fa = st + A_BYTES + B_BYTES + 4 * KB * row0;  // x scales of the thread's rows
-    // w scales of its columns: from group wg_col / 8 of its quad's run
-    const uint32_t fb = st + A_BYTES + B_BYTES + FA_BYTES + 4 * (quad * FB_QUAD + wg_col / 4);
+    const uint64_t da = smem_desc(st + a_off), db = smem_desc(st + A_BYTES);
+    fence_regs<128>(acc);
+    wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < KB; ++j) {
-      fence_regs<WG_N / 2>(tmp);
-      wgmma_fence();
-      wgmma_m64n64k32_e4m3(tmp, da + 2 * j, db + 2 * j);  // k32 = 32 bytes = 2 descriptor units
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs<WG_N / 2>(tmp);
-      if (!warp_live) continue;
-      const float s0 = lds_f32(fa + 4 * j), s1 = lds_f32(fa + 4 * (8 * KB + j));  // rows row0 and row0 + 8
-      const uint32_t fbj = fb + 4 * (j * 4 * FB_QUAD);
-#pragma unroll
-      for (int g = 0; g < WG_N / 8; g += 2) {
-        const float4 sw = lds_f32x4(fbj + 4 * (2 * g));  // columns of groups g and g + 1
-        acc[4 * g + 0] = fmaf(tmp[4 * g + 0], sw.x * s0, acc[4 * g + 0]);
-        acc[4 * g + 1] = fmaf(tmp[4 * g + 1], sw.y * s0, acc[4 * g + 1]);
-        acc[4 * g + 2] = fmaf(tmp[4 * g + 2], sw.x * s1, acc[4 * g + 2]);
-        acc[4 * g + 3] = fmaf(tmp[4 * g + 3], sw.y * s1, acc[4 * g + 3]);
-        acc[4 * g + 4] = fmaf(tmp[4 * g + 4], sw.z * s0, acc[4 * g + 4]);
-        acc[4 * g + 5] = fmaf(tmp[4 * g + 5], sw.w * s0, acc[4 * g + 5]);
-        acc[4 * g + 6] = fmaf(tmp[4 * g + 6], sw.z * s1, acc[4 * g + 6]);
-        acc[4 * g + 7] = fmaf(tmp[4 * g + 7], sw.w * s1, acc[4 * g + 7]);
-      }
-    }
-    if (lane == 0) mbar_arrive(empty_bar(stage));  // all wgmmas of the stage completed; scales are in registers
-    if (++stage == STAGES) {
-      stage = 0;
-      phase ^= 1u;
-    }
+    for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
+    wgmma_commit();
+    fence_regs<128>(acc);
+    wgmma_wait<1>();
+    fence_regs<128>(acc);
+    if (kt > 0 && lane == 0) mbar_arrive(empty_bar(prev));
+    prev = stage;
   }
+  wgmma_wait<0>();
+  fence_regs<128>(acc);
 
   // ------------------------------- epilogue -------------------------------
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int lr = row0 + 8 * h;
-    if constexpr (MODE == GATE_UP) {
-      // the warpgroup's 64 columns: gate (groups 0-3) and up (groups 4-7) of 32 hidden columns = one scale block,
-      // across the 4 lanes of the quad
-      static_assert(WG_N / 2 == SB, "a consumer's gate/up columns must be one scale block of the intermediate");
+    const int lr = wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
+    if constexpr (kGateUp) {
+      // 32 hidden columns (one scale block of the intermediate) = groups 4 m .. 4 m + 3 across the 4 lanes of a quad
       const int64_t grow = static_cast<int64_t>(block) * BM + lr;
-      const int hid0 = n_base + wg_col / 2;
-      float hv[8];
-      uint32_t amax = 0;
 #pragma unroll
-      for (int g = 0; g < 4; ++g) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          hv[2 * g + e] = silu_mul(acc[4 * g + 2 * h + e], acc[4 * (g + 4) + 2 * h + e]);
-          amax = max(amax, __float_as_uint(hv[2 * g + e]) & 0x7FFFFFFFu);
-        }
-      }
-      amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
-      amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
-      const uint32_t sb = mx::scale_byte(amax);
-      const float inv = __uint_as_float(sb == mx::kNanScale ? 0u : mx::inv_scale_bits(sb));
-      if (hid0 < p.n_total) {
-        uint8_t* dst = p.inter + grow * p.ld_inter + hid0;
+      for (int m = 0; m < BN_GU / SB; ++m) {
+        float hv[8];
+        uint32_t amax = 0;
 #pragma unroll
         for (int g = 0; g < 4; ++g) {
-          const uint16_t v = sb == mx::kNanScale
-                                 ? static_cast<uint16_t>(0x7F7F)
-                                 : static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(
-                                       make_float2(hv[2 * g] * inv, hv[2 * g + 1] * inv), __NV_SATFINITE, __NV_E4M3));
-          *reinterpret_cast<uint16_t*>(dst + 8 * g + 2 * quad) = v;
+          const int j = 4 * m + g;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            hv[2 * g + e] = silu_mul(acc[4 * j + 2 * h + e], acc[4 * (j + BN_GU / 8) + 2 * h + e]);
+            amax = max(amax, __float_as_uint(hv[2 * g + e]) & 0x7FFFFFFFu);
+          }
         }
-        if (quad == 0) p.inter_scales[grow * (p.ld_inter / SB) + hid0 / SB] = static_cast<uint8_t>(sb);
+        amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+        amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+        const uint32_t sb = mx::scale_byte(amax);
+        const float inv = __uint_as_float(sb == mx::kNanScale ? 0u : mx::inv_scale_bits(sb));
+        const int hid0 = n_base + SB * m;
+        if (hid0 < p.n_total) {
+          uint8_t* dst = p.inter + grow * p.ld_inter + n_base;
+#pragma unroll
+          for (int g = 0; g < 4; ++g) {
+            const int j = 4 * m + g;
+            const uint16_t v = sb == mx::kNanScale
+                                   ? static_cast<uint16_t>(0x7F7F)
+                                   : static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(
+                                         make_float2(hv[2 * g] * inv, hv[2 * g + 1] * inv), __NV_SATFINITE, __NV_E4M3));
+            *reinterpret_cast<uint16_t*>(dst + 8 * j + 2 * quad) = v;
+          }
+          if (quad == 0) p.inter_scales[grow * (p.ld_inter / SB) + hid0 / SB] = static_cast<uint8_t>(sb);
+        }
       }
     } else {
       const int slot = slot_of[lr];
       if (slot < 0) continue;
-      store_down_row<WG_N, MODE == DOWN_ATOMIC>(p, acc, h, quad, slot, n_base + wg_col);
+      store_down_row<BN_DOWN, MODE == DOWN_ATOMIC>(p, acc, h, quad, slot, n_base);
     }
   }
 #else
@@ -485,7 +542,7 @@ const uint8_t* bytes(const at::Tensor& t) { return reinterpret_cast<const uint8_
 
 void weight_map(const char* op, const char* name, CUtensorMap* map, const at::Tensor& w, int64_t rows, int64_t K) {
   sm90::expert_weight_map(op, name, map, w, rows, K, CU_TENSOR_MAP_DATA_TYPE_UINT8, sm90::mxk::B_BOX_ROWS,
-                          sm90::mxk::BK);
+                          sm90::mxk::BK, CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
 // gate/up (+ re-quantization) then down; mode DOWN_ATOMIC fills an fp32 [M, dim] buffer, DOWN_SLOTS bf16 per-slot rows.
@@ -557,7 +614,7 @@ at::Tensor run_mx(const char* op, const at::Tensor& x_b, const at::Tensor& xs_b,
   p.n_total = static_cast<int>(s.dim);
   p.k_tiles = static_cast<int>(s.hidden / sm90::mxk::BK);
   p.ld_out = s.dim;
-  const int n_tiles = static_cast<int>((s.dim + sm90::mxk::BN - 1) / sm90::mxk::BN);
+  const int n_tiles = static_cast<int>((s.dim + sm90::mxk::BN_DOWN - 1) / sm90::mxk::BN_DOWN);
   if (mode == sm90::mxk::DOWN_ATOMIC) {
     p.topk_weights = tw.const_data_ptr<float>();
     p.acc32 = result.mutable_data_ptr<float>();

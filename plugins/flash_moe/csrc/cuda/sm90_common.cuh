@@ -70,10 +70,11 @@ inline void check_sm90(const char* op, const at::Tensor& x) {
 // memory the view spans), boxes of box_rows x box_k. A tile's rows past `rows` read the next expert's rows or zeros
 // past the end: columns the epilogue never stores.
 inline void expert_weight_map(const char* op, const char* name, CUtensorMap* map, const at::Tensor& w, int64_t rows,
-                              int64_t K, CUtensorMapDataType dtype, int box_rows, int box_k) {
+                              int64_t K, CUtensorMapDataType dtype, int box_rows, int box_k,
+                              CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
   const int64_t per_expert = w.stride(0) / w.stride(1);
   const int rc = prime_kernels::make_tmap_2d(map, w.const_data_ptr(), dtype, (w.size(0) - 1) * per_expert + rows, K,
-                                             w.stride(1), box_rows, box_k);
+                                             w.stride(1), box_rows, box_k, swizzle);
   TORCH_CHECK(rc == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for ", name, " (CUresult ", rc, ")");
 }
 
