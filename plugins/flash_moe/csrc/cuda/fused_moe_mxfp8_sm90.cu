@@ -67,13 +67,15 @@ static_assert(BK == 64 && SB == 32 && WORD_K == 128,
               "mxfp8 kernels: BLOCK_K 64 (one swizzle row of bf16), scale block 32, MXFP8_ALIGN 128 (a scale word)");
 static_assert(STAGES >= 2 && RAW_STAGES >= 2, "MXFP8_STAGES and MXFP8_RAW_STAGES must be at least 2");
 
-constexpr int NUM_THREADS = 384;
+constexpr int PRODUCER_WARPGROUPS = 1;
+constexpr int PRODUCER_THREADS = 128 * PRODUCER_WARPGROUPS, PRODUCER_WARPS = PRODUCER_THREADS / 32;
+constexpr int NUM_THREADS = PRODUCER_THREADS + 256;
 constexpr int CONSUMER_WARPS = 8;
 // Registers: the CTA keeps what it was launched with (NUM_THREADS x LAUNCH_REGS) and setmaxnreg only moves registers
 // within it: the consumers' increase must fit in what the producer gives back, or it waits forever.
 constexpr int LAUNCH_REGS = 65536 / NUM_THREADS / 8 * 8;
-constexpr int PRODUCER_REGS = 96, CONSUMER_REGS = 200;
-static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= NUM_THREADS * LAUNCH_REGS,
+constexpr int PRODUCER_REGS = 104, CONSUMER_REGS = 200;
+static_assert(PRODUCER_THREADS * PRODUCER_REGS + 256 * CONSUMER_REGS <= NUM_THREADS * LAUNCH_REGS,
               "setmaxnreg: the consumers' registers must come from the producer's");
 constexpr int A_BYTES = BM * BK * 2;
 constexpr int B_BYTES = BN * BK * 2;
@@ -200,8 +202,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
   constexpr int ROWS_OFF = STAGES * STAGE_BYTES + RAW_STAGES * RAW_BYTES;
   int64_t* const a_row = reinterpret_cast<int64_t*>(gbase + ROWS_OFF);
   int* const slot_of = reinterpret_cast<int*>(gbase + ROWS_OFF + BM * 8);
-  // raw ring barriers (block_prologue: full = 128 producer arrivals + thread 0's expect_tx, empty = 128 converters),
-  // then the bf16 ring's (full = 128 converters, empty = the 8 consumer warps)
+  // raw ring barriers (full = the producer threads' copies + thread 0's expect_tx, empty = the producer threads after
+  // converting), then the bf16 ring's (full = the producer threads, empty = the 8 consumer warps)
   const uint32_t raw_bars = base + ROWS_OFF + BM * 12;
   const uint32_t bars = raw_bars + 2 * RAW_STAGES * 8;
   auto raw_full = [&](int s) { return raw_bars + 8u * s; };
@@ -211,20 +213,25 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
   const int n_base = n_tile * (kGateUp ? BN_GU : BN_DOWN);
 
   if (threadIdx.x == 0) {
+    for (int s = 0; s < RAW_STAGES; ++s) {
+      mbar_init(raw_full(s), PRODUCER_THREADS + 1);
+      mbar_init(raw_empty(s), PRODUCER_THREADS);
+    }
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full_bar(s), 128);
+      mbar_init(full_bar(s), PRODUCER_THREADS);
       mbar_init(empty_bar(s), CONSUMER_WARPS);
     }
   }
-  block_prologue<BM, RAW_STAGES, kGateUp>(p, block, a_row, slot_of, raw_bars, 128);
+  block_prologue<BM, 0, kGateUp>(p, block, a_row, slot_of, raw_bars);  // routing rows; the barriers are set above
 
   const int warpgroup = threadIdx.x / 128;
-  if (warpgroup == 0) {  // ------------------------------- producer -------------------------------
+  if (warpgroup < PRODUCER_WARPGROUPS) {  // ------------------------------- producer -------------------------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    // This thread's 16-byte chunk c of rows 8 (warp + 4 i) + lane / 4: a warp covers 8 whole 64-byte rows per step.
+    // This thread's 16-byte chunk c of rows 8 (warp + PRODUCER_WARPS i) + lane / 4: a warp covers 8 whole 64-byte rows
+    // per step.
     const int c = lane & 3, row8 = lane >> 2;
-    auto tile_row = [&](int i) { return 8 * (warp + 4 * i) + row8; };
+    auto tile_row = [&](int i) { return 8 * (warp + PRODUCER_WARPS * i) + row8; };
     // the chunk's two 16-byte halves in the swizzled bf16 tile (tile rows are = row8 mod 8)
     const uint32_t dst_lo = static_cast<uint32_t>(((2 * c) ^ row8) << 4);
     const uint32_t dst_hi = static_cast<uint32_t>(((2 * c + 1) ^ row8) << 4);
@@ -237,8 +244,9 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
       }
     };
     // copies: A rows of this thread's chunks (source addresses in registers; padding rows copy 0 bytes, zero fill),
-    // the scale word of A row `tid`, and (threads < 64) the scale words of B rows 4 tid .. 4 tid + 3
-    constexpr int A_STEPS = BM / 32, B_STEPS = BN / 32;
+    // the scale word of A row `tid` (threads < BM), and (threads < 64) the scale words of B rows 4 tid .. 4 tid + 3
+    constexpr int A_STEPS = BM / (8 * PRODUCER_WARPS), B_STEPS = BN / (8 * PRODUCER_WARPS);
+    static_assert(A_STEPS * 8 * PRODUCER_WARPS == BM && B_STEPS * 8 * PRODUCER_WARPS == BN, "whole rows per thread");
     const uint8_t* a_src[A_STEPS];
     uint32_t a_valid = 0;
 #pragma unroll
@@ -247,7 +255,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
       a_src[i] = p.a + (off >= 0 ? off : 0) + c * 16;
       a_valid |= (off >= 0 ? 1u : 0u) << i;
     }
-    const int64_t my_row = a_row[tid];
+    const int64_t my_row = tid < BM ? a_row[tid] : -1;
     const uint8_t* const a_scale_src = p.a_scales + (my_row >= 0 ? my_row / SB : 0);
     const int word_groups = p.k_tiles / STAGES_PER_WORD;
     const int sb_row = weight_row(4 * (tid & 63));
@@ -271,54 +279,61 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
 #pragma unroll
       for (int i = 0; i < A_STEPS; ++i)
         cp_async_16(rs + tile_row(i) * BK + c * 16, a_src[i] + kofs, (a_valid >> i) & 1u ? 16u : 0u);
-      cp_async_4(rs + RAW_A + RAW_B + 4 * tid, my_row >= 0 ? a_scale_src + 4 * word : p.a_scales,
-                 my_row >= 0 ? 4u : 0u);
+      if (tid < BM)
+        cp_async_4(rs + RAW_A + RAW_B + 4 * tid, my_row >= 0 ? a_scale_src + 4 * word : p.a_scales,
+                   my_row >= 0 ? 4u : 0u);
       if (tid < 64)
         cp_async_16(rs + RAW_A + RAW_B + RAW_SA + 16 * tid,
                     sb_valid ? b_scale_src + static_cast<int64_t>(word) * p.b_rows * 4 : p.b_scales,
                     sb_valid ? 16u : 0u);
       cp_async_mbar_arrive_noinc(raw_full(s));  // fires when this thread's copies of the stage have landed
     };
-    // Rows of one operand: raw e4m3 (BK bytes per row) + scale words -> the swizzled bf16 tile. The fast pass leaves
-    // scales above 2^7 and e4m3 NaN bytes to an exact pass over the stage (rare: no branch inside the fast loop, so
-    // its chunks interleave).
-    auto convert = [&]<bool kExact>(uint32_t raw_tile, uint32_t raw_words, uint32_t tile, uint32_t byte_sel, int steps,
-                                    uint32_t& rare) {
+    // A stage's chunks (A_STEPS of the A tile, then B_STEPS of the B tile): raw e4m3 + scale word -> the swizzled bf16
+    // tile. All raw loads go first (one shared-memory latency per stage, not one per chunk), then the conversions and
+    // stores. The fast pass leaves scales above 2^7 and e4m3 NaN bytes to an exact pass over the stage (rare; no branch
+    // inside the fast pass, so its chunks interleave).
+    constexpr int CHUNKS = A_STEPS + B_STEPS;
+    auto chunk_row = [&](int j) { return j < A_STEPS ? tile_row(j) : tile_row(j - A_STEPS); };
+    auto chunk_raw = [&](int j) { return (j < A_STEPS ? 0 : RAW_A) + chunk_row(j) * BK + c * 16; };
+    auto chunk_word = [&](int j) { return RAW_A + RAW_B + (j < A_STEPS ? 0 : RAW_SA) + 4 * chunk_row(j); };
+    auto chunk_dst = [&](int j) { return (j < A_STEPS ? 0 : A_BYTES) + chunk_row(j) * 128; };
+    auto convert = [&]<bool kExact>(uint32_t rs, uint32_t st, uint32_t byte_sel, int stage, int phase) {
+      uint4 q[CHUNKS];
+      uint32_t scale[CHUNKS];
 #pragma unroll
-      for (int i = 0; i < steps; ++i) {
-        const int r = tile_row(i);
-        const uint4 q = lds_u32x4(raw_tile + r * BK + c * 16);
-        const uint32_t scale = __byte_perm(lds_u32(raw_words + 4 * r), 0u, byte_sel);
+      for (int j = 0; j < CHUNKS; ++j) {
+        q[j] = lds_u32x4(rs + chunk_raw(j));
+        scale[j] = lds_u32(rs + chunk_word(j));
+      }
+      if constexpr (!kExact) mbar_wait(empty_bar(stage), phase);
+      uint32_t rare = 0;
+#pragma unroll
+      for (int j = 0; j < CHUNKS; ++j) {
+        const uint32_t sb = __byte_perm(scale[j], 0u, byte_sel);
         uint32_t o[8];
         if constexpr (kExact) {
           uint32_t first, second;
-          scale_multipliers(scale, first, second);
-          e4m3x16_to_bf16(q, first, o);
-          exact_rare_cases(q, second, o);
+          scale_multipliers(sb, first, second);
+          e4m3x16_to_bf16(q[j], first, o);
+          exact_rare_cases(q[j], second, o);
         } else {  // first multiplier of scales up to 2^7; larger ones (and NaN, 0xFF) are rare
-          rare |= e4m3x16_to_bf16(q, (scale + 120u) * 0x00800080u, o) | ((scale + 121u) & 0x100u);
+          rare |= e4m3x16_to_bf16(q[j], (sb + 120u) * 0x00800080u, o) | ((sb + 121u) & 0x100u);
         }
-        sts_u32x4(tile + r * 128 + dst_lo, o[0], o[1], o[2], o[3]);
-        sts_u32x4(tile + r * 128 + dst_hi, o[4], o[5], o[6], o[7]);
+        sts_u32x4(st + chunk_dst(j) + dst_lo, o[0], o[1], o[2], o[3]);
+        sts_u32x4(st + chunk_dst(j) + dst_hi, o[4], o[5], o[6], o[7]);
       }
+      return rare;
     };
     for (int kt = 0; kt < min(RAW_STAGES - 1, p.k_tiles); ++kt) issue(kt);
     for (int kt = 0; kt < p.k_tiles; ++kt) {
       if (kt + RAW_STAGES - 1 < p.k_tiles) issue(kt + RAW_STAGES - 1);
       const int rs_i = kt % RAW_STAGES, stage = kt % STAGES;
       mbar_wait(raw_full(rs_i), (kt / RAW_STAGES) & 1);
-      mbar_wait(empty_bar(stage), ((kt / STAGES) & 1) ^ 1);
       const uint32_t rs = raw_base + rs_i * RAW_BYTES, st = base + stage * STAGE_BYTES;
       // the byte of a row's scale word that holds the scale block of chunk c in stage kt, as a byte_perm selector
       const uint32_t byte_sel = 0x4440u | static_cast<uint32_t>((kt % STAGES_PER_WORD) * (BK / SB) + c * 16 / SB);
-      uint32_t rare = 0;
-      convert.template operator()<false>(rs, rs + RAW_A + RAW_B, st, byte_sel, A_STEPS, rare);
-      convert.template operator()<false>(rs + RAW_A, rs + RAW_A + RAW_B + RAW_SA, st + A_BYTES, byte_sel, B_STEPS, rare);
-      if (rare != 0u) {
-        convert.template operator()<true>(rs, rs + RAW_A + RAW_B, st, byte_sel, A_STEPS, rare);
-        convert.template operator()<true>(rs + RAW_A, rs + RAW_A + RAW_B + RAW_SA, st + A_BYTES, byte_sel, B_STEPS,
-                                          rare);
-      }
+      if (convert.template operator()<false>(rs, st, byte_sel, stage, ((kt / STAGES) & 1) ^ 1) != 0u)
+        convert.template operator()<true>(rs, st, byte_sel, stage, 0);
       fence_proxy_async();  // generic-proxy stores, read by wgmma through the async proxy
       mbar_arrive(full_bar(stage));
       mbar_arrive(raw_empty(rs_i));
@@ -329,7 +344,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
 
   // ------------------------------- consumers -------------------------------
-  const int wg = warpgroup - 1;
+  const int wg = warpgroup - PRODUCER_WARPGROUPS;
   const int ctid = threadIdx.x - 128 * warpgroup;
   const int warp = ctid / 32, lane = ctid % 32, quad = lane & 3;
   float acc[128];
