@@ -42,8 +42,10 @@ def main():
         run(130, 64, 301, dtype, bias=True, per_token=True)
         run(7, 72, 1000, dtype, entropy=False)
         run(40, 128, 513, dtype, bad_label=True)
-    # three token tiles (a CTA pair and an unpaired tile) and more K tiles than ring stages
+    # five token tiles (CTA pairs and an unpaired tile) and more K tiles than ring stages
     run(300, 512, 700, torch.bfloat16, per_token=True)
+    # CTAs of several vocab tiles, so that both consumer warpgroups take turns (3 tiles: 2 + 1)
+    run(300, 512, 16384, torch.bfloat16, per_token=True)
     print("sanitize_linear_logp: ok")
 
 

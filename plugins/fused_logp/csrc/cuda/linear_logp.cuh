@@ -2,8 +2,10 @@
 //
 // One CTA owns one token tile (BLOCK_N rows of hidden) and a contiguous range of vocab tiles (BLOCK_V rows of the
 // weight). For each vocab tile it computes the logits tile hidden_tile @ weight_tile^T with wgmma (fp32 accumulate)
-// over H in BLOCK_K steps, fed by a STAGES-deep TMA ring (warpgroup 0 produces, warpgroups 1 and 2 consume 64 rows
-// each), then runs the epilogue on the accumulator registers:
+// over H in BLOCK_K steps, fed by a STAGES-deep TMA ring (warpgroup 0 produces), then runs the epilogue on the
+// accumulator registers. The two consumer warpgroups take the vocab tiles in turn ("ping-pong"), each the whole
+// BLOCK_N x BLOCK_V tile: the ring fills in tile order, so one starts its tile's wgmmas as the other finishes its
+// own, and each one's epilogue runs under the other's wgmmas instead of leaving the tensor cores idle. Epilogue:
 //   forward:  per-row online (max, sum exp, sum exp * (z - max)) in log2 units and the label logit, flushed once per
 //             CTA as per-split partials that linear_logp_combine merges;
 //   backward: dZ = [g_logp (onehot - p) - g_ent p (z - sum_pz)] / T written as a bf16/fp16 tile of a bounded chunk
@@ -50,18 +52,25 @@ constexpr int BN = LINEAR_LOGP_BLOCK_N;
 constexpr int BV = LINEAR_LOGP_BLOCK_V;
 constexpr int BK = LINEAR_LOGP_BLOCK_K;
 constexpr int STAGES = LINEAR_LOGP_STAGES;
-// The code below is written for these tile numbers: two consumer warpgroups of wgmma.m64n256k16, K tiles of
-// 64 16-bit elements = one 128-byte swizzle row.
-static_assert(BN == 128, "BLOCK_N must be 128 (two consumer warpgroups of 64 rows)");
-static_assert(BV == 256, "BLOCK_V must be 256 (wgmma m64n256k16)");
+// The code below is written for these tile numbers: a consumer warpgroup runs two wgmma.m64n128k16 per k16 step
+// (rows 0-63 and 64-127 of the token tile), K tiles of 64 16-bit elements = one 128-byte swizzle row.
+static_assert(BN == 128, "BLOCK_N must be 128 (two wgmma m64 row blocks per consumer warpgroup)");
+static_assert(BV == 128, "BLOCK_V must be 128 (wgmma m64n128k16)");
 static_assert(BK == 64, "BLOCK_K must be 64 (one 128-byte swizzle row of 16-bit elements)");
-static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be in [2, 4] (shared memory)");
+static_assert(STAGES >= 2 && STAGES <= 6, "STAGES must be in [2, 6] (shared memory)");
+constexpr int CONSUMERS = 2;
+constexpr int ROWS = 4;  // accumulator rows per thread: 2 row blocks x 2
+// Named barriers of the consumer warpgroups (0 is __syncthreads'): the forward's row-state handoff, and the turns of
+// consumer 0 and 1 (TURN_BARRIER + consumer).
+constexpr int HANDOFF_BARRIER = 1, TURN_BARRIER = 2;
 
 constexpr int NUM_THREADS = 384;
 constexpr int A_BYTES = BN * BK * 2;
 constexpr int B_BYTES = BV * BK * 2;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024 /* alignment slack */ + 2 * STAGES * 8 /* mbarriers */;
+// after the ring: the mbarriers, then the second consumer's row states for the first (forward)
+constexpr int HANDOFF_OFFSET = STAGES * STAGE_BYTES + 2 * STAGES * 8;
+constexpr int SMEM_BYTES = HANDOFF_OFFSET + BN * 3 * 4 + 1024 /* alignment slack */;
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 
@@ -100,6 +109,27 @@ struct Params {
 // PTX wrappers (the shared ones come from prime_kernels/sm90.cuh)
 using namespace prime_kernels::sm90;
 
+__device__ __forceinline__ void wgmma_m64n128k16_bf16(float* d, uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+__device__ __forceinline__ void wgmma_m64n128k16_f16(float* d, uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 __device__ __forceinline__ float ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -111,7 +141,7 @@ struct Mma;
 template <>
 struct Mma<__nv_bfloat16> {
   static __device__ __forceinline__ void run(float* d, uint64_t a, uint64_t b, int scale_d) {
-    wgmma_m64n256k16_bf16(d, a, b, scale_d);
+    wgmma_m64n128k16_bf16(d, a, b, scale_d);
   }
   static __device__ __forceinline__ uint32_t pack(float x, float y) {
     __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
@@ -122,7 +152,7 @@ struct Mma<__nv_bfloat16> {
 template <>
 struct Mma<__half> {
   static __device__ __forceinline__ void run(float* d, uint64_t a, uint64_t b, int scale_d) {
-    wgmma_m64n256k16_f16(d, a, b, scale_d);
+    wgmma_m64n128k16_f16(d, a, b, scale_d);
   }
   static __device__ __forceinline__ uint32_t pack(float x, float y) {
     __half2 v = __floats2half2_rn(x, y);
@@ -144,8 +174,10 @@ __device__ __forceinline__ void merge_state(float& m, float& s, float& u, float 
   m = M;
 }
 
-// Accumulator register i of a thread holds row (warp * 16 + lane / 4 + 8 * ((i / 2) % 2)) and column
-// (8 * (i / 4) + 2 * (lane % 4) + i % 2) of its warpgroup's 64 x 256 tile.
+// Accumulator register acc_idx(r, j, e) of a thread holds row 64 (r / 2) + warp * 16 + lane / 4 + 8 (r % 2) and column
+// 8 j + 2 (lane % 4) + e of its warpgroup's BN x BV tile (r < ROWS, j < BV / 8, e < 2).
+__device__ __forceinline__ constexpr int acc_idx(int r, int j, int e) { return 64 * (r >> 1) + 4 * j + 2 * (r & 1) + e; }
+
 template <typename T, bool BWD>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
     linear_logp_kernel(const __grid_constant__ CUtensorMap tm_h, const __grid_constant__ CUtensorMap tm_w,
@@ -189,8 +221,9 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full_bar(s), 1);
-      // lane 0 of each of the 8 consumer warps; paired, the peer's 8 too (its copies write into this stage as well)
-      mbar_init(empty_bar(s), paired ? 16 : 8);
+      // lane 0 of each of the 4 warps of the stage's consumer; paired, the peer's 4 too (its copies write into this
+      // stage as well)
+      mbar_init(empty_bar(s), paired ? 8 : 4);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tm_h)) : "memory");
@@ -239,15 +272,15 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
   const int warp = ctid / 32, lane = ctid % 32, quad = lane & 3;
   const int row_end = p.row0 + p.n_rows;
 
-  int row[2];
-  bool row_ok[2];
-  float c[2];      // log2(e) / T: z (log2 units) = acc * c + bias * c
-  int64_t y[2];
-  float lse2[2], spz2[2], k1[2], k2[2];  // backward only
-  float m[2], s[2], u[2];                 // forward only
+  int row[ROWS];
+  bool row_ok[ROWS];
+  float c[ROWS];      // log2(e) / T: z (log2 units) = acc * c + bias * c
+  int64_t y[ROWS];
+  float lse2[ROWS], spz2[ROWS], k1[ROWS], k2[ROWS];  // backward only
+  float m[ROWS], s[ROWS], u[ROWS];                    // forward only
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    row[h] = row_tile + (warpgroup - 1) * 64 + warp * 16 + (lane >> 2) + 8 * h;
+  for (int h = 0; h < ROWS; ++h) {
+    row[h] = row_tile + 64 * (h >> 1) + warp * 16 + (lane >> 2) + 8 * (h & 1);
     row_ok[h] = row[h] < row_end;
     const int rr = row_ok[h] ? row[h] : p.row0;
     const float temp = p.temperature * (p.token_temperature ? p.token_temperature[rr] : 1.f);
@@ -272,20 +305,29 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
   }
 
   float acc[128];
-  int stage = 0;
-  uint32_t phase = 0;
-  const uint32_t a_off = (warpgroup - 1) * 64 * BK * 2;
-  for (int vt = vt0; vt < vt1; ++vt) {
-    int prev = 0;
+  // This warpgroup's vocab tiles: vt0 + consumer, + CONSUMERS, ...; pipeline step i (k tile i % k_tiles of the
+  // CTA's vocab tile i / k_tiles) sits in stage i % STAGES, phase (i / STAGES) & 1. A parity wait cannot tell a phase
+  // from the one two later, so a warpgroup starts waiting on a tile's stages only after the previous tile's
+  // warpgroup has seen its last stage full (its turn signal): no stage is then more than one phase behind the wait.
+  const int consumer = warpgroup - 1;
+  for (int vt = vt0 + consumer; vt < vt1; vt += CONSUMERS) {
+    if (vt > vt0) named_barrier_sync(TURN_BARRIER + consumer, CONSUMERS * 128);
     const int step0 = (vt - vt0) * p.k_tiles;
+    int stage = step0 % STAGES, prev = 0;
+    uint32_t phase = (step0 / STAGES) & 1;
     for (int k = 0; k < p.k_tiles; ++k) {
       mbar_wait(full_bar(stage), phase);
+      if (k == p.k_tiles - 1 && vt + 1 < vt1)
+        named_barrier_arrive(TURN_BARRIER + (consumer + 1) % CONSUMERS, CONSUMERS * 128);
       const uint32_t st = base + stage * STAGE_BYTES;
-      const uint64_t da = smem_desc(st + a_off), db = smem_desc(st + A_BYTES);
+      const uint64_t da = smem_desc(st), da_hi = smem_desc(st + 64 * BK * 2), db = smem_desc(st + A_BYTES);
       fence_regs<128>(acc);
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) Mma<T>::run(acc, da + 2 * kk, db + 2 * kk, (k > 0 || kk > 0) ? 1 : 0);
+      for (int kk = 0; kk < BK / 16; ++kk) {
+        Mma<T>::run(acc, da + 2 * kk, db + 2 * kk, (k > 0 || kk > 0) ? 1 : 0);
+        Mma<T>::run(acc + 64, da_hi + 2 * kk, db + 2 * kk, (k > 0 || kk > 0) ? 1 : 0);
+      }
       wgmma_commit();
       fence_regs<128>(acc);
       wgmma_wait<1>();
@@ -301,11 +343,13 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
     fence_regs<128>(acc);
     if (lane == 0) release(prev, step0 + p.k_tiles - 1);
 
-    // ---------------- epilogue on the 64 x 256 fp32 tile of this warpgroup ----------------
+    // ---------------- epilogue on the BN x BV fp32 tile of this warpgroup ----------------
     const int v0 = vt * BV;
     const bool partial = v0 + BV > p.vocab;
     const int lim = p.vocab - v0;  // columns >= lim are outside the vocabulary
-    float tmax[2] = {-INFINITY, -INFINITY};
+    float tmax[ROWS];
+#pragma unroll
+    for (int h = 0; h < ROWS; ++h) tmax[h] = -INFINITY;
 #pragma unroll
     for (int j = 0; j < BV / 8; ++j) {
       const int col = 8 * j + 2 * quad;
@@ -321,22 +365,22 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
         }
       }
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float z0 = (acc[4 * j + 2 * h] + b0) * c[h];
-        float z1 = (acc[4 * j + 2 * h + 1] + b1) * c[h];
+      for (int h = 0; h < ROWS; ++h) {
+        float z0 = (acc[acc_idx(h, j, 0)] + b0) * c[h];
+        float z1 = (acc[acc_idx(h, j, 1)] + b1) * c[h];
         if (partial) {
           z0 = col < lim ? z0 : -INFINITY;
           z1 = col + 1 < lim ? z1 : -INFINITY;
         }
-        acc[4 * j + 2 * h] = z0;
-        acc[4 * j + 2 * h + 1] = z1;
+        acc[acc_idx(h, j, 0)] = z0;
+        acc[acc_idx(h, j, 1)] = z1;
         tmax[h] = fmaxf(tmax[h], fmaxf(z0, z1));
       }
     }
 
     if constexpr (!BWD) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
+      for (int h = 0; h < ROWS; ++h) {
         // the label logit: exactly one thread of the whole grid holds it
         const int64_t ly = y[h] - v0;
         if (row_ok[h] && ly >= 0 && ly < BV && ((ly >> 1) & 3) == quad) {
@@ -344,7 +388,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
           float val = 0.f;
 #pragma unroll
           for (int j = 0; j < BV / 8; ++j)
-            if (j == jj) val = e ? acc[4 * j + 2 * h + 1] : acc[4 * j + 2 * h];
+            if (j == jj) val = e ? acc[acc_idx(h, j, 1)] : acc[acc_idx(h, j, 0)];
           p.zy[row[h] - p.row0] = val;
         }
         const float m_new = fmaxf(m[h], tmax[h]);
@@ -357,7 +401,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
         float s0 = 0.f, s1 = 0.f, u0 = 0.f, u1 = 0.f;
 #pragma unroll
         for (int j = 0; j < BV / 8; ++j) {
-          const float x0 = acc[4 * j + 2 * h] - m_use, x1 = acc[4 * j + 2 * h + 1] - m_use;
+          const float x0 = acc[acc_idx(h, j, 0)] - m_use, x1 = acc[acc_idx(h, j, 1)] - m_use;
           const float e0 = ex2(x0), e1 = ex2(x1);
           s0 += e0;
           s1 += e1;
@@ -371,7 +415,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
     } else {
       const int col_base = v0 - p.vt_begin * BV;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
+      for (int h = 0; h < ROWS; ++h) {
         if (!row_ok[h]) continue;
         const int64_t ly64 = y[h] - v0;
         const int ly = (ly64 >= 0 && ly64 < BV) ? static_cast<int>(ly64) : -1;
@@ -382,7 +426,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
           float g[2];
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float z = acc[4 * j + 2 * h + e];
+            const float z = acc[acc_idx(h, j, e)];
             const float pr = ex2(z - lse2[h]);
             const float t = fmaxf(z - spz2[h], -1e30f);
             g[e] = -pr * fmaf(k2[h], t, k1[h]);
@@ -400,9 +444,11 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
   }
 
   if constexpr (!BWD) {
-    // merge the 4 lanes holding a row, then one lane writes this split's partial for the row
+    // Merge the 4 lanes holding a row; the second consumer hands its row states to the first through shared memory,
+    // which merges them (in that order: deterministic) and writes this split's partial for the row.
+    float* const handoff = reinterpret_cast<float*>(smem_raw + (base - smem_u32(smem_raw)) + HANDOFF_OFFSET);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < ROWS; ++h) {
 #pragma unroll
       for (int off = 1; off <= 2; off <<= 1) {
         const float m2 = __shfl_xor_sync(0xffffffffu, m[h], off);
@@ -410,7 +456,19 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
         const float u2 = __shfl_xor_sync(0xffffffffu, u[h], off);
         merge_state(m[h], s[h], u[h], m2, s2, u2);
       }
-      if (quad == 0 && row_ok[h]) {
+      float* const slot = handoff + 3 * (row[h] - row_tile);
+      if (consumer == 1 && quad == 0) {
+        slot[0] = m[h];
+        slot[1] = s[h];
+        slot[2] = u[h];
+      }
+    }
+    named_barrier_sync(HANDOFF_BARRIER, CONSUMERS * 128);
+#pragma unroll
+    for (int h = 0; h < ROWS; ++h) {
+      if (consumer == 0 && quad == 0 && row_ok[h]) {
+        const float* const slot = handoff + 3 * (row[h] - row_tile);
+        merge_state(m[h], s[h], u[h], slot[0], slot[1], slot[2]);
         const int64_t idx = static_cast<int64_t>(split) * p.n_rows + (row[h] - p.row0);
         p.part_m[idx] = m[h];
         p.part_s[idx] = s[h];
