@@ -5,6 +5,12 @@
 // wgmma.m64n64k32 e4m3 x e4m3 -> fp32 covers exactly one 32-wide scale block of K, runs into a temporary
 // accumulator (scale-d = 0), and is promoted into the fp32 accumulator with both scales:
 //   acc[r][c] = fma(tmp[r][c], sw[c][kb] * sx[r][kb], acc[r][c])       (both factors powers of two: exact products)
+// Shared exponents (mxfp8.h): where every A row and B row of a pipeline stage carries one scale across the stage's
+// 128 K (quantize_mxfp8(..., exponent_block=MXFP8_ALIGN), share_exponents_mxfp8; the producer checks each stage and
+// flags it), the 4 wgmmas accumulate into tmp in the tensor core and one promotion per stage applies the scales: a
+// quarter of the promotion that binds the per-32 path. Stages are flagged independently, so any mix of per-32 and
+// shared scales is computed exactly as given. The intermediate's exponents are shared per 128 hidden columns between
+// the two GEMMs (share_exponents_kernel), so the down projection takes the fast path wherever w2's are shared.
 // CTA = one aligned block (BLOCK_M = 128 routed slots, one expert) x MXFP8_BLOCK_N = 128 columns, 640 threads:
 //   warpgroup 0  producer: cp.async 16-byte copies of the e4m3 A rows (gathered through sorted_token_ids, as in the
 //                bf16 kernel; their source addresses kept in registers) into a STAGES-deep ring of 128-byte-swizzled
@@ -12,9 +18,11 @@
 //                plus one 4-byte cp.async per A row (x_scales row-major) and per B row (the blocked weight-scale
 //                layout: the 4 bytes of row n at [e][kt][n]). When its copies have landed each
 //                producer thread decodes its 8 scale bytes to fp32 into the stage's scale tables (laid out for the
-//                consumers' accumulator fragments), fences the async proxy and arrives on the stage's full mbarrier.
+//                consumers' accumulator fragments), the warpgroup ANDs "my 4 + 4 bytes are equal" into the stage's
+//                shared-exponent flag, fences the async proxy and arrives on the stage's full mbarrier.
 //   warpgroups 1-4  consumers, a 64 x 64 quarter of the tile each (rows 64 (w & 1), columns 64 (w >> 1)): per K step
-//                4 x (wgmma m64n64k32 into tmp, wait, promote); the stage is released on its empty mbarrier once its
+//                4 x (wgmma m64n64k32 into tmp, wait, promote), or on a flagged stage 4 wgmmas into tmp, wait,
+//                promote once; the stage is released on its empty mbarrier once its
 //                last wgmma has completed. Four consumer warps per scheduler (not two of m64n128) hide each other's
 //                wgmma and scale-load latency, which bound the two-warpgroup kernel (docs/notes/flash_moe.md).
 // Kernel 1 (gate/up): B = 32 gate rows, the matching 32 up rows, the next 32 gate rows, their 32 up rows, so that a
