@@ -428,12 +428,35 @@ __global__ void share_exponents_kernel(uint8_t* __restrict__ data, uint8_t* __re
   for (int j = 0; j < KB; ++j) shared = max(shared, (four >> (8 * j)) & 0xFFu);
   __syncwarp(0xFFu << (threadIdx.x % 32 / SHARE_LANES * SHARE_LANES));  // all 8 read the scales before lane 0 writes
   if (part == 0) *sc = shared * 0x01010101u;
-  if (shared == mine) return;
+  if (shared == mine && shared != mx::kNanScale) return;
   uint4* const chunk = reinterpret_cast<uint4*>(data + row * K + group * BK + part * 16);
   uint4 v = *chunk;
-  uint8_t* const e = reinterpret_cast<uint8_t*>(&v);
+  uint32_t* const words = reinterpret_cast<uint32_t*>(&v);
+  // mx::share_element's rounding by the hardware conversions (the CPU op's bytes, tested): e4m3 -> f16 -> f32 exact,
+  // times 2^-d exact (or 0 once d >= 19: below half the smallest subnormal), one RNE back to e4m3; NaN bytes kept.
+  const uint32_t d = shared - mine;
+  const float factor = d >= 19u ? 0.f : __uint_as_float((127u - d) << 23);
 #pragma unroll
-  for (int i = 0; i < 16; ++i) e[i] = shared == mx::kNanScale ? mx::kNanElement : mx::share_element(e[i], mine, shared);
+  for (int w = 0; w < 4; ++w) {
+    if (shared == mx::kNanScale) {
+      words[w] = 0x01010101u * mx::kNanElement;
+      continue;
+    }
+    uint32_t out = 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint16_t pair = static_cast<uint16_t>(words[w] >> (16 * h));
+      const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+      out |= static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(f.x * factor, f.y * factor), __NV_SATFINITE,
+                                                             __NV_E4M3)) << (16 * h);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // NaN elements under a finite scale stay as they were
+      const uint32_t byte = (words[w] >> (8 * i)) & 0xFFu;
+      if ((byte & 0x7Fu) == mx::kNanElement) out = (out & ~(0xFFu << (8 * i))) | byte << (8 * i);
+    }
+    words[w] = out;
+  }
   *chunk = v;
 }
 
