@@ -7,9 +7,10 @@
 Timing: triton.testing.do_bench median. FLOPs = 2 T k dim 2 hidden + 2 T k hidden dim (forward); forward+backward
 counts 3x that plus the recomputed gate/up (2 T k dim 2 hidden). Routing: uniform random top-k ids, softmax weights.
 
-mxfp8 rows (DeepSeek-V3 and Qwen3-30B-A3B): ``moe(mxfp8=True)`` forward (x quantized per call, weights cached),
-the ``fused_moe_mxfp8`` op on pre-quantized operands, and ``quantize_mxfp8`` of x alone, in TFLOP/s against the fp8
-ceiling (``torch._scaled_mm`` e4m3 8192^3, per-tensor scales, bf16 out) and against the bf16 flash_moe forward, all
+mxfp8 rows (DeepSeek-V3 and Qwen3-30B-A3B): ``moe(mxfp8=True)`` forward (x quantized per call, weights cached;
+both with one exponent per 128 of K), the ``fused_moe_mxfp8`` op on pre-quantized operands with those shared
+exponents (the kernels' fast path) and with per-32 exponents (their per-32 path), and ``quantize_mxfp8`` of x
+alone, in TFLOP/s against the fp8 ceiling (``torch._scaled_mm`` e4m3 8192^3, per-tensor scales, bf16 out) and against the bf16 flash_moe forward, all
 measured in the same run.
 """
 from __future__ import annotations
@@ -54,14 +55,22 @@ def bench_mxfp8(ops, fp8_peak, bf16_peak):
             p = problem(T, E, k, dim, hidden)
             bf16 = do_bench(lambda: ops.moe(*p))
             mx = do_bench(lambda: ops.moe(*p, mxfp8=True))  # first call (warmup) fills the weight cache
-            xq, xs = ops.quantize_mxfp8(p[0])
+            xq, xs = ops.quantize_mxfp8(p[0], exponent_block=ops.MXFP8_ALIGN)
             wq, ws, w2q, w2s = ops._cached_quantized_weights(p[1], p[2], p[3])
             s, e, n = ops.moe_align(p[4], E)
             out = torch.empty_like(p[0])
             fused = do_bench(lambda: ops.fused_moe_mxfp8(xq, xs, wq, ws, w2q, w2s, s, e, n, p[5], out, k))
-            quant = do_bench(lambda: ops.quantize_mxfp8(p[0]))
+            quant = do_bench(lambda: ops.quantize_mxfp8(p[0], exponent_block=ops.MXFP8_ALIGN))
+            del wq, ws, w2q, w2s
+            ops.clear_mxfp8_weight_cache()
+            xq, xs = ops.quantize_mxfp8(p[0])
+            wq, ws = ops.quantize_mxfp8(torch.cat([p[1], p[3]], 1))
+            w2q, w2s = ops.quantize_mxfp8(p[2])
+            ws, w2s = ops.pack_scales_blocked(ws), ops.pack_scales_blocked(w2s)
+            per32 = do_bench(lambda: ops.fused_moe_mxfp8(xq, xs, wq, ws, w2q, w2s, s, e, n, p[5], out, k))
         row = {"shape": name, "T": T, "E": E, "top_k": k, "dim": dim, "hidden": hidden, "mxfp8_fwd_ms": mx,
-               "mxfp8_fused_op_ms": fused, "quantize_x_ms": quant, "bf16_fwd_ms": bf16,
+               "mxfp8_fused_op_ms": fused, "mxfp8_fused_op_per32_ms": per32, "quantize_x_ms": quant,
+               "bf16_fwd_ms": bf16, "mxfp8_fused_op_per32_tflops": flops / per32 / 1e9,
                "mxfp8_fwd_tflops": flops / mx / 1e9, "mxfp8_fused_op_tflops": flops / fused / 1e9,
                "fraction_of_fp8_ceiling": flops / fused / 1e9 / (fp8_peak / 1e12), "speedup_vs_bf16": bf16 / mx,
                "fp8_ceiling_tflops": fp8_peak / 1e12, "floor_fp8_ms": flops / fp8_peak * 1e3,
@@ -69,7 +78,8 @@ def bench_mxfp8(ops, fp8_peak, bf16_peak):
         rows.append(row)
         print(f"{name:24s} mxfp8 fwd {mx:7.3f} ms ({row['mxfp8_fwd_tflops']:5.0f} TFLOP/s), fused op {fused:7.3f} ms "
               f"({row['mxfp8_fused_op_tflops']:5.0f}, {100 * row['fraction_of_fp8_ceiling']:4.1f}% of fp8 ceiling; "
-              f"floor {row['floor_fp8_ms']:.3f} ms), quantize x {quant:6.3f} ms | bf16 flash_moe fwd {bf16:7.3f} ms "
+              f"floor {row['floor_fp8_ms']:.3f} ms), per-32 exponents {per32:7.3f} ms "
+              f"({row['mxfp8_fused_op_per32_tflops']:5.0f}), quantize x {quant:6.3f} ms | bf16 flash_moe fwd {bf16:7.3f} ms "
               f"(floor {row['floor_bf16_ms']:.3f} ms) | x{row['speedup_vs_bf16']:.2f}")
         del p, xq, xs, wq, ws, w2q, w2s, s, e, n, out
         ops.clear_mxfp8_weight_cache()

@@ -15,12 +15,14 @@
 //                   dL/dp = sum_j grad_h h. Rows with valid = false give zeros.
 //
 //   quantize_mxfp8  t (..., K) -> (e4m3 data (..., K), e8m0 scales (..., K / block)), the rule in mxfp8.h.
+//   share_exponents_mxfp8  mxfp8 (..., K) -> the same values with every MXFP8_ALIGN elements' scales shared
+//                   (mxfp8.h, "Shared exponents"): the form the CUDA kernels' fast path needs.
 //   fused_moe_mxfp8 / moe_forward_mxfp8  the same two expert ops on mxfp8 x, w, w2 (weight scales in
-//                   pack_scales_blocked's layout); the SwiGLU output is re-quantized to mxfp8 per 32 hidden elements
-//                   before the down projection.
+//                   pack_scales_blocked's layout); the SwiGLU output is re-quantized to mxfp8 per 32 hidden elements,
+//                   then the scales of every MXFP8_ALIGN hidden elements shared (mxfp8.h), before the down projection.
 //
 // CPU numerics (mxfp8): x, w, w2 dequantized exactly to fp32, fp32 GEMMs, SwiGLU in fp32, h re-quantized with
-// quantize_mxfp8's rule and dequantized, down in fp32, combine as below.
+// quantize_mxfp8's rule, its exponents shared per MXFP8_ALIGN, and dequantized, down in fp32, combine as below.
 // CPU numerics: bf16 inputs, fp32 GEMM accumulation, SwiGLU in fp32, the intermediate rounded to bf16 (as the CUDA
 // kernels store it), per-slot expert outputs in fp32, combined in k order in fp32, rounded once to bf16.
 #include <ATen/ATen.h>
@@ -31,6 +33,7 @@
 #include "flash_moe.h"
 #include "mxfp8.h"
 
+#include <algorithm>
 #include <c10/util/Float8_e4m3fn.h>
 #include <cstring>
 #include <functional>
@@ -176,8 +179,39 @@ at::Tensor unpack_scales(const at::Tensor& packed) {
   return b.permute({0, 2, 1, 3}).reshape({b.size(0), b.size(2), b.size(1) * b.size(3)}).view(at::kFloat8_e8m0fnu);
 }
 
+// Every group of kMxAlign / 32 blocks along the last dimension takes the group's largest scale (mxfp8.h, "Shared
+// exponents"), in place.
+void share_exponents_cpu(at::Tensor& data, at::Tensor& scales) {
+  auto* q = reinterpret_cast<uint8_t*>(data.mutable_data_ptr());
+  auto* sc = reinterpret_cast<uint8_t*>(scales.mutable_data_ptr());
+  constexpr int64_t group = kMxAlign / kMxScaleBlock;
+  for (int64_t g = 0; g < scales.numel() / group; ++g) {
+    uint8_t* gs = sc + g * group;
+    const uint32_t shared = *std::max_element(gs, gs + group);
+    for (int64_t b = 0; b < group; ++b) {
+      uint8_t* block = q + (g * group + b) * kMxScaleBlock;
+      for (int64_t i = 0; i < kMxScaleBlock; ++i)
+        block[i] = shared == mx::kNanScale ? mx::kNanElement : mx::share_element(block[i], gs[b], shared);
+      gs[b] = static_cast<uint8_t>(shared);
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> share_exponents_mxfp8_cpu(const at::Tensor& data, const at::Tensor& scales) {
+  const char* op = "share_exponents_mxfp8";
+  const auto d = as_bits_of(data, at::kFloat8_e4m3fn), s = as_bits_of(scales, at::kFloat8_e8m0fnu);
+  check_share_args(d, s);
+  TORCH_CHECK(d.device().is_cpu(), op, " (CPU): data must be a CPU tensor, got ", d.device());
+  auto q = d.contiguous().clone();
+  auto sc = s.contiguous().clone();
+  share_exponents_cpu(q, sc);
+  return {q, sc};
+}
+
+// h's rounding before the down projection: mxfp8 with exponents shared per kMxAlign hidden columns (as the CUDA op).
 at::Tensor round_mxfp8(const at::Tensor& h) {
-  const auto [q, sc] = quantize_mxfp8_cpu(h, kMxScaleBlock);
+  auto [q, sc] = quantize_mxfp8_cpu(h, kMxScaleBlock);
+  share_exponents_cpu(q, sc);
   return dequantize_cpu(q, sc);
 }
 
@@ -322,6 +356,7 @@ TORCH_LIBRARY(flash_moe, m) {
   m.def("swiglu_backward(Tensor gate_up, Tensor grad_h, Tensor row_weights, Tensor valid) -> (Tensor grad_gate, "
         "Tensor grad_up, Tensor weighted_h, Tensor grad_row_weights)");
   m.def("quantize_mxfp8(Tensor t, int block) -> (Tensor data, Tensor scales)");
+  m.def("share_exponents_mxfp8(Tensor data, Tensor scales) -> (Tensor data, Tensor scales)");
   m.def("fused_moe_mxfp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tensor w2, Tensor w2_scales, "
         "Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, "
         "Tensor(a!) out, int top_k, int block_m, int block_n, int warp_n, int stages, int bpc, bool split) -> ()");
@@ -337,6 +372,7 @@ TORCH_LIBRARY_IMPL(flash_moe, CPU, m) {
   m.impl("moe_gate_up", &flash_moe::moe_gate_up_cpu);
   m.impl("swiglu_backward", &flash_moe::swiglu_backward_cpu);
   m.impl("quantize_mxfp8", &flash_moe::quantize_mxfp8_cpu);
+  m.impl("share_exponents_mxfp8", &flash_moe::share_exponents_mxfp8_cpu);
   m.impl("fused_moe_mxfp8", &flash_moe::fused_moe_mxfp8_cpu);
   m.impl("moe_forward_mxfp8", &flash_moe::moe_forward_mxfp8_cpu);
 }

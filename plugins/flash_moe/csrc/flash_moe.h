@@ -187,6 +187,22 @@ inline void check_quantize_args(const at::Tensor& t, int64_t block) {
               t.size(-1));
 }
 
+// share_exponents_mxfp8's argument checks (each implementation checks the device itself).
+inline void check_share_args(const at::Tensor& data, const at::Tensor& scales) {
+  const char* op = "share_exponents_mxfp8";
+  TORCH_CHECK(data.scalar_type() == at::kFloat8_e4m3fn, op, ": data must be float8_e4m3fn, got ", data.scalar_type());
+  TORCH_CHECK(scales.scalar_type() == at::kFloat8_e8m0fnu, op, ": scales must be float8_e8m0fnu, got ",
+              scales.scalar_type());
+  TORCH_CHECK(data.dim() >= 1 && data.size(-1) % kMxAlign == 0, op, ": data's last dimension must be a multiple of ",
+              "MXFP8_ALIGN=", kMxAlign, ", got shape ", data.sizes());
+  auto want = data.sizes().vec();
+  want.back() /= kMxScaleBlock;
+  TORCH_CHECK(scales.sizes() == at::IntArrayRef(want), op, ": scales must have shape (..., K / ", kMxScaleBlock,
+              ") = ", at::IntArrayRef(want), ", got ", scales.sizes());
+  TORCH_CHECK(scales.device() == data.device(), op, ": scales must be on data's device ", data.device(), ", got ",
+              scales.device());
+}
+
 // mxfp8 scales: x_scales row-major (M, dim / 32); w_scales / w2_scales in pack_scales_blocked's layout
 // (E, K / MXFP8_ALIGN, N, MXFP8_ALIGN / 32): for each expert and each 128-wide K step, the N rows' 4 scale bytes.
 inline void check_mx_scales(const char* op, const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& w_scales,

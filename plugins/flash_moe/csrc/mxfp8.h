@@ -7,9 +7,15 @@
 // below 448 * 2^-127, fp32 subnormals included) gives that smallest scale. A block holding Inf or NaN gets the e8m0
 // NaN byte 0xFF and NaN elements (0x7F). Elements: round-to-nearest-even of v * 2^-e to e4m3, saturated to +-448
 // (v * 2^-e is exact in fp32, so there is a single rounding).
+//
+// Shared exponents (the Hopper kernels' fast path): a group of consecutive blocks may carry one scale, the largest of
+// theirs (NaN if any is), each element of a block with a smaller scale re-rounded (RNE) onto the larger one: still an
+// mxfp8 encoding (one scale per block, the blocks' scales equal). Only elements below e4m3's normal range at the
+// shared scale (|v| < 2^-6 * 2^e) lose bits, by at most half of the subnormal step 2^-9 * 2^e.
 #pragma once
 
 #include <c10/macros/Macros.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <cstdint>
 
@@ -38,6 +44,16 @@ C10_HOST_DEVICE inline uint32_t inv_scale_bits(uint32_t b) {
 // fp32 bits of the scale 2^(b - 127) (b = 0 is the subnormal 2^-127; 255 is NaN).
 C10_HOST_DEVICE inline uint32_t scale_bits(uint32_t b) {
   return b == 0u ? 0x00400000u : (b == 255u ? 0x7FC00000u : b << 23);
+}
+
+// An element of a block with scale byte `b`, re-rounded onto the group's shared scale byte `shared` >= b (not NaN).
+C10_HOST_DEVICE inline uint8_t share_element(uint8_t q, uint32_t b, uint32_t shared) {
+  const uint32_t d = shared - b;
+  if (d == 0u || (q & 0x7Fu) == kNanElement) return q;
+  // |q| * 2^-d < 2^-10 (half the smallest subnormal) once d >= 19: a signed zero
+  if (d >= 19u) return q & 0x80u;
+  const float v = static_cast<float>(c10::Float8_e4m3fn(q, c10::Float8_e4m3fn::from_bits()));
+  return c10::Float8_e4m3fn(v * static_cast<float>(1u << (19u - d)) * 0x1p-19f).x;  // exact product, one rounding
 }
 
 }  // namespace mx

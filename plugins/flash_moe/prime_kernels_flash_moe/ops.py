@@ -11,10 +11,12 @@ Surface (compatible with the original Blackwell flash_moe, namespace ``prime_moe
 - ``moe(x, w1, w2, w3, topk_ids, topk_weights, *, expert_start=0, deterministic=False, mxfp8=False)``:
   differentiable.
 - mxfp8 (OCP MX: e4m3 elements, one e8m0 power-of-two scale per 32 elements along K): ``quantize_mxfp8``,
-  ``dequantize_mxfp8``, ``pack_scales_blocked`` / ``unpack_scales_blocked`` (the weight-scale layout the kernels read),
-  ``fused_moe_mxfp8`` (same semantics as fused_moe_bf16; the SwiGLU output is re-quantized to mxfp8 per 32 hidden
-  elements before the down projection; out bf16, overwritten entirely) and ``moe(..., mxfp8=True)`` (its weight
-  cache: see ``moe``; ``clear_mxfp8_weight_cache()`` empties it).
+  ``dequantize_mxfp8``, ``share_exponents_mxfp8`` (one scale per 128 of K: the CUDA kernels' fast path),
+  ``pack_scales_blocked`` / ``unpack_scales_blocked`` (the weight-scale layout the kernels read), ``fused_moe_mxfp8``
+  (same semantics as fused_moe_bf16; the SwiGLU output is re-quantized to mxfp8, its exponents shared per 128 hidden
+  elements, before the down projection; out bf16, overwritten entirely) and ``moe(..., mxfp8=True)`` (x and weights
+  quantized with one exponent per 128 of K; its weight cache: see ``moe``; ``clear_mxfp8_weight_cache()`` empties
+  it).
 
 The ``torch.ops.flash_moe`` ops are forward-only: a backward through ``moe_forward``, ``moe_forward_mxfp8``,
 ``moe_gate_up``, ``swiglu_backward`` or ``quantize_mxfp8`` raises; ``moe`` is the differentiable entry point.
@@ -128,6 +130,14 @@ def _(t, block):
             t.new_empty((*t.shape[:-1], t.shape[-1] // block), dtype=torch.float8_e8m0fnu))
 
 
+@torch.library.register_fake("flash_moe::share_exponents_mxfp8")
+def _(data, scales):
+    torch._check(data.dim() >= 1 and data.shape[-1] % MXFP8_ALIGN == 0,
+                 lambda: f"share_exponents_mxfp8: data's last dimension must be a multiple of MXFP8_ALIGN={MXFP8_ALIGN}")
+    return (data.new_empty(data.shape, dtype=torch.float8_e4m3fn),
+            scales.new_empty(scales.shape, dtype=torch.float8_e8m0fnu))
+
+
 @torch.library.register_fake("flash_moe::fused_moe_mxfp8")
 def _(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights,
       out, top_k, block_m, block_n, warp_n, stages, bpc, split):
@@ -200,7 +210,7 @@ def fused_moe_bf16(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padde
 
 # ---------------------------------------------------------------------------------------------------------------
 # mxfp8
-def quantize_mxfp8(t: torch.Tensor, block: int = MXFP8_SCALE_BLOCK):
+def quantize_mxfp8(t: torch.Tensor, block: int = MXFP8_SCALE_BLOCK, *, exponent_block: int | None = None):
     """(data float8_e4m3fn, scales float8_e8m0fnu): t (..., K) (float32 / bfloat16 / float16; K a multiple of
     ``block``) in OCP MX blocks of ``block`` consecutive elements along the last dimension; scales (..., K / block).
 
@@ -210,8 +220,30 @@ def quantize_mxfp8(t: torch.Tensor, block: int = MXFP8_SCALE_BLOCK):
     from t * 2^127. Elements: round-to-nearest-even of t * 2^-e (exact in fp32) to e4m3, saturated to +-448. A block
     holding Inf or NaN gets the NaN scale (byte 0xFF) and NaN elements (0x7F). Deterministic: the same input gives
     the same bytes on CPU and CUDA.
+
+    ``exponent_block`` (a multiple of ``block``): blocks of that many elements get the rule above, their scale
+    repeated for each ``block`` inside: still mxfp8 (one scale per ``block``), with equal scales in each group. With
+    ``exponent_block=MXFP8_ALIGN`` (128) the Hopper kernels apply the scales once per 128 of K instead of once per 32
+    (their shared-exponent path, ~4x less promotion work); the encoding differs from per-32 scales only for elements
+    below e4m3's normal range at the group's scale (|t| < 2^-6 * 2^e), which keep fewer bits.
     """
-    return torch.ops.flash_moe.quantize_mxfp8(t, block)
+    if exponent_block is None or exponent_block == block:
+        return torch.ops.flash_moe.quantize_mxfp8(t, block)
+    if block < 1 or exponent_block < block or exponent_block % block:
+        raise RuntimeError(f"quantize_mxfp8: exponent_block must be a multiple of block={block}, got {exponent_block}")
+    data, scales = torch.ops.flash_moe.quantize_mxfp8(t, exponent_block)
+    repeated = scales.view(torch.uint8).repeat_interleave(exponent_block // block, -1)
+    return data, repeated.view(torch.float8_e8m0fnu)
+
+
+def share_exponents_mxfp8(data: torch.Tensor, scales: torch.Tensor):
+    """Any mxfp8 tensor (data (..., K) float8_e4m3fn, scales (..., K / 32) float8_e8m0fnu, or their uint8 bytes; K a
+    multiple of MXFP8_ALIGN = 128) -> the same with each 128 elements' four scales replaced by their largest (NaN if
+    any is NaN: the group's elements NaN), the elements of the smaller-scaled blocks re-rounded (RNE) onto it: the form
+    quantize_mxfp8(..., exponent_block=MXFP8_ALIGN) gives directly and the CUDA kernels' fast path needs (e.g. for
+    weights quantized elsewhere). Only elements below e4m3's normal range at the shared scale change, by at most half
+    its subnormal step 2^-9 * 2^e. New tensors (float8); CPU and CUDA give the same bytes."""
+    return torch.ops.flash_moe.share_exponents_mxfp8(data, scales)
 
 
 def dequantize_mxfp8(data: torch.Tensor, scales: torch.Tensor, block: int = MXFP8_SCALE_BLOCK,
@@ -265,8 +297,11 @@ def fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, e
     bytes); w (E, 2 hidden, dim) e4m3 (gate rows then up rows)
     with w_scales = pack_scales_blocked(scales of w along dim); w2 (E, dim, hidden) e4m3 with w2_scales =
     pack_scales_blocked(scales of w2 along hidden). SwiGLU in fp32 on the fp32 accumulators, h re-quantized to mxfp8
-    (quantize_mxfp8's rule, per 32 hidden elements) before the down projection; combine and index values as
-    fused_moe_bf16.
+    (quantize_mxfp8's rule, per 32 hidden elements), then each 128 hidden elements' scales shared (the largest; the
+    elements of smaller-scaled blocks re-rounded: see quantize_mxfp8's ``exponent_block``) before the down
+    projection; combine and index values as fused_moe_bf16. Speed: wherever a pipeline stage's 128 K of x and w (h
+    and w2) carry one scale per row, the CUDA kernels apply the scales once per stage instead of once per 32 of K:
+    quantize with ``exponent_block=MXFP8_ALIGN`` (as ``moe(mxfp8=True)`` does) for the fast path.
     ``block_m`` must equal BLOCK_M; the other tuning keywords are accepted and ignored.
     """
     torch.ops.flash_moe.fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids,
@@ -278,8 +313,8 @@ def fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, e
 def _quantize_weights(w1, w2, w3):
     """(w e4m3 (E, 2 hidden, dim), its packed scales, w2 e4m3, its packed scales) from bf16 master weights."""
     with torch.no_grad():
-        wq, ws = quantize_mxfp8(torch.cat([w1.detach(), w3.detach()], 1))
-        w2q, w2s = quantize_mxfp8(w2.detach())
+        wq, ws = quantize_mxfp8(torch.cat([w1.detach(), w3.detach()], 1), exponent_block=MXFP8_ALIGN)
+        w2q, w2s = quantize_mxfp8(w2.detach(), exponent_block=MXFP8_ALIGN)
     return wq, pack_scales_blocked(ws), w2q, pack_scales_blocked(w2s)
 
 
@@ -406,7 +441,7 @@ class _MoEMxfp8(torch.autograd.Function):
                 deterministic):
         top_k = topk_ids.shape[1]
         tw = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
-        xq, xs = torch.ops.flash_moe.quantize_mxfp8(x, MXFP8_SCALE_BLOCK)
+        xq, xs = quantize_mxfp8(x, exponent_block=MXFP8_ALIGN)
         align = torch.ops.flash_moe.moe_align(topk_ids, num_experts, BLOCK_M, 1, expert_start, wq.shape[0])
         out = torch.ops.flash_moe.moe_forward_mxfp8(xq, xs, wq, ws, w2q, w2s, *align, tw, top_k, BLOCK_M, deterministic)
         ctx.save_for_backward(xq, xs, wq, ws, w2q, w2s, topk_ids, tw, *align)
@@ -477,8 +512,9 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, t
     uses them instead of recomputing them: the gate/up GEMM, two thirds of the forward's FLOPs, traded for that
     memory. Same gradients, bitwise. (The mxfp8 path always recomputes.)
 
-    ``mxfp8=True``: x is quantized to mxfp8 on every call, the weights once per weight version, and the forward runs
-    the fused mxfp8 kernels (dim and hidden multiples of MXFP8_ALIGN). The backward is the bf16 closed form on the
+    ``mxfp8=True``: x is quantized to mxfp8 on every call, the weights once per weight version, both with one
+    exponent per MXFP8_ALIGN = 128 of K (``quantize_mxfp8(..., exponent_block=MXFP8_ALIGN)``: the kernels' fast
+    path), and the forward runs the fused mxfp8 kernels (dim and hidden multiples of MXFP8_ALIGN). The backward is the bf16 closed form on the
     dequantized x and weights (straight-through: gradients land on the bf16 leaves).
     Weight caching rule: the quantized weights are cached per (w1, w2, w3), keyed weakly by the tensors themselves (a
     view by its base tensor and its geometry, so fresh views of one parameter hit) and freed with them; no size cap.

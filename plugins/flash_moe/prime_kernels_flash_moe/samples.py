@@ -76,6 +76,8 @@ def mxfp8_samples(ops, device):
     return [
         ("quantize_mxfp8", (x, ops.MXFP8_SCALE_BLOCK), {}),
         ("quantize_mxfp8", (w2.float().reshape(-1, 64), 16), {}),
+        ("share_exponents_mxfp8", (mx[0], mx[1]), {}),
+        ("share_exponents_mxfp8", tuple(t.view(torch.uint8) for t in ops.quantize_mxfp8(w1)), {}),
         ("fused_moe_mxfp8", (*mx, s, e, n, tw, torch.empty_like(x), 2, ops.BLOCK_M, 64, 4, 4, 1, True), {}),
         ("moe_forward_mxfp8", (*mx, s, e, n, tw, 2, ops.BLOCK_M, False), {}),
         ("moe_forward_mxfp8", (*mx, s, e, n, tw, 2, ops.BLOCK_M, True), {}),

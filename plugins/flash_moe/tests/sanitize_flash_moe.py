@@ -51,11 +51,23 @@ for T, dim, hidden, E, k in [(1, 128, 128, 2, 1), (37, 384, 256, 5, 2), (130, 25
     if not (torch.equal(qc.cpu().view(torch.uint8), q.view(torch.uint8)) and
             torch.equal(scc.cpu().view(torch.uint8), sc.view(torch.uint8))):
         sys.exit(f"quantize_mxfp8 mismatch for {(T, dim)}")
+    for qc, scc in (ops.quantize_mxfp8(x.cuda(), 4 * 32), ops.share_exponents_mxfp8(q.cuda(), sc.cuda())):
+        qc.view(torch.uint8).sum()  # the shared-exponent kernels run; their bytes are tested in test_flash_moe.py
     want = ops.moe(x, w1, w2, w3, ids, tw, mxfp8=True).float()
     cu = [t.cuda() for t in (x, w1, w2, w3, ids, tw)]
-    for det in (False, True):
+    for det in (False, True):  # one exponent per 128 of K: the kernels' shared-exponent path
         got = ops.moe(*cu, deterministic=det, mxfp8=True).cpu().float()
         if not torch.allclose(got, want, rtol=5e-2, atol=5e-2):
             sys.exit(f"moe(mxfp8=True, deterministic={det}) mismatch for {(T, dim, hidden, E, k)}")
+    # per-32 exponents: the kernels' per-32 path
+    w = torch.cat([w1, w3], 1)
+    operands = [q, sc, *ops.quantize_mxfp8(w), *ops.quantize_mxfp8(w2)]
+    operands[3], operands[5] = ops.pack_scales_blocked(operands[3]), ops.pack_scales_blocked(operands[5])
+    align = ops.moe_align(ids, E)
+    want = ops.fused_moe_mxfp8(*operands, *align, tw, torch.empty_like(x), k).float()
+    got = ops.fused_moe_mxfp8(*(t.cuda() for t in operands), *(t.cuda() for t in align), tw.cuda(),
+                              torch.empty_like(x).cuda(), k).cpu().float()
+    if not torch.allclose(got, want, rtol=5e-2, atol=5e-2):
+        sys.exit(f"fused_moe_mxfp8 (per-32 exponents) mismatch for {(T, dim, hidden, E, k)}")
 torch.cuda.synchronize()
 print("sanitize_flash_moe: ok")

@@ -691,6 +691,81 @@ def test_quantize_mxfp8_special_values():
         ops.quantize_mxfp8(torch.ones(2, 48))
 
 
+def ref_share(q, sb, group=4):
+    """share_exponents_mxfp8 in float64: each group's largest scale, elements re-rounded onto it by torch's RNE cast."""
+    q, sb = q.view(torch.uint8), sb.view(torch.uint8)
+    blocks = sb.reshape(-1, group).long()
+    shared = blocks.amax(-1, keepdim=True)
+    d = (shared - blocks).repeat_interleave(MX, -1).reshape(q.shape)
+    v = q.view(torch.float8_e4m3fn).double() * torch.exp2(-d.double())
+    out = v.float().to(torch.float8_e4m3fn).view(torch.uint8)
+    out = torch.where(d == 0, q, out)  # NaN elements under a smaller scale stay NaN through the cast
+    nan_group = (shared == 255).expand(-1, group).repeat_interleave(MX, -1).reshape(q.shape)
+    out = torch.where(nan_group, torch.full_like(out, 0x7F), out)
+    return out, shared.expand(-1, group).reshape(sb.shape).to(torch.uint8)
+
+
+def share_cases():
+    """mxfp8 rows of 256 (two groups of 4 blocks) whose scales spread 0 .. 40 binades within a group, with e4m3
+    subnormal elements, a NaN-scale block, zero blocks and the largest scale."""
+    g = torch.Generator().manual_seed(23)
+    t = torch.randn(48, 8 * MX, generator=g)
+    t = t * torch.exp2(torch.randint(-3, 4, (48, 8), generator=g).float() * (torch.arange(48) % 6 + 1).view(48, 1)
+                       ).repeat_interleave(MX, -1)
+    t[5, :MX] *= torch.exp2(-torch.arange(MX) / 2)  # subnormals in one block
+    t[6, 40] = float("nan")
+    t[7, :3 * MX] = 0
+    t[8, 100] = 3e38
+    q, s = ops.quantize_mxfp8(t)
+    return t, q, s
+
+
+@cpu
+def test_share_exponents_matches_reference_bitwise():
+    t, q, s = share_cases()
+    sq, ss = ops.share_exponents_mxfp8(q, s)
+    assert sq.dtype == torch.float8_e4m3fn and ss.dtype == torch.float8_e8m0fnu and sq.shape == q.shape
+    rq, rs = ref_share(q, s)
+    assert torch.equal(sq.view(torch.uint8), rq) and torch.equal(ss.view(torch.uint8), rs)
+    changed = (sq.view(torch.uint8) != q.view(torch.uint8)).sum().item()
+    print(f"share_exponents_mxfp8: {changed} of {q.numel()} elements re-rounded")
+    assert changed > 0
+    # idempotent, the identity on quantize_mxfp8(exponent_block=128), and within half the shared subnormal step
+    assert torch.equal(ops.share_exponents_mxfp8(sq, ss)[0].view(torch.uint8), sq.view(torch.uint8))
+    eq, es = ops.quantize_mxfp8(t, exponent_block=ops.MXFP8_ALIGN)
+    assert torch.equal(ops.share_exponents_mxfp8(eq, es)[0].view(torch.uint8), eq.view(torch.uint8))
+    finite = ss.view(torch.uint8) != 255
+    before, after = ops.dequantize_mxfp8(q, s).double(), ops.dequantize_mxfp8(sq, ss).double()
+    half_step = torch.exp2(ss.view(torch.uint8).double() - 127 - 10).repeat_interleave(MX, -1)
+    ok = finite.repeat_interleave(MX, -1)
+    assert ((after - before).abs()[ok] <= half_step[ok]).all()
+    assert after[~ok].isnan().all()
+    with pytest.raises(RuntimeError, match="share_exponents_mxfp8: data's last dimension must be a multiple of "
+                                           "MXFP8_ALIGN=128"):
+        ops.share_exponents_mxfp8(q[:, :3 * MX], s[:, :3])
+    with pytest.raises(RuntimeError, match=r"share_exponents_mxfp8: scales must have shape \(..., K / 32\) = "):
+        ops.share_exponents_mxfp8(q, s[:, :4])
+
+
+@cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_mxfp8_exponent_block(dtype):
+    g = torch.Generator().manual_seed(24)
+    t = (torch.randn(32, 8 * MX, generator=g) * torch.exp2(torch.randint(-9, 9, (32, 8), generator=g).float()
+                                                             ).repeat_interleave(MX, -1)).to(dtype)
+    q, s = ops.quantize_mxfp8(t, exponent_block=4 * MX)
+    rq, rs = ref_quantize(t, 4 * MX)
+    assert torch.equal(q.view(torch.uint8), rq)
+    assert torch.equal(s.view(torch.uint8), rs.repeat_interleave(4, -1)) and s.shape == (32, 8)
+    # within e4m3's rounding of the per-32 encoding except below the shared scale's normal range
+    d32 = ops.dequantize_mxfp8(*ops.quantize_mxfp8(t)).double()
+    err, err32 = (ops.dequantize_mxfp8(q, s).double() - t.double()).norm(), (d32 - t.double()).norm()
+    print(f"quantize_mxfp8 {dtype}: error with shared exponents / per 32 = {err / err32:.4f}")
+    assert err <= 1.05 * err32
+    with pytest.raises(RuntimeError, match="quantize_mxfp8: exponent_block must be a multiple of block=32, got 48"):
+        ops.quantize_mxfp8(t, exponent_block=48)
+
+
 @cpu
 def test_pack_scales_blocked_round_trip():
     g = torch.Generator().manual_seed(21)
@@ -726,10 +801,10 @@ def test_mxfp8_helpers_check_their_arguments():
         ops.unpack_scales_blocked(torch.ones(2, 4, 8, dtype=torch.uint8))
 
 
-def mx_operands(x, w1, w2, w3):
-    xq, xs = ops.quantize_mxfp8(x)
-    wq, ws = ops.quantize_mxfp8(torch.cat([w1, w3], 1))
-    w2q, w2s = ops.quantize_mxfp8(w2)
+def mx_operands(x, w1, w2, w3, exponent_block=None):
+    xq, xs = ops.quantize_mxfp8(x, exponent_block=exponent_block)
+    wq, ws = ops.quantize_mxfp8(torch.cat([w1, w3], 1), exponent_block=exponent_block)
+    w2q, w2s = ops.quantize_mxfp8(w2, exponent_block=exponent_block)
     return xq, xs, wq, ops.pack_scales_blocked(ws), w2q, ops.pack_scales_blocked(w2s)
 
 
@@ -766,7 +841,7 @@ def test_cpu_mxfp8_fused_op_matches_moe_and_overwrites_out():
     ids[3] = -1
     s, e, n = ops.moe_align(ids, 4)
     out = torch.full_like(x, float("nan"))
-    ops.fused_moe_mxfp8(*mx_operands(x, w1, w2, w3), s, e, n, tw, out, 2)
+    ops.fused_moe_mxfp8(*mx_operands(x, w1, w2, w3, ops.MXFP8_ALIGN), s, e, n, tw, out, 2)
     torch.testing.assert_close(out, ops.moe(x, w1, w2, w3, ids, tw, mxfp8=True), rtol=0, atol=0)
     assert (out[3] == 0).all()
 
@@ -801,8 +876,8 @@ def weight_quantizations(monkeypatch):
 
 def quantized_weight_bytes(w1, w2, w3):
     """What moe(mxfp8=True) should run on, from the public quantization ops."""
-    wq, ws = ops.quantize_mxfp8(torch.cat([w1, w3], 1))
-    w2q, w2s = ops.quantize_mxfp8(w2)
+    wq, ws = ops.quantize_mxfp8(torch.cat([w1, w3], 1), exponent_block=ops.MXFP8_ALIGN)
+    w2q, w2s = ops.quantize_mxfp8(w2, exponent_block=ops.MXFP8_ALIGN)
     return [t.view(torch.uint8) for t in (wq, ops.pack_scales_blocked(ws), w2q, ops.pack_scales_blocked(w2s))]
 
 
@@ -818,7 +893,7 @@ def test_mxfp8_weight_cache_follows_versions(weight_quantizations):
     opt.step()                                                          # in-place update bumps _version
     second = ops._cached_quantized_weights(w1, w2, w3)
     assert second is not first and not torch.equal(second[0].view(torch.uint8), first[0].view(torch.uint8))
-    assert torch.equal(second[0].view(torch.uint8), ops.quantize_mxfp8(torch.cat([w1.detach(), w3], 1))[0].view(torch.uint8))
+    assert torch.equal(second[0].view(torch.uint8), quantized_weight_bytes(w1.detach(), w2, w3)[0])
     assert not torch.equal(ops.moe(x, w1, w2, w3, ids, tw, mxfp8=True), out0.detach())
     assert len(weight_quantizations) == 2
 
@@ -911,14 +986,25 @@ def test_cuda_quantize_mxfp8_matches_cpu_bitwise():
     t = torch.randn(999, 4 * MX, generator=g) * torch.exp2(torch.randint(-40, 40, (999, 1), generator=g).float())
     t = torch.cat([t, special_blocks().repeat(1, 4)])
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        # block 32 from a 16-byte aligned start: four lanes per block; another block size, or a start 2 / 4 bytes
-        # past alignment (a contiguous view at offset 1): one thread per block. Same bytes as the CPU op.
+        # block 32 / 128 from a 16-byte aligned start: 4 / 16 lanes per block; another block size, or a start 2 / 4
+        # bytes past alignment (a contiguous view at offset 1): one thread per block. Same bytes as the CPU op.
         flat = torch.cat([t.new_zeros(1), t.flatten()]).to(dtype).cuda()
-        for tc, block in ((t.to(dtype).cuda(), MX), (t.to(dtype).cuda(), 2 * MX), (flat[1:].view(t.shape), MX)):
+        for tc, block in ((t.to(dtype).cuda(), MX), (t.to(dtype).cuda(), 4 * MX), (t.to(dtype).cuda(), 2 * MX),
+                          (flat[1:].view(t.shape), MX)):
             q, s = ops.quantize_mxfp8(tc.cpu(), block)
             qc, sc = ops.quantize_mxfp8(tc, block)
             assert torch.equal(qc.cpu().view(torch.uint8), q.view(torch.uint8)), (dtype, block, tc.data_ptr() % 16)
             assert torch.equal(sc.cpu().view(torch.uint8), s.view(torch.uint8)), (dtype, block, tc.data_ptr() % 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+def test_cuda_share_exponents_matches_cpu_bitwise():
+    _, q, s = share_cases()
+    want_q, want_s = ops.share_exponents_mxfp8(q, s)
+    got_q, got_s = ops.share_exponents_mxfp8(q.cuda(), s.cuda())
+    assert torch.equal(got_q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(got_s.cpu().view(torch.uint8), want_s.view(torch.uint8))
 
 
 @pytest.mark.gpu
@@ -939,18 +1025,35 @@ def test_cuda_mxfp8_numerics_model_like(shape):
     check_mx_numerics(*make(T, dim, hidden, E, top_k, "cuda", seed=41), f"cuda {shape}")
 
 
+def mixed_exponent_operands(x, w1, w2, w3):
+    """Shared exponents for x and most of the weights, per-32 scales for expert 1's w and the w2 rows of experts 3 and
+    4 past row 128 (the down kernel's second column tile): the kernels' fast and per-32 paths stage by stage."""
+    xq, xs, wq, ws, w2q, w2s = mx_operands(x, w1, w2, w3, ops.MXFP8_ALIGN)
+    pq, ps, p2q, p2s = mx_operands(x, w1, w2, w3)[2:]
+    wq[1], ws[1] = pq[1], ps[1]
+    w2q[3:5, 128:], w2s[3:5, :, 128:] = p2q[3:5, 128:], p2s[3:5, :, 128:]
+    def shared(packed):  # pack_scales_blocked's (..., 4): one value per 128 of K
+        b = packed.view(torch.uint8)
+        return bool((b == b[..., :1]).all())
+    assert shared(xs.view(-1, 4)) and shared(ws[0]) and not shared(ws[1]) and shared(w2s[2]) and not shared(w2s[3])
+    return xq, xs, wq, ws, w2q, w2s
+
+
 @pytest.mark.gpu
 @pytest.mark.kernel(KERNEL)
-def test_cuda_fused_moe_mxfp8_matches_cpu():
+@pytest.mark.parametrize("exponents", ["per 32", "shared", "mixed"])
+def test_cuda_fused_moe_mxfp8_matches_cpu(exponents):
     x, w1, w2, w3, ids, tw = make(500, 256, 384, 6, 2, seed=42)
     s, e, n = ops.moe_align(ids, 6)
-    operands = mx_operands(x, w1, w2, w3)
+    operands = {"per 32": lambda: mx_operands(x, w1, w2, w3),
+                "shared": lambda: mx_operands(x, w1, w2, w3, ops.MXFP8_ALIGN),
+                "mixed": lambda: mixed_exponent_operands(x, w1, w2, w3)}[exponents]()
     want = ops.fused_moe_mxfp8(*operands, s, e, n, tw, torch.empty_like(x), 2)
     out = torch.full_like(x, float("nan")).cuda()
     got = ops.fused_moe_mxfp8(*(t.cuda() for t in operands), s.cuda(), e.cuda(), n.cuda(), tw.cuda(), out, 2)
     base = mx_baseline(x, w1, w2, w3, ids, tw)
     ref = moe_per_expert(x.double(), w1.double(), w2.double(), w3.double(), ids, tw.double())
-    assert_error_ratio("cuda fused_moe_mxfp8", got, base, ref, MAX_RATIO)
+    assert_error_ratio(f"cuda fused_moe_mxfp8 ({exponents} exponents)", got, base, ref, MAX_RATIO)
     # the re-quantization of h can round a few elements differently from the CPU's fp32 GEMM: compare loosely
     torch.testing.assert_close(got.cpu(), want, rtol=5e-2, atol=5e-2)
 

@@ -5,6 +5,12 @@
 // wgmma.m64n64k32 e4m3 x e4m3 -> fp32 covers exactly one 32-wide scale block of K, runs into a temporary
 // accumulator (scale-d = 0), and is promoted into the fp32 accumulator with both scales:
 //   acc[r][c] = fma(tmp[r][c], sw[c][kb] * sx[r][kb], acc[r][c])       (both factors powers of two: exact products)
+// Shared exponents (mxfp8.h): where every A row and B row of a pipeline stage carries one scale across the stage's
+// 128 K (quantize_mxfp8(..., exponent_block=MXFP8_ALIGN), share_exponents_mxfp8; the producer checks each stage and
+// flags it), the 4 wgmmas accumulate into tmp in the tensor core and one promotion per stage applies the scales: a
+// quarter of the promotion that binds the per-32 path. Stages are flagged independently, so any mix of per-32 and
+// shared scales is computed exactly as given. The intermediate's exponents are shared per 128 hidden columns between
+// the two GEMMs (share_exponents_kernel), so the down projection takes the fast path wherever w2's are shared.
 // CTA = one aligned block (BLOCK_M = 128 routed slots, one expert) x MXFP8_BLOCK_N = 128 columns, 640 threads:
 //   warpgroup 0  producer: cp.async 16-byte copies of the e4m3 A rows (gathered through sorted_token_ids, as in the
 //                bf16 kernel; their source addresses kept in registers) into a STAGES-deep ring of 128-byte-swizzled
@@ -12,9 +18,11 @@
 //                plus one 4-byte cp.async per A row (x_scales row-major) and per B row (the blocked weight-scale
 //                layout: the 4 bytes of row n at [e][kt][n]). When its copies have landed each
 //                producer thread decodes its 8 scale bytes to fp32 into the stage's scale tables (laid out for the
-//                consumers' accumulator fragments), fences the async proxy and arrives on the stage's full mbarrier.
+//                consumers' accumulator fragments), the warpgroup ANDs "my 4 + 4 bytes are equal" into the stage's
+//                shared-exponent flag, fences the async proxy and arrives on the stage's full mbarrier.
 //   warpgroups 1-4  consumers, a 64 x 64 quarter of the tile each (rows 64 (w & 1), columns 64 (w >> 1)): per K step
-//                4 x (wgmma m64n64k32 into tmp, wait, promote); the stage is released on its empty mbarrier once its
+//                4 x (wgmma m64n64k32 into tmp, wait, promote), or on a flagged stage 4 wgmmas into tmp, wait,
+//                promote once; the stage is released on its empty mbarrier once its
 //                last wgmma has completed. Four consumer warps per scheduler (not two of m64n128) hide each other's
 //                wgmma and scale-load latency, which bound the two-warpgroup kernel (docs/notes/flash_moe.md).
 // Kernel 1 (gate/up): B = 32 gate rows, the matching 32 up rows, the next 32 gate rows, their 32 up rows, so that a
@@ -88,7 +96,7 @@ constexpr int RAW_BYTES = (BM + BN) * KB;  // e8m0 bytes as copied: A rows then 
 constexpr int STAGE_BYTES = (A_BYTES + B_BYTES + FA_BYTES + FB_BYTES + RAW_BYTES + 1023) / 1024 * 1024;
 constexpr int LOOKAHEAD = STAGES - 1;
 constexpr int B_BOX_ROWS = WG_N / 2;  // one TMA box: the gate (or up) half of a consumer's gate/up columns
-constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + BM * 8 + BM * 4 + 2 * STAGES * 8;
+constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + BM * 8 + BM * 4 + 2 * STAGES * 8 + STAGES * 4;
 
 enum Mode : int { GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2 };
 
@@ -122,12 +130,20 @@ struct Params {
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <int ACCUMULATE>
 __device__ __forceinline__ void wgmma_m64n64k32_e4m3(float* d, uint64_t da, uint64_t db) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(da), "l"(db), "n"(0));  // scale-d = 0: tmp = A B (the promotion accumulates)
+      : "l"(da), "l"(db), "n"(ACCUMULATE));  // scale-d: tmp = A B (0) or tmp + A B (1)
+}
+// AND of `v` over the producer warpgroup (named barrier 1: its 128 threads only).
+__device__ __forceinline__ bool producer_all(bool v) {
+  uint32_t all;
+  asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.and.pred q, 1, 128, p;\nselp.u32 %0, 1, 0, q;\n}\n"
+               : "=r"(all) : "r"(static_cast<uint32_t>(v)) : "memory");
+  return all != 0u;
 }
 __device__ __forceinline__ float decode_scale(uint32_t byte) { return __uint_as_float(mx::scale_bits(byte)); }
 __device__ __forceinline__ float lds_f32(uint32_t addr) {
@@ -162,6 +178,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
   const uint32_t bars = base + STAGES * STAGE_BYTES + BM * 12;
   auto full_bar = [&](int s) { return bars + 8u * s; };
   auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
+  // per stage: 1 when every A row's and B row's 4 scales of the stage are equal (the shared-exponent fast path)
+  int* const shared_stage = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + BM * 12 + 2 * STAGES * 8);
   auto fa_ptr = [&](int s) { return reinterpret_cast<float*>(gbase + s * STAGE_BYTES + A_BYTES + B_BYTES); };
   auto fb_ptr = [&](int s) { return reinterpret_cast<float*>(gbase + s * STAGE_BYTES + A_BYTES + B_BYTES + FA_BYTES); };
   constexpr int RAW_OFF = A_BYTES + B_BYTES + FA_BYTES + FB_BYTES;
@@ -201,10 +219,14 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
       a_src[i] = p.a + (off >= 0 ? off : 0) + c * 16;
       a_valid |= (off >= 0 ? 1u : 0u) << i;
     }
-    auto decode = [&](int s) {  // this thread's own (landed) scale bytes of stage s -> fp32 tables
+    // this thread's own (landed) scale bytes of stage s -> fp32 tables, and whether the stage's tile shares one
+    // exponent per row and column across its 4 scale blocks (all 128 producer threads take part)
+    auto publish = [&](int s) {
       const uint8_t* rs = gbase + s * STAGE_BYTES + RAW_OFF;
       const uint32_t ra = *reinterpret_cast<const uint32_t*>(rs + 4 * tid);
       const uint32_t rb = *reinterpret_cast<const uint32_t*>(rs + 4 * BM + 4 * tid);
+      const bool shared = producer_all(ra == (ra & 0xFFu) * 0x01010101u && rb == (rb & 0xFFu) * 0x01010101u);
+      if (tid == 0) shared_stage[s] = shared;
       *reinterpret_cast<float4*>(fa_ptr(s) + KB * tid) =
           make_float4(decode_scale(ra & 0xFF), decode_scale((ra >> 8) & 0xFF), decode_scale((ra >> 16) & 0xFF),
                       decode_scale(ra >> 24));
@@ -234,13 +256,13 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
       if (kt >= LOOKAHEAD - 1) {
         cp_async_wait<LOOKAHEAD - 1>();
         const int done = (kt - (LOOKAHEAD - 1)) % STAGES;
-        decode(done);
+        publish(done);
         fence_proxy_async();
         mbar_arrive(full_bar(done));
       }
     }
     cp_async_wait<0>();
-    for (int kt = max(0, p.k_tiles - (LOOKAHEAD - 1)); kt < p.k_tiles; ++kt) decode(kt % STAGES);
+    for (int kt = max(0, p.k_tiles - (LOOKAHEAD - 1)); kt < p.k_tiles; ++kt) publish(kt % STAGES);
     fence_proxy_async();
     for (int kt = max(0, p.k_tiles - (LOOKAHEAD - 1)); kt < p.k_tiles; ++kt) mbar_arrive(full_bar(kt % STAGES));
     return;
@@ -277,15 +299,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
     const uint32_t fa = st + A_BYTES + B_BYTES + 4 * KB * row0;  // x scales of the thread's rows
     // w scales of its columns: from group wg_col / 8 of its quad's run
     const uint32_t fb = st + A_BYTES + B_BYTES + FA_BYTES + 4 * (quad * FB_QUAD + wg_col / 4);
-#pragma unroll
-    for (int j = 0; j < KB; ++j) {
-      fence_regs<WG_N / 2>(tmp);
-      wgmma_fence();
-      wgmma_m64n64k32_e4m3(tmp, da + 2 * j, db + 2 * j);  // k32 = 32 bytes = 2 descriptor units
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs<WG_N / 2>(tmp);
-      if (!warp_live) continue;
+    auto promote = [&](int j) {  // acc += tmp * sx * sw with the scales of scale block j
       const float s0 = lds_f32(fa + 4 * j), s1 = lds_f32(fa + 4 * (8 * KB + j));  // rows row0 and row0 + 8
       const uint32_t fbj = fb + 4 * (j * 4 * FB_QUAD);
 #pragma unroll
@@ -299,6 +313,30 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
         acc[4 * g + 5] = fmaf(tmp[4 * g + 5], sw.w * s0, acc[4 * g + 5]);
         acc[4 * g + 6] = fmaf(tmp[4 * g + 6], sw.z * s1, acc[4 * g + 6]);
         acc[4 * g + 7] = fmaf(tmp[4 * g + 7], sw.w * s1, acc[4 * g + 7]);
+      }
+    };
+    if (*reinterpret_cast<volatile int*>(shared_stage + stage)) {
+      // one exponent per row and column over the stage's 128 K: the 4 wgmmas accumulate in the tensor core (fp32)
+      // and one promotion applies the scales: a quarter of the promotion work that binds the per-32 path
+      fence_regs<WG_N / 2>(tmp);
+      wgmma_fence();
+      wgmma_m64n64k32_e4m3<0>(tmp, da, db);
+#pragma unroll
+      for (int j = 1; j < KB; ++j) wgmma_m64n64k32_e4m3<1>(tmp, da + 2 * j, db + 2 * j);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs<WG_N / 2>(tmp);
+      if (warp_live) promote(0);
+    } else {
+#pragma unroll
+      for (int j = 0; j < KB; ++j) {
+        fence_regs<WG_N / 2>(tmp);
+        wgmma_fence();
+        wgmma_m64n64k32_e4m3<0>(tmp, da + 2 * j, db + 2 * j);  // k32 = 32 bytes = 2 descriptor units
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs<WG_N / 2>(tmp);
+        if (warp_live) promote(j);
       }
     }
     if (lane == 0) mbar_arrive(empty_bar(stage));  // all wgmmas of the stage completed; scales are in registers
@@ -364,13 +402,70 @@ __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
 
-// quantize_mxfp8 (the same mx:: rule as the CPU op: bit-identical results). Blocks of MXFP8_SCALE_BLOCK elements,
-// the fused ops' layout: four lanes per block, 8 elements each, so that a warp reads 8 whole blocks in one coalesced
-// sweep (16-byte loads of bf16 / fp16, two of fp32) and writes their 256 e4m3 bytes as 8-byte stores; the block's
-// amax meets across the quad by two shuffles. Other block sizes, or inputs not 16-byte aligned: one thread per block.
-constexpr int Q_LANES = 4;
-constexpr int Q_ELEMS = SB / Q_LANES;
-static_assert(Q_ELEMS == 8, "quantize_mxfp8: 8 elements (one 16-byte load of bf16) per lane");
+// Shared exponents (mxfp8.h) over every BK elements of rows of K, in place: share_exponents_mxfp8, and the
+// intermediate between the two GEMMs (its routed rows only: `sorted` given), so that the down projection takes its
+// shared-exponent path wherever w2's scales are shared too. Eight lanes per group (16 bytes each, within one block).
+constexpr int SHARE_LANES = BK / 16;
+
+__global__ void share_exponents_kernel(uint8_t* __restrict__ data, uint8_t* __restrict__ scales, int64_t K,
+                                       int64_t rows, const int* __restrict__ sorted, const int* __restrict__ ntpp,
+                                       int num_slots) {
+  const int64_t lane_id = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t groups = K / BK;
+  const int64_t row = lane_id / SHARE_LANES / groups, group = lane_id / SHARE_LANES % groups;
+  const int part = static_cast<int>(lane_id % SHARE_LANES);
+  if (row >= rows) return;
+  if (sorted != nullptr) {  // the intermediate: rows past the routed ones, and padding rows, are never read
+    if (row >= __ldg(ntpp)) return;
+    const int slot = __ldg(sorted + row);
+    if (slot < 0 || slot >= num_slots) return;  // the group's 8 lanes leave together
+  }
+  uint32_t* const sc = reinterpret_cast<uint32_t*>(scales + row * (K / SB) + group * KB);
+  const uint32_t four = *sc;
+  const uint32_t mine = (four >> (8 * (part * 16 / SB))) & 0xFFu;
+  uint32_t shared = 0;
+#pragma unroll
+  for (int j = 0; j < KB; ++j) shared = max(shared, (four >> (8 * j)) & 0xFFu);
+  __syncwarp(0xFFu << (threadIdx.x % 32 / SHARE_LANES * SHARE_LANES));  // all 8 read the scales before lane 0 writes
+  if (part == 0) *sc = shared * 0x01010101u;
+  if (shared == mine && shared != mx::kNanScale) return;
+  uint4* const chunk = reinterpret_cast<uint4*>(data + row * K + group * BK + part * 16);
+  uint4 v = *chunk;
+  uint32_t* const words = reinterpret_cast<uint32_t*>(&v);
+  // mx::share_element's rounding by the hardware conversions (the CPU op's bytes, tested): e4m3 -> f16 -> f32 exact,
+  // times 2^-d exact (or 0 once d >= 19: below half the smallest subnormal), one RNE back to e4m3; NaN bytes kept.
+  const uint32_t d = shared - mine;
+  const float factor = d >= 19u ? 0.f : __uint_as_float((127u - d) << 23);
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    if (shared == mx::kNanScale) {
+      words[w] = 0x01010101u * mx::kNanElement;
+      continue;
+    }
+    uint32_t out = 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint16_t pair = static_cast<uint16_t>(words[w] >> (16 * h));
+      const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+      out |= static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(f.x * factor, f.y * factor), __NV_SATFINITE,
+                                                             __NV_E4M3)) << (16 * h);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // NaN elements under a finite scale stay as they were
+      const uint32_t byte = (words[w] >> (8 * i)) & 0xFFu;
+      if ((byte & 0x7Fu) == mx::kNanElement) out = (out & ~(0xFFu << (8 * i))) | byte << (8 * i);
+    }
+    words[w] = out;
+  }
+  *chunk = v;
+}
+
+// quantize_mxfp8 (the same mx:: rule as the CPU op: bit-identical results). Blocks of 32 (the fused ops' scale
+// block) or MXFP8_ALIGN (quantize_mxfp8's shared exponents): LANES = block / 8 lanes per block, 8 elements each, so
+// that a warp reads whole blocks in one coalesced sweep (16-byte loads of bf16 / fp16, two of fp32) and writes their
+// e4m3 bytes as 8-byte stores; the block's amax meets across its lanes by shuffles. Other block sizes, or inputs not
+// 16-byte aligned: one thread per block.
+constexpr int Q_ELEMS = 8;
 
 __device__ __forceinline__ void load8(const float* p, float* v) {
   const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
@@ -384,20 +479,21 @@ __device__ __forceinline__ void load8(const T* p, float* v) {
   for (int i = 0; i < 8; ++i) v[i] = to_f32(e[i]);
 }
 
-template <typename T>
-__global__ void quantize_block32_kernel(const T* __restrict__ in, uint8_t* __restrict__ data,
-                                        uint8_t* __restrict__ scales, int64_t blocks) {
+template <typename T, int LANES>
+__global__ void quantize_lanes_kernel(const T* __restrict__ in, uint8_t* __restrict__ data,
+                                      uint8_t* __restrict__ scales, int64_t blocks) {
+  constexpr int block = LANES * Q_ELEMS;
   const int64_t lane_id = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t b = lane_id / Q_LANES;
-  const int part = static_cast<int>(lane_id % Q_LANES);
+  const int64_t b = lane_id / LANES;
+  const int part = static_cast<int>(lane_id % LANES);
   const bool valid = b < blocks;  // the last warp's spare lanes still take part in the shuffles
   float v[Q_ELEMS] = {};
-  if (valid) load8(in + b * SB + part * Q_ELEMS, v);
+  if (valid) load8(in + b * block + part * Q_ELEMS, v);
   uint32_t amax = 0;
 #pragma unroll
   for (int i = 0; i < Q_ELEMS; ++i) amax = max(amax, __float_as_uint(v[i]) & 0x7FFFFFFFu);
-  amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
-  amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+#pragma unroll
+  for (int m = 1; m < LANES; m *= 2) amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, m));
   if (!valid) return;
   const uint32_t sb = mx::scale_byte(amax);
   if (part == 0) scales[b] = static_cast<uint8_t>(sb);
@@ -413,7 +509,7 @@ __global__ void quantize_block32_kernel(const T* __restrict__ in, uint8_t* __res
     q.x = pairs[0] | pairs[1] << 16;
     q.y = pairs[2] | pairs[3] << 16;
   }
-  *reinterpret_cast<uint2*>(data + b * SB + part * Q_ELEMS) = q;
+  *reinterpret_cast<uint2*>(data + b * block + part * Q_ELEMS) = q;
 }
 
 template <typename T>
@@ -436,13 +532,26 @@ __global__ void quantize_kernel(const T* __restrict__ in, uint8_t* __restrict__ 
     q[i] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(to_f32(v[i]) * inv, __NV_SATFINITE, __NV_E4M3));
 }
 
+void share_exponents(uint8_t* data, uint8_t* scales, int64_t K, int64_t rows, const int* sorted, const int* ntpp,
+                     int num_slots, cudaStream_t stream) {
+  const int64_t lanes = rows * (K / BK) * SHARE_LANES;
+  if (lanes == 0) return;
+  share_exponents_kernel<<<static_cast<unsigned>((lanes + 255) / 256), 256, 0, stream>>>(data, scales, K, rows, sorted,
+                                                                                      ntpp, num_slots);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // One launch of either kernel above for `blocks` scale blocks of `block` elements of `in`.
 template <typename T>
 void quantize(const T* in, uint8_t* data, uint8_t* scales, int64_t blocks, int block, cudaStream_t stream) {
   constexpr int threads = 256;
-  if (block == SB && reinterpret_cast<uintptr_t>(in) % 16 == 0) {
-    const auto grid = static_cast<unsigned>((blocks * Q_LANES + threads - 1) / threads);
-    quantize_block32_kernel<T><<<grid, threads, 0, stream>>>(in, data, scales, blocks);
+  const bool aligned = reinterpret_cast<uintptr_t>(in) % 16 == 0;
+  if (block == SB && aligned) {
+    const auto grid = static_cast<unsigned>((blocks * (SB / Q_ELEMS) + threads - 1) / threads);
+    quantize_lanes_kernel<T, SB / Q_ELEMS><<<grid, threads, 0, stream>>>(in, data, scales, blocks);
+  } else if (block == BK && aligned) {
+    const auto grid = static_cast<unsigned>((blocks * (BK / Q_ELEMS) + threads - 1) / threads);
+    quantize_lanes_kernel<T, BK / Q_ELEMS><<<grid, threads, 0, stream>>>(in, data, scales, blocks);
   } else {
     const auto grid = static_cast<unsigned>((blocks + threads - 1) / threads);
     quantize_kernel<T><<<grid, threads, 0, stream>>>(in, data, scales, blocks, block);
@@ -479,6 +588,21 @@ std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_cuda(const at::Tensor& t, int6
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {data, scales};
+}
+
+std::tuple<at::Tensor, at::Tensor> share_exponents_mxfp8_cuda(const at::Tensor& data, const at::Tensor& scales) {
+  const char* op = "share_exponents_mxfp8";
+  const auto d = as_bits_of(data, at::kFloat8_e4m3fn), s = as_bits_of(scales, at::kFloat8_e8m0fnu);
+  check_share_args(d, s);
+  TORCH_CHECK(d.is_cuda(), op, " (CUDA): data must be a CUDA tensor, got ", d.device());
+  const c10::cuda::CUDAGuard guard(d.device());
+  auto q = d.contiguous().clone();
+  auto sc = s.contiguous().clone();
+  const int64_t K = d.size(-1);
+  sm90::mxk::share_exponents(reinterpret_cast<uint8_t*>(q.mutable_data_ptr()),
+                             reinterpret_cast<uint8_t*>(sc.mutable_data_ptr()), K, K ? q.numel() / K : 0, nullptr,
+                             nullptr, 0, c10::cuda::getCurrentCUDAStream());
+  return {q, sc};
 }
 
 const uint8_t* bytes(const at::Tensor& t) { return reinterpret_cast<const uint8_t*>(t.const_data_ptr()); }
@@ -546,6 +670,7 @@ at::Tensor run_mx(const char* op, const at::Tensor& x_b, const at::Tensor& xs_b,
   p.ld_inter = s.hidden;
   sm90::mxk::launch<sm90::mxk::GATE_UP>(p, static_cast<int>((s.hidden + sm90::mxk::BN_GU - 1) / sm90::mxk::BN_GU),
                                         s.blocks, stream);
+  sm90::mxk::share_exponents(p.inter, p.inter_scales, s.hidden, padded, p.sorted, p.ntpp, p.num_slots, stream);
   // down + combine
   p.a = inter.const_data_ptr<uint8_t>();
   p.a_scales = inter_s.const_data_ptr<uint8_t>();
@@ -600,6 +725,7 @@ at::Tensor moe_forward_mxfp8_cuda(const at::Tensor& x, const at::Tensor& x_scale
 
 TORCH_LIBRARY_IMPL(flash_moe, CUDA, m) {
   m.impl("quantize_mxfp8", &flash_moe::quantize_mxfp8_cuda);
+  m.impl("share_exponents_mxfp8", &flash_moe::share_exponents_mxfp8_cuda);
   m.impl("fused_moe_mxfp8", &flash_moe::fused_moe_mxfp8_cuda);
   m.impl("moe_forward_mxfp8", &flash_moe::moe_forward_mxfp8_cuda);
 }
