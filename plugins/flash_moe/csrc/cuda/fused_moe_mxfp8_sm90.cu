@@ -11,7 +11,11 @@
 // quarter of the promotion that binds the per-32 path. Stages are flagged independently, so any mix of per-32 and
 // shared scales is computed exactly as given. The intermediate's exponents are shared per 128 hidden columns between
 // the two GEMMs (share_exponents_kernel), so the down projection takes the fast path wherever w2's are shared.
-// CTA = one aligned block (BLOCK_M = 128 routed slots, one expert) x MXFP8_BLOCK_N = 128 columns, 640 threads:
+// Tile = one aligned block (BLOCK_M = 128 routed slots, one expert) x MXFP8_BLOCK_N = 128 columns. Persistent CTAs of
+// 640 threads, one per SM (the grid: min(tiles, SMs)), each walking the tiles blockIdx.x, + gridDim.x, ... of the
+// raster over the live blocks, so that an SM does not idle through each tile's prologue, pipeline fill and epilogue
+// (Qwen3's 6-stage down tiles): the stage ring runs on across tiles and the routing rows are double-buffered by tile
+// parity, a buffer freed (tile_free mbarrier) once every consumer warp is done with its tile:
 //   warpgroup 0  producer: cp.async 16-byte copies of the e4m3 A rows (gathered through sorted_token_ids, as in the
 //                bf16 kernel; their source addresses kept in registers) into a STAGES-deep ring of 128-byte-swizzled
 //                tiles (BK = 128 bytes = 4 scale blocks per stage), the B tile by TMA (four boxes issued by thread 0),
