@@ -11,7 +11,11 @@
 // quarter of the promotion that binds the per-32 path. Stages are flagged independently, so any mix of per-32 and
 // shared scales is computed exactly as given. The intermediate's exponents are shared per 128 hidden columns between
 // the two GEMMs (share_exponents_kernel), so the down projection takes the fast path wherever w2's are shared.
-// CTA = one aligned block (BLOCK_M = 128 routed slots, one expert) x MXFP8_BLOCK_N = 128 columns, 640 threads:
+// Tile = one aligned block (BLOCK_M = 128 routed slots, one expert) x MXFP8_BLOCK_N = 128 columns. Persistent CTAs of
+// 640 threads, one per SM (the grid: min(tiles, SMs)), each walking the tiles blockIdx.x, + gridDim.x, ... of the
+// raster over the live blocks, so that an SM does not idle through each tile's prologue, pipeline fill and epilogue
+// (Qwen3's 6-stage down tiles): the stage ring runs on across tiles and the routing rows are double-buffered by tile
+// parity, a buffer freed (tile_free mbarrier) once every consumer warp is done with its tile:
 //   warpgroup 0  producer: cp.async 16-byte copies of the e4m3 A rows (gathered through sorted_token_ids, as in the
 //                bf16 kernel; their source addresses kept in registers) into a STAGES-deep ring of 128-byte-swizzled
 //                tiles (BK = 128 bytes = 4 scale blocks per stage), the B tile by TMA (four boxes issued by thread 0),
@@ -80,7 +84,8 @@ constexpr int CONSUMER_WARPS = 4 * CONSUMERS;
 // Registers: the CTA holds what it was launched with (NUM_THREADS x 96 of the 64 K register file) and setmaxnreg only
 // moves registers within it: the consumers' increase must fit in what the producer gives back, or it waits forever.
 constexpr int LAUNCH_REGS = 65536 / NUM_THREADS / 8 * 8;
-constexpr int PRODUCER_REGS = 48, CONSUMER_REGS = 104;
+// Producer 56: its per-tile set-up (routing rows, gathered row addresses) spilled at 48 (gate/up).
+constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 104;
 static_assert(128 * (PRODUCER_REGS + CONSUMERS * CONSUMER_REGS) <= NUM_THREADS * LAUNCH_REGS,
               "setmaxnreg: the consumers' registers must come from the producer's");
 constexpr int A_BYTES = BM * BK;
@@ -96,7 +101,8 @@ constexpr int RAW_BYTES = (BM + BN) * KB;  // e8m0 bytes as copied: A rows then 
 constexpr int STAGE_BYTES = (A_BYTES + B_BYTES + FA_BYTES + FB_BYTES + RAW_BYTES + 1023) / 1024 * 1024;
 constexpr int LOOKAHEAD = STAGES - 1;
 constexpr int B_BOX_ROWS = WG_N / 2;  // one TMA box: the gate (or up) half of a consumer's gate/up columns
-constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + BM * 8 + BM * 4 + 2 * STAGES * 8 + STAGES * 4;
+// ring, the routing rows of two tiles, the ring's and the two tile_free mbarriers, the stages' shared-exponent flags
+constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * BM * (8 + 4) + (2 * STAGES + 2) * 8 + STAGES * 4;
 
 enum Mode : int { GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2 };
 
@@ -114,6 +120,7 @@ struct Params {
   int k_tiles;
   int n_tiles;  // column tiles of the launch
   int blocks;   // aligned blocks of the launch
+  int ctas;     // the persistent grid, = gridDim.x (ptxas spilled gridDim.x in the consumers' tile loop, not this)
   int top_k;
   int num_experts;
   int num_slots;  // M * top_k: sorted entries outside [0, num_slots) are padding
@@ -163,62 +170,57 @@ __device__ __forceinline__ float4 lds_f32x4(uint32_t addr) {
 template <int MODE>
 __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  int block, n_tile;
-  raster(static_cast<int>(blockIdx.x), p.n_tiles, p.blocks, block, n_tile);
-  if (block * BM >= __ldg(p.ntpp)) return;
-  const int expert = __ldg(p.expert_ids + block);
-  if (expert < 0 || expert >= p.num_experts) return;
+  // The tiles: the live blocks (block * BM < num_tokens_post_padded, read here: no host sync) x the column tiles, in
+  // raster order. 32-bit tile numbers: the host keeps blocks x n_tiles below 2^31, so t + p.ctas cannot wrap.
+  const int ntpp = __ldg(p.ntpp);
+  const int live = ntpp <= 0 ? 0 : min(p.blocks, (ntpp - 1) / BM + 1);
+  const uint32_t tiles = static_cast<uint32_t>(live) * p.n_tiles;
+  if (blockIdx.x >= tiles) return;
 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   uint8_t* const gbase = smem_raw + (base - raw);
-  int64_t* const a_row = reinterpret_cast<int64_t*>(gbase + STAGES * STAGE_BYTES);
-  int* const slot_of = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + BM * 8);
-  const uint32_t bars = base + STAGES * STAGE_BYTES + BM * 12;
+  // the routing rows of two tiles (tile number i in buffer i & 1): the producer writes tile i + 1's while the
+  // consumers still read tile i's
+  int64_t* const a_rows = reinterpret_cast<int64_t*>(gbase + STAGES * STAGE_BYTES);
+  int* const slot_rows = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + 2 * BM * 8);
+  const uint32_t bars = base + STAGES * STAGE_BYTES + 2 * BM * 12;
   auto full_bar = [&](int s) { return bars + 8u * s; };
   auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
+  auto tile_free_bar = [&](int b) { return bars + 8u * (2 * STAGES + b); };
   // per stage: 1 when every A row's and B row's 4 scales of the stage are equal (the shared-exponent fast path)
-  int* const shared_stage = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + BM * 12 + 2 * STAGES * 8);
+  int* const shared_stage = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + 2 * BM * 12 + (2 * STAGES + 2) * 8);
   auto fa_ptr = [&](int s) { return reinterpret_cast<float*>(gbase + s * STAGE_BYTES + A_BYTES + B_BYTES); };
   auto fb_ptr = [&](int s) { return reinterpret_cast<float*>(gbase + s * STAGE_BYTES + A_BYTES + B_BYTES + FA_BYTES); };
   constexpr int RAW_OFF = A_BYTES + B_BYTES + FA_BYTES + FB_BYTES;
-  const int n_base = n_tile * (MODE == GATE_UP ? BN_GU : BN);
 
-  block_prologue<BM, STAGES, MODE == GATE_UP>(p, block, a_row, slot_of, bars, CONSUMER_WARPS);
+  if (threadIdx.x == 0) {
+    init_ring<STAGES>(bars, CONSUMER_WARPS);
+    // a routing-row buffer is free again once each consumer warp is done with its tile (epilogue or padding pass)
+    for (int b = 0; b < 2; ++b) mbar_init(tile_free_bar(b), CONSUMER_WARPS);
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  // This CTA's tiles: blockIdx.x, + gridDim.x, ... A tile whose expert lies outside the launch is skipped by every
+  // warp alike, so the tile number i (its routing-row buffer, its tile_free phase) agrees across warps.
+  auto for_each_tile = [&](auto&& body) {
+    int i = 0;
+    for (uint32_t t = blockIdx.x; t < tiles; t += p.ctas) {
+      int block, n_tile;
+      raster(static_cast<int>(t), p.n_tiles, live, block, n_tile);
+      const int expert = __ldg(p.expert_ids + block);
+      if (expert < 0 || expert >= p.num_experts) continue;
+      body(i++, block, n_tile * (MODE == GATE_UP ? BN_GU : BN), expert);
+    }
+  };
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {  // ------------------------------- producer -------------------------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
     const int tid = threadIdx.x;
     const int c = tid & 7, r0 = tid >> 3;
-    // Row of w (w2) that lands in tile row r: GATE_UP boxes of gate rows and their up rows in turn, DOWN the 128 rows
-    // of w2 in order. The shape contract (dim, hidden in whole MXFP8_ALIGN) makes every tile full.
-    auto weight_row = [&](int r) {
-      if constexpr (MODE == GATE_UP) {
-        const int box = r / B_BOX_ROWS;
-        return n_base + (box / 2) * B_BOX_ROWS + r % B_BOX_ROWS + (box % 2 ? p.up_offset : 0);
-      } else {
-        return n_base + r;
-      }
-    };
-    const int b_row0 = expert * p.b_rows;
-    // this thread's scales: those of B tile row `tid` (its column) and of A row `tid`
-    const int s_row = weight_row(tid);
-    const uint8_t* const bsc = p.b_scales + static_cast<int64_t>(expert) * p.k_tiles * p.b_rows * KB +
-                               static_cast<int64_t>(s_row) * KB;
-    const int64_t a_off = a_row[tid];
-    const uint8_t* const asc = p.a_scales + (a_off >= 0 ? a_off / SB : 0);
-    // The A rows this thread copies, kept in registers across the K loop; padding rows copy 0 bytes (zero fill)
-    // from an in-bounds address.
-    const uint8_t* a_src[BM / 16];
-    uint32_t a_valid = 0;
-#pragma unroll
-    for (int i = 0; i < BM / 16; ++i) {
-      const int64_t off = a_row[r0 + 16 * i];
-      a_src[i] = p.a + (off >= 0 ? off : 0) + c * 16;
-      a_valid |= (off >= 0 ? 1u : 0u) << i;
-    }
     // this thread's own (landed) scale bytes of stage s -> fp32 tables, and whether the stage's tile shares one
     // exponent per row and column across its 4 scale blocks (all 128 producer threads take part)
     auto publish = [&](int s) {
@@ -235,36 +237,79 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
 #pragma unroll
       for (int j = 0; j < KB; ++j) fb[(j * 4 + q) * FB_QUAD + g * 2 + pr] = decode_scale((rb >> (8 * j)) & 0xFF);
     };
-    for (int kt = 0; kt < p.k_tiles; ++kt) {
-      const int stage = kt % STAGES;
-      mbar_wait(empty_bar(stage), ((kt / STAGES) & 1) ^ 1);
-      const uint32_t st = base + stage * STAGE_BYTES;
-      const int kofs = kt * BK;
-      if (tid == 0) {
-        mbar_expect_tx(full_bar(stage), B_BYTES);
+    // K steps issued before this tile, over all earlier tiles, modulo 2 STAGES: the ring runs on across tiles (stage
+    // ks % STAGES, phase parity (ks / STAGES) & 1), and the counter never wraps
+    uint32_t ks = 0;
+    for_each_tile([&](int i, int block, int n_base, int expert) {
+      // Tile i's routing rows (row tid, as many rows as producer threads) replace tile i - 2's once all consumer
+      // warps are done with those; the producer's own reads of them precede tile i - 1's bar.sync.
+      static_assert(BM == 128, "one routing row per producer thread");
+      if (i >= 2) mbar_wait(tile_free_bar(i & 1), ((i - 2) / 2) & 1);
+      int64_t* const a_row = a_rows + (i & 1) * BM;
+      routing_row<BM, MODE == GATE_UP>(p, block, tid, a_row, slot_rows + (i & 1) * BM);
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");  // the producer warps only: each reads others' rows below
+      // Row of w (w2) that lands in tile row r: GATE_UP boxes of gate rows and their up rows in turn, DOWN the 128
+      // rows of w2 in order. The shape contract (dim, hidden in whole MXFP8_ALIGN) makes every tile full.
+      auto weight_row = [&](int r) {
+        if constexpr (MODE == GATE_UP) {
+          const int box = r / B_BOX_ROWS;
+          return n_base + (box / 2) * B_BOX_ROWS + r % B_BOX_ROWS + (box % 2 ? p.up_offset : 0);
+        } else {
+          return n_base + r;
+        }
+      };
+      const int b_row0 = expert * p.b_rows;
+      // this thread's scales: those of B tile row `tid` (its column) and of A row `tid`
+      const int s_row = weight_row(tid);
+      const uint8_t* const bsc = p.b_scales + static_cast<int64_t>(expert) * p.k_tiles * p.b_rows * KB +
+                                 static_cast<int64_t>(s_row) * KB;
+      const int64_t a_off = a_row[tid];
+      const uint8_t* const asc = p.a_scales + (a_off >= 0 ? a_off / SB : 0);
+      // The A rows this thread copies, kept in registers across the K loop; padding rows copy 0 bytes (zero fill)
+      // from an in-bounds address.
+      const uint8_t* a_src[BM / 16];
+      uint32_t a_valid = 0;
 #pragma unroll
-        for (int box = 0; box < BN / B_BOX_ROWS; ++box)
-          tma_load_2d(st + A_BYTES + box * B_BOX_ROWS * BK, &p.tm_b, full_bar(stage), kofs,
-                      b_row0 + weight_row(box * B_BOX_ROWS));
+      for (int r = 0; r < BM / 16; ++r) {
+        const int64_t off = a_row[r0 + 16 * r];
+        a_src[r] = p.a + (off >= 0 ? off : 0) + c * 16;
+        a_valid |= (off >= 0 ? 1u : 0u) << r;
       }
+      for (int kt = 0; kt < p.k_tiles; ++kt) {
+        const uint32_t k = ks + kt;
+        const int stage = k % STAGES;
+        mbar_wait(empty_bar(stage), ((k / STAGES) & 1) ^ 1);
+        const uint32_t st = base + stage * STAGE_BYTES;
+        const int kofs = kt * BK;
+        if (tid == 0) {
+          mbar_expect_tx(full_bar(stage), B_BYTES);
 #pragma unroll
-      for (int i = 0; i < BM / 16; ++i)
-        cp_async_16(st + swz(r0 + 16 * i, c), a_src[i] + kofs, (a_valid >> i) & 1u ? 16u : 0u);
-      cp_async_4(st + RAW_OFF + 4 * tid, a_off >= 0 ? asc + kt * KB : p.a_scales, a_off >= 0 ? 4u : 0u);
-      cp_async_4(st + RAW_OFF + 4 * BM + 4 * tid, bsc + static_cast<int64_t>(kt) * p.b_rows * KB, 4u);
-      cp_async_commit();
-      if (kt >= LOOKAHEAD - 1) {
-        cp_async_wait<LOOKAHEAD - 1>();
-        const int done = (kt - (LOOKAHEAD - 1)) % STAGES;
-        publish(done);
-        fence_proxy_async();
-        mbar_arrive(full_bar(done));
+          for (int box = 0; box < BN / B_BOX_ROWS; ++box)
+            tma_load_2d(st + A_BYTES + box * B_BOX_ROWS * BK, &p.tm_b, full_bar(stage), kofs,
+                        b_row0 + weight_row(box * B_BOX_ROWS));
+        }
+#pragma unroll
+        for (int r = 0; r < BM / 16; ++r)
+          cp_async_16(st + swz(r0 + 16 * r, c), a_src[r] + kofs, (a_valid >> r) & 1u ? 16u : 0u);
+        cp_async_4(st + RAW_OFF + 4 * tid, a_off >= 0 ? asc + kt * KB : p.a_scales, a_off >= 0 ? 4u : 0u);
+        cp_async_4(st + RAW_OFF + 4 * BM + 4 * tid, bsc + static_cast<int64_t>(kt) * p.b_rows * KB, 4u);
+        cp_async_commit();
+        if (kt >= LOOKAHEAD - 1) {
+          cp_async_wait<LOOKAHEAD - 1>();
+          const int done = (k - (LOOKAHEAD - 1)) % STAGES;
+          publish(done);
+          fence_proxy_async();
+          mbar_arrive(full_bar(done));
+        }
       }
-    }
-    cp_async_wait<0>();
-    for (int kt = max(0, p.k_tiles - (LOOKAHEAD - 1)); kt < p.k_tiles; ++kt) publish(kt % STAGES);
-    fence_proxy_async();
-    for (int kt = max(0, p.k_tiles - (LOOKAHEAD - 1)); kt < p.k_tiles; ++kt) mbar_arrive(full_bar(kt % STAGES));
+      // the tile's last copies: drained here, so the next tile starts from an empty cp.async queue
+      cp_async_wait<0>();
+      const int tail = max(0, p.k_tiles - (LOOKAHEAD - 1));
+      for (int kt = tail; kt < p.k_tiles; ++kt) publish((ks + kt) % STAGES);
+      fence_proxy_async();
+      for (int kt = tail; kt < p.k_tiles; ++kt) mbar_arrive(full_bar((ks + kt) % STAGES));
+      ks = (ks + p.k_tiles) % (2 * STAGES);
+    });
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
@@ -275,119 +320,135 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
   const int ctid = threadIdx.x - 128 * warpgroup;
   const int warp = ctid / 32, lane = ctid % 32, quad = lane & 3;
   const int row0 = wg_row + warp * 16 + (lane >> 2);  // the thread's rows: row0 and row0 + 8
-  float acc[WG_N / 2], tmp[WG_N / 2];
-#pragma unroll
-  for (int i = 0; i < WG_N / 2; ++i) acc[i] = 0.f;
   const uint32_t a_off = wg_row * BK, b_off = A_BYTES + wg_col * BK;
-  // Padding rows (sorted_token_ids -1) end an expert's last block, and the promotion binds this kernel: a warpgroup
-  // whose 64 rows are all padding only keeps the ring turning (its wgmmas leave the tensor cores to the others), a
-  // warp whose 16 rows are all padding skips its promotion (DeepSeek-V3: ~20% of the rows of the grid are padding).
-  if (__all_sync(0xffffffffu, slot_of[wg_row + lane] < 0 && slot_of[wg_row + 32 + lane] < 0)) {
-    for (int kt = 0; kt < p.k_tiles; ++kt) {
-      mbar_wait(full_bar(kt % STAGES), (kt / STAGES) & 1);
-      if (lane == 0) mbar_arrive(empty_bar(kt % STAGES));
-    }
-    return;  // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them
-  }
-  const bool warp_live = __any_sync(0xffffffffu, slot_of[wg_row + 16 * warp + lane % 16] >= 0);
+  // the ring position, running on across tiles in step with the producer's ks
   int stage = 0;
   uint32_t phase = 0;
-  for (int kt = 0; kt < p.k_tiles; ++kt) {
-    mbar_wait(full_bar(stage), phase);
-    const uint32_t st = base + stage * STAGE_BYTES;
-    const uint64_t da = smem_desc(st + a_off), db = smem_desc(st + b_off);
-    const uint32_t fa = st + A_BYTES + B_BYTES + 4 * KB * row0;  // x scales of the thread's rows
-    // w scales of its columns: from group wg_col / 8 of its quad's run
-    const uint32_t fb = st + A_BYTES + B_BYTES + FA_BYTES + 4 * (quad * FB_QUAD + wg_col / 4);
-    auto promote = [&](int j) {  // acc += tmp * sx * sw with the scales of scale block j
-      const float s0 = lds_f32(fa + 4 * j), s1 = lds_f32(fa + 4 * (8 * KB + j));  // rows row0 and row0 + 8
-      const uint32_t fbj = fb + 4 * (j * 4 * FB_QUAD);
-#pragma unroll
-      for (int g = 0; g < WG_N / 8; g += 2) {
-        const float4 sw = lds_f32x4(fbj + 4 * (2 * g));  // columns of groups g and g + 1
-        acc[4 * g + 0] = fmaf(tmp[4 * g + 0], sw.x * s0, acc[4 * g + 0]);
-        acc[4 * g + 1] = fmaf(tmp[4 * g + 1], sw.y * s0, acc[4 * g + 1]);
-        acc[4 * g + 2] = fmaf(tmp[4 * g + 2], sw.x * s1, acc[4 * g + 2]);
-        acc[4 * g + 3] = fmaf(tmp[4 * g + 3], sw.y * s1, acc[4 * g + 3]);
-        acc[4 * g + 4] = fmaf(tmp[4 * g + 4], sw.z * s0, acc[4 * g + 4]);
-        acc[4 * g + 5] = fmaf(tmp[4 * g + 5], sw.w * s0, acc[4 * g + 5]);
-        acc[4 * g + 6] = fmaf(tmp[4 * g + 6], sw.z * s1, acc[4 * g + 6]);
-        acc[4 * g + 7] = fmaf(tmp[4 * g + 7], sw.w * s1, acc[4 * g + 7]);
-      }
-    };
-    if (*reinterpret_cast<volatile int*>(shared_stage + stage)) {
-      // one exponent per row and column over the stage's 128 K: the 4 wgmmas accumulate in the tensor core (fp32)
-      // and one promotion applies the scales: a quarter of the promotion work that binds the per-32 path
-      fence_regs<WG_N / 2>(tmp);
-      wgmma_fence();
-      wgmma_m64n64k32_e4m3<0>(tmp, da, db);
-#pragma unroll
-      for (int j = 1; j < KB; ++j) wgmma_m64n64k32_e4m3<1>(tmp, da + 2 * j, db + 2 * j);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs<WG_N / 2>(tmp);
-      if (warp_live) promote(0);
-    } else {
-#pragma unroll
-      for (int j = 0; j < KB; ++j) {
-        fence_regs<WG_N / 2>(tmp);
-        wgmma_fence();
-        wgmma_m64n64k32_e4m3<0>(tmp, da + 2 * j, db + 2 * j);  // k32 = 32 bytes = 2 descriptor units
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs<WG_N / 2>(tmp);
-        if (warp_live) promote(j);
-      }
-    }
-    if (lane == 0) mbar_arrive(empty_bar(stage));  // all wgmmas of the stage completed; scales are in registers
+  auto next_stage = [&] {
     if (++stage == STAGES) {
       stage = 0;
       phase ^= 1u;
     }
-  }
-
-  // ------------------------------- epilogue -------------------------------
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int lr = row0 + 8 * h;
-    if constexpr (MODE == GATE_UP) {
-      // the warpgroup's 64 columns: gate (groups 0-3) and up (groups 4-7) of 32 hidden columns = one scale block,
-      // across the 4 lanes of the quad
-      static_assert(WG_N / 2 == SB, "a consumer's gate/up columns must be one scale block of the intermediate");
-      const int64_t grow = static_cast<int64_t>(block) * BM + lr;
-      const int hid0 = n_base + wg_col / 2;
-      float hv[8];
-      uint32_t amax = 0;
-#pragma unroll
-      for (int g = 0; g < 4; ++g) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          hv[2 * g + e] = silu_mul(acc[4 * g + 2 * h + e], acc[4 * (g + 4) + 2 * h + e]);
-          amax = max(amax, __float_as_uint(hv[2 * g + e]) & 0x7FFFFFFFu);
-        }
+  };
+  for_each_tile([&](int i, int block, int n_base, int /*expert*/) {
+    const int* const slot_of = slot_rows + (i & 1) * BM;
+    // The tile's routing rows are in place once its first stage is full: the producer wrote them before any of its
+    // arrivals on that barrier (p.k_tiles >= 1: dim and hidden are positive multiples of MXFP8_ALIGN).
+    mbar_wait(full_bar(stage), phase);
+    // Padding rows (sorted_token_ids -1) end an expert's last block, and the promotion binds this kernel: a warpgroup
+    // whose 64 rows are all padding only keeps the ring turning (its wgmmas leave the tensor cores to the others), a
+    // warp whose 16 rows are all padding skips its promotion (DeepSeek-V3: ~20% of the rows of the grid are padding).
+    if (__all_sync(0xffffffffu, slot_of[wg_row + lane] < 0 && slot_of[wg_row + 32 + lane] < 0)) {
+      for (int kt = 0; kt < p.k_tiles; ++kt) {
+        mbar_wait(full_bar(stage), phase);
+        if (lane == 0) mbar_arrive(empty_bar(stage));
+        next_stage();
       }
-      amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
-      amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
-      const uint32_t sb = mx::scale_byte(amax);
-      const float inv = __uint_as_float(sb == mx::kNanScale ? 0u : mx::inv_scale_bits(sb));
-      if (hid0 < p.n_total) {
-        uint8_t* dst = p.inter + grow * p.ld_inter + hid0;
-#pragma unroll
-        for (int g = 0; g < 4; ++g) {
-          const uint16_t v = sb == mx::kNanScale
-                                 ? static_cast<uint16_t>(0x7F7F)
-                                 : static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(
-                                       make_float2(hv[2 * g] * inv, hv[2 * g + 1] * inv), __NV_SATFINITE, __NV_E4M3));
-          *reinterpret_cast<uint16_t*>(dst + 8 * g + 2 * quad) = v;
-        }
-        if (quad == 0) p.inter_scales[grow * (p.ld_inter / SB) + hid0 / SB] = static_cast<uint8_t>(sb);
-      }
+      // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them
     } else {
-      const int slot = slot_of[lr];
-      if (slot < 0) continue;
-      store_down_row<WG_N, MODE == DOWN_ATOMIC>(p, acc, h, quad, slot, n_base + wg_col);
+      const bool warp_live = __any_sync(0xffffffffu, slot_of[wg_row + 16 * warp + lane % 16] >= 0);
+      float acc[WG_N / 2], tmp[WG_N / 2];
+#pragma unroll
+      for (int r = 0; r < WG_N / 2; ++r) acc[r] = 0.f;
+      for (int kt = 0; kt < p.k_tiles; ++kt) {
+        mbar_wait(full_bar(stage), phase);
+        const uint32_t st = base + stage * STAGE_BYTES;
+        const uint64_t da = smem_desc(st + a_off), db = smem_desc(st + b_off);
+        const uint32_t fa = st + A_BYTES + B_BYTES + 4 * KB * row0;  // x scales of the thread's rows
+        // w scales of its columns: from group wg_col / 8 of its quad's run
+        const uint32_t fb = st + A_BYTES + B_BYTES + FA_BYTES + 4 * (quad * FB_QUAD + wg_col / 4);
+        auto promote = [&](int j) {  // acc += tmp * sx * sw with the scales of scale block j
+          const float s0 = lds_f32(fa + 4 * j), s1 = lds_f32(fa + 4 * (8 * KB + j));  // rows row0 and row0 + 8
+          const uint32_t fbj = fb + 4 * (j * 4 * FB_QUAD);
+#pragma unroll
+          for (int g = 0; g < WG_N / 8; g += 2) {
+            const float4 sw = lds_f32x4(fbj + 4 * (2 * g));  // columns of groups g and g + 1
+            acc[4 * g + 0] = fmaf(tmp[4 * g + 0], sw.x * s0, acc[4 * g + 0]);
+            acc[4 * g + 1] = fmaf(tmp[4 * g + 1], sw.y * s0, acc[4 * g + 1]);
+            acc[4 * g + 2] = fmaf(tmp[4 * g + 2], sw.x * s1, acc[4 * g + 2]);
+            acc[4 * g + 3] = fmaf(tmp[4 * g + 3], sw.y * s1, acc[4 * g + 3]);
+            acc[4 * g + 4] = fmaf(tmp[4 * g + 4], sw.z * s0, acc[4 * g + 4]);
+            acc[4 * g + 5] = fmaf(tmp[4 * g + 5], sw.w * s0, acc[4 * g + 5]);
+            acc[4 * g + 6] = fmaf(tmp[4 * g + 6], sw.z * s1, acc[4 * g + 6]);
+            acc[4 * g + 7] = fmaf(tmp[4 * g + 7], sw.w * s1, acc[4 * g + 7]);
+          }
+        };
+        if (*reinterpret_cast<volatile int*>(shared_stage + stage)) {
+          // one exponent per row and column over the stage's 128 K: the 4 wgmmas accumulate in the tensor core
+          // (fp32) and one promotion applies the scales: a quarter of the promotion work that binds the per-32 path
+          fence_regs<WG_N / 2>(tmp);
+          wgmma_fence();
+          wgmma_m64n64k32_e4m3<0>(tmp, da, db);
+#pragma unroll
+          for (int j = 1; j < KB; ++j) wgmma_m64n64k32_e4m3<1>(tmp, da + 2 * j, db + 2 * j);
+          wgmma_commit();
+          wgmma_wait<0>();
+          fence_regs<WG_N / 2>(tmp);
+          if (warp_live) promote(0);
+        } else {
+#pragma unroll
+          for (int j = 0; j < KB; ++j) {
+            fence_regs<WG_N / 2>(tmp);
+            wgmma_fence();
+            wgmma_m64n64k32_e4m3<0>(tmp, da + 2 * j, db + 2 * j);  // k32 = 32 bytes = 2 descriptor units
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs<WG_N / 2>(tmp);
+            if (warp_live) promote(j);
+          }
+        }
+        if (lane == 0) mbar_arrive(empty_bar(stage));  // all wgmmas of the stage completed; scales are in registers
+        next_stage();
+      }
+
+      // ------------------------------- epilogue -------------------------------
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int lr = row0 + 8 * h;
+        if constexpr (MODE == GATE_UP) {
+          // the warpgroup's 64 columns: gate (groups 0-3) and up (groups 4-7) of 32 hidden columns = one scale block,
+          // across the 4 lanes of the quad
+          static_assert(WG_N / 2 == SB, "a consumer's gate/up columns must be one scale block of the intermediate");
+          const int64_t grow = static_cast<int64_t>(block) * BM + lr;
+          const int hid0 = n_base + wg_col / 2;
+          float hv[8];
+          uint32_t amax = 0;
+#pragma unroll
+          for (int g = 0; g < 4; ++g) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              hv[2 * g + e] = silu_mul(acc[4 * g + 2 * h + e], acc[4 * (g + 4) + 2 * h + e]);
+              amax = max(amax, __float_as_uint(hv[2 * g + e]) & 0x7FFFFFFFu);
+            }
+          }
+          amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+          amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+          const uint32_t sb = mx::scale_byte(amax);
+          const float inv = __uint_as_float(sb == mx::kNanScale ? 0u : mx::inv_scale_bits(sb));
+          if (hid0 < p.n_total) {
+            uint8_t* dst = p.inter + grow * p.ld_inter + hid0;
+#pragma unroll
+            for (int g = 0; g < 4; ++g) {
+              const uint16_t v = sb == mx::kNanScale
+                                     ? static_cast<uint16_t>(0x7F7F)
+                                     : static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(
+                                           make_float2(hv[2 * g] * inv, hv[2 * g + 1] * inv), __NV_SATFINITE,
+                                           __NV_E4M3));
+              *reinterpret_cast<uint16_t*>(dst + 8 * g + 2 * quad) = v;
+            }
+            if (quad == 0) p.inter_scales[grow * (p.ld_inter / SB) + hid0 / SB] = static_cast<uint8_t>(sb);
+          }
+        } else {
+          const int slot = slot_of[lr];
+          if (slot < 0) continue;
+          store_down_row<WG_N, MODE == DOWN_ATOMIC>(p, acc, h, quad, slot, n_base + wg_col);
+        }
+      }
     }
-  }
+    // every lane's reads of the tile's routing rows are done before lane 0 frees them for tile i + 2
+    __syncwarp();
+    if (lane == 0) mbar_arrive(tile_free_bar(i & 1));
+  });
 #else
   __trap();
 #endif
@@ -395,7 +456,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
 
 template <int MODE>
 void launch(const Params& p, int n_tiles, int64_t blocks, cudaStream_t stream) {
-  launch_rastered<moe_mxfp8_kernel<MODE>, NUM_THREADS, SMEM_BYTES>(p, n_tiles, blocks, stream);
+  launch_rastered<moe_mxfp8_kernel<MODE>, NUM_THREADS, SMEM_BYTES, 1, true>(p, n_tiles, blocks, stream);
 }
 
 __device__ __forceinline__ float to_f32(float v) { return v; }

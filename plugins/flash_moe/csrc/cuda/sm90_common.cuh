@@ -10,6 +10,7 @@
 #include <prime_kernels/sm90.cuh>
 #include <prime_kernels/tma.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace flash_moe {
@@ -25,7 +26,7 @@ constexpr int RASTER_BLOCKS = FLASH_MOE_RASTER_BLOCKS;
 // CTA blockIdx.x -> (aligned block, column tile) over a 1-D grid of blocks x n_tiles: groups of RASTER_BLOCKS
 // consecutive blocks, blocks fastest within a group, so the CTAs resident at one time share their A rows and their
 // experts' weight columns in L2 (with the column tile fastest, a large expert's weights stream from HBM once per block).
-// `cta` < blocks * n_tiles (blockIdx.x, or a cluster peer's).
+// `cta` < blocks * n_tiles (blockIdx.x, a cluster peer's, or a tile number of a persistent CTA).
 __device__ __forceinline__ void raster(int cta, int n_tiles, int blocks, int& block, int& n_tile) {
   const int per_group = RASTER_BLOCKS * n_tiles;
   const int group = cta / per_group;
@@ -38,9 +39,11 @@ __device__ __forceinline__ void raster(int cta, int n_tiles, int blocks, int& bl
 
 // One launch of a GEMM kernel over blocks x n_tiles CTAs (the raster above decodes blockIdx.x), in clusters of
 // kCluster consecutive CTAs (the grid rounded up to whole clusters: CTAs past blocks x n_tiles leave at once); each
-// kernel (each mode) gets its shared-memory size once.
-template <auto kKernel, int kThreads, int kSmemBytes, int kCluster = 1, class Params>
+// kernel (each mode) gets its shared-memory size once. kPersistent: a grid of min(blocks x n_tiles, SMs) CTAs instead
+// (p.ctas), each walking the tiles blockIdx.x, + p.ctas, ... itself: for kernels of one resident CTA per SM.
+template <auto kKernel, int kThreads, int kSmemBytes, int kCluster = 1, bool kPersistent = false, class Params>
 void launch_rastered(Params p, int n_tiles, int64_t blocks, cudaStream_t stream) {
+  static_assert(!kPersistent || kCluster == 1, "persistent launches run without clusters");
   static const bool configured = [] {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
     return true;
@@ -51,9 +54,16 @@ void launch_rastered(Params p, int n_tiles, int64_t blocks, cudaStream_t stream)
               " column tiles exceed one launch");
   p.n_tiles = n_tiles;
   p.blocks = static_cast<int>(blocks);
-  C10_CUDA_CHECK(prime_kernels::sm90::launch_in_clusters(
-      kKernel, static_cast<unsigned>((ctas + kCluster - 1) / kCluster * kCluster), kThreads, kSmemBytes, stream,
-      kCluster, p));
+  int64_t grid = (ctas + kCluster - 1) / kCluster * kCluster;
+  if constexpr (kPersistent) {
+    int device = 0, sms = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    grid = std::min<int64_t>(ctas, sms);
+    p.ctas = static_cast<int>(grid);
+  }
+  C10_CUDA_CHECK(prime_kernels::sm90::launch_in_clusters(kKernel, static_cast<unsigned>(grid), kThreads, kSmemBytes,
+                                                         stream, kCluster, p));
 }
 
 // The kernels are sm_90a code: a clear error on any other device instead of a launch failure.
@@ -92,30 +102,44 @@ __device__ __forceinline__ int routed_slot(const Params& p, int row) {
   return entry < p.num_slots ? entry : -1;
 }
 
-// The block's routing rows into shared memory (threads < BM): slot_of[r] = routed_slot(p, block * BM + r) and
+// Routing row r of aligned block `block` into shared memory: slot_of[r] = routed_slot(p, block * BM + r) and
 // a_row[r] = the element offset of A's row r: x's row slot / top_k for the gate/up GEMMs (-1 for padding), the
-// intermediate's row block * BM + r for the down GEMMs. Thread 0 initialises the stage ring: "full" completes on
-// kFullArrivals arrivals, "empty" on empty_arrivals (lane 0 of each of the 8 consumer warps; 16 where a cluster peer's
-// consumers also release the stage, its weight tile being multicast into both). Ends with __syncthreads().
+// intermediate's row block * BM + r for the down GEMMs.
+template <int BM, bool kGatherX, class Params>
+__device__ __forceinline__ void routing_row(const Params& p, int block, int r, int64_t* a_row, int* slot_of) {
+  const int row = block * BM + r;
+  const int slot = routed_slot(p, row);
+  slot_of[r] = slot;
+  if constexpr (kGatherX) {
+    a_row[r] = slot >= 0 ? static_cast<int64_t>(slot / p.top_k) * p.lda : -1;
+  } else {
+    a_row[r] = static_cast<int64_t>(row) * p.lda;
+  }
+}
+
+// The stage ring's mbarriers (one thread): "full" completes on kFullArrivals arrivals, "empty" on empty_arrivals.
+// The caller makes them visible with fence_mbarrier_init() and a CTA barrier before any other thread uses them.
+template <int STAGES>
+__device__ __forceinline__ void init_ring(uint32_t bars, uint32_t empty_arrivals) {
+  for (int s = 0; s < STAGES; ++s) {
+    mbar_init(bars + 8u * s, kFullArrivals);
+    mbar_init(bars + 8u * (STAGES + s), empty_arrivals);
+  }
+}
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// The block's routing rows into shared memory (threads < BM, routing_row) and the stage ring (thread 0, init_ring;
+// "empty" completes on empty_arrivals: lane 0 of each of the 8 consumer warps, 16 where a cluster peer's consumers
+// also release the stage, its weight tile being multicast into both). Ends with __syncthreads().
 template <int BM, int STAGES, bool kGatherX, class Params>
 __device__ __forceinline__ void block_prologue(const Params& p, int block, int64_t* a_row, int* slot_of,
                                                uint32_t bars, uint32_t empty_arrivals = 8) {
-  if (threadIdx.x < BM) {
-    const int row = block * BM + threadIdx.x;
-    const int slot = routed_slot(p, row);
-    slot_of[threadIdx.x] = slot;
-    if constexpr (kGatherX) {
-      a_row[threadIdx.x] = slot >= 0 ? static_cast<int64_t>(slot / p.top_k) * p.lda : -1;
-    } else {
-      a_row[threadIdx.x] = static_cast<int64_t>(row) * p.lda;
-    }
-  }
+  if (threadIdx.x < BM) routing_row<BM, kGatherX>(p, block, threadIdx.x, a_row, slot_of);
   if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(bars + 8u * s, kFullArrivals);
-      mbar_init(bars + 8u * (STAGES + s), empty_arrivals);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    init_ring<STAGES>(bars, empty_arrivals);
+    fence_mbarrier_init();
   }
   __syncthreads();
 }
