@@ -1,8 +1,8 @@
-// flash_moe mxfp8 on CUDA sm_90a: quantize_mxfp8 (four lanes per scale block) and the fused expert GEMMs on e4m3
+// flash_moe mxfp8 on CUDA sm_90a: quantize_mxfp8 (8 elements per lane), share_exponents_mxfp8 and the fused expert GEMMs on e4m3
 // operands with e8m0 block scales (see docs/notes/flash_moe.md, "mxfp8").
 //
 // Hopper has no block-scaled tensor-core instruction, so the scales are applied outside the tensor core: every
-// wgmma.m64n64k32 e4m3 x e4m3 -> fp32 covers exactly one 32-wide scale block of K, runs into a temporary
+// wgmma.m64n128k32 e4m3 x e4m3 -> fp32 covers exactly one 32-wide scale block of K, runs into a temporary
 // accumulator (scale-d = 0), and is promoted into the fp32 accumulator with both scales:
 //   acc[r][c] = fma(tmp[r][c], sw[c][kb] * sx[r][kb], acc[r][c])       (both factors powers of two: exact products)
 // Shared exponents (mxfp8.h): where every A row and B row of a pipeline stage carries one scale across the stage's
@@ -12,7 +12,7 @@
 // shared scales is computed exactly as given. The intermediate's exponents are shared per 128 hidden columns between
 // the two GEMMs (share_exponents_kernel), so the down projection takes the fast path wherever w2's are shared.
 // Tile = one aligned block (BLOCK_M = 128 routed slots, one expert) x MXFP8_BLOCK_N = 128 columns. Persistent CTAs of
-// 640 threads, one per SM (the grid: min(tiles, SMs)), each walking the tiles blockIdx.x, + gridDim.x, ... of the
+// 384 threads, one per SM (the grid: min(tiles, SMs)), each walking the tiles blockIdx.x, + gridDim.x, ... of the
 // raster over the live blocks, so that an SM does not idle through each tile's prologue, pipeline fill and epilogue
 // (Qwen3's 6-stage down tiles): the stage ring runs on across tiles and the routing rows are double-buffered by tile
 // parity, a buffer freed (tile_free mbarrier) once every consumer warp is done with its tile:
@@ -24,13 +24,13 @@
 //                producer thread decodes its 8 scale bytes to fp32 into the stage's scale tables (laid out for the
 //                consumers' accumulator fragments), the warpgroup ANDs "my 4 + 4 bytes are equal" into the stage's
 //                shared-exponent flag, fences the async proxy and arrives on the stage's full mbarrier.
-//   warpgroups 1-4  consumers, a 64 x 64 quarter of the tile each (rows 64 (w & 1), columns 64 (w >> 1)): per K step
-//                4 x (wgmma m64n64k32 into tmp, wait, promote), or on a flagged stage 4 wgmmas into tmp, wait,
-//                promote once; the stage is released on its empty mbarrier once its
-//                last wgmma has completed. Four consumer warps per scheduler (not two of m64n128) hide each other's
-//                wgmma and scale-load latency, which bound the two-warpgroup kernel (docs/notes/flash_moe.md).
-// Kernel 1 (gate/up): B = 32 gate rows, the matching 32 up rows, the next 32 gate rows, their 32 up rows, so that a
-//   consumer's 64 columns are the gate and up halves of the same 32 hidden columns; epilogue h = silu(g) * u in fp32,
+//   warpgroups 1-2  consumers, 64 rows of the tile each, all 128 columns: per K step 4 x (wgmma m64n128k32 into tmp,
+//                wait, promote), or on a flagged stage 4 wgmmas into tmp, wait, promote once; the stage is released
+//                on its empty mbarrier once its last wgmma has completed. (Four warpgroups of m64n64 were 2-3% faster
+//                for the per-32 path, whose promotion binds; on flagged stages m64n128 reads A half as often per FLOP:
+//                8% / 3% faster on DeepSeek-V3 / Qwen3, docs/notes/flash_moe.md.)
+// Kernel 1 (gate/up): B = 32 gate rows, the matching 32 up rows, the next 32 gate rows, their 32 up rows, so that
+//   each 32 hidden columns have their gate and up columns in one warpgroup; epilogue h = silu(g) * u in fp32,
 //   re-quantized to mxfp8 per 32 hidden columns (amax across the 4 lanes of a quad holding one row's 32 columns;
 //   mx::scale_byte, the rule quantize_mxfp8 uses) into the e4m3 intermediate [padded slots, hidden] and its row-major
 //   scales.
