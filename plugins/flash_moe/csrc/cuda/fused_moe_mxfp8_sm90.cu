@@ -1,8 +1,8 @@
-// flash_moe mxfp8 on CUDA sm_90a: quantize_mxfp8 (four lanes per scale block) and the fused expert GEMMs on e4m3
+// flash_moe mxfp8 on CUDA sm_90a: quantize_mxfp8 (8 elements per lane), share_exponents_mxfp8 and the fused expert GEMMs on e4m3
 // operands with e8m0 block scales (see docs/notes/flash_moe.md, "mxfp8").
 //
 // Hopper has no block-scaled tensor-core instruction, so the scales are applied outside the tensor core: every
-// wgmma.m64n64k32 e4m3 x e4m3 -> fp32 covers exactly one 32-wide scale block of K, runs into a temporary
+// wgmma.m64n128k32 e4m3 x e4m3 -> fp32 covers exactly one 32-wide scale block of K, runs into a temporary
 // accumulator (scale-d = 0), and is promoted into the fp32 accumulator with both scales:
 //   acc[r][c] = fma(tmp[r][c], sw[c][kb] * sx[r][kb], acc[r][c])       (both factors powers of two: exact products)
 // Shared exponents (mxfp8.h): where every A row and B row of a pipeline stage carries one scale across the stage's
@@ -12,7 +12,7 @@
 // shared scales is computed exactly as given. The intermediate's exponents are shared per 128 hidden columns between
 // the two GEMMs (share_exponents_kernel), so the down projection takes the fast path wherever w2's are shared.
 // Tile = one aligned block (BLOCK_M = 128 routed slots, one expert) x MXFP8_BLOCK_N = 128 columns. Persistent CTAs of
-// 640 threads, one per SM (the grid: min(tiles, SMs)), each walking the tiles blockIdx.x, + gridDim.x, ... of the
+// 384 threads, one per SM (the grid: min(tiles, SMs)), each walking the tiles blockIdx.x, + gridDim.x, ... of the
 // raster over the live blocks, so that an SM does not idle through each tile's prologue, pipeline fill and epilogue
 // (Qwen3's 6-stage down tiles): the stage ring runs on across tiles and the routing rows are double-buffered by tile
 // parity, a buffer freed (tile_free mbarrier) once every consumer warp is done with its tile:
@@ -24,13 +24,13 @@
 //                producer thread decodes its 8 scale bytes to fp32 into the stage's scale tables (laid out for the
 //                consumers' accumulator fragments), the warpgroup ANDs "my 4 + 4 bytes are equal" into the stage's
 //                shared-exponent flag, fences the async proxy and arrives on the stage's full mbarrier.
-//   warpgroups 1-4  consumers, a 64 x 64 quarter of the tile each (rows 64 (w & 1), columns 64 (w >> 1)): per K step
-//                4 x (wgmma m64n64k32 into tmp, wait, promote), or on a flagged stage 4 wgmmas into tmp, wait,
-//                promote once; the stage is released on its empty mbarrier once its
-//                last wgmma has completed. Four consumer warps per scheduler (not two of m64n128) hide each other's
-//                wgmma and scale-load latency, which bound the two-warpgroup kernel (docs/notes/flash_moe.md).
-// Kernel 1 (gate/up): B = 32 gate rows, the matching 32 up rows, the next 32 gate rows, their 32 up rows, so that a
-//   consumer's 64 columns are the gate and up halves of the same 32 hidden columns; epilogue h = silu(g) * u in fp32,
+//   warpgroups 1-2  consumers, 64 rows of the tile each, all 128 columns: per K step 4 x (wgmma m64n128k32 into tmp,
+//                wait, promote), or on a flagged stage 4 wgmmas into tmp, wait, promote once; the stage is released
+//                on its empty mbarrier once its last wgmma has completed. (Four warpgroups of m64n64 were 2-3% faster
+//                for the per-32 path, whose promotion binds; on flagged stages m64n128 reads A half as often per FLOP:
+//                8% / 3% faster on DeepSeek-V3 / Qwen3, docs/notes/flash_moe.md.)
+// Kernel 1 (gate/up): B = 32 gate rows, the matching 32 up rows, the next 32 gate rows, their 32 up rows, so that
+//   each 32 hidden columns have their gate and up columns in one warpgroup; epilogue h = silu(g) * u in fp32,
 //   re-quantized to mxfp8 per 32 hidden columns (amax across the 4 lanes of a quad holding one row's 32 columns;
 //   mx::scale_byte, the rule quantize_mxfp8 uses) into the e4m3 intermediate [padded slots, hidden] and its row-major
 //   scales.
@@ -73,19 +73,19 @@ constexpr int BK = FLASH_MOE_MXFP8_ALIGN;  // e4m3 bytes per K step: one 128-byt
 constexpr int KB = BK / SB;                // scale blocks (wgmma k32 steps) per K step
 constexpr int STAGES = FLASH_MOE_MXFP8_STAGES;
 static_assert(BM == 128, "BLOCK_M must be 128 (two row halves of wgmma m64)");
-static_assert(BN == 128, "MXFP8_BLOCK_N must be 128 (two column halves of wgmma m64n64k32)");
+static_assert(BN == 128, "MXFP8_BLOCK_N must be 128 (the N of one wgmma m64n128k32)");
 static_assert(SB == 32 && BK == 128, "mxfp8 kernels: scale block 32 (= wgmma k32 of e4m3) and MXFP8_ALIGN 128");
 static_assert(STAGES >= 3 && STAGES <= 5, "MXFP8_STAGES must be 3..5 (shared memory)");
 
-constexpr int WG_M = 64, WG_N = 64;  // one consumer warpgroup's quarter of the tile
-constexpr int CONSUMERS = (BM / WG_M) * (BN / WG_N);
+constexpr int WG_M = 64, WG_N = BN;  // one consumer warpgroup's half of the tile: 64 rows, every column
+constexpr int CONSUMERS = BM / WG_M;
 constexpr int NUM_THREADS = 128 * (1 + CONSUMERS);
 constexpr int CONSUMER_WARPS = 4 * CONSUMERS;
 // Registers: the CTA holds what it was launched with (NUM_THREADS x 96 of the 64 K register file) and setmaxnreg only
 // moves registers within it: the consumers' increase must fit in what the producer gives back, or it waits forever.
 constexpr int LAUNCH_REGS = 65536 / NUM_THREADS / 8 * 8;
 // Producer 56: its per-tile set-up (routing rows, gathered row addresses) spilled at 48 (gate/up).
-constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 104;
+constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
 static_assert(128 * (PRODUCER_REGS + CONSUMERS * CONSUMER_REGS) <= NUM_THREADS * LAUNCH_REGS,
               "setmaxnreg: the consumers' registers must come from the producer's");
 constexpr int A_BYTES = BM * BK;
@@ -100,7 +100,9 @@ constexpr int RAW_BYTES = (BM + BN) * KB;  // e8m0 bytes as copied: A rows then 
 // rounded up to keep the 1024-byte alignment of the 128B-swizzled tiles
 constexpr int STAGE_BYTES = (A_BYTES + B_BYTES + FA_BYTES + FB_BYTES + RAW_BYTES + 1023) / 1024 * 1024;
 constexpr int LOOKAHEAD = STAGES - 1;
-constexpr int B_BOX_ROWS = WG_N / 2;  // one TMA box: the gate (or up) half of a consumer's gate/up columns
+// one TMA box: 32 gate (or up) rows; gate/up tiles interleave them so that each scale block of the intermediate
+// (32 hidden columns) has its gate and up columns in the same warpgroup
+constexpr int B_BOX_ROWS = SB;
 // ring, the routing rows of two tiles, the ring's and the two tile_free mbarriers, the stages' shared-exponent flags
 constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * BM * (8 + 4) + (2 * STAGES + 2) * 8 + STAGES * 4;
 
@@ -138,11 +140,11 @@ struct Params {
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 template <int ACCUMULATE>
-__device__ __forceinline__ void wgmma_m64n64k32_e4m3(float* d, uint64_t da, uint64_t db) {
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float* d, uint64_t da, uint64_t db) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(da), "l"(db), "n"(ACCUMULATE));  // scale-d: tmp = A B (0) or tmp + A B (1)
 }
 // AND of `v` over the producer warpgroup (named barrier 1: its 128 threads only).
@@ -316,7 +318,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
 
   // ------------------------------- consumers -------------------------------
   const int wg = warpgroup - 1;
-  const int wg_row = WG_M * (wg % 2), wg_col = WG_N * (wg / 2);  // the warpgroup's quarter of the tile
+  const int wg_row = WG_M * wg, wg_col = 0;  // the warpgroup's half of the tile
   const int ctid = threadIdx.x - 128 * warpgroup;
   const int warp = ctid / 32, lane = ctid % 32, quad = lane & 3;
   const int row0 = wg_row + warp * 16 + (lane >> 2);  // the thread's rows: row0 and row0 + 8
@@ -378,9 +380,9 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
           // (fp32) and one promotion applies the scales: a quarter of the promotion work that binds the per-32 path
           fence_regs<WG_N / 2>(tmp);
           wgmma_fence();
-          wgmma_m64n64k32_e4m3<0>(tmp, da, db);
+          wgmma_m64n128k32_e4m3<0>(tmp, da, db);
 #pragma unroll
-          for (int j = 1; j < KB; ++j) wgmma_m64n64k32_e4m3<1>(tmp, da + 2 * j, db + 2 * j);
+          for (int j = 1; j < KB; ++j) wgmma_m64n128k32_e4m3<1>(tmp, da + 2 * j, db + 2 * j);
           wgmma_commit();
           wgmma_wait<0>();
           fence_regs<WG_N / 2>(tmp);
@@ -390,7 +392,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
           for (int j = 0; j < KB; ++j) {
             fence_regs<WG_N / 2>(tmp);
             wgmma_fence();
-            wgmma_m64n64k32_e4m3<0>(tmp, da + 2 * j, db + 2 * j);  // k32 = 32 bytes = 2 descriptor units
+            wgmma_m64n128k32_e4m3<0>(tmp, da + 2 * j, db + 2 * j);  // k32 = 32 bytes = 2 descriptor units
             wgmma_commit();
             wgmma_wait<0>();
             fence_regs<WG_N / 2>(tmp);
@@ -406,37 +408,41 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
       for (int h = 0; h < 2; ++h) {
         const int lr = row0 + 8 * h;
         if constexpr (MODE == GATE_UP) {
-          // the warpgroup's 64 columns: gate (groups 0-3) and up (groups 4-7) of 32 hidden columns = one scale block,
-          // across the 4 lanes of the quad
-          static_assert(WG_N / 2 == SB, "a consumer's gate/up columns must be one scale block of the intermediate");
+          // the warpgroup's columns: per scale block b of the intermediate (32 hidden columns) the gate (groups 8 b ..
+          // 8 b + 3) and up (8 b + 4 .. 8 b + 7) of those columns, across the 4 lanes of the quad
+          static_assert(WG_N % (2 * SB) == 0, "a consumer's gate/up columns must be whole scale blocks of h");
           const int64_t grow = static_cast<int64_t>(block) * BM + lr;
-          const int hid0 = n_base + wg_col / 2;
-          float hv[8];
-          uint32_t amax = 0;
 #pragma unroll
-          for (int g = 0; g < 4; ++g) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              hv[2 * g + e] = silu_mul(acc[4 * g + 2 * h + e], acc[4 * (g + 4) + 2 * h + e]);
-              amax = max(amax, __float_as_uint(hv[2 * g + e]) & 0x7FFFFFFFu);
-            }
-          }
-          amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
-          amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
-          const uint32_t sb = mx::scale_byte(amax);
-          const float inv = __uint_as_float(sb == mx::kNanScale ? 0u : mx::inv_scale_bits(sb));
-          if (hid0 < p.n_total) {
-            uint8_t* dst = p.inter + grow * p.ld_inter + hid0;
+          for (int hb = 0; hb < WG_N / (2 * SB); ++hb) {
+            const int hid0 = n_base + wg_col / 2 + hb * SB;
+            const float* const ga = acc + 32 * hb;  // 8 groups of 4 registers per scale block
+            float hv[8];
+            uint32_t amax = 0;
 #pragma unroll
             for (int g = 0; g < 4; ++g) {
-              const uint16_t v = sb == mx::kNanScale
-                                     ? static_cast<uint16_t>(0x7F7F)
-                                     : static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(
-                                           make_float2(hv[2 * g] * inv, hv[2 * g + 1] * inv), __NV_SATFINITE,
-                                           __NV_E4M3));
-              *reinterpret_cast<uint16_t*>(dst + 8 * g + 2 * quad) = v;
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                hv[2 * g + e] = silu_mul(ga[4 * g + 2 * h + e], ga[4 * (g + 4) + 2 * h + e]);
+                amax = max(amax, __float_as_uint(hv[2 * g + e]) & 0x7FFFFFFFu);
+              }
             }
-            if (quad == 0) p.inter_scales[grow * (p.ld_inter / SB) + hid0 / SB] = static_cast<uint8_t>(sb);
+            amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+            amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+            const uint32_t sb = mx::scale_byte(amax);
+            const float inv = __uint_as_float(sb == mx::kNanScale ? 0u : mx::inv_scale_bits(sb));
+            if (hid0 < p.n_total) {
+              uint8_t* dst = p.inter + grow * p.ld_inter + hid0;
+#pragma unroll
+              for (int g = 0; g < 4; ++g) {
+                const uint16_t v = sb == mx::kNanScale
+                                       ? static_cast<uint16_t>(0x7F7F)
+                                       : static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(
+                                             make_float2(hv[2 * g] * inv, hv[2 * g + 1] * inv), __NV_SATFINITE,
+                                             __NV_E4M3));
+                *reinterpret_cast<uint16_t*>(dst + 8 * g + 2 * quad) = v;
+              }
+              if (quad == 0) p.inter_scales[grow * (p.ld_inter / SB) + hid0 / SB] = static_cast<uint8_t>(sb);
+            }
           }
         } else {
           const int slot = slot_of[lr];
