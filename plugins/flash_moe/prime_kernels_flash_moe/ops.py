@@ -133,7 +133,8 @@ def _(t, block):
 @torch.library.register_fake("flash_moe::share_exponents_mxfp8")
 def _(data, scales):
     torch._check(data.dim() >= 1 and data.shape[-1] % MXFP8_ALIGN == 0,
-                 lambda: f"share_exponents_mxfp8: data's last dimension must be a multiple of MXFP8_ALIGN={MXFP8_ALIGN}")
+                 lambda: "share_exponents_mxfp8: data's last dimension must be a multiple of "
+                         f"MXFP8_ALIGN={MXFP8_ALIGN}")
     return (data.new_empty(data.shape, dtype=torch.float8_e4m3fn),
             scales.new_empty(scales.shape, dtype=torch.float8_e8m0fnu))
 

@@ -1,5 +1,5 @@
-// flash_moe mxfp8 on CUDA sm_90a: quantize_mxfp8 (8 elements per lane), share_exponents_mxfp8 and the fused expert GEMMs on e4m3
-// operands with e8m0 block scales (see docs/notes/flash_moe.md, "mxfp8").
+// flash_moe mxfp8 on CUDA sm_90a: quantize_mxfp8 (8 elements per lane), share_exponents_mxfp8 and the fused expert
+// GEMMs on e4m3 operands with e8m0 block scales (see docs/notes/flash_moe.md, "mxfp8").
 //
 // Hopper has no block-scaled tensor-core instruction, so the scales are applied outside the tensor core: every
 // wgmma.m64n128k32 e4m3 x e4m3 -> fp32 covers exactly one 32-wide scale block of K, runs into a temporary
@@ -81,8 +81,9 @@ constexpr int WG_M = 64, WG_N = BN;  // one consumer warpgroup's half of the til
 constexpr int CONSUMERS = BM / WG_M;
 constexpr int NUM_THREADS = 128 * (1 + CONSUMERS);
 constexpr int CONSUMER_WARPS = 4 * CONSUMERS;
-// Registers: the CTA holds what it was launched with (NUM_THREADS x 96 of the 64 K register file) and setmaxnreg only
-// moves registers within it: the consumers' increase must fit in what the producer gives back, or it waits forever.
+// Registers: the CTA holds what it was launched with (NUM_THREADS x LAUNCH_REGS of the 64 K register file) and
+// setmaxnreg only moves registers within it: the consumers' increase must fit in what the producer gives back, or it
+// waits forever.
 constexpr int LAUNCH_REGS = 65536 / NUM_THREADS / 8 * 8;
 // Producer 56: its per-tile set-up (routing rows, gathered row addresses) spilled at 48 (gate/up).
 constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
