@@ -302,7 +302,8 @@ def fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, e
     elements of smaller-scaled blocks re-rounded: see quantize_mxfp8's ``exponent_block``) before the down
     projection; combine and index values as fused_moe_bf16. Speed: wherever a pipeline stage's 128 K of x and w (h
     and w2) carry one scale per row, the CUDA kernels apply the scales once per stage instead of once per 32 of K:
-    quantize with ``exponent_block=MXFP8_ALIGN`` (as ``moe(mxfp8=True)`` does) for the fast path.
+    quantize with ``exponent_block=MXFP8_ALIGN`` (as ``moe(mxfp8=True)`` does), or pass operands quantized elsewhere
+    through ``share_exponents_mxfp8`` once (weights: once per version), for the fast path.
     ``block_m`` must equal BLOCK_M; the other tuning keywords are accepted and ignored.
     """
     torch.ops.flash_moe.fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids,
