@@ -46,14 +46,17 @@ C10_HOST_DEVICE inline uint32_t scale_bits(uint32_t b) {
   return b == 0u ? 0x00400000u : (b == 255u ? 0x7FC00000u : b << 23);
 }
 
+// Re-rounding onto a scale 2^d larger: |q| * 2^-d < 2^-10 (half the smallest e4m3 subnormal) once d >= this, a
+// signed zero (448 * 2^-19 < 2^-10).
+constexpr uint32_t kShareFlushShift = 19;
+
 // An element of a block with scale byte `b`, re-rounded onto the group's shared scale byte `shared` >= b (not NaN).
 C10_HOST_DEVICE inline uint8_t share_element(uint8_t q, uint32_t b, uint32_t shared) {
   const uint32_t d = shared - b;
   if (d == 0u || (q & 0x7Fu) == kNanElement) return q;
-  // |q| * 2^-d < 2^-10 (half the smallest subnormal) once d >= 19: a signed zero
-  if (d >= 19u) return q & 0x80u;
+  if (d >= kShareFlushShift) return q & 0x80u;
   const float v = static_cast<float>(c10::Float8_e4m3fn(q, c10::Float8_e4m3fn::from_bits()));
-  return c10::Float8_e4m3fn(v * static_cast<float>(1u << (19u - d)) * 0x1p-19f).x;  // exact product, one rounding
+  return c10::Float8_e4m3fn(v / static_cast<float>(1u << d)).x;  // exact quotient (a power of two), one rounding
 }
 
 }  // namespace mx

@@ -51,7 +51,7 @@ for T, dim, hidden, E, k in [(1, 128, 128, 2, 1), (37, 384, 256, 5, 2), (130, 25
     if not (torch.equal(qc.cpu().view(torch.uint8), q.view(torch.uint8)) and
             torch.equal(scc.cpu().view(torch.uint8), sc.view(torch.uint8))):
         sys.exit(f"quantize_mxfp8 mismatch for {(T, dim)}")
-    for qc, scc in (ops.quantize_mxfp8(x.cuda(), 4 * 32), ops.share_exponents_mxfp8(q.cuda(), sc.cuda())):
+    for qc, scc in (ops.quantize_mxfp8(x.cuda(), ops.MXFP8_ALIGN), ops.share_exponents_mxfp8(q.cuda(), sc.cuda())):
         qc.view(torch.uint8).sum()  # the shared-exponent kernels run; their bytes are tested in test_flash_moe.py
     want = ops.moe(x, w1, w2, w3, ids, tw, mxfp8=True).float()
     cu = [t.cuda() for t in (x, w1, w2, w3, ids, tw)]

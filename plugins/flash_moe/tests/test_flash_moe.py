@@ -691,7 +691,7 @@ def test_quantize_mxfp8_special_values():
         ops.quantize_mxfp8(torch.ones(2, 48))
 
 
-def ref_share(q, sb, group=4):
+def ref_share(q, sb, group=ops.MXFP8_ALIGN // MX):
     """share_exponents_mxfp8 in float64: each group's largest scale, elements re-rounded onto it by torch's RNE cast."""
     q, sb = q.view(torch.uint8), sb.view(torch.uint8)
     blocks = sb.reshape(-1, group).long()
@@ -753,10 +753,10 @@ def test_quantize_mxfp8_exponent_block(dtype):
     g = torch.Generator().manual_seed(24)
     t = (torch.randn(32, 8 * MX, generator=g) * torch.exp2(torch.randint(-9, 9, (32, 8), generator=g).float()
                                                              ).repeat_interleave(MX, -1)).to(dtype)
-    q, s = ops.quantize_mxfp8(t, exponent_block=4 * MX)
-    rq, rs = ref_quantize(t, 4 * MX)
+    q, s = ops.quantize_mxfp8(t, exponent_block=ops.MXFP8_ALIGN)
+    rq, rs = ref_quantize(t, ops.MXFP8_ALIGN)
     assert torch.equal(q.view(torch.uint8), rq)
-    assert torch.equal(s.view(torch.uint8), rs.repeat_interleave(4, -1)) and s.shape == (32, 8)
+    assert torch.equal(s.view(torch.uint8), rs.repeat_interleave(ops.MXFP8_ALIGN // MX, -1)) and s.shape == (32, 8)
     # within e4m3's rounding of the per-32 encoding except below the shared scale's normal range
     d32 = ops.dequantize_mxfp8(*ops.quantize_mxfp8(t)).double()
     err, err32 = (ops.dequantize_mxfp8(q, s).double() - t.double()).norm(), (d32 - t.double()).norm()
@@ -989,7 +989,7 @@ def test_cuda_quantize_mxfp8_matches_cpu_bitwise():
         # block 32 / 128 from a 16-byte aligned start: 4 / 16 lanes per block; another block size, or a start 2 / 4
         # bytes past alignment (a contiguous view at offset 1): one thread per block. Same bytes as the CPU op.
         flat = torch.cat([t.new_zeros(1), t.flatten()]).to(dtype).cuda()
-        for tc, block in ((t.to(dtype).cuda(), MX), (t.to(dtype).cuda(), 4 * MX), (t.to(dtype).cuda(), 2 * MX),
+        for tc, block in ((t.to(dtype).cuda(), MX), (t.to(dtype).cuda(), ops.MXFP8_ALIGN), (t.to(dtype).cuda(), 2 * MX),
                           (flat[1:].view(t.shape), MX)):
             q, s = ops.quantize_mxfp8(tc.cpu(), block)
             qc, sc = ops.quantize_mxfp8(tc, block)

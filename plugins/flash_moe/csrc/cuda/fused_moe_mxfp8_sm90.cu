@@ -501,9 +501,9 @@ __global__ void share_exponents_kernel(uint8_t* __restrict__ data, uint8_t* __re
   uint4 v = *chunk;
   uint32_t* const words = reinterpret_cast<uint32_t*>(&v);
   // mx::share_element's rounding by the hardware conversions (the CPU op's bytes, tested): e4m3 -> f16 -> f32 exact,
-  // times 2^-d exact (or 0 once d >= 19: below half the smallest subnormal), one RNE back to e4m3; NaN bytes kept.
+  // times 2^-d exact (or 0 once d >= mx::kShareFlushShift), one RNE back to e4m3; NaN bytes kept.
   const uint32_t d = shared - mine;
-  const float factor = d >= 19u ? 0.f : __uint_as_float((127u - d) << 23);
+  const float factor = d >= mx::kShareFlushShift ? 0.f : __uint_as_float((127u - d) << 23);
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
     if (shared == mx::kNanScale) {
