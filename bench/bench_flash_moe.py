@@ -10,8 +10,8 @@ counts 3x that plus the recomputed gate/up (2 T k dim 2 hidden). Routing: unifor
 mxfp8 rows (DeepSeek-V3 and Qwen3-30B-A3B): ``moe(mxfp8=True)`` forward (x quantized per call, weights cached;
 both with one exponent per 128 of K), the ``fused_moe_mxfp8`` op on pre-quantized operands with those shared
 exponents (the kernels' fast path) and with per-32 exponents (their per-32 path), and ``quantize_mxfp8`` of x
-alone, in TFLOP/s against the fp8 ceiling (``torch._scaled_mm`` e4m3 8192^3, per-tensor scales, bf16 out) and against the bf16 flash_moe forward, all
-measured in the same run.
+alone, in TFLOP/s against the fp8 ceiling (``torch._scaled_mm`` e4m3 8192^3, per-tensor scales, bf16 out) and
+against the bf16 flash_moe forward, all measured in the same run.
 """
 from __future__ import annotations
 
@@ -79,7 +79,8 @@ def bench_mxfp8(ops, fp8_peak, bf16_peak):
         print(f"{name:24s} mxfp8 fwd {mx:7.3f} ms ({row['mxfp8_fwd_tflops']:5.0f} TFLOP/s), fused op {fused:7.3f} ms "
               f"({row['mxfp8_fused_op_tflops']:5.0f}, {100 * row['fraction_of_fp8_ceiling']:4.1f}% of fp8 ceiling; "
               f"floor {row['floor_fp8_ms']:.3f} ms), per-32 exponents {per32:7.3f} ms "
-              f"({row['mxfp8_fused_op_per32_tflops']:5.0f}), quantize x {quant:6.3f} ms | bf16 flash_moe fwd {bf16:7.3f} ms "
+              f"({row['mxfp8_fused_op_per32_tflops']:5.0f}), quantize x {quant:6.3f} ms | "
+              f"bf16 flash_moe fwd {bf16:7.3f} ms "
               f"(floor {row['floor_bf16_ms']:.3f} ms) | x{row['speedup_vs_bf16']:.2f}")
         del p, xq, xs, wq, ws, w2q, w2s, s, e, n, out
         ops.clear_mxfp8_weight_cache()
