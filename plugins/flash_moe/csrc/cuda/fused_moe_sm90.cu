@@ -41,6 +41,9 @@
 #ifndef FLASH_MOE_BLOCK_K
 #error "FLASH_MOE_BLOCK_K must come from kernel.toml ([flash_moe.constants])"
 #endif
+#ifndef FLASH_MOE_CLUSTER_BLOCKS
+#error "FLASH_MOE_CLUSTER_BLOCKS must come from kernel.toml ([flash_moe.constants])"
+#endif
 #ifndef FLASH_MOE_STAGES
 #error "FLASH_MOE_STAGES must come from kernel.toml ([flash_moe.constants])"
 #endif
@@ -53,10 +56,12 @@ constexpr int BN_GU = FLASH_MOE_BLOCK_N_GATE_UP;
 constexpr int BN_DOWN = FLASH_MOE_BLOCK_N_DOWN;
 constexpr int BK = FLASH_MOE_BLOCK_K;
 constexpr int STAGES = FLASH_MOE_STAGES;
+constexpr int CLUSTER_BLOCKS = FLASH_MOE_CLUSTER_BLOCKS;
 constexpr int BN = 256;  // wgmma N of both kernels
 static_assert(BM == 128, "BLOCK_M must be 128 (two consumer warpgroups of wgmma m64)");
 static_assert(2 * BN_GU == BN && BN_DOWN == BN, "BLOCK_N_GATE_UP must be 128 and BLOCK_N_DOWN 256 (m64n256k16)");
 static_assert(BK == 64, "BLOCK_K must be 64 (one 128-byte swizzle row of bf16)");
+static_assert(CLUSTER_BLOCKS == kPairCtas, "CLUSTER_BLOCKS must be core's kPairCtas (weight tiles shared by CTA pairs)");
 static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be 2 to 4 (shared memory)");
 static_assert(kDimAlign % BK == 0 && kHiddenAlign % BK == 0, "DIM_ALIGN and HIDDEN_ALIGN must be multiples of BLOCK_K");
 
@@ -273,7 +278,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
 
 template <int MODE>
 void launch(const Params& p, int n_tiles, int64_t blocks, cudaStream_t stream) {
-  launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, SMEM_BYTES, kPairCtas>(p, n_tiles, blocks, stream);
+  launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, SMEM_BYTES, CLUSTER_BLOCKS>(p, n_tiles, blocks, stream);
 }
 
 }  // namespace sm90
