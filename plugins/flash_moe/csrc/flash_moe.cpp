@@ -1,7 +1,8 @@
 // flash_moe: the op schemas and their CPU implementations (always built, so the ops exist and are testable anywhere).
 //
 //   moe_align       counting sort of the routed slots (token t, choice k) -> flat slot t * top_k + k by local expert,
-//                   stable within an expert, every expert padded to block_m * bpc with -1, one expert id per block.
+//                   stable within an expert, every expert padded to block_m * bpc with -1, one expert id per block;
+//                   each expert's first block is a multiple of block_align (empty blocks, expert id -1, between).
 //   fused_moe_bf16  out[t] = sum_k topk_weights[t, k] * (silu(x_t Wg^T) * (x_t Wu^T)) W2^T over the slots of the
 //                   aligned blocks, with w = [Wg; Wu] (E, 2 hidden, dim); writes every row of `out` (zeroes unrouted).
 //   moe_forward     the same with the gate and up weights as two tensors (E, hidden, dim), returning out; the
@@ -43,8 +44,9 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_align_cpu(const at::Tensor& topk_ids, int64_t num_experts,
                                                              int64_t block_m, int64_t bpc, int64_t expert_start,
-                                                             int64_t num_local_experts) {
-  const AlignPlan p = check_align_args(topk_ids, num_experts, block_m, bpc, expert_start, num_local_experts);
+                                                             int64_t num_local_experts, int64_t block_align) {
+  const AlignPlan p = check_align_args(topk_ids, num_experts, block_m, bpc, expert_start, num_local_experts,
+                                       block_align);
   TORCH_CHECK(topk_ids.device().is_cpu(), "moe_align (CPU): topk_ids must be a CPU tensor, got ", topk_ids.device());
   // read as int64, so an int64 id past int32 is out of range rather than truncated into range
   const auto ids_c = topk_ids.to(at::kLong).contiguous();
@@ -67,7 +69,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_align_cpu(const at::Tensor& t
     cursor[e] = total;
     const int64_t padded = (count[e] + p.pad - 1) / p.pad * p.pad;
     for (int64_t b = total / block_m; b < (total + padded) / block_m; ++b) ep[b] = static_cast<int32_t>(e);
-    total += padded;
+    total += (padded + p.span - 1) / p.span * p.span;  // the blocks up to the next span stay -1 (empty)
   }
   int32_t* sp = sorted.mutable_data_ptr<int32_t>();
   for (int64_t s = 0; s < p.slots; ++s) {
@@ -343,8 +345,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> swiglu_backward_cpu(c
 }  // namespace flash_moe
 
 TORCH_LIBRARY(flash_moe, m) {
-  m.def("moe_align(Tensor topk_ids, int num_experts, int block_m, int bpc, int expert_start, int num_local_experts)"
-        " -> (Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded)");
+  m.def("moe_align(Tensor topk_ids, int num_experts, int block_m, int bpc, int expert_start, int num_local_experts, "
+        "int block_align=1) -> (Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded)");
   m.def("fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids, "
         "Tensor num_tokens_post_padded, Tensor topk_weights, Tensor(a!) out, int top_k, int block_m, int block_n, "
         "int warp_n, int stages, int bpc, int cpc, bool split) -> ()");

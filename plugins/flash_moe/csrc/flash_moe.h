@@ -63,18 +63,21 @@ struct AlignPlan {
   int64_t slots;        // M * top_k
   int64_t local;        // local experts
   int64_t pad;          // block_m * bpc
+  int64_t span;         // block_m * block_align: each expert's first slot is a multiple of it
   int64_t max_padded;   // length of sorted_token_ids
   int64_t max_blocks;   // length of expert_ids
 };
 
 inline AlignPlan check_align_args(const at::Tensor& topk_ids, int64_t num_experts, int64_t block_m, int64_t bpc,
-                                  int64_t expert_start, int64_t num_local_experts) {
+                                  int64_t expert_start, int64_t num_local_experts, int64_t block_align) {
   TORCH_CHECK(topk_ids.scalar_type() == at::kInt || topk_ids.scalar_type() == at::kLong,
               "moe_align: topk_ids must be int32 or int64, got ", topk_ids.scalar_type());
   TORCH_CHECK(topk_ids.dim() == 2, "moe_align: topk_ids must be 2-D (M, top_k), got shape ", topk_ids.sizes());
   TORCH_CHECK(num_experts >= 1, "moe_align: num_experts must be positive, got ", num_experts);
   TORCH_CHECK(block_m >= 1, "moe_align: block_m must be positive, got ", block_m);
   TORCH_CHECK(bpc >= 1, "moe_align: bpc (blocks per expert pad unit) must be positive, got ", bpc);
+  TORCH_CHECK(block_align >= 1, "moe_align: block_align (blocks an expert's start is aligned to) must be positive, "
+              "got ", block_align);
   TORCH_CHECK(expert_start >= 0 && expert_start < num_experts, "moe_align: expert_start must be in [0, num_experts=",
               num_experts, "), got ", expert_start);
   const int64_t local = num_local_experts < 0 ? num_experts - expert_start : num_local_experts;
@@ -91,9 +94,14 @@ inline AlignPlan check_align_args(const at::Tensor& topk_ids, int64_t num_expert
   TORCH_CHECK(block_m <= kInt32Max / bpc, "moe_align: block_m * bpc (the pad unit) must fit in int32, got block_m=",
               block_m, ", bpc=", bpc);
   p.pad = block_m * bpc;
-  p.max_padded = (p.slots + local * (p.pad - 1) + p.pad - 1) / p.pad * p.pad;
+  TORCH_CHECK(block_align <= kInt32Max / block_m, "moe_align: block_m * block_align must fit in int32, got block_m=",
+              block_m, ", block_align=", block_align);
+  p.span = block_m * block_align;
+  // aligning an expert's start to a whole span adds fewer than block_align empty blocks after each expert
+  p.max_padded = (p.slots + local * (p.pad - 1) + p.pad - 1) / p.pad * p.pad + local * (block_align - 1) * block_m;
   TORCH_CHECK(p.max_padded < kInt32Max, "moe_align: the padded length (sorted_token_ids) must fit in int32, got ",
-              p.max_padded, " for M * top_k=", p.slots, ", ", local, " local experts, block_m * bpc=", p.pad);
+              p.max_padded, " for M * top_k=", p.slots, ", ", local, " local experts, block_m * bpc=", p.pad,
+              ", block_align=", block_align);
   p.max_blocks = p.max_padded / block_m;
   return p;
 }

@@ -4,7 +4,8 @@ Surface (compatible with the original Blackwell flash_moe, namespace ``prime_moe
 
 - ``BLOCK_M``, ``MXFP8_SCALE_BLOCK``: from kernel.toml's ``[flash_moe.constants]`` (what the build compiled in).
 - ``unsupported_shape_reason(dim, hidden_dim, *, mxfp8=False, split=True)``: the one place the alignment rules live.
-- ``moe_align(topk_ids, num_experts, block_m=BLOCK_M, bpc=1, *, expert_start=0, num_local_experts=None)``.
+- ``moe_align(topk_ids, num_experts, block_m=BLOCK_M, bpc=1, *, expert_start=0, num_local_experts=None,
+  block_align=1)``.
 - ``fused_moe_bf16(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k, ...)``:
   writes ``out`` in place and returns it. **The op overwrites every row of ``out``** (rows of tokens with no local
   slot become zero), in every mode, so callers need not zero it.
@@ -72,23 +73,27 @@ def unsupported_shape_reason(dim: int, hidden_dim: int, *, mxfp8: bool = False, 
     return None
 
 
-def max_padded(num_slots, num_local_experts: int, block_m: int = BLOCK_M, bpc: int = 1):
-    """Length of ``sorted_token_ids``: ceil((slots + E * (pad - 1)) / pad) * pad with pad = block_m * bpc."""
+def max_padded(num_slots, num_local_experts: int, block_m: int = BLOCK_M, bpc: int = 1, block_align: int = 1):
+    """Length of ``sorted_token_ids``: ceil((slots + E * (pad - 1)) / pad) * pad with pad = block_m * bpc, plus the
+    empty blocks (fewer than block_align after each expert) that align every expert's start."""
     pad = block_m * bpc
-    return (num_slots + num_local_experts * (pad - 1) + pad - 1) // pad * pad
+    return ((num_slots + num_local_experts * (pad - 1) + pad - 1) // pad * pad
+            + num_local_experts * (block_align - 1) * block_m)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # fake (meta) implementations: static output shapes, so torch.compile needs no data-dependent sizes
 @torch.library.register_fake("flash_moe::moe_align")
-def _(topk_ids, num_experts, block_m, bpc, expert_start, num_local_experts):
+def _(topk_ids, num_experts, block_m, bpc, expert_start, num_local_experts, block_align=1):
     torch._check(topk_ids.dim() == 2, lambda: "moe_align: topk_ids must be 2-D (M, top_k)")
     torch._check(topk_ids.dtype in (torch.int32, torch.int64),
                  lambda: f"moe_align: topk_ids must be int32 or int64, got {topk_ids.dtype}")
     torch._check(block_m >= 1, lambda: f"moe_align: block_m must be positive, got {block_m}")
     torch._check(bpc >= 1, lambda: f"moe_align: bpc (blocks per expert pad unit) must be positive, got {bpc}")
+    torch._check(block_align >= 1, lambda: f"moe_align: block_align (blocks an expert's start is aligned to) must be "
+                                           f"positive, got {block_align}")
     local = num_experts - expert_start if num_local_experts < 0 else num_local_experts
-    n = max_padded(topk_ids.numel(), local, block_m, bpc)
+    n = max_padded(topk_ids.numel(), local, block_m, bpc, block_align)
     return (topk_ids.new_empty(n, dtype=torch.int32), topk_ids.new_empty(n // block_m, dtype=torch.int32),
             topk_ids.new_empty(1, dtype=torch.int32))
 
@@ -176,7 +181,7 @@ _forward_only("quantize_mxfp8", "rounding to mxfp8 has none; prime_kernels_flash
 
 # ---------------------------------------------------------------------------------------------------------------
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, bpc: int = 1, *,
-              expert_start: int = 0, num_local_experts: int | None = None):
+              expert_start: int = 0, num_local_experts: int | None = None, block_align: int = 1):
     """(sorted_token_ids, expert_ids, num_tokens_post_padded) for routing ``topk_ids`` (M, top_k).
 
     ``sorted_token_ids`` (int32, length ``max_padded``): flat slots t * top_k + k grouped by local expert, stable within
@@ -186,9 +191,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, 
     other ranks' ids are skipped. ``num_experts`` is the global count: ids must lie in [-1, num_experts). ``topk_ids``
     is int32 or int64 (read as given, never narrowed); an id outside [-1, num_experts) raises on the CPU and is
     skipped on CUDA (no host sync), an int64 id outside int32 included.
+    ``block_align``: every expert's first block index is a multiple of it; the blocks between experts are empty (-1
+    entries, expert id -1, counted in num_tokens_post_padded). ``moe`` passes CLUSTER_BLOCKS, so the CTA pairs of the
+    bf16 kernels (which share weight tiles when both run one expert) fall on one expert's blocks.
     """
     return torch.ops.flash_moe.moe_align(topk_ids, num_experts, block_m, bpc, expert_start,
-                                         -1 if num_local_experts is None else num_local_experts)
+                                         -1 if num_local_experts is None else num_local_experts, block_align)
 
 
 def fused_moe_bf16(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k,
@@ -365,7 +373,8 @@ class _MoE(torch.autograd.Function):
                 recompute_gate_up):
         top_k = topk_ids.shape[1]
         tw = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
-        align = torch.ops.flash_moe.moe_align(topk_ids, num_experts, BLOCK_M, 1, expert_start, w1.shape[0])
+        align = torch.ops.flash_moe.moe_align(topk_ids, num_experts, BLOCK_M, 1, expert_start, w1.shape[0],
+                                              CONSTANTS["CLUSTER_BLOCKS"])
         save = not recompute_gate_up and any(ctx.needs_input_grad[:6])
         out, gate_up = torch.ops.flash_moe.moe_forward(x, w1, w3, w2, *align, tw, top_k, BLOCK_M, deterministic, save)
         ctx.save_for_backward(x, w1, w2, w3, topk_ids, tw, *align, gate_up)
@@ -503,7 +512,8 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, t
     topk_weights (..., top_k) float. Expert parallelism: experts [expert_start, expert_start + E_local) are local,
     other ids contribute nothing (``num_experts``: the global count for the id range check; default E_local when
     expert_start is 0, unchecked above otherwise).
-    Forward: ``moe_align`` + ``moe_forward`` (the fused kernels; w1 and w3 are read in place, never concatenated).
+    Forward: ``moe_align`` (experts aligned to CLUSTER_BLOCKS blocks) + ``moe_forward`` (the fused kernels; w1 and w3
+    are read in place, never concatenated).
     Backward: closed form: the gate/up projections recomputed by the fused gate/up kernel (``moe_gate_up``), the
     SwiGLU derivative in one pass (``swiglu_backward``), the five GEMMs with ``torch._grouped_mm`` (CUDA and CPU);
     gradients only for the inputs that need them; always fixed-order (dx summed over a token's slots in k order).

@@ -43,6 +43,7 @@ def op_samples(kernel, device):
     return [
         ("moe_align", (ids, 3, ops.BLOCK_M, 1, 0, -1), {}),
         ("moe_align", (ids, 3, 16, 2, 1, 2), {}),  # EP: experts [1, 3), bpc 2
+        ("moe_align", (ids, 3, 16, 1, 0, -1, 2), {}),  # experts start on even blocks
         ("moe_align", (ids[:0], 3, ops.BLOCK_M, 1, 0, -1), {}),  # no tokens
         ("fused_moe_bf16", (x, w, w2, sorted_ids, eids, ntpp, tw, torch.empty_like(x), 2, ops.BLOCK_M, 128, 64, 4, 1,
                             1, True), {}),

@@ -1,5 +1,5 @@
 """Small-shape CUDA run of every flash_moe kernel (moe_align count/scan/scatter, gate/up (also keeping g | u), down with
-atomics, down per slot; mxfp8: quantize, gate/up with re-quantization, down with atomics / per slot) for compute-sanitizer (memcheck, racecheck, synccheck). Exits 1 on a mismatch with the CPU implementation.
+atomics, down per slot (persistent); mxfp8: quantize, gate/up with re-quantization, down with atomics / per slot) for compute-sanitizer (memcheck, racecheck, synccheck). Exits 1 on a mismatch with the CPU implementation.
 
     compute-sanitizer --tool memcheck python plugins/flash_moe/tests/sanitize_flash_moe.py
 """
@@ -12,8 +12,10 @@ import prime_kernels
 ops = prime_kernels.load("flash_moe")
 g = torch.Generator().manual_seed(0)
 # (tokens, dim, hidden, experts, top_k): a partial column tile in both kernels (hidden 192, dim 320), M = 1, idle experts;
-# several blocks per expert (pairs of CTAs) with more K tiles than ring stages in both kernels
-for T, dim, hidden, E, k in [(1, 64, 64, 2, 1), (37, 320, 192, 5, 2), (130, 256, 128, 8, 3), (600, 1024, 640, 2, 1)]:
+# several blocks per expert (pairs of CTAs) with more K tiles than ring stages in both kernels; ~400 down tiles, so
+# each persistent down CTA (one per SM) walks several tiles and reuses its routing-row buffers
+for T, dim, hidden, E, k in [(1, 64, 64, 2, 1), (37, 320, 192, 5, 2), (130, 256, 128, 8, 3), (600, 1024, 640, 2, 1),
+                             (3072, 2048, 256, 4, 2)]:
     x = torch.randn(T, dim, generator=g).to(torch.bfloat16)
     w1 = (torch.randn(E, hidden, dim, generator=g) / dim**0.5).to(torch.bfloat16)
     w3 = (torch.randn(E, hidden, dim, generator=g) / dim**0.5).to(torch.bfloat16)

@@ -104,15 +104,17 @@ def test_cpu_fused_op_matches_moe_and_overwrites_out():
     assert (out[3] == 0).all()
 
 
-def _check_align(ids, E, block_m, bpc=1, expert_start=0, num_local=None, device="cpu"):
-    s, e, n = ops.moe_align(ids.to(device), E, block_m, bpc, expert_start=expert_start, num_local_experts=num_local)
+def _check_align(ids, E, block_m, bpc=1, expert_start=0, num_local=None, device="cpu", block_align=1):
+    s, e, n = ops.moe_align(ids.to(device), E, block_m, bpc, expert_start=expert_start, num_local_experts=num_local,
+                            block_align=block_align)
     s, e, n = s.cpu(), e.cpu(), int(n.cpu()[0])
     local_n = num_local if num_local is not None else E - expert_start
-    pad = block_m * bpc
+    pad, span = block_m * bpc, block_m * block_align
     S = ids.numel()
     assert s.dtype == e.dtype == torch.int32
-    assert s.numel() == ops.max_padded(S, local_n, block_m, bpc) == (S + local_n * (pad - 1) + pad - 1) // pad * pad
-    assert e.numel() == s.numel() // block_m and n % pad == 0 and n <= s.numel()
+    assert s.numel() == ops.max_padded(S, local_n, block_m, bpc, block_align) == (
+        (S + local_n * (pad - 1) + pad - 1) // pad * pad + local_n * (span - block_m))
+    assert e.numel() == s.numel() // block_m and n % span == 0 and n <= s.numel()
     flat = ids.reshape(-1).long()
     local = flat - expert_start
     pos = 0
@@ -122,7 +124,10 @@ def _check_align(ids, E, block_m, bpc=1, expert_start=0, num_local=None, device=
         assert torch.equal(s[pos:pos + want.numel()], want), f"expert {ex}: slots not grouped/stable"
         assert (s[pos + want.numel():pos + padded] == -1).all(), f"expert {ex}: padding is not -1"
         assert (e[pos // block_m:(pos + padded) // block_m] == ex).all()
-        pos += padded
+        spanned = (padded + span - 1) // span * span  # empty blocks up to the next aligned start
+        assert (s[pos + padded:pos + spanned] == -1).all()
+        assert (e[(pos + padded) // block_m:(pos + spanned) // block_m] == -1).all()
+        pos += spanned
     assert pos == n
     assert (s[n:] == -1).all() and (e[n // block_m:] == -1).all()
     return s, e, n
@@ -144,6 +149,31 @@ def test_moe_align_properties():
     # idle experts cost nothing: only the two used experts get blocks
     s, e, n = _check_align(torch.tensor([[3, 900]] * 5, dtype=torch.int32), 1024, 128)
     assert n == 256 and e[0] == 3 and e[1] == 900
+
+
+@cpu
+def test_moe_align_block_align_starts_experts_on_cluster_boundaries():
+    g = torch.Generator().manual_seed(1)
+    # 1-3 blocks per expert, so odd block counts leave an empty block before the next expert
+    ids = torch.randint(0, 6, (300, 2), generator=g, dtype=torch.int32)
+    s, e, n = _check_align(ids, 6, 32, block_align=2)
+    starts = [b for b in range(n // 32) if e[b] >= 0 and (b == 0 or e[b - 1] != e[b])]
+    assert len(starts) == 6 and all(b % 2 == 0 for b in starts)
+    assert (e[:n // 32] == -1).any()  # some expert had an odd block count
+    _check_align(ids, 6, 16, bpc=3, block_align=4)
+    ids[::3, 0] = -1
+    _check_align(ids, 6, 32, expert_start=2, num_local=3, block_align=2)
+    _check_align(ids[:0], 6, 32, block_align=2)  # no tokens: no blocks, empty ones included
+    # the fused op treats the empty blocks as padding: same output as without alignment
+    x, w1, w2, w3, ids, tw = make(200, 128, 64, 4, 2, seed=6)
+    w = torch.cat([w1, w3], 1)
+    outs = []
+    for block_align in (1, 2, 3):
+        out = torch.full_like(x, float("nan"))
+        ops.fused_moe_bf16(x, w, w2, *ops.moe_align(ids, 4, block_align=block_align), tw, out, 2)
+        outs.append(out)
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    torch.testing.assert_close(outs[2], outs[0], rtol=0, atol=0)
 
 
 @cpu
@@ -500,11 +530,12 @@ def test_cuda_align_matches_cpu():
     for T, E, k, start, local in [(1, 8, 2, 0, None), (4096, 128, 8, 0, None), (3000, 1024, 8, 0, None),
                                   (777, 64, 4, 16, 16), (0, 4, 2, 0, None)]:
         ids = torch.randint(-1, E, (T, k), generator=g, dtype=torch.int32)
-        got = ops.moe_align(ids.cuda(), E, 128, 1, expert_start=start, num_local_experts=local)
-        want = ops.moe_align(ids, E, 128, 1, expert_start=start, num_local_experts=local)
-        for a, b in zip(got, want):
-            assert torch.equal(a.cpu(), b)
+        for block_align in (1, ops.CONSTANTS["CLUSTER_BLOCKS"], 3):
+            kw = dict(expert_start=start, num_local_experts=local, block_align=block_align)
+            for a, b in zip(ops.moe_align(ids.cuda(), E, 128, 1, **kw), ops.moe_align(ids, E, 128, 1, **kw)):
+                assert torch.equal(a.cpu(), b)
         _check_align(ids, E, 128, 2, expert_start=start, num_local=local, device="cuda")
+        _check_align(ids, E, 128, 1, expert_start=start, num_local=local, device="cuda", block_align=2)
 
 
 @pytest.mark.gpu

@@ -1,7 +1,8 @@
 // flash_moe on CUDA sm_90a: the fused expert GEMMs (hand-written wgmma; see docs/notes/flash_moe.md).
 //
-// Two launches of one kernel template, each CTA = one aligned block of BLOCK_M = 128 routed slots (one expert) x one
-// 256-wide column tile, 384 threads:
+// Two launches of one kernel template over tiles of one aligned block of BLOCK_M = 128 routed slots (one expert) x one
+// 256-wide column tile, 384 threads per CTA (gate/up: one CTA per tile, in CTA pairs; down: persistent, one CTA per SM
+// walking tiles, its ring and routing rows running on from tile to tile):
 //   warpgroup 0  producer: cp.async 16-byte copies into a STAGES-deep ring of 128-byte-swizzled shared memory. The A
 //                rows are gathered: row r of the block reads x[sorted_token_ids[r] / top_k] (zero-filled for -1
 //                padding), so the token permutation never touches global memory. B rows are the expert's weight
@@ -41,6 +42,9 @@
 #ifndef FLASH_MOE_BLOCK_K
 #error "FLASH_MOE_BLOCK_K must come from kernel.toml ([flash_moe.constants])"
 #endif
+#ifndef FLASH_MOE_CLUSTER_BLOCKS
+#error "FLASH_MOE_CLUSTER_BLOCKS must come from kernel.toml ([flash_moe.constants])"
+#endif
 #ifndef FLASH_MOE_STAGES
 #error "FLASH_MOE_STAGES must come from kernel.toml ([flash_moe.constants])"
 #endif
@@ -53,10 +57,12 @@ constexpr int BN_GU = FLASH_MOE_BLOCK_N_GATE_UP;
 constexpr int BN_DOWN = FLASH_MOE_BLOCK_N_DOWN;
 constexpr int BK = FLASH_MOE_BLOCK_K;
 constexpr int STAGES = FLASH_MOE_STAGES;
+constexpr int CLUSTER_BLOCKS = FLASH_MOE_CLUSTER_BLOCKS;
 constexpr int BN = 256;  // wgmma N of both kernels
 static_assert(BM == 128, "BLOCK_M must be 128 (two consumer warpgroups of wgmma m64)");
 static_assert(2 * BN_GU == BN && BN_DOWN == BN, "BLOCK_N_GATE_UP must be 128 and BLOCK_N_DOWN 256 (m64n256k16)");
 static_assert(BK == 64, "BLOCK_K must be 64 (one 128-byte swizzle row of bf16)");
+static_assert(CLUSTER_BLOCKS == kPairCtas, "CLUSTER_BLOCKS must be core's kPairCtas (weight tiles shared by CTA pairs)");
 static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be 2 to 4 (shared memory)");
 static_assert(kDimAlign % BK == 0 && kHiddenAlign % BK == 0, "DIM_ALIGN and HIDDEN_ALIGN must be multiples of BLOCK_K");
 
@@ -65,8 +71,9 @@ constexpr int A_BYTES = BM * BK * 2;
 constexpr int B_BYTES = BN * BK * 2;
 constexpr int B_BOX_ROWS = BN / 2;  // one TMA box: the gate (or up) half of a gate/up tile, half a down tile
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + BM * 8 /* A row offsets */ +
-                           BM * 4 /* slots */ + 2 * STAGES * 8 /* mbarriers */;
+constexpr int CONSUMER_WARPS = 8;
+constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + 2 * BM * 8 /* A row offsets */ +
+                           2 * BM * 4 /* slots */ + (2 * STAGES + 4) * 8 /* mbarriers */ + 2 * 4 /* tile numbers */;
 
 // GATE_UP_SAVE (the backward's recomputation): the epilogue stores the gate and up pre-activations as bf16 to row
 // dst_rows[padded row] of a compact [routed slots, 2 hidden] tensor instead of h.
@@ -85,6 +92,8 @@ struct Params {
   int k_tiles;
   int n_tiles;  // column tiles of the launch
   int blocks;   // aligned blocks of the launch
+  int ctas;     // persistent launches: CTAs of the grid
+  int* tile_counter;  // persistent launches: tiles claimed after each CTA's first (zero at launch)
   int top_k;
   int num_experts;
   int num_slots;  // M * top_k: sorted entries outside [0, num_slots) are padding
@@ -113,40 +122,65 @@ template <int MODE>
 __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kGateUp = MODE == GATE_UP || MODE == GATE_UP_SAVE || MODE == GATE_UP_AND_SAVE;
-  const int ctas = p.blocks * p.n_tiles, cta = static_cast<int>(blockIdx.x);
-  if (cta >= ctas) return;  // rounds the grid up to whole clusters
-  int block, n_tile;
-  raster(cta, p.n_tiles, p.blocks, block, n_tile);
+  // The down GEMMs run persistent: one CTA per SM, its producer filling the ring with the next tile while the
+  // consumers finish the last: their K (hidden: 12 k tiles at Qwen3, 32 at DeepSeek-V3) is too short to hide a CTA's
+  // launch, ring fill and epilogue. A CTA's first tile is blockIdx.x, the next ones are claimed from a counter, so the
+  // tiles in flight stay close in raster order (the L2 reuse of the experts' weight tiles) and a CTA that drew cheap
+  // tiles (padding) takes more: with a fixed stride, DeepSeek-V3's down GEMM took 6.7 ms instead of 4.5. The gate/up
+  // GEMMs (K = dim) run one CTA per tile, in CTA pairs that share weight tiles.
+  constexpr bool kPersistent = !kGateUp;
   const int ntpp = __ldg(p.ntpp);
-  if (block * BM >= ntpp) return;  // past the routed blocks: the whole CTA leaves
-  const int expert = __ldg(p.expert_ids + block);
-  if (expert < 0 || expert >= p.num_experts) return;
-  // The cluster's other CTA (cta ^ 1): when it runs the same expert's same column tile, each of the two loads half of
-  // the weight tile for both (TMA multicast), halving the weight traffic from L2 (where DeepSeek-V3's kernels were
-  // bound: 96% L2 throughput). Both CTAs reach the same decision; a CTA that left above never pairs.
-  const uint32_t rank = cluster_ctarank();
+  // Persistent: the tiles of the live blocks (block * BM < num_tokens_post_padded, read here: no host sync) in raster
+  // order; 32-bit tile numbers (the host keeps blocks x n_tiles below 2^31, so t + p.ctas cannot wrap).
+  const int live = kPersistent ? (ntpp <= 0 ? 0 : min(p.blocks, (ntpp - 1) / BM + 1)) : p.blocks;
+  const uint32_t tiles = static_cast<uint32_t>(live) * p.n_tiles;
+  if (blockIdx.x >= tiles) return;  // also the CTAs that round the grid up to whole clusters
+  // One CTA per tile: the cluster's other CTA (blockIdx.x ^ 1), when it runs the same expert's same column tile, loads
+  // half of each weight tile for both (TMA multicast), halving the weight traffic from L2 (where DeepSeek-V3's
+  // kernels were bound: 96% L2 throughput). Both CTAs reach the same decision; a CTA that left never pairs.
+  int own_block = 0, own_tile = 0, own_expert = -1;
   bool paired = false;
-  if ((cta ^ 1) < ctas) {
-    int peer_block, peer_tile;
-    raster(cta ^ 1, p.n_tiles, p.blocks, peer_block, peer_tile);
-    paired = peer_tile == n_tile && peer_block * BM < ntpp && __ldg(p.expert_ids + peer_block) == expert;
+  const uint32_t rank = kPersistent ? 0u : cluster_ctarank();
+  if constexpr (!kPersistent) {
+    raster(static_cast<int>(blockIdx.x), p.n_tiles, p.blocks, own_block, own_tile);
+    if (own_block * BM >= ntpp) return;  // past the routed blocks: the whole CTA leaves
+    own_expert = __ldg(p.expert_ids + own_block);
+    if (own_expert < 0 || own_expert >= p.num_experts) return;
+    if ((blockIdx.x ^ 1u) < tiles) {
+      int peer_block, peer_tile;
+      raster(static_cast<int>(blockIdx.x ^ 1u), p.n_tiles, p.blocks, peer_block, peer_tile);
+      paired = peer_tile == own_tile && peer_block * BM < ntpp && __ldg(p.expert_ids + peer_block) == own_expert;
+    }
   }
-
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   uint8_t* const gbase = smem_raw + (base - raw);
-  int64_t* const a_row = reinterpret_cast<int64_t*>(gbase + STAGES * STAGE_BYTES);
-  int* const slot_of = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + BM * 8);
-  const uint32_t bars = base + STAGES * STAGE_BYTES + BM * 12;
+  // the routing rows of two tiles (tile i in buffer i & 1): the producer writes tile i + 1's while the consumers still
+  // read tile i's
+  int64_t* const a_rows = reinterpret_cast<int64_t*>(gbase + STAGES * STAGE_BYTES);
+  int* const slot_rows = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + 2 * BM * 8);
+  const uint32_t bars = base + STAGES * STAGE_BYTES + 2 * BM * 12;
   auto full_bar = [&](int s) { return bars + 8u * s; };
   auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
-
-  // paired: a stage is free once the consumers of both CTAs released it (the peer's TMA writes into it too)
-  block_prologue<BM, STAGES, kGateUp>(p, block, a_row, slot_of, bars, paired ? 16u : 8u);
+  auto tile_free_bar = [&](int b) { return bars + 8u * (2 * STAGES + b); };
+  auto rows_ready_bar = [&](int b) { return bars + 8u * (2 * STAGES + 2 + b); };
+  // the tile number of routing-row buffer b, -1 once the CTA's tiles are done
+  int* const tile_of = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + 2 * BM * 12 + (2 * STAGES + 4) * 8);
+  if (threadIdx.x == 0) {
+    // paired: a stage is free once the consumers of both CTAs released it (the peer's TMA writes into it too)
+    init_ring<STAGES>(bars, (paired ? 2 : 1) * CONSUMER_WARPS);
+    // a routing-row buffer is free again once each consumer warp is done with its tile
+    for (int b = 0; b < 2; ++b) mbar_init(tile_free_bar(b), CONSUMER_WARPS);
+    // and holds the next tile's rows once each producer thread wrote its row (and thread 0 the tile number)
+    for (int b = 0; b < 2; ++b) mbar_init(rows_ready_bar(b), 128);
+    fence_mbarrier_init();
+  }
+  __syncthreads();
   if (paired) cluster_sync();  // both rings initialised before either CTA's copies or arrivals reach the other
-  // Releasing stage s of k tile j: this CTA's empty barrier, and the peer's while the peer will still wait on it (its
-  // producer waits for k tiles j < k_tiles - STAGES only; an arrival after the peer may have exited is not allowed).
+  // Releasing stage s after k tile j: this CTA's empty barrier, and the peer's while the peer will still wait on it
+  // (its producer waits for k tiles j < k_tiles - STAGES only; an arrival after the peer may have exited is not
+  // allowed).
   auto release = [&](int s, int j) {
     mbar_arrive(empty_bar(s));
     if (paired && j < p.k_tiles - STAGES) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
@@ -155,33 +189,71 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {  // ------------------------------- producer -------------------------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
+    static_assert(BM == 128, "one routing row per producer thread");
     const int c = threadIdx.x & 7;    // 16-byte chunk of the 128-byte K slice
     const int r0 = threadIdx.x >> 3;  // rows r0 + 16 i
-    const int b_row = expert * p.b_rows_per_expert + n_tile * (kGateUp ? BN_GU : BN_DOWN);
-    for (int kt = 0; kt < p.k_tiles; ++kt) {
-      const int stage = kt % STAGES;
-      mbar_wait(empty_bar(stage), ((kt / STAGES) & 1) ^ 1);
-      const uint32_t st = base + stage * STAGE_BYTES;
-      const int kofs = kt * BK;
-      if (threadIdx.x == 0) {  // the B tile: two TMA boxes (GATE_UP: gate rows, then the same up rows)
-        mbar_expect_tx(full_bar(stage), B_BYTES);  // paired: half from this CTA's copy, half from the peer's
-        const CUtensorMap* box1 = kGateUp ? &p.tm_b1 : &p.tm_b0;
-        const int row1 = kGateUp ? b_row : b_row + B_BOX_ROWS;
-        if (paired) {
-          tma_load_2d_multicast(st + A_BYTES + rank * (B_BYTES / 2), rank ? box1 : &p.tm_b0, full_bar(stage), kofs,
-                                rank ? row1 : b_row, kPairMask);
+    // k tiles issued before this tile, over all earlier tiles, modulo 2 STAGES: the ring runs on across tiles (stage
+    // ks % STAGES, phase parity (ks / STAGES) & 1)
+    uint32_t ks = 0;
+    for (int i = 0;; ++i) {
+      const int buf = i & 1;
+      // Tile i's routing rows replace tile i - 2's once every consumer warp is done with those.
+      if (i >= 2) mbar_wait(tile_free_bar(buf), ((i - 2) / 2) & 1);
+      if (threadIdx.x == 0) {  // tile i: the first (own or claimed) one whose block runs an expert of the launch
+        int t = -1;
+        if constexpr (kPersistent) {
+          uint32_t cand = i == 0 ? blockIdx.x : p.ctas + atomicAdd(p.tile_counter, 1);
+          for (; cand < tiles; cand = p.ctas + atomicAdd(p.tile_counter, 1)) {
+            int block, n_tile;
+            raster(static_cast<int>(cand), p.n_tiles, live, block, n_tile);
+            const int expert = __ldg(p.expert_ids + block);
+            if (expert >= 0 && expert < p.num_experts) break;
+          }
+          t = cand < tiles ? static_cast<int>(cand) : -1;
         } else {
-          tma_load_2d(st + A_BYTES, &p.tm_b0, full_bar(stage), kofs, b_row);
-          tma_load_2d(st + A_BYTES + B_BYTES / 2, box1, full_bar(stage), kofs, row1);
+          t = i == 0 ? static_cast<int>(blockIdx.x) : -1;
         }
+        tile_of[buf] = t;
       }
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");  // the producer warps only
+      const int t = tile_of[buf];
+      int block = 0, n_tile = 0;
+      if (t >= 0) {
+        raster(t, p.n_tiles, live, block, n_tile);
+        routing_row<BM, kGateUp>(p, block, threadIdx.x, a_rows + buf * BM, slot_rows + buf * BM);
+      }
+      mbar_arrive(rows_ready_bar(buf));  // the consumers read this thread's row (and the tile number) after it
+      if (t < 0) break;                  // the consumers stop at the -1
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");  // each producer thread reads the others' rows below
+      const int64_t* const a_row = a_rows + buf * BM;
+      const int expert = __ldg(p.expert_ids + block);
+      const int b_row = expert * p.b_rows_per_expert + n_tile * (kGateUp ? BN_GU : BN_DOWN);
+      for (int kt = 0; kt < p.k_tiles; ++kt) {
+        const uint32_t k = ks + kt;
+        const int stage = k % STAGES;
+        mbar_wait(empty_bar(stage), ((k / STAGES) & 1) ^ 1);
+        const uint32_t st = base + stage * STAGE_BYTES;
+        const int kofs = kt * BK;
+        if (threadIdx.x == 0) {  // the B tile: two TMA boxes (GATE_UP: gate rows, then the same up rows)
+          mbar_expect_tx(full_bar(stage), B_BYTES);  // paired: half from this CTA's copy, half from the peer's
+          const CUtensorMap* box1 = kGateUp ? &p.tm_b1 : &p.tm_b0;
+          const int row1 = kGateUp ? b_row : b_row + B_BOX_ROWS;
+          if (paired) {
+            tma_load_2d_multicast(st + A_BYTES + rank * (B_BYTES / 2), rank ? box1 : &p.tm_b0, full_bar(stage), kofs,
+                                  rank ? row1 : b_row, kPairMask);
+          } else {
+            tma_load_2d(st + A_BYTES, &p.tm_b0, full_bar(stage), kofs, b_row);
+            tma_load_2d(st + A_BYTES + B_BYTES / 2, box1, full_bar(stage), kofs, row1);
+          }
+        }
 #pragma unroll
-      for (int i = 0; i < BM / 16; ++i) {
-        const int r = r0 + 16 * i;
-        const int64_t off = a_row[r];
-        cp_async_16(st + swz(r, c), p.a + (off >= 0 ? off + kofs + c * 8 : 0), off >= 0 ? 16u : 0u);
+        for (int r = 0; r < BM / 16; ++r) {
+          const int64_t off = a_row[r0 + 16 * r];
+          cp_async_16(st + swz(r0 + 16 * r, c), p.a + (off >= 0 ? off + kofs + c * 8 : 0), off >= 0 ? 16u : 0u);
+        }
+        cp_async_mbar_arrive_noinc(full_bar(stage));  // fires when this thread's copies of the stage have landed
       }
-      cp_async_mbar_arrive_noinc(full_bar(stage));  // fires when this thread's copies of the stage have landed
+      ks = (ks + p.k_tiles) % (2 * STAGES);
     }
     cp_async_commit();  // the thread leaves once its last copies have landed
     cp_async_wait<0>();
@@ -193,87 +265,112 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   const int wg = warpgroup - 1;
   const int ctid = threadIdx.x - 128 * warpgroup;
   const int warp = ctid / 32, lane = ctid % 32, quad = lane & 3;
-  float acc[128];
-  int prev = 0;
   const uint32_t a_off = wg * 64 * 128;
-  // When this warpgroup's 64 rows are all padding it only keeps the ring turning, and the other warpgroup's wgmmas get
-  // the tensor cores (DeepSeek-V3: 256 ± 16 slots per expert, so about half the experts end in a block of <= 64 routed
-  // rows).
-  if (__all_sync(0xffffffffu, slot_of[wg * 64 + lane] < 0 && slot_of[wg * 64 + 32 + lane] < 0)) {
-    for (int kt = 0; kt < p.k_tiles; ++kt) {
-      mbar_wait(full_bar(kt % STAGES), (kt / STAGES) & 1);
-      if (lane == 0) release(kt % STAGES, kt);
+  // the ring position, running on across tiles in step with the producer's ks
+  int stage = 0;
+  uint32_t phase = 0;
+  auto next_stage = [&] {
+    if (++stage == STAGES) {
+      stage = 0;
+      phase ^= 1u;
     }
-    return;  // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them
-  }
-  for (int kt = 0; kt < p.k_tiles; ++kt) {
-    const int stage = kt % STAGES;
-    mbar_wait(full_bar(stage), (kt / STAGES) & 1);
-    fence_proxy_async();  // the stage was written by cp.async (generic proxy); wgmma reads it through the async proxy
-    const uint32_t st = base + stage * STAGE_BYTES;
-    const uint64_t da = smem_desc(st + a_off), db = smem_desc(st + A_BYTES);
-    fence_acc(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
-    wgmma_commit();
-    fence_acc(acc);
-    wgmma_wait<1>();
-    fence_acc(acc);
-    if (kt > 0 && lane == 0) release(prev, kt - 1);
-    prev = stage;
-  }
-  wgmma_wait<0>();
-  fence_acc(acc);
-
-  // ------------------------------- epilogue -------------------------------
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int lr = wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
-    if constexpr (MODE == GATE_UP || MODE == GATE_UP_AND_SAVE) {
-      const int n0 = n_tile * BN_GU;
-      __nv_bfloat16* dst = p.inter + static_cast<int64_t>(block * BM + lr) * p.ld_inter + n0;
-#pragma unroll
-      for (int j = 0; j < BN_GU / 8; ++j) {
-        const int col = 8 * j + 2 * quad;
-        if (n0 + col < p.n_total) {  // n_total is even: col + 1 is valid too
-          const float h0 = silu_mul(acc[4 * j + 2 * h], acc[4 * (j + BN_GU / 8) + 2 * h]);
-          const float h1 = silu_mul(acc[4 * j + 2 * h + 1], acc[4 * (j + BN_GU / 8) + 2 * h + 1]);
-          *reinterpret_cast<__nv_bfloat162*>(dst + col) = __floats2bfloat162_rn(h0, h1);
-        }
+  };
+  for (int i = 0;; ++i) {
+    const int buf = i & 1;
+    mbar_wait(rows_ready_bar(buf), (i / 2) & 1);
+    const int t = tile_of[buf];
+    if (t < 0) break;
+    int block, n_tile;
+    raster(t, p.n_tiles, live, block, n_tile);
+    const int* const slot_of = slot_rows + buf * BM;
+    // When this warpgroup's 64 rows are all padding it only keeps the ring turning, and the other warpgroup's wgmmas
+    // get the tensor cores (DeepSeek-V3: 256 ± 16 slots per expert, so about half the experts end in a block of <= 64
+    // routed rows). The skip sits outside the mainloop: a `continue` inside it made ptxas serialise the wgmmas.
+    if (__all_sync(0xffffffffu, slot_of[wg * 64 + lane] < 0 && slot_of[wg * 64 + 32 + lane] < 0)) {
+      for (int kt = 0; kt < p.k_tiles; ++kt) {
+        mbar_wait(full_bar(stage), phase);
+        if (lane == 0) release(stage, kt);
+        next_stage();
       }
-    }
-    if constexpr (MODE == GATE_UP_SAVE || MODE == GATE_UP_AND_SAVE) {
-      const int dst_row = p.dst_rows[block * BM + lr];
-      if (dst_row >= 0 && dst_row < p.dst_limit) {
-        const int n0 = n_tile * BN_GU;
-        __nv_bfloat16* dst = p.saved + static_cast<int64_t>(dst_row) * p.ld_saved + n0;
+      // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them
+    } else {
+      float acc[128];
+      int prev = 0;
+      for (int kt = 0; kt < p.k_tiles; ++kt) {
+        mbar_wait(full_bar(stage), phase);
+        fence_proxy_async();  // the stage was written by cp.async (generic proxy); wgmma reads it through the async proxy
+        const uint32_t st = base + stage * STAGE_BYTES;
+        const uint64_t da = smem_desc(st + a_off), db = smem_desc(st + A_BYTES);
+        fence_acc(acc);
+        wgmma_fence();
 #pragma unroll
-        for (int j = 0; j < BN_GU / 8; ++j) {
-          const int col = 8 * j + 2 * quad;
-          if (n0 + col < p.n_total) {  // gate columns, then the up columns hidden (n_total) further
-            *reinterpret_cast<__nv_bfloat162*>(dst + col) =
-                __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-            *reinterpret_cast<__nv_bfloat162*>(dst + p.n_total + col) =
-                __floats2bfloat162_rn(acc[4 * (j + BN_GU / 8) + 2 * h], acc[4 * (j + BN_GU / 8) + 2 * h + 1]);
+        for (int kk = 0; kk < BK / 16; ++kk)
+          wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
+        wgmma_commit();
+        fence_acc(acc);
+        wgmma_wait<1>();
+        fence_acc(acc);
+        if (kt > 0 && lane == 0) release(prev, kt - 1);
+        prev = stage;
+        next_stage();
+      }
+      wgmma_wait<0>();
+      fence_acc(acc);
+      if (lane == 0) release(prev, p.k_tiles - 1);  // the ring's next turn (persistent: the next tile) may refill it
+      // ------------------------------- epilogue -------------------------------
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int lr = wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
+        if constexpr (MODE == GATE_UP || MODE == GATE_UP_AND_SAVE) {
+          const int n0 = n_tile * BN_GU;
+          __nv_bfloat16* dst = p.inter + static_cast<int64_t>(block * BM + lr) * p.ld_inter + n0;
+#pragma unroll
+          for (int j = 0; j < BN_GU / 8; ++j) {
+            const int col = 8 * j + 2 * quad;
+            if (n0 + col < p.n_total) {  // n_total is even: col + 1 is valid too
+              const float h0 = silu_mul(acc[4 * j + 2 * h], acc[4 * (j + BN_GU / 8) + 2 * h]);
+              const float h1 = silu_mul(acc[4 * j + 2 * h + 1], acc[4 * (j + BN_GU / 8) + 2 * h + 1]);
+              *reinterpret_cast<__nv_bfloat162*>(dst + col) = __floats2bfloat162_rn(h0, h1);
+            }
           }
         }
+        if constexpr (MODE == GATE_UP_SAVE || MODE == GATE_UP_AND_SAVE) {
+          const int dst_row = p.dst_rows[block * BM + lr];
+          if (dst_row >= 0 && dst_row < p.dst_limit) {
+            const int n0 = n_tile * BN_GU;
+            __nv_bfloat16* dst = p.saved + static_cast<int64_t>(dst_row) * p.ld_saved + n0;
+#pragma unroll
+            for (int j = 0; j < BN_GU / 8; ++j) {
+              const int col = 8 * j + 2 * quad;
+              if (n0 + col < p.n_total) {  // gate columns, then the up columns hidden (n_total) further
+                *reinterpret_cast<__nv_bfloat162*>(dst + col) =
+                    __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                *reinterpret_cast<__nv_bfloat162*>(dst + p.n_total + col) =
+                    __floats2bfloat162_rn(acc[4 * (j + BN_GU / 8) + 2 * h], acc[4 * (j + BN_GU / 8) + 2 * h + 1]);
+              }
+            }
+          }
+        }
+        if constexpr (!kGateUp) {
+          const int slot = slot_of[lr];
+          if (slot < 0) continue;
+          store_down_row<BN_DOWN, MODE == DOWN_ATOMIC>(p, acc, h, quad, slot, n_tile * BN_DOWN);
+        }
       }
     }
-    if constexpr (!kGateUp) {
-      const int slot = slot_of[lr];
-      if (slot < 0) continue;
-      store_down_row<BN_DOWN, MODE == DOWN_ATOMIC>(p, acc, h, quad, slot, n_tile * BN_DOWN);
-    }
+    // every lane's reads of the tile's routing rows are done before lane 0 frees them for tile i + 2
+    __syncwarp();
+    if (lane == 0) mbar_arrive(tile_free_bar(buf));
   }
 #else
   __trap();  // compiled for an arch other than sm_90a: the host side never launches it there
 #endif
 }
-
 template <int MODE>
 void launch(const Params& p, int n_tiles, int64_t blocks, cudaStream_t stream) {
-  launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, SMEM_BYTES, kPairCtas>(p, n_tiles, blocks, stream);
+  constexpr bool kPersistent = MODE == DOWN_ATOMIC || MODE == DOWN_SLOTS;  // as the kernel decides
+  launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, SMEM_BYTES, kPersistent ? 1 : CLUSTER_BLOCKS, kPersistent>(
+      p, n_tiles, blocks, stream);
 }
 
 }  // namespace sm90
@@ -377,6 +474,8 @@ void run(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::
   p.k_tiles = static_cast<int>(s.hidden / sm90::BK);
   p.ld_out = s.dim;
   const int n_tiles = static_cast<int>((s.dim + sm90::BN_DOWN - 1) / sm90::BN_DOWN);
+  const auto tile_counter = at::zeros({1}, sorted.options().dtype(at::kInt));
+  p.tile_counter = tile_counter.mutable_data_ptr<int>();
   if (mode == sm90::DOWN_ATOMIC) {
     p.topk_weights = tw.const_data_ptr<float>();
     p.acc32 = result.mutable_data_ptr<float>();

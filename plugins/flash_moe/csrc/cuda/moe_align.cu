@@ -1,8 +1,8 @@
 // flash_moe::moe_align on CUDA: a stable counting sort of the routed slots by local expert, in three kernels.
 //   1. count:   one CTA per chunk of ALIGN_CHUNK slots, a shared-memory histogram -> counts[chunk][expert].
 //   2. scan:    one CTA, a thread per expert: per-chunk exclusive prefixes (in place), the padded size of each expert
-//               (ceil(count / (block_m * bpc)) * block_m * bpc), an exclusive scan over experts, the expert id of each
-//               block and num_tokens_post_padded.
+//               (ceil(count / (block_m * bpc)) * block_m * bpc), an exclusive scan over experts of that size rounded
+//               up to whole spans of block_m * block_align, the expert id of each block and num_tokens_post_padded.
 //   3. scatter: one warp per chunk walks its slots in order, 32 at a time; lanes with the same expert get their rank
 //               from __match_any_sync, so the order within an expert is the slot order (stable).
 // sorted_token_ids and expert_ids are pre-filled with -1 (padding and the unused tail). Ids outside the local range
@@ -47,8 +47,8 @@ __global__ void align_count_kernel(const int* __restrict__ ids, int slots, int e
 }
 
 __global__ void __launch_bounds__(kScanThreads)
-    align_scan_kernel(int* __restrict__ counts, int chunks, int local, int block_m, int pad, int* __restrict__ base,
-                      int* __restrict__ expert_ids, int* __restrict__ ntpp) {
+    align_scan_kernel(int* __restrict__ counts, int chunks, int local, int block_m, int pad, int span,
+                      int* __restrict__ base, int* __restrict__ expert_ids, int* __restrict__ ntpp) {
   __shared__ int warp_sums[kScanThreads / 32];
   const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
   int total = 0;
@@ -61,7 +61,8 @@ __global__ void __launch_bounds__(kScanThreads)
     }
   }
   const int padded = (total + pad - 1) / pad * pad;
-  int incl = padded;  // inclusive scan over experts: warps, then warp sums
+  const int spanned = (padded + span - 1) / span * span;  // its blocks past `padded` stay empty (expert id -1)
+  int incl = spanned;  // inclusive scan over experts: warps, then warp sums
 #pragma unroll
   for (int off = 1; off < 32; off <<= 1) {
     const int v = __shfl_up_sync(0xffffffffu, incl, off);
@@ -79,12 +80,12 @@ __global__ void __launch_bounds__(kScanThreads)
     warp_sums[lane] = w;  // inclusive over warps
   }
   __syncthreads();
-  const int start = incl - padded + (warp > 0 ? warp_sums[warp - 1] : 0);
+  const int start = incl - spanned + (warp > 0 ? warp_sums[warp - 1] : 0);
   if (e < local) {
     base[e] = start;
     for (int b = start / block_m; b < (start + padded) / block_m; ++b) expert_ids[b] = e;
   }
-  if (e == kScanThreads - 1) *ntpp = start + padded;  // experts >= local contribute 0
+  if (e == kScanThreads - 1) *ntpp = start + spanned;  // experts >= local contribute 0
 }
 
 __global__ void align_scatter_kernel(const int* __restrict__ ids, int slots, int expert_start, int local,
@@ -113,8 +114,9 @@ __global__ void align_scatter_kernel(const int* __restrict__ ids, int slots, int
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_align_cuda(const at::Tensor& topk_ids, int64_t num_experts,
                                                               int64_t block_m, int64_t bpc, int64_t expert_start,
-                                                              int64_t num_local_experts) {
-  const AlignPlan p = check_align_args(topk_ids, num_experts, block_m, bpc, expert_start, num_local_experts);
+                                                              int64_t num_local_experts, int64_t block_align) {
+  const AlignPlan p = check_align_args(topk_ids, num_experts, block_m, bpc, expert_start, num_local_experts,
+                                       block_align);
   TORCH_CHECK(topk_ids.is_cuda(), "moe_align (CUDA): topk_ids must be a CUDA tensor, got ", topk_ids.device());
   const c10::cuda::CUDAGuard guard(topk_ids.device());
   // int64 ids outside int32 are out of range like ids >= num_experts, so skipped as those are (no host sync)
@@ -139,9 +141,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_align_cuda(const at::Tensor& 
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   align_scan_kernel<<<1, kScanThreads, 0, stream>>>(counts.mutable_data_ptr<int>(), chunks, local,
-                                                    static_cast<int>(block_m), static_cast<int>(block_m * bpc),
-                                                    base.mutable_data_ptr<int>(), eids.mutable_data_ptr<int>(),
-                                                    ntpp.mutable_data_ptr<int>());
+                                                    static_cast<int>(block_m), static_cast<int>(p.pad),
+                                                    static_cast<int>(p.span), base.mutable_data_ptr<int>(),
+                                                    eids.mutable_data_ptr<int>(), ntpp.mutable_data_ptr<int>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (chunks > 0) {
     align_scatter_kernel<<<chunks, 32, hist_bytes, stream>>>(ids.const_data_ptr<int>(), slots,

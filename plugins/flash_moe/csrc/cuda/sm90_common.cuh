@@ -130,20 +130,6 @@ __device__ __forceinline__ void fence_mbarrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
-// The block's routing rows into shared memory (threads < BM, routing_row) and the stage ring (thread 0, init_ring;
-// "empty" completes on empty_arrivals: lane 0 of each of the 8 consumer warps, 16 where a cluster peer's consumers
-// also release the stage, its weight tile being multicast into both). Ends with __syncthreads().
-template <int BM, int STAGES, bool kGatherX, class Params>
-__device__ __forceinline__ void block_prologue(const Params& p, int block, int64_t* a_row, int* slot_of,
-                                               uint32_t bars, uint32_t empty_arrivals = 8) {
-  if (threadIdx.x < BM) routing_row<BM, kGatherX>(p, block, threadIdx.x, a_row, slot_of);
-  if (threadIdx.x == 0) {
-    init_ring<STAGES>(bars, empty_arrivals);
-    fence_mbarrier_init();
-  }
-  __syncthreads();
-}
-
 // The down GEMMs' epilogue for accumulator row h (0 or 1) of a consumer thread holding COLS columns of slot `slot`
 // (register 4 j + 2 h + e is column 8 j + 2 quad + e, from column n0): kAtomic adds topk_weight * y into the fp32
 // [M, dim] buffer with float2 reductions, else y is stored as bf16 to the slot's row.
