@@ -61,14 +61,20 @@ constexpr int BN = 256;  // wgmma N of both kernels
 static_assert(BM == 128, "BLOCK_M must be 128 (two consumer warpgroups of wgmma m64)");
 static_assert(2 * BN_GU == BN && BN_DOWN == BN, "BLOCK_N_GATE_UP must be 128 and BLOCK_N_DOWN 256 (m64n256k16)");
 static_assert(BK == 64, "BLOCK_K must be 64 (one 128-byte swizzle row of bf16)");
-static_assert(CLUSTER_BLOCKS == kPairCtas, "CLUSTER_BLOCKS must be core's kPairCtas (weight tiles shared by CTA pairs)");
 static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be 2 to 4 (shared memory)");
 static_assert(kDimAlign % BK == 0 && kHiddenAlign % BK == 0, "DIM_ALIGN and HIDDEN_ALIGN must be multiples of BLOCK_K");
 
 constexpr int NUM_THREADS = 384;
 constexpr int A_BYTES = BM * BK * 2;
 constexpr int B_BYTES = BN * BK * 2;
-constexpr int B_BOX_ROWS = BN / 2;  // one TMA box: the gate (or up) half of a gate/up tile, half a down tile
+// One TMA box: a quarter of a B tile (gate/up: boxes 0-1 are gate rows, 2-3 the matching up rows), so up to B_BOXES
+// CTAs of a cluster can each load a share of a weight tile for all of them.
+constexpr int B_BOX_ROWS = 64;
+constexpr int B_BOXES = BN / B_BOX_ROWS;
+constexpr int B_BOX_BYTES = B_BOX_ROWS * BK * 2;
+static_assert(CLUSTER_BLOCKS >= 1 && CLUSTER_BLOCKS <= B_BOXES, "CLUSTER_BLOCKS must be 1 to 4 (boxes per B tile)");
+static_assert(RASTER_BLOCKS % CLUSTER_BLOCKS == 0, "RASTER_BLOCKS must be a multiple of CLUSTER_BLOCKS (a cluster's "
+                                                   "CTAs on one column tile)");
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + BM * 8 /* A row offsets */ +
                            BM * 4 /* slots */ + 2 * STAGES * 8 /* mbarriers */;
@@ -118,24 +124,39 @@ template <int MODE>
 __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kGateUp = MODE == GATE_UP || MODE == GATE_UP_SAVE || MODE == GATE_UP_AND_SAVE;
-  const int ctas = p.blocks * p.n_tiles, cta = static_cast<int>(blockIdx.x);
-  if (cta >= ctas) return;  // rounds the grid up to whole clusters
-  int block, n_tile;
-  raster(cta, p.n_tiles, p.blocks, block, n_tile);
+  const int ctas = p.blocks * p.n_tiles;
   const int ntpp = __ldg(p.ntpp);
-  if (block * BM >= ntpp) return;  // past the routed blocks: the whole CTA leaves
-  const int expert = __ldg(p.expert_ids + block);
-  if (expert < 0 || expert >= p.num_experts) return;
-  // The cluster's other CTA (cta ^ 1): when it runs the same expert's same column tile, each of the two loads half of
-  // the weight tile for both (TMA multicast), halving the weight traffic from L2 (where DeepSeek-V3's kernels were
-  // bound: 96% L2 throughput). Both CTAs reach the same decision; a CTA that left above never pairs.
-  const uint32_t rank = cluster_ctarank();
-  bool paired = false;
-  if ((cta ^ 1) < ctas) {
-    int peer_block, peer_tile;
-    raster(cta ^ 1, p.n_tiles, p.blocks, peer_block, peer_tile);
-    paired = peer_tile == n_tile && peer_block * BM < ntpp && __ldg(p.expert_ids + peer_block) == expert;
+  // The expert CTA c runs (with its block and column tile), or -1 when it has nothing to do: past the launch (the grid
+  // rounds up to whole clusters), past the routed blocks, or an empty block.
+  auto expert_of = [&](int c, int& block, int& n_tile) {
+    if (c >= ctas) return -1;
+    raster(c, p.n_tiles, p.blocks, block, n_tile);
+    if (block * BM >= ntpp) return -1;
+    const int e = __ldg(p.expert_ids + block);
+    return e >= 0 && e < p.num_experts ? e : -1;
+  };
+  int block = 0, n_tile = 0;
+  const int cta = static_cast<int>(blockIdx.x);
+  const int expert = expert_of(cta, block, n_tile);
+  if (expert < 0) {  // leaves after the cluster barrier below, which every CTA of a cluster passes once
+    if constexpr (CLUSTER_BLOCKS > 1) cluster_sync();
+    return;
   }
+  // The cluster's CTAs that run this expert's column tile ("sharers", this one included; moe() aligns experts to
+  // clusters) split the weight tile's boxes between them and load each for all by TMA multicast, dividing the weight
+  // traffic from L2 (where DeepSeek-V3's kernels were bound: 96% L2 throughput) by their number. Every sharer computes
+  // the same set.
+  const uint32_t rank = cluster_ctarank();
+  uint32_t sharers = 1u << rank;
+#pragma unroll
+  for (int m = 0; m < CLUSTER_BLOCKS; ++m) {
+    int peer_block, peer_tile;
+    if (m != static_cast<int>(rank) && expert_of(cta - static_cast<int>(rank) + m, peer_block, peer_tile) == expert &&
+        peer_tile == n_tile)
+      sharers |= 1u << m;
+  }
+  const int n_sharers = __popc(sharers);
+  const int share = __popc(sharers & ((1u << rank) - 1u));  // this CTA loads boxes share, share + n_sharers, ...
 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
@@ -147,14 +168,19 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   auto full_bar = [&](int s) { return bars + 8u * s; };
   auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
 
-  // paired: a stage is free once the consumers of both CTAs released it (the peer's TMA writes into it too)
-  block_prologue<BM, STAGES, kGateUp>(p, block, a_row, slot_of, bars, paired ? 16u : 8u);
-  if (paired) cluster_sync();  // both rings initialised before either CTA's copies or arrivals reach the other
-  // Releasing stage s of k tile j: this CTA's empty barrier, and the peer's while the peer will still wait on it (its
-  // producer waits for k tiles j < k_tiles - STAGES only; an arrival after the peer may have exited is not allowed).
+  // a stage is free once the consumers of every sharer released it (their TMA writes into it too)
+  block_prologue<BM, STAGES, kGateUp>(p, block, a_row, slot_of, bars, 8u * n_sharers);
+  // the sharers' rings initialised before any copy or arrival reaches them
+  if constexpr (CLUSTER_BLOCKS > 1) cluster_sync();
+  // Releasing stage s of k tile j: this CTA's empty barrier, and the other sharers' while they will still wait on it
+  // (their producers wait for k tiles j < k_tiles - STAGES only; an arrival after a sharer may have exited is not
+  // allowed).
   auto release = [&](int s, int j) {
     mbar_arrive(empty_bar(s));
-    if (paired && j < p.k_tiles - STAGES) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
+    if (j < p.k_tiles - STAGES) {
+      for (uint32_t others = sharers & ~(1u << rank); others != 0; others &= others - 1u)
+        mbar_arrive_cluster(mapa_shared(empty_bar(s), __ffs(others) - 1));
+    }
   };
 
   const int warpgroup = threadIdx.x / 128;
@@ -168,16 +194,18 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       mbar_wait(empty_bar(stage), ((kt / STAGES) & 1) ^ 1);
       const uint32_t st = base + stage * STAGE_BYTES;
       const int kofs = kt * BK;
-      if (threadIdx.x == 0) {  // the B tile: two TMA boxes (GATE_UP: gate rows, then the same up rows)
-        mbar_expect_tx(full_bar(stage), B_BYTES);  // paired: half from this CTA's copy, half from the peer's
-        const CUtensorMap* box1 = kGateUp ? &p.tm_b1 : &p.tm_b0;
-        const int row1 = kGateUp ? b_row : b_row + B_BOX_ROWS;
-        if (paired) {
-          tma_load_2d_multicast(st + A_BYTES + rank * (B_BYTES / 2), rank ? box1 : &p.tm_b0, full_bar(stage), kofs,
-                                rank ? row1 : b_row, kPairMask);
-        } else {
-          tma_load_2d(st + A_BYTES, &p.tm_b0, full_bar(stage), kofs, b_row);
-          tma_load_2d(st + A_BYTES + B_BYTES / 2, box1, full_bar(stage), kofs, row1);
+      if (threadIdx.x == 0) {  // the B tile's boxes (GATE_UP: gate rows, then the same up rows), this CTA's share
+        mbar_expect_tx(full_bar(stage), B_BYTES);  // the whole tile lands here, from every sharer's copies
+        for (int box = share; box < B_BOXES; box += n_sharers) {
+          const bool up = kGateUp && box >= B_BOXES / 2;
+          const CUtensorMap* map = up ? &p.tm_b1 : &p.tm_b0;
+          const int row = b_row + (up ? box - B_BOXES / 2 : box) * B_BOX_ROWS;
+          const uint32_t dst = st + A_BYTES + box * B_BOX_BYTES;
+          if (n_sharers > 1) {
+            tma_load_2d_multicast(dst, map, full_bar(stage), kofs, row, static_cast<uint16_t>(sharers));
+          } else {
+            tma_load_2d(dst, map, full_bar(stage), kofs, row);
+          }
         }
       }
 #pragma unroll

@@ -131,8 +131,8 @@ __device__ __forceinline__ void fence_mbarrier_init() {
 }
 
 // The block's routing rows into shared memory (threads < BM, routing_row) and the stage ring (thread 0, init_ring;
-// "empty" completes on empty_arrivals: lane 0 of each of the 8 consumer warps, 16 where a cluster peer's consumers
-// also release the stage, its weight tile being multicast into both). Ends with __syncthreads().
+// "empty" completes on empty_arrivals: lane 0 of each of the 8 consumer warps of every CTA whose weight tile is
+// multicast into this one's stages). Ends with __syncthreads().
 template <int BM, int STAGES, bool kGatherX, class Params>
 __device__ __forceinline__ void block_prologue(const Params& p, int block, int64_t* a_row, int* slot_of,
                                                uint32_t bars, uint32_t empty_arrivals = 8) {
