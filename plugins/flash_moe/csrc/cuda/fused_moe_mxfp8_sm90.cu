@@ -280,8 +280,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
       }
       for (int kt = 0; kt < p.k_tiles; ++kt) {
         const uint32_t k = ks + kt;
-        const int stage = k % STAGES;
-        mbar_wait(empty_bar(stage), ((k / STAGES) & 1) ^ 1);
+        const int stage = acquire_stage<STAGES>(bars, k);
         const uint32_t st = base + stage * STAGE_BYTES;
         const int kofs = kt * BK;
         if (tid == 0) {
@@ -324,28 +323,20 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
   const int warp = ctid / 32, lane = ctid % 32, quad = lane & 3;
   const int row0 = wg_row + warp * 16 + (lane >> 2);  // the thread's rows: row0 and row0 + 8
   const uint32_t a_off = wg_row * BK, b_off = A_BYTES + wg_col * BK;
-  // the ring position, running on across tiles in step with the producer's ks
-  int stage = 0;
-  uint32_t phase = 0;
-  auto next_stage = [&] {
-    if (++stage == STAGES) {
-      stage = 0;
-      phase ^= 1u;
-    }
-  };
+  RingPosition<STAGES> ring;  // in step with the producer's ks
   for_each_tile([&](int i, int block, int n_base, int /*expert*/) {
     const int* const slot_of = slot_rows + (i & 1) * BM;
     // The tile's routing rows are in place once its first stage is full: the producer wrote them before any of its
     // arrivals on that barrier (p.k_tiles >= 1: dim and hidden are positive multiples of MXFP8_ALIGN).
-    mbar_wait(full_bar(stage), phase);
+    mbar_wait(full_bar(ring.stage), ring.phase);
     // Padding rows (sorted_token_ids -1) end an expert's last block, and the promotion binds this kernel: a warpgroup
     // whose 64 rows are all padding only keeps the ring turning (its wgmmas leave the tensor cores to the others), a
     // warp whose 16 rows are all padding skips its promotion (DeepSeek-V3: ~20% of the rows of the grid are padding).
     if (__all_sync(0xffffffffu, slot_of[wg_row + lane] < 0 && slot_of[wg_row + 32 + lane] < 0)) {
       for (int kt = 0; kt < p.k_tiles; ++kt) {
-        mbar_wait(full_bar(stage), phase);
-        if (lane == 0) mbar_arrive(empty_bar(stage));
-        next_stage();
+        mbar_wait(full_bar(ring.stage), ring.phase);
+        if (lane == 0) mbar_arrive(empty_bar(ring.stage));
+        ring.advance();
       }
       // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them
     } else {
@@ -354,8 +345,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
 #pragma unroll
       for (int r = 0; r < WG_N / 2; ++r) acc[r] = 0.f;
       for (int kt = 0; kt < p.k_tiles; ++kt) {
-        mbar_wait(full_bar(stage), phase);
-        const uint32_t st = base + stage * STAGE_BYTES;
+        mbar_wait(full_bar(ring.stage), ring.phase);
+        const uint32_t st = base + ring.stage * STAGE_BYTES;
         const uint64_t da = smem_desc(st + a_off), db = smem_desc(st + b_off);
         const uint32_t fa = st + A_BYTES + B_BYTES + 4 * KB * row0;  // x scales of the thread's rows
         // w scales of its columns: from group wg_col / 8 of its quad's run
@@ -376,7 +367,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
             acc[4 * g + 7] = fmaf(tmp[4 * g + 7], sw.w * s1, acc[4 * g + 7]);
           }
         };
-        if (*reinterpret_cast<volatile int*>(shared_stage + stage)) {
+        if (*reinterpret_cast<volatile int*>(shared_stage + ring.stage)) {
           // one exponent per row and column over the stage's 128 K: the 4 wgmmas accumulate in the tensor core
           // (fp32) and one promotion applies the scales: a quarter of the promotion work that binds the per-32 path
           fence_regs<WG_N / 2>(tmp);
@@ -400,8 +391,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
             if (warp_live) promote(j);
           }
         }
-        if (lane == 0) mbar_arrive(empty_bar(stage));  // all wgmmas of the stage completed; scales are in registers
-        next_stage();
+        if (lane == 0) mbar_arrive(empty_bar(ring.stage));  // all wgmmas of the stage completed; scales are in registers
+        ring.advance();
       }
 
       // ------------------------------- epilogue -------------------------------

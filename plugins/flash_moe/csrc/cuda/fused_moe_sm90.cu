@@ -66,12 +66,13 @@ static_assert(CLUSTER_BLOCKS == kPairCtas, "CLUSTER_BLOCKS must be core's kPairC
 static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be 2 to 4 (shared memory)");
 static_assert(kDimAlign % BK == 0 && kHiddenAlign % BK == 0, "DIM_ALIGN and HIDDEN_ALIGN must be multiples of BLOCK_K");
 
-constexpr int NUM_THREADS = 384;
+constexpr int CONSUMERS = BM / 64;  // consumer warpgroups, 64 rows each (wgmma m64)
+constexpr int NUM_THREADS = 128 * (1 + CONSUMERS);
+constexpr int CONSUMER_WARPS = 4 * CONSUMERS;
 constexpr int A_BYTES = BM * BK * 2;
 constexpr int B_BYTES = BN * BK * 2;
 constexpr int B_BOX_ROWS = BN / 2;  // one TMA box: the gate (or up) half of a gate/up tile, half a down tile
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int CONSUMER_WARPS = 8;
 constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + 2 * BM * 8 /* A row offsets */ +
                            2 * BM * 4 /* slots */ + (2 * STAGES + 4) * 8 /* mbarriers */ + 2 * 4 /* tile numbers */;
 
@@ -230,8 +231,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       const int b_row = expert * p.b_rows_per_expert + n_tile * (kGateUp ? BN_GU : BN_DOWN);
       for (int kt = 0; kt < p.k_tiles; ++kt) {
         const uint32_t k = ks + kt;
-        const int stage = k % STAGES;
-        mbar_wait(empty_bar(stage), ((k / STAGES) & 1) ^ 1);
+        const int stage = acquire_stage<STAGES>(bars, k);
         const uint32_t st = base + stage * STAGE_BYTES;
         const int kofs = kt * BK;
         if (threadIdx.x == 0) {  // the B tile: two TMA boxes (GATE_UP: gate rows, then the same up rows)
@@ -266,15 +266,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   const int ctid = threadIdx.x - 128 * warpgroup;
   const int warp = ctid / 32, lane = ctid % 32, quad = lane & 3;
   const uint32_t a_off = wg * 64 * 128;
-  // the ring position, running on across tiles in step with the producer's ks
-  int stage = 0;
-  uint32_t phase = 0;
-  auto next_stage = [&] {
-    if (++stage == STAGES) {
-      stage = 0;
-      phase ^= 1u;
-    }
-  };
+  RingPosition<STAGES> ring;  // in step with the producer's ks
   for (int i = 0;; ++i) {
     const int buf = i & 1;
     mbar_wait(rows_ready_bar(buf), (i / 2) & 1);
@@ -288,18 +280,18 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     // routed rows). The skip sits outside the mainloop: a `continue` inside it made ptxas serialise the wgmmas.
     if (__all_sync(0xffffffffu, slot_of[wg * 64 + lane] < 0 && slot_of[wg * 64 + 32 + lane] < 0)) {
       for (int kt = 0; kt < p.k_tiles; ++kt) {
-        mbar_wait(full_bar(stage), phase);
-        if (lane == 0) release(stage, kt);
-        next_stage();
+        mbar_wait(full_bar(ring.stage), ring.phase);
+        if (lane == 0) release(ring.stage, kt);
+        ring.advance();
       }
       // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them
     } else {
       float acc[128];
       int prev = 0;
       for (int kt = 0; kt < p.k_tiles; ++kt) {
-        mbar_wait(full_bar(stage), phase);
+        mbar_wait(full_bar(ring.stage), ring.phase);
         fence_proxy_async();  // the stage was written by cp.async (generic proxy); wgmma reads it through the async proxy
-        const uint32_t st = base + stage * STAGE_BYTES;
+        const uint32_t st = base + ring.stage * STAGE_BYTES;
         const uint64_t da = smem_desc(st + a_off), db = smem_desc(st + A_BYTES);
         fence_acc(acc);
         wgmma_fence();
@@ -311,8 +303,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         wgmma_wait<1>();
         fence_acc(acc);
         if (kt > 0 && lane == 0) release(prev, kt - 1);
-        prev = stage;
-        next_stage();
+        prev = ring.stage;
+        ring.advance();
       }
       wgmma_wait<0>();
       fence_acc(acc);

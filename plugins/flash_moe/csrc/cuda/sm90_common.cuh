@@ -126,6 +126,26 @@ __device__ __forceinline__ void init_ring(uint32_t bars, uint32_t empty_arrivals
     mbar_init(bars + 8u * (STAGES + s), empty_arrivals);
   }
 }
+// The ring runs on across tiles. The producer counts its k steps k (modulo 2 STAGES): stage k % STAGES, free again
+// once the consumers released its previous turn.
+template <int STAGES>
+__device__ __forceinline__ int acquire_stage(uint32_t bars, uint32_t k) {
+  const int stage = k % STAGES;
+  mbar_wait(bars + 8u * (STAGES + stage), ((k / STAGES) & 1) ^ 1);
+  return stage;
+}
+// A consumer's place in the same ring: the stage it waits on next and that turn's full-barrier phase parity.
+template <int STAGES>
+struct RingPosition {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == STAGES) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+};
 __device__ __forceinline__ void fence_mbarrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
