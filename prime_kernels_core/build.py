@@ -1,9 +1,12 @@
 """The build kit: a plugin's setup.py is ``setup_plugin()``; everything else comes from its kernel.toml.
 
 Builds ``<package>._C`` with torch.utils.cpp_extension (ninja): the CPU sources always, so the op schemas exist on
-every install, and the CUDA sources once per manifest arch (``-gencode=arch=compute_XX,code=sm_XX``, no PTX) when the
-toolkit suits the installed torch. Otherwise CUDA is skipped with a message, unless PRIME_KERNELS_REQUIRE=1.
-The build record it writes into the package is what the registry gates on without importing ``_C``.
+every install, and each kernel's CUDA sources only for that kernel's own archs (``-gencode=arch=compute_XX,code=sm_XX``,
+machine code only, no PTX): every arch it lists by default (a fat build), or the best of them for each device arch
+PRIME_KERNELS_ARCH names. A requested arch a kernel does not support leaves that kernel without code for it, never a
+failed build. CUDA is skipped with a message when the toolkit does not suit the installed torch, unless
+PRIME_KERNELS_REQUIRE=1. The build record it writes into the package is what the registry gates on without importing
+``_C``.
 """
 from __future__ import annotations
 
@@ -16,10 +19,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .manifest import ARCH_PATTERN, BUILD_RECORD_NAME, EXTENSION_MODULE, MANIFEST_NAME, load, major_minor
+from .manifest import (
+    ARCH_PATTERN, BUILD_RECORD_NAME, DEFAULT_CXX_STD, EXTENSION_MODULE, MANIFEST_NAME, arch_runs_on, capability_of,
+    cuda_source_sets, load, major_minor,
+)
 
 ARCH_ENV = "PRIME_KERNELS_ARCH"
 REQUIRE_ENV = "PRIME_KERNELS_REQUIRE"
+KERNELS_ENV = "PRIME_KERNELS"
 MODULE_INIT = Path(__file__).parent / "csrc" / "module_init.cpp"
 # Device-code building blocks every plugin may include (<prime_kernels/sm90.cuh>).
 CORE_INCLUDE = Path(__file__).parent / "include"
@@ -27,6 +34,8 @@ CORE_INCLUDE = Path(__file__).parent / "include"
 NVCC_MIN_FOR_MAJOR = {9: (12, 0), 10: (12, 8), 11: (13, 0), 12: (12, 8)}
 # The first CUDA release whose nvcc knows family-specific targets ("10.0f"), whatever the major.
 NVCC_MIN_FOR_FAMILY = (12, 9)
+# CUDA 13.0 dropped every target below sm_75 (Maxwell, Pascal, Volta).
+NVCC_DROPPED_BELOW = {(13, 0): (7, 5)}
 # Arch-specific targets ("9.0a") begin with Hopper; older GPUs have plain ones only ("8.0").
 FIRST_ARCH_SPECIFIC_MAJOR = 9
 
@@ -72,23 +81,37 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in version.split(".")[:2])
 
 
-def requested_archs(manifest_archs: list[str]) -> list[str] | str:
-    """The archs to build: PRIME_KERNELS_ARCH (a ;-list, or ``native``) or the manifest's; a string is a skip reason."""
+@dataclasses.dataclass(frozen=True)
+class ArchRequest:
+    """The device archs a build is asked for (None: every arch each kernel lists) and how it was asked."""
+
+    archs: tuple[str, ...] | None
+    described: str
+
+
+def arch_request() -> ArchRequest | str:
+    """PRIME_KERNELS_ARCH as an ArchRequest (unset: the fat default; ``native``: the visible device), or why CUDA
+    cannot be built for it."""
     override = os.environ.get(ARCH_ENV, "").strip()
     if not override:
-        return list(manifest_archs)
+        return ArchRequest(None, f"every arch each kernel lists ({ARCH_ENV} unset)")
     if override == "native":
         import torch
 
         if not torch.cuda.is_available():
             return f"{ARCH_ENV}=native but no CUDA device is visible to the build"
         major, minor = torch.cuda.get_device_capability()
-        return [f"{major}.{minor}{'a' if major >= FIRST_ARCH_SPECIFIC_MAJOR else ''}"]
-    return [a.strip() for a in re.split(r"[;,\s]+", override) if a.strip()]
+        arch = f"{major}.{minor}{'a' if major >= FIRST_ARCH_SPECIFIC_MAJOR else ''}"
+        return ArchRequest((arch,), f"{ARCH_ENV}=native ({arch})")
+    archs = tuple(a.strip() for a in re.split(r"[;,\s]+", override) if a.strip())
+    malformed = [a for a in archs if not ARCH_PATTERN.fullmatch(a)]
+    if malformed:
+        return f"{ARCH_ENV} names {malformed}, not of the form MAJOR.MINOR[a|f] (e.g. 9.0a)"
+    return ArchRequest(archs, f"{ARCH_ENV}={override}")
 
 
-def cuda_skip_reason(toolchain: Toolchain, archs: list[str]) -> str | None:
-    """Why CUDA cannot be built with this toolchain for these archs, or None."""
+def toolchain_skip_reason(toolchain: Toolchain) -> str | None:
+    """Why this toolchain cannot build CUDA extensions for the installed torch at all, or None."""
     if toolchain.torch_cuda is None:
         return f"torch {toolchain.torch_version} is a CPU-only build"
     if not toolchain.nvcc_version:
@@ -98,16 +121,68 @@ def cuda_skip_reason(toolchain: Toolchain, archs: list[str]) -> str | None:
             f"nvcc is CUDA {toolchain.nvcc_version} but torch {toolchain.torch_version} was built with CUDA "
             f"{toolchain.torch_cuda}; the CUDA majors must match"
         )
-    if not archs:
-        return f"no CUDA arch was requested (the manifest lists none and {ARCH_ENV} is unset)"
-    for arch in archs:
-        found = ARCH_PATTERN.fullmatch(arch)
-        if not found:
-            return f"arch {arch!r} is not of the form MAJOR.MINOR[a|f] (e.g. 9.0a)"
-        needed = max(NVCC_MIN_FOR_MAJOR.get(int(found[1]), (0, 0)), NVCC_MIN_FOR_FAMILY if found[3] == "f" else (0, 0))
-        if _version_tuple(toolchain.nvcc_version) < needed:
-            return f"nvcc {toolchain.nvcc_version} cannot build {arch}; it needs CUDA {needed[0]}.{needed[1]} or newer"
     return None
+
+
+def nvcc_arch_reason(nvcc_version: str, arch: str) -> str | None:
+    """Why this nvcc cannot target ``arch``, or None."""
+    found = ARCH_PATTERN.fullmatch(arch)
+    if found[3] == "a" and int(found[1]) < FIRST_ARCH_SPECIFIC_MAJOR:
+        return f"{arch} is no nvcc target: arch-specific targets begin with {FIRST_ARCH_SPECIFIC_MAJOR}.0a"
+    needed = (0, 0)
+    if found[3]:
+        needed = max(NVCC_MIN_FOR_MAJOR.get(int(found[1]), (0, 0)), NVCC_MIN_FOR_FAMILY if found[3] == "f" else (0, 0))
+    if _version_tuple(nvcc_version) < needed:
+        return f"nvcc {nvcc_version} cannot build {arch}; it needs CUDA {needed[0]}.{needed[1]} or newer"
+    for release, lowest in NVCC_DROPPED_BELOW.items():
+        if _version_tuple(nvcc_version) >= release and capability_of(arch) < lowest:
+            return f"nvcc {nvcc_version} cannot build {arch}; CUDA {release[0]}.{release[1]} dropped every arch below {lowest[0]}.{lowest[1]}"
+    return None
+
+
+def best_arch(kernel_archs: list[str], device_arch: str) -> str | None:
+    """The kernel arch whose code serves a device of ``device_arch``'s capability best: the same spelling, else
+    arch-specific, then family, then plain code of the highest minor; None when none of them runs there."""
+    capability = capability_of(device_arch)
+    runs = [a for a in kernel_archs if arch_runs_on(a, capability)]
+    if device_arch in runs:
+        return device_arch
+    return max(runs, key=lambda a: (a.endswith("a"), a.endswith("f"), capability_of(a)), default=None)
+
+
+def kernel_arch_plan(name: str, table: dict, request: ArchRequest, nvcc_version: str, selected: set[str] | None) -> dict:
+    """{"archs": what this kernel's CUDA sources are compiled for, "not_built": {listed arch: why not}}."""
+    listed = table.get("archs", [])
+    if selected is not None and name not in selected:
+        why = f"{KERNELS_ENV}={os.environ.get(KERNELS_ENV)} does not name {name}"
+        return {"archs": [], "not_built": dict.fromkeys(listed, why)}
+    wanted = listed if request.archs is None else {best_arch(listed, d) for d in request.archs} - {None}
+    not_built = {a: f"{request.described} did not ask for a device it runs on" for a in listed if a not in wanted}
+    archs = []
+    for arch in listed:
+        if arch in wanted:
+            reason = nvcc_arch_reason(nvcc_version, arch)
+            if reason:
+                not_built[arch] = reason
+            else:
+                archs.append(arch)
+    return {"archs": archs, "not_built": not_built}
+
+
+def compile_groups(kernels: dict, arch_plans: dict) -> list[dict]:
+    """The CUDA compile jobs: each distinct source set with every arch it is compiled for (one nvcc flag set each)."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for name, table in kernels.items():
+        sources = cuda_source_sets(table)
+        for arch in arch_plans[name]["archs"]:
+            groups.setdefault(sources[arch], []).append(arch)
+    owners: dict[str, tuple[str, ...]] = {}
+    for sources in groups:
+        for source in sources:
+            if owners.setdefault(source, sources) != sources:
+                raise BuildError(f"{source} is in two CUDA source sets ({list(owners[source])} and {list(sources)}); "
+                                 "a source file belongs to one set, compiled for all of that set's archs")
+    return [{"sources": list(s), "archs": sorted(set(a))} for s, a in groups.items()]
 
 
 def gencode_flags(archs: list[str]) -> list[str]:
@@ -169,17 +244,41 @@ def _plugin_package(root: Path) -> Path:
     return manifests[0].parent
 
 
+def _check_cuda_sources(name: str, table: dict) -> None:
+    """Every arch a kernel lists has CUDA sources to compile, and CUDA sources have an arch to be compiled for."""
+    sources = table.get("sources", {})
+    if (sources.get("cuda") or sources.get("cuda_variants")) and not table.get("archs"):
+        raise BuildError(f"kernel {name!r} has CUDA sources but lists no archs to compile them for (archs = [\"9.0a\"])")
+    bare = [arch for arch, files in cuda_source_sets(table).items() if not files]
+    if bare:
+        raise BuildError(f"kernel {name!r} lists archs {bare} with no CUDA sources (sources.cuda or sources.cuda_variants)")
+
+
+def _selected_kernels() -> set[str] | None:
+    """The kernels PRIME_KERNELS names (the only ones built with CUDA), or None when it is unset."""
+    named = {n.strip() for n in os.environ.get(KERNELS_ENV, "").split(",") if n.strip()}
+    return named or None
+
+
 def extension_plan(root: Path, toolchain: Toolchain) -> dict:
     """Everything the build decides from the manifest and toolchain, without compiling (tested on its own)."""
     package_dir = _plugin_package(root)
     manifest = load(package_dir)
     kernels = manifest["kernels"]
-    archs = requested_archs(sorted({a for t in kernels.values() for a in t.get("archs", [])}))
-    has_cuda_sources = any(t.get("sources", {}).get("cuda") for t in kernels.values())
+    for name, table in kernels.items():
+        _check_cuda_sources(name, table)
+    has_cuda_sources = any(cuda_source_sets(t) for t in kernels.values())
+    request = arch_request()
     # A plugin without CUDA sources is CPU-only by design: nothing is skipped, so PRIME_KERNELS_REQUIRE has no say.
-    skip = (archs if isinstance(archs, str) else cuda_skip_reason(toolchain, archs)) if has_cuda_sources else None
-    with_cuda = has_cuda_sources and skip is None
-    cxx_std = {t.get("cxx_std", "c++20") for t in kernels.values()}
+    skip = (request if isinstance(request, str) else toolchain_skip_reason(toolchain)) if has_cuda_sources else None
+    arch_plans = {
+        name: kernel_arch_plan(name, table, request, toolchain.nvcc_version, _selected_kernels())
+        if has_cuda_sources and skip is None else {"archs": [], "not_built": {}}
+        for name, table in kernels.items()
+    }
+    groups = compile_groups(kernels, arch_plans)
+    with_cuda = bool(groups)
+    cxx_std = {t.get("cxx_std", DEFAULT_CXX_STD) for t in kernels.values()}
     if len(cxx_std) != 1:
         raise BuildError(f"{package_dir.name}: kernels disagree on cxx_std ({sorted(cxx_std)}); they share one _C")
     defines = [
@@ -194,38 +293,51 @@ def extension_plan(root: Path, toolchain: Toolchain) -> dict:
     for requirement in gather("build_requires"):
         includes += _build_requirement_includes(requirement)
     std = f"-std={cxx_std.pop()}"
+    for group in groups:
+        group["nvcc_flags"] = gencode_flags(group["archs"])
     return {
         "package": package_dir.name,
         "version": f"{manifest['version']}+{abi_tag(toolchain, with_cuda)}",
         "cpu_sources": [s for t in kernels.values() for s in t.get("sources", {}).get("cpu", [])],
-        "cuda_sources": [s for t in kernels.values() for s in t.get("sources", {}).get("cuda", [])] if with_cuda else [],
+        "cuda_groups": groups,
         "include_dirs": includes,
         "cxx_flags": _unique([std, *gather("extra_cxx_flags"), *defines]),
-        "nvcc_flags": _unique([std, *gencode_flags(archs), *gather("extra_nvcc_flags"), *defines]) if with_cuda else [],
-        "archs": archs if with_cuda else [],
+        "nvcc_flags": _unique([std, *gather("extra_nvcc_flags"), *defines]) if with_cuda else [],
+        "kernels": arch_plans,
+        "arch_request": None if isinstance(request, str) else request.described,
         "cuda_skipped": skip,
     }
 
 
-def announce_skip(plan: dict) -> None:
-    """Say why CUDA is skipped; under PRIME_KERNELS_REQUIRE=1 a skip fails the build instead."""
-    if not plan["cuda_skipped"]:
+def announce(plan: dict) -> None:
+    """One line per kernel saying what it gets; a CUDA skip, or an arch this nvcc cannot build, fails the build under
+    PRIME_KERNELS_REQUIRE=1 instead."""
+    required = os.environ.get(REQUIRE_ENV) == "1"
+    if plan["cuda_skipped"]:
+        message = f"prime-kernels: skipping CUDA for {plan['package']}: {plan['cuda_skipped']}"
+        if required:
+            raise BuildError(f"{message} ({REQUIRE_ENV}=1 makes this an error)")
+        print(message, file=sys.stderr)
         return
-    message = f"prime-kernels: skipping CUDA for {plan['package']}: {plan['cuda_skipped']}"
-    if os.environ.get(REQUIRE_ENV) == "1":
-        raise BuildError(f"{message} ({REQUIRE_ENV}=1 makes this an error)")
-    print(message, file=sys.stderr)
+    for name, kernel in plan["kernels"].items():
+        unbuildable = {a: why for a, why in kernel["not_built"].items() if why.startswith("nvcc ")}
+        if unbuildable and required:
+            raise BuildError(f"prime-kernels: {name}: {'; '.join(unbuildable.values())} ({REQUIRE_ENV}=1 makes this an error)")
+        built = ", ".join(kernel["archs"]) or "no CUDA arch"
+        left = "; ".join(f"not {a}: {why}" for a, why in kernel["not_built"].items())
+        print(f"prime-kernels: {plan['package']}: {name}: CUDA for {built}" + (f" ({left})" if left else ""), file=sys.stderr)
 
 
 def build_record(plan: dict, toolchain: Toolchain) -> dict:
     return {
         "torch": toolchain.torch_version,
         "torch_cuda": toolchain.torch_cuda,
-        "nvcc": toolchain.nvcc_version if plan["cuda_sources"] else None,
+        "nvcc": toolchain.nvcc_version if plan["cuda_groups"] else None,
         "cxx": toolchain.cxx_version,
-        "archs": plan["archs"],
-        "cuda_skipped": plan["cuda_skipped"],
         "python": platform.python_version(),
+        "arch_request": plan["arch_request"],
+        "cuda_skipped": plan["cuda_skipped"],
+        "kernels": plan["kernels"],
     }
 
 
@@ -238,12 +350,12 @@ def setup_plugin(root: str | Path | None = None, **setup_kwargs) -> None:
     root = Path(root) if root else Path.cwd()
     toolchain = detect_toolchain()
     plan = extension_plan(root, toolchain)
-    announce_skip(plan)
+    announce(plan)
     record = build_record(plan, toolchain)
 
-    extension_type = cpp_extension.CUDAExtension if plan["cuda_sources"] else cpp_extension.CppExtension
+    extension_type = cpp_extension.CUDAExtension if plan["cuda_groups"] else cpp_extension.CppExtension
     compile_args = {"cxx": plan["cxx_flags"]}
-    if plan["cuda_sources"]:
+    if plan["cuda_groups"]:
         compile_args["nvcc"] = plan["nvcc_flags"]
     # A copy under build/: setuptools wants relative sources, and objects must land inside build_temp.
     module_init = Path("build", MODULE_INIT.name)
@@ -251,12 +363,23 @@ def setup_plugin(root: str | Path | None = None, **setup_kwargs) -> None:
     module_init.write_text(MODULE_INIT.read_text())
     extension = extension_type(
         name=f"{plan['package']}.{EXTENSION_MODULE}",
-        sources=[*plan["cpu_sources"], str(module_init), *plan["cuda_sources"]],
+        sources=[*plan["cpu_sources"], str(module_init)],
         include_dirs=plan["include_dirs"],
         extra_compile_args=compile_args,
     )
 
     class BuildWithRecord(cpp_extension.BuildExtension):
+        def build_extension(self, ext):
+            # cpp_extension gives one extension one set of nvcc flags, so each CUDA source set is compiled on its own
+            # (its archs' -gencode only, into its own folder) and linked in as objects.
+            for i, group in enumerate(plan["cuda_groups"]):
+                flags = dict(ext.extra_compile_args, nvcc=[*ext.extra_compile_args["nvcc"], *group["nvcc_flags"]])
+                ext.extra_objects += self.compiler.compile(
+                    group["sources"], output_dir=os.path.join(self.build_temp, f"cuda_set_{i}"),
+                    include_dirs=ext.include_dirs, extra_postargs=flags, depends=ext.depends,
+                )
+            super().build_extension(ext)
+
         def run(self):
             super().run()
             # Beside the built _C, and beside the in-place copy an editable install (pip install -e) imports.

@@ -1,9 +1,10 @@
 """kernel.toml, the one source of truth a plugin's build and runtime both read, and the KernelSpec declared from it.
 
 A manifest sits inside the plugin's package and holds a top-level ``version`` and one table per kernel:
-description, namespace, ops, trainable, module, archs, cxx_std, sources.cpu / sources.cuda, include_dirs,
-extra_cxx_flags, extra_nvcc_flags, build_requires and a ``constants`` table (compile definitions
-``<KERNEL>_<NAME>`` and runtime values alike).
+description, namespace, ops, trainable, module, archs, cxx_std, sources.cpu / sources.cuda / sources.cuda_variants,
+include_dirs, extra_cxx_flags, extra_nvcc_flags, build_requires and a ``constants`` table (compile definitions
+``<KERNEL>_<NAME>`` and runtime values alike). ``archs`` are the CUDA archs the kernel has code for; each is compiled
+from its ``sources.cuda_variants`` entry when it has one, else from ``sources.cuda``.
 """
 from __future__ import annotations
 
@@ -28,10 +29,12 @@ BUILD_RECORD_NAME = "_build_record.json"
 EXTENSION_MODULE = "_C"
 # A CUDA arch as manifests and PRIME_KERNELS_ARCH spell it: MAJOR.MINOR, then "a" (arch-specific) or "f" (family).
 ARCH_PATTERN = re.compile(r"(\d+)\.(\d+)([af]?)")
-KERNEL_KEYS = {
-    "description", "namespace", "ops", "trainable", "module", "archs", "cxx_std", "sources", "include_dirs",
-    "extra_cxx_flags", "extra_nvcc_flags", "build_requires", "constants",
-}
+CXX_STD_PATTERN = re.compile(r"c\+\+(17|20|23)")
+DEFAULT_CXX_STD = "c++20"
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+STRING_LISTS = ("ops", "trainable", "archs", "include_dirs", "extra_cxx_flags", "extra_nvcc_flags", "build_requires")
+KERNEL_KEYS = {"description", "namespace", "module", "cxx_std", "sources", "constants", *STRING_LISTS}
+SOURCE_KEYS = {"cpu", "cuda", "cuda_variants"}
 
 
 class ManifestError(ValueError):
@@ -56,29 +59,118 @@ class KernelSpec:
     version: str = ""
 
 
+def _is_string_list(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _check_sources(where: str, sources, archs: list[str]) -> None:
+    if not isinstance(sources, dict):
+        raise ManifestError(f"{where}: sources must be a table (sources.cpu = [...]), found {sources!r}")
+    unknown = set(sources) - SOURCE_KEYS
+    if unknown:
+        raise ManifestError(f"{where}: sources has unknown keys {sorted(unknown)}; known: {sorted(SOURCE_KEYS)}")
+    for key in ("cpu", "cuda"):
+        if not _is_string_list(sources.get(key, [])):
+            raise ManifestError(f"{where}: sources.{key} must be a list of paths, found {sources[key]!r}")
+    variants = sources.get("cuda_variants", {})
+    if not isinstance(variants, dict) or not all(_is_string_list(v) and v for v in variants.values()):
+        raise ManifestError(f"{where}: sources.cuda_variants must map an arch to a list of paths, found {variants!r}")
+    unlisted = sorted(set(variants) - set(archs))
+    if unlisted:
+        raise ManifestError(f"{where}: sources.cuda_variants names {unlisted}, which archs does not list ({archs})")
+
+
+def _check_kernel(where: str, table: dict) -> None:
+    """Every key of one kernel table, each with a sentence naming the key, what was expected and what was found."""
+    unknown = set(table) - KERNEL_KEYS
+    if unknown:
+        raise ManifestError(f"{where} has unknown keys {sorted(unknown)}; known: {sorted(KERNEL_KEYS)}")
+    for key in ("namespace", "module"):
+        if not isinstance(table.get(key), str) or not table[key]:
+            raise ManifestError(f"{where} needs a {key} string, found {table.get(key)!r}")
+    if not IDENTIFIER.fullmatch(table["namespace"]):
+        raise ManifestError(f"{where}: namespace must be a C++ identifier (it names a TORCH_LIBRARY), found {table['namespace']!r}")
+    if not isinstance(table.get("description", ""), str):
+        raise ManifestError(f"{where}: description must be a string, found {table['description']!r}")
+    for key in STRING_LISTS:
+        if not _is_string_list(table.get(key, [])):
+            raise ManifestError(f"{where}: {key} must be a list of strings, found {table[key]!r}")
+    if not table.get("ops"):
+        raise ManifestError(f"{where} declares no ops")
+    bad_ops = [op for op in table["ops"] + table.get("trainable", []) if not IDENTIFIER.fullmatch(op)]
+    if bad_ops:
+        raise ManifestError(f"{where}: op names are bare identifiers (no namespace), found {bad_ops}")
+    untrained = sorted(set(table.get("trainable", [])) - set(table["ops"]))
+    if untrained:
+        raise ManifestError(f"{where}: trainable names {untrained}, which ops does not list")
+    bad_archs = [a for a in table.get("archs", []) if not ARCH_PATTERN.fullmatch(a)]
+    if bad_archs:
+        raise ManifestError(f"{where}: archs are spelled MAJOR.MINOR[a|f] (e.g. \"8.0\", \"9.0a\", \"10.0f\"), found {bad_archs}")
+    cxx_std = table.get("cxx_std", DEFAULT_CXX_STD)
+    if not isinstance(cxx_std, str) or not CXX_STD_PATTERN.fullmatch(cxx_std):
+        raise ManifestError(f"{where}: cxx_std is a string c++17, c++20 or c++23 (default {DEFAULT_CXX_STD}), found {cxx_std!r}")
+    _check_sources(where, table.get("sources", {}), table.get("archs", []))
+    constants = table.get("constants", {})
+    if not isinstance(constants, dict):
+        raise ManifestError(f"{where}: constants must be a table, found {constants!r}")
+    for key, value in constants.items():
+        if not IDENTIFIER.fullmatch(key) or not isinstance(value, (bool, int, float)):
+            raise ManifestError(
+                f"{where}: constant {key!r} must be an identifier with a number or boolean value (it is compiled in "
+                f"as a define), found {value!r}"
+            )
+
+
 @lru_cache(maxsize=None)
 def load(path: str | Path) -> dict:
     """The parsed manifest at ``path`` (a kernel.toml, or the package directory holding it), validated."""
     path = Path(path)
     if path.is_dir():
         path = path / MANIFEST_NAME
-    with open(path, "rb") as f:
-        data = tomllib.load(f)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ManifestError(f"{path}: is not valid TOML: {exc}") from None
     if not isinstance(data.get("version"), str):
         raise ManifestError(f"{path}: needs a top-level version string, found {data.get('version')!r}")
+    stray = sorted(k for k, v in data.items() if k != "version" and not isinstance(v, dict))
+    if stray:
+        raise ManifestError(f"{path}: top-level keys other than version must be kernel tables, found {stray}")
     kernels = {k: v for k, v in data.items() if isinstance(v, dict)}
     if not kernels:
         raise ManifestError(f"{path}: declares no kernel table")
     for name, table in kernels.items():
-        unknown = set(table) - KERNEL_KEYS
-        if unknown:
-            raise ManifestError(f"{path}: kernel {name!r} has unknown keys {sorted(unknown)}; known: {sorted(KERNEL_KEYS)}")
-        for key in ("namespace", "module"):
-            if not isinstance(table.get(key), str):
-                raise ManifestError(f"{path}: kernel {name!r} needs a {key} string, found {table.get(key)!r}")
-        if not table.get("ops"):
-            raise ManifestError(f"{path}: kernel {name!r} declares no ops")
+        _check_kernel(f"{path}: kernel {name!r}", table)
     return {"version": data["version"], "kernels": kernels}
+
+
+def cuda_source_sets(table: dict) -> dict[str, tuple[str, ...]]:
+    """{arch: the CUDA sources compiled for it} for one kernel table: its variant for that arch, else sources.cuda."""
+    sources = table.get("sources", {})
+    variants = sources.get("cuda_variants", {})
+    return {arch: tuple(variants.get(arch, sources.get("cuda", []))) for arch in table.get("archs", [])}
+
+
+def capability_of(arch: str) -> tuple[int, int] | None:
+    """``"9.0a"`` -> ``(9, 0)``: the compute capability an arch is spelled after, or None when it is malformed."""
+    match = ARCH_PATTERN.fullmatch(arch) if isinstance(arch, str) else None
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def arch_runs_on(arch: str, capability: tuple[int, int]) -> bool:
+    """Whether machine code built for ``arch`` runs on a device of ``capability`` (no PTX is ever shipped).
+
+    ``X.Ya`` runs only on X.Y; family ``X.Yf`` and plain ``X.Y`` code on X.Y' with Y' >= Y of the same major (nvcc's
+    families: 10.0f on 10.0 and 10.3, 12.0f on 12.0 and 12.1).
+    """
+    built_for = capability_of(arch)
+    if built_for is None:
+        return False
+    capability = tuple(capability)
+    if arch.endswith("a"):
+        return built_for == capability
+    return built_for[0] == capability[0] and capability[1] >= built_for[1]
 
 
 def major_minor(version: str | None) -> str | None:

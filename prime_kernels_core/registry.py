@@ -17,7 +17,7 @@ from pathlib import Path
 import pluggy
 
 from . import ENTRY_POINT_GROUP, hookspecs, manifest
-from .manifest import ARCH_PATTERN, KernelSpec, major_minor
+from .manifest import ARCH_PATTERN, KernelSpec, arch_runs_on, capability_of, major_minor
 
 DISABLE_ENV = "PRIME_KERNELS_DISABLE"
 ALLOW_ENV = "PRIME_KERNELS_PLUGINS"
@@ -32,7 +32,8 @@ class KernelUnavailableError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """Where a kernel would run: the CPU, or CUDA device ``index`` of compute ``capability``."""
+    """Where a kernel would run: the CPU, or CUDA device ``index`` of compute ``capability``; ``index`` None is a
+    what-if (a device of that capability, whether or not one is present)."""
 
     kind: str
     index: int | None = None
@@ -177,10 +178,37 @@ def _find(name: str) -> tuple[Entry | None, str | None]:
 
 # ---------------------------------------------------------------- targets
 
+# "sm_120", "sm_90", "sm_90a": a capability as nvcc and nvidia-smi users spell it (the last digit is the minor).
+SM_PATTERN = re.compile(r"sm_?(\d+)(\d)[af]?")
+
+
+def parse_capability(device) -> tuple[int, int] | None:
+    """``"sm_120"``, ``"12.0"`` or ``(12, 0)`` as a capability; None for anything else (a device, an index)."""
+    if isinstance(device, tuple):
+        ok = len(device) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in device)
+        return device if ok else None
+    if isinstance(device, str):
+        found = SM_PATTERN.fullmatch(device.strip().lower())
+        return (int(found[1]), int(found[2])) if found else capability_of(device.strip())
+    return None
+
+
+def _checked_target(target: Target) -> Target | str:
+    if target.kind == "cpu" or (target.kind == "cuda" and parse_capability(target.capability) is not None):
+        return target
+    return f"Target {target!r} is neither Target('cpu') nor a CUDA target with a (major, minor) capability"
+
+
 def resolve_target(device=None) -> Target | str:
-    """A Target for ``device`` (None, an index, "cuda:N", "cpu", a torch.device or a Target), or why there is none."""
+    """A Target for ``device`` (None, an index, "cuda:N", "cpu", a torch.device, a capability such as "sm_120" or
+    (12, 0), or a Target), or why there is none. A capability asks about a device of that capability, present or not."""
     if isinstance(device, Target):
-        return device
+        return _checked_target(device)
+    capability = parse_capability(device)
+    if capability is not None:
+        return Target("cuda", None, capability)
+    if isinstance(device, tuple):
+        return f"device {device!r} is no capability: expected (major, minor), two non-negative ints, e.g. (9, 0)"
     try:
         import torch
 
@@ -199,21 +227,10 @@ def resolve_target(device=None) -> Target | str:
             return f"no CUDA device cuda:{index} is visible to this process (it sees {count})"
         return Target("cuda", index, tuple(torch.cuda.get_device_capability(index)))
     except Exception as exc:
-        return f"could not resolve device {device!r}: {type(exc).__name__}: {exc}"
-
-
-def arch_runs_on(arch: str, capability: tuple[int, int]) -> bool:
-    """Whether code built for ``arch`` ("9.0a", "10.0f", "8.0") runs on a device of ``capability``.
-
-    Arch-specific ("a") code runs only on its exact capability; family ("f") and plain code on later minors of the major.
-    """
-    match = ARCH_PATTERN.fullmatch(arch)
-    if not match:
-        return False
-    major, minor, suffix = int(match[1]), int(match[2]), match[3]
-    if suffix == "a":
-        return (major, minor) == tuple(capability)
-    return major == capability[0] and capability[1] >= minor
+        return (
+            f"could not resolve device {device!r}: {type(exc).__name__}: {exc}; expected None, an index, 'cuda:N', "
+            "'cpu', a torch.device or a capability such as 'sm_90' or (9, 0)"
+        )
 
 
 # ---------------------------------------------------------------- gating
@@ -243,7 +260,7 @@ def _abi_reason(spec: KernelSpec, target: Target | str) -> str | None:
             f"{spec.name} was built against torch {built_torch} but this process runs torch {running_torch}; "
             f"rebuild {spec.distribution} against the running torch"
         )
-    cuda_built = not spec.build.get("cuda_skipped")
+    cuda_built = any(k.get("archs") for k in spec.build["kernels"].values())
     if cuda_built and not (isinstance(target, Target) and target.kind == "cpu") and built_cuda != running_cuda:
         if running_cuda is None:
             return (
@@ -275,18 +292,51 @@ def _import_module(module: str):
         return None, f"importing {module} failed: {text}"
 
 
-def _arch_reason(spec: KernelSpec, capability: tuple[int, int]) -> str | None:
-    """Why ``spec`` has no code for a device of ``capability``: the kernel's own manifest archs must name the device
-    (a plugin's kernels share one _C, compiled for all their archs together) and the build must have compiled it."""
+def _kernel_build(spec: KernelSpec) -> dict | str:
+    """This kernel's entry of its build record ({"archs": [...], "not_built": {arch: why}}), or why it is unusable."""
+    record, where = spec.build, f"{spec.distribution}'s build record"
+    if not isinstance(record, dict):
+        return f"{where} is not a JSON object (found {type(record).__name__}); rebuild {spec.distribution}"
+    kernels = record.get("kernels")
+    if not isinstance(kernels, dict):
+        return f"{where} has no per-kernel 'kernels' table (a build by an older prime-kernels-core?); rebuild {spec.distribution}"
+    kernel = kernels.get(spec.name)
+    if not isinstance(kernel, dict):
+        return f"{where} has no entry for {spec.name}; rebuild {spec.distribution}"
+    archs, not_built = kernel.get("archs"), kernel.get("not_built", {})
+    if not isinstance(archs, list) or not all(isinstance(a, str) and ARCH_PATTERN.fullmatch(a) for a in archs):
+        return f"{where} lists archs {archs!r} for {spec.name}, not a list of arch strings such as \"9.0a\"; rebuild it"
+    if not isinstance(not_built, dict):
+        return f"{where} has a malformed not_built entry for {spec.name} ({not_built!r}); rebuild it"
+    return kernel
+
+
+def built_archs(spec: KernelSpec) -> list[str]:
+    """The archs ``spec``'s CUDA code was compiled for (none when its build record is missing or malformed)."""
+    kernel = _kernel_build(spec) if spec.build is not None else None
+    return kernel["archs"] if isinstance(kernel, dict) else []
+
+
+def _arch_reason(spec: KernelSpec, kernel: dict, capability: tuple[int, int]) -> str | None:
+    """Why ``spec`` has no code for a device of ``capability``: its own manifest archs must serve the device and its
+    own CUDA sources must have been compiled for one of those (each kernel of a plugin is compiled for its own archs)."""
+    if any(arch_runs_on(a, capability) for a in kernel["archs"]):
+        return None
     device = "sm_{}{}".format(*capability)
-    listed = ", ".join(spec.archs) or "none"
-    if not any(arch_runs_on(a, capability) for a in spec.archs):
-        return f"{spec.name} lists archs {listed}; this device is {device}"
-    built = spec.build.get("archs") or []
-    if not any(arch_runs_on(a, capability) for a in built):
-        compiled = ", ".join(built) or "none"
-        return f"{spec.name} lists archs {listed} but its build compiled {compiled}; this device is {device}"
-    return None
+    built = f"this install has it for {', '.join(kernel['archs'])}" if kernel["archs"] else "this install has no CUDA code for it"
+    serving = [a for a in spec.archs if arch_runs_on(a, capability)]
+    if not serving:
+        text = f"{spec.name} has no CUDA build for {device}: it supports {', '.join(spec.archs) or 'no CUDA arch'} only ({built})"
+        siblings = [
+            e.name for e in entries() if e.spec is not None and e.name != spec.name and e.distribution == spec.distribution
+            and any(arch_runs_on(a, capability) for a in built_archs(e.spec))
+        ]
+        return text + "".join(f"; this install has {name}'s for {device}" for name in siblings)
+    why = "; ".join(f"{a}: {kernel['not_built'].get(a, 'not compiled')}" for a in serving)
+    return (
+        f"{spec.name} supports {device} ({', '.join(serving)}) but this build of {spec.distribution} did not compile it "
+        f"({why}; {built}); rebuild it without PRIME_KERNELS_ARCH (every arch) or with PRIME_KERNELS_ARCH={serving[-1]}"
+    )
 
 
 def _extra_check_reason(spec: KernelSpec, answer) -> str | None:
@@ -320,6 +370,9 @@ def _reason(name: str, device) -> str | None:
     target = resolve_target(device)
     if spec.build is None:  # rule 4
         return f"{spec.name} is not compiled: {spec.distribution} has no build record (was it built with prime_kernels_core.build?)"
+    kernel = _kernel_build(spec)
+    if isinstance(kernel, str):
+        return kernel
     wants_cuda = not (isinstance(target, Target) and target.kind == "cpu")
     if wants_cuda and spec.build.get("cuda_skipped"):
         return f"{spec.name} was built without CUDA: {spec.build['cuda_skipped']}"
@@ -329,7 +382,7 @@ def _reason(name: str, device) -> str | None:
     if isinstance(target, str):  # rule 6
         return target
     if target.kind == "cuda":  # rule 7
-        arch = _arch_reason(spec, target.capability)
+        arch = _arch_reason(spec, kernel, target.capability)
         if arch:
             return arch
     _, failure = _import_module(spec.module)  # rule 8
