@@ -41,12 +41,13 @@ def rows(device=None, probe: bool = False) -> list[dict]:
     out = []
     for entry in registry.entries():
         reason = _probe_reason(entry.name, device) if probe else registry.unavailable_reason(entry.name, device)
-        spec, build = entry.spec, (entry.spec.build if entry.spec else None) or {}
+        spec = entry.spec
+        build = spec.build if spec is not None and isinstance(spec.build, dict) else {}
         out.append({
             "kernel": entry.name,
             "distribution": f"{entry.distribution} {entry.version}",
             "namespace": spec.namespace if spec else "",
-            "archs built": ",".join(build.get("archs") or []) or ("none" if build else ""),
+            "archs built": (",".join(registry.built_archs(spec)) or "none") if spec and build else "",
             "torch built/running": f"{build.get('torch', '?')} / {torch.__version__}",
             "state": registry.AVAILABLE if reason is None else UNAVAILABLE,
             "reason": reason or "",

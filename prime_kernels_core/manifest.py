@@ -54,7 +54,7 @@ class KernelSpec:
     trainable: tuple[str, ...] = ()
     constants: dict = dataclasses.field(default_factory=dict)
     extension: str | None = None
-    build: dict | None = None
+    build: dict | None = None  # the build record as read; registry._kernel_build checks its form
     distribution: str = ""
     version: str = ""
 
@@ -178,13 +178,17 @@ def major_minor(version: str | None) -> str | None:
     return ".".join(version.split("+")[0].split(".")[:2]) if version else None
 
 
-def read_build_record(package_dir: str | Path) -> dict | None:
-    """The build record the build kit wrote into the package, or None when the package was never built by it."""
+def read_build_record(package_dir: str | Path):
+    """The build record the build kit wrote into the package (the registry checks its form), None when the package
+    was never built by it, or a sentence when it is not JSON."""
     try:
-        record = json.loads((Path(package_dir) / BUILD_RECORD_NAME).read_text())
-    except (OSError, ValueError):
+        text = (Path(package_dir) / BUILD_RECORD_NAME).read_text()
+    except OSError:
         return None
-    return record if isinstance(record, dict) else None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        return f"{BUILD_RECORD_NAME} is not valid JSON ({exc})"
 
 
 def declare(hook_module_file: str) -> list[KernelSpec]:

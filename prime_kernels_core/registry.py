@@ -260,7 +260,7 @@ def _abi_reason(spec: KernelSpec, target: Target | str) -> str | None:
             f"{spec.name} was built against torch {built_torch} but this process runs torch {running_torch}; "
             f"rebuild {spec.distribution} against the running torch"
         )
-    cuda_built = any(k.get("archs") for k in spec.build["kernels"].values())
+    cuda_built = bool(spec.build.get("nvcc"))  # the build kit records nvcc only when it compiled CUDA code
     if cuda_built and not (isinstance(target, Target) and target.kind == "cpu") and built_cuda != running_cuda:
         if running_cuda is None:
             return (
@@ -295,6 +295,8 @@ def _import_module(module: str):
 def _kernel_build(spec: KernelSpec) -> dict | str:
     """This kernel's entry of its build record ({"archs": [...], "not_built": {arch: why}}), or why it is unusable."""
     record, where = spec.build, f"{spec.distribution}'s build record"
+    if isinstance(record, str):
+        return f"{where} cannot be read: {record}; rebuild {spec.distribution}"
     if not isinstance(record, dict):
         return f"{where} is not a JSON object (found {type(record).__name__}); rebuild {spec.distribution}"
     kernels = record.get("kernels")

@@ -10,12 +10,24 @@ from prime_kernels_core import registry
 DEFAULT_RECORD = object()
 
 
-def _running_record(**overrides):
+def running_record(kernels: dict | None = None, **overrides) -> dict:
+    """A build record as the build kit writes it, built by the running torch: ``kernels`` maps each kernel to the
+    archs its CUDA code was compiled for, or to (archs, its not_built table)."""
     import torch
 
-    record = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "archs": ["9.0a"], "cuda_skipped": None}
+    record = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "nvcc": torch.version.cuda,
+              "arch_request": "every arch each kernel lists (PRIME_KERNELS_ARCH unset)", "cuda_skipped": None,
+              "kernels": {}}
+    for name, built in (kernels or {}).items():
+        archs, not_built = built if isinstance(built, tuple) and len(built) == 2 and isinstance(built[1], dict) else (built, {})
+        record["kernels"][name] = {"archs": list(archs), "not_built": dict(not_built)}
     record.update(overrides)
     return record
+
+
+@pytest.fixture
+def record():
+    return running_record
 
 
 @pytest.fixture
@@ -44,7 +56,7 @@ def plugin_dir(tmp_path, monkeypatch):
             archs = {json.dumps(list(archs))}
         """))
         if record is DEFAULT_RECORD:
-            (pkg / "_build_record.json").write_text(json.dumps(_running_record(archs=list(archs))))
+            (pkg / "_build_record.json").write_text(json.dumps(running_record({kernel: list(archs)})))
         elif record is not None:
             (pkg / "_build_record.json").write_text(json.dumps(record))
         (pkg / "ops.py").write_text(

@@ -8,32 +8,57 @@ import pytest
 import prime_kernels
 
 from prime_kernels_core import build
-from prime_kernels_core.build import Toolchain, cuda_skip_reason
+from prime_kernels_core.manifest import ManifestError
+from prime_kernels_core.build import Toolchain, nvcc_arch_reason, toolchain_skip_reason
 
 GOOD = Toolchain("2.14.1+cu130", "13.0", "/usr/local/cuda", "13.0")
 
 
 def test_suitable_toolchain_builds():
-    assert cuda_skip_reason(GOOD, ["9.0a", "10.0a"]) is None
+    assert toolchain_skip_reason(GOOD) is None
+    assert nvcc_arch_reason("13.0", "9.0a") is None and nvcc_arch_reason("13.0", "12.0") is None
 
 
-@pytest.mark.parametrize("toolchain,archs,expected", [
-    (Toolchain("2.14.1+cpu", None, "/usr/local/cuda", "13.0"), ["9.0a"], "torch 2.14.1+cpu is a CPU-only build"),
-    (Toolchain("2.14.1+cu130", "13.0", None, None), ["9.0a"],
+@pytest.mark.parametrize("toolchain,expected", [
+    (Toolchain("2.14.1+cpu", None, "/usr/local/cuda", "13.0"), "torch 2.14.1+cpu is a CPU-only build"),
+    (Toolchain("2.14.1+cu130", "13.0", None, None),
      "no CUDA toolkit was found (CUDA_HOME=None has no bin/nvcc and include/cuda_runtime.h)"),
-    (Toolchain("2.14.1+cu130", "13.0", "/usr/local/cuda", "12.8"), ["9.0a"],
+    (Toolchain("2.14.1+cu130", "13.0", "/usr/local/cuda", "12.8"),
      "nvcc is CUDA 12.8 but torch 2.14.1+cu130 was built with CUDA 13.0; the CUDA majors must match"),
-    (Toolchain("2.7.0+cu126", "12.6", "/usr/local/cuda", "12.6"), ["10.0a"],
-     "nvcc 12.6 cannot build 10.0a; it needs CUDA 12.8 or newer"),
-    (Toolchain("2.7.0+cu128", "12.8", "/usr/local/cuda", "12.8"), ["10.0f"],
-     "nvcc 12.8 cannot build 10.0f; it needs CUDA 12.9 or newer"),
-    (Toolchain("2.7.0+cu129", "12.9", "/usr/local/cuda", "12.9"), ["11.0f"],
-     "nvcc 12.9 cannot build 11.0f; it needs CUDA 13.0 or newer"),
-    (GOOD, ["sm90"], "arch 'sm90' is not of the form MAJOR.MINOR[a|f] (e.g. 9.0a)"),
-    (GOOD, [], "no CUDA arch was requested (the manifest lists none and PRIME_KERNELS_ARCH is unset)"),
 ])
-def test_unsuitable_toolchains_skip_with_a_sentence(toolchain, archs, expected):
-    assert cuda_skip_reason(toolchain, archs) == expected
+def test_unsuitable_toolchains_skip_with_a_sentence(toolchain, expected):
+    assert toolchain_skip_reason(toolchain) == expected
+
+
+@pytest.mark.parametrize("nvcc,arch,expected", [
+    ("12.6", "10.0a", "nvcc 12.6 cannot build 10.0a; it needs CUDA 12.8 or newer"),
+    ("12.8", "10.0f", "nvcc 12.8 cannot build 10.0f; it needs CUDA 12.9 or newer"),
+    ("12.9", "11.0f", "nvcc 12.9 cannot build 11.0f; it needs CUDA 13.0 or newer"),
+    ("13.0", "7.0", "nvcc 13.0 cannot build 7.0; CUDA 13.0 dropped every arch below 7.5"),
+    ("13.0", "8.0a", "8.0a is no nvcc target: arch-specific targets begin with 9.0a"),
+])
+def test_archs_this_nvcc_cannot_build(nvcc, arch, expected):
+    assert nvcc_arch_reason(nvcc, arch) == expected
+
+
+FUSED_LOGP_ARCHS = ["8.0", "8.6", "8.9", "9.0", "10.0", "11.0", "12.0"]
+
+
+@pytest.mark.parametrize("device,generic,hopper_only", [
+    ("8.0", "8.0", None), ("8.6", "8.6", None), ("8.7", "8.6", None), ("8.9", "8.9", None), ("9.0a", "9.0", "9.0a"),
+    ("9.0", "9.0", "9.0a"), ("10.0a", "10.0", None), ("10.3a", "10.0", None), ("11.0a", "11.0", None),
+    ("12.0a", "12.0", None), ("12.1a", "12.0", None), ("7.5", None, None),
+])
+def test_each_requested_device_gets_the_kernels_best_arch(device, generic, hopper_only):
+    assert build.best_arch(FUSED_LOGP_ARCHS, device) == generic
+    assert build.best_arch(["9.0a"], device) == hopper_only
+
+
+def test_best_arch_prefers_the_same_spelling_then_arch_specific_code():
+    assert build.best_arch(["9.0", "9.0a"], "9.0") == "9.0"
+    assert build.best_arch(["9.0", "9.0a"], "9.0a") == "9.0a"
+    assert build.best_arch(["10.0", "10.0f", "10.0a"], "10.0a") == "10.0a"
+    assert build.best_arch(["10.0", "10.0f"], "10.3a") == "10.0f"
 
 
 def test_gencode_is_one_per_arch_and_no_ptx():
@@ -41,11 +66,13 @@ def test_gencode_is_one_per_arch_and_no_ptx():
         "-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_100a,code=sm_100a"]
 
 
-def test_arch_override(monkeypatch):
+def test_arch_request(monkeypatch):
     monkeypatch.setenv(build.ARCH_ENV, "9.0a;10.0a")
-    assert build.requested_archs(["9.0a"]) == ["9.0a", "10.0a"]
+    assert build.arch_request() == build.ArchRequest(("9.0a", "10.0a"), "PRIME_KERNELS_ARCH=9.0a;10.0a")
+    monkeypatch.setenv(build.ARCH_ENV, "sm90")
+    assert build.arch_request() == "PRIME_KERNELS_ARCH names ['sm90'], not of the form MAJOR.MINOR[a|f] (e.g. 9.0a)"
     monkeypatch.delenv(build.ARCH_ENV)
-    assert build.requested_archs(["9.0a"]) == ["9.0a"]
+    assert build.arch_request() == build.ArchRequest(None, "every arch each kernel lists (PRIME_KERNELS_ARCH unset)")
 
 
 @pytest.mark.parametrize("capability,arch", [((8, 0), "8.0"), ((8, 6), "8.6"), ((9, 0), "9.0a"), ((10, 0), "10.0a")])
@@ -55,19 +82,15 @@ def test_native_arch_is_arch_specific_only_from_hopper_on(monkeypatch, capabilit
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *device: capability)
     monkeypatch.setenv(build.ARCH_ENV, "native")
-    assert build.requested_archs(["9.0a"]) == [arch]
+    assert build.arch_request().archs == (arch,)
 
 
 def test_native_arch_without_a_device(monkeypatch):
     import torch
 
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        monkeypatch.setenv(build.ARCH_ENV, "native")
-        assert build.requested_archs([]) == [f"{major}.{minor}a"]
-    else:
-        monkeypatch.setenv(build.ARCH_ENV, "native")
-        assert build.requested_archs(["9.0a"]) == "PRIME_KERNELS_ARCH=native but no CUDA device is visible to the build"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv(build.ARCH_ENV, "native")
+    assert build.arch_request() == "PRIME_KERNELS_ARCH=native but no CUDA device is visible to the build"
 
 
 def test_abi_tag():
@@ -75,7 +98,7 @@ def test_abi_tag():
     assert build.abi_tag(GOOD, False) == "cputorch2.14"
 
 
-def _write_plugin(root, constants="BLOCK_M = 128\nUSE_TMA = true", cuda='["csrc/k.cu"]'):
+def _write_plugin(root, constants="BLOCK_M = 128\nUSE_TMA = true", cuda='["csrc/k.cu"]', extra=""):
     (root / "pk_plan").mkdir()
     (root / "pk_plan" / "kernel.toml").write_text(textwrap.dedent(f"""\
         version = "0.2.0"
@@ -83,12 +106,36 @@ def _write_plugin(root, constants="BLOCK_M = 128\nUSE_TMA = true", cuda='["csrc/
         namespace = "pk_plan"
         ops = ["run"]
         module = "pk_plan.ops"
-        archs = ["9.0a", "10.0a"]
+        archs = {'["9.0a", "10.0a"]' if cuda != "[]" else "[]"}
         sources.cpu = ["csrc/k.cpp"]
         sources.cuda = {cuda}
         extra_nvcc_flags = ["-DNDEBUG"]
+        {extra}
         [moe.constants]
     """) + constants + "\n")
+
+
+def _write_two_kernels(root):
+    """A generic kernel beside a Hopper-only one with a Blackwell variant, as fused_logp beside linear_logp."""
+    (root / "pk_two").mkdir()
+    (root / "pk_two" / "kernel.toml").write_text(textwrap.dedent("""\
+        version = "0.1.0"
+        [generic]
+        namespace = "pk_two"
+        ops = ["a"]
+        module = "pk_two.ops"
+        archs = ["8.0", "9.0", "12.0"]
+        sources.cpu = ["csrc/a.cpp"]
+        sources.cuda = ["csrc/cuda/a.cu"]
+        [hopper]
+        namespace = "pk_two"
+        ops = ["b"]
+        module = "pk_two.ops"
+        archs = ["9.0a", "10.0a"]
+        sources.cpu = ["csrc/b.cpp"]
+        sources.cuda_variants."9.0a" = ["csrc/cuda/b_sm90.cu", "csrc/cuda/b_common.cu"]
+        sources.cuda_variants."10.0a" = ["csrc/cuda/b_sm100.cu"]
+    """))
 
 
 def test_plan_compiles_manifest_constants_and_archs(tmp_path, monkeypatch):
@@ -96,18 +143,81 @@ def test_plan_compiles_manifest_constants_and_archs(tmp_path, monkeypatch):
     _write_plugin(tmp_path)
     plan = build.extension_plan(tmp_path, GOOD)
     assert plan["version"] == "0.2.0+cu130torch2.14"
-    assert plan["cpu_sources"] == ["csrc/k.cpp"] and plan["cuda_sources"] == ["csrc/k.cu"]
+    assert plan["cpu_sources"] == ["csrc/k.cpp"]
+    assert plan["cuda_groups"] == [{"sources": ["csrc/k.cu"], "archs": ["10.0a", "9.0a"], "nvcc_flags": [
+        "-gencode=arch=compute_100a,code=sm_100a", "-gencode=arch=compute_90a,code=sm_90a"]}]
     assert "-DMOE_BLOCK_M=128" in plan["cxx_flags"] and "-DMOE_USE_TMA=1" in plan["nvcc_flags"]
-    assert plan["nvcc_flags"][:3] == ["-std=c++20", "-gencode=arch=compute_100a,code=sm_100a",
-                                      "-gencode=arch=compute_90a,code=sm_90a"]
-    assert plan["cuda_skipped"] is None and plan["archs"] == ["10.0a", "9.0a"]
+    assert not any("gencode" in f for f in plan["nvcc_flags"])  # each source set carries its own
+    assert plan["cuda_skipped"] is None and plan["kernels"] == {"moe": {"archs": ["9.0a", "10.0a"], "not_built": {}}}
+
+
+def test_fat_build_compiles_each_kernel_for_its_own_archs(tmp_path, monkeypatch):
+    monkeypatch.delenv(build.ARCH_ENV, raising=False)
+    _write_two_kernels(tmp_path)
+    plan = build.extension_plan(tmp_path, GOOD)
+    assert plan["cuda_groups"] == [
+        {"sources": ["csrc/cuda/a.cu"], "archs": ["12.0", "8.0", "9.0"], "nvcc_flags": build.gencode_flags(["12.0", "8.0", "9.0"])},
+        {"sources": ["csrc/cuda/b_sm90.cu", "csrc/cuda/b_common.cu"], "archs": ["9.0a"], "nvcc_flags": build.gencode_flags(["9.0a"])},
+        {"sources": ["csrc/cuda/b_sm100.cu"], "archs": ["10.0a"], "nvcc_flags": build.gencode_flags(["10.0a"])},
+    ]
+    assert plan["kernels"]["generic"] == {"archs": ["8.0", "9.0", "12.0"], "not_built": {}}
+
+
+def test_a_requested_arch_a_kernel_lacks_leaves_it_without_code_not_a_failed_build(tmp_path, monkeypatch):
+    monkeypatch.setenv(build.ARCH_ENV, "9.0a;12.0a")
+    monkeypatch.setenv(build.REQUIRE_ENV, "1")
+    _write_two_kernels(tmp_path)
+    plan = build.extension_plan(tmp_path, GOOD)
+    build.announce(plan)  # no error under PRIME_KERNELS_REQUIRE=1
+    asked = "PRIME_KERNELS_ARCH=9.0a;12.0a did not ask for a device it runs on"
+    assert plan["kernels"] == {
+        "generic": {"archs": ["9.0", "12.0"], "not_built": {"8.0": asked}},
+        "hopper": {"archs": ["9.0a"], "not_built": {"10.0a": asked}},
+    }
+    assert [g["archs"] for g in plan["cuda_groups"]] == [["12.0", "9.0"], ["9.0a"]]
+    monkeypatch.setenv(build.ARCH_ENV, "12.0a")
+    plan = build.extension_plan(tmp_path, GOOD)
+    assert plan["kernels"]["hopper"]["archs"] == [] and plan["cuda_skipped"] is None
+    assert [g["sources"] for g in plan["cuda_groups"]] == [["csrc/cuda/a.cu"]]
+
+
+def test_prime_kernels_names_the_kernels_built_with_cuda(tmp_path, monkeypatch):
+    monkeypatch.delenv(build.ARCH_ENV, raising=False)
+    monkeypatch.setenv(build.KERNELS_ENV, "hopper")
+    _write_two_kernels(tmp_path)
+    plan = build.extension_plan(tmp_path, GOOD)
+    assert plan["kernels"]["generic"] == {"archs": [], "not_built": dict.fromkeys(
+        ["8.0", "9.0", "12.0"], "PRIME_KERNELS=hopper does not name generic")}
+    assert plan["kernels"]["hopper"]["archs"] == ["9.0a", "10.0a"]
+    assert plan["cpu_sources"] == ["csrc/a.cpp", "csrc/b.cpp"]  # every kernel keeps its CPU implementation
+
+
+def test_an_arch_this_nvcc_cannot_build_is_left_out_and_an_error_under_require(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(build.ARCH_ENV, raising=False)
+    monkeypatch.delenv(build.REQUIRE_ENV, raising=False)
+    _write_two_kernels(tmp_path)
+    plan = build.extension_plan(tmp_path, Toolchain("2.7.0+cu126", "12.6", "/usr/local/cuda", "12.6"))
+    assert plan["kernels"]["hopper"] == {"archs": ["9.0a"], "not_built": {
+        "10.0a": "nvcc 12.6 cannot build 10.0a; it needs CUDA 12.8 or newer"}}
+    build.announce(plan)
+    assert "hopper: CUDA for 9.0a (not 10.0a: nvcc 12.6 cannot build 10.0a" in capsys.readouterr().err
+    monkeypatch.setenv(build.REQUIRE_ENV, "1")
+    with pytest.raises(build.BuildError, match="hopper: nvcc 12.6 cannot build 10.0a.*PRIME_KERNELS_REQUIRE=1"):
+        build.announce(plan)
+
+
+def test_a_source_in_two_sets_is_refused(tmp_path, monkeypatch):
+    monkeypatch.delenv(build.ARCH_ENV, raising=False)
+    _write_plugin(tmp_path, extra='sources.cuda_variants."10.0a" = ["csrc/k.cu", "csrc/k100.cu"]')
+    with pytest.raises(build.BuildError, match="csrc/k.cu is in two CUDA source sets"):
+        build.extension_plan(tmp_path, GOOD)
 
 
 def test_plan_skips_cuda_but_keeps_cpu(tmp_path, monkeypatch):
     monkeypatch.delenv(build.ARCH_ENV, raising=False)
     _write_plugin(tmp_path)
     plan = build.extension_plan(tmp_path, Toolchain("2.14.1+cu130", "13.0", None, None))
-    assert plan["cuda_sources"] == [] and plan["nvcc_flags"] == [] and plan["archs"] == []
+    assert plan["cuda_groups"] == [] and plan["nvcc_flags"] == [] and plan["kernels"]["moe"]["archs"] == []
     assert plan["cpu_sources"] == ["csrc/k.cpp"]
     assert plan["version"] == "0.2.0+cputorch2.14"
     assert plan["cuda_skipped"].startswith("no CUDA toolkit was found")
@@ -117,15 +227,15 @@ def test_plugin_without_cuda_sources_is_no_skip(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(build.REQUIRE_ENV, "1")
     _write_plugin(tmp_path, cuda="[]")
     plan = build.extension_plan(tmp_path, GOOD)
-    build.announce_skip(plan)
+    build.announce(plan)
     assert "skipping CUDA" not in capsys.readouterr().err
-    assert plan["cuda_skipped"] is None and plan["cuda_sources"] == [] and plan["nvcc_flags"] == [] and plan["archs"] == []
+    assert plan["cuda_skipped"] is None and plan["cuda_groups"] == [] and plan["nvcc_flags"] == []
     assert plan["version"] == "0.2.0+cputorch2.14"
 
 
 def test_string_constants_are_refused(tmp_path):
     _write_plugin(tmp_path, constants='NAME = "x"')
-    with pytest.raises(build.BuildError, match="constant moe.NAME must be a number or boolean"):
+    with pytest.raises(ManifestError, match="constant 'NAME' must be an identifier with a number or boolean value"):
         build.extension_plan(tmp_path, GOOD)
 
 
@@ -145,15 +255,15 @@ def test_skip_message_and_matching_status_reason(case, tmp_path, monkeypatch, ca
     _write_plugin(source)
     toolchain = UNSUITABLE[case]
     plan = build.extension_plan(source, toolchain)
-    build.announce_skip(plan)
+    build.announce(plan)
     assert f"prime-kernels: skipping CUDA for pk_plan: {plan['cuda_skipped']}" in capsys.readouterr().err
     record = dict(build.build_record(plan, toolchain), torch=__import__("torch").__version__,
                   torch_cuda=__import__("torch").version.cuda)  # as if built by this torch, so rule 4 is what fires
-    plugin_dir("pk-skipped-" + case.replace(" ", "-"), record=record)
+    plugin_dir("pk-skipped-" + case.replace(" ", "-"), kernel="moe", record=record)
     from prime_kernels_core.registry import Target
 
-    assert prime_kernels.unavailable_reason("demo", Target("cuda", 0, (9, 0))) == (
-        f"demo was built without CUDA: {plan['cuda_skipped']}")
+    assert prime_kernels.unavailable_reason("moe", Target("cuda", 0, (9, 0))) == (
+        f"moe was built without CUDA: {plan['cuda_skipped']}")
 
 
 @pytest.mark.parametrize("case", sorted(UNSUITABLE))
@@ -163,7 +273,7 @@ def test_require_turns_each_skip_into_an_error(case, tmp_path, monkeypatch):
     _write_plugin(tmp_path)
     plan = build.extension_plan(tmp_path, UNSUITABLE[case])
     with pytest.raises(build.BuildError, match="PRIME_KERNELS_REQUIRE=1 makes this an error"):
-        build.announce_skip(plan)
+        build.announce(plan)
 
 
 def test_cuda_library_headers_only_when_the_toolkit_lacks_them(tmp_path):

@@ -114,35 +114,28 @@ def test_rule4_not_compiled(plugin_dir, api):
     assert "is not compiled" in api.unavailable_reason("demo", "cpu")
 
 
-def test_rule4_cuda_skipped_at_build(plugin_dir, api):
-    import torch
-
-    plugin_dir("pk-cpuonly", record={"torch": torch.__version__, "torch_cuda": torch.version.cuda, "archs": [],
-                                     "cuda_skipped": "no nvcc was found (CUDA_HOME=None)"})
+def test_rule4_cuda_skipped_at_build(plugin_dir, api, record):
+    plugin_dir("pk-cpuonly", record=record({"demo": []}, cuda_skipped="no nvcc was found (CUDA_HOME=None)"))
     assert api.unavailable_reason("demo", SM90) == "demo was built without CUDA: no nvcc was found (CUDA_HOME=None)"
     assert api.unavailable_reason("demo", "cpu") is None
 
 
-def test_rule5_abi_mismatch_checked_before_import(plugin_dir, api):
-    plugin_dir("pk-oldtorch", record={"torch": "1.13.0+cu117", "torch_cuda": "11.7", "archs": ["9.0a"],
-                                      "cuda_skipped": None}, import_error="undefined symbol: _ZN3c10 would crash")
+def test_rule5_abi_mismatch_checked_before_import(plugin_dir, api, record):
+    plugin_dir("pk-oldtorch", record=record({"demo": ["9.0a"]}, torch="1.13.0+cu117", torch_cuda="11.7"),
+               import_error="undefined symbol: _ZN3c10 would crash")
     reason = api.unavailable_reason("demo", SM90)
     assert reason.startswith("demo was built against torch 1.13 but this process runs torch"), reason
 
 
-def test_rule5_cuda_mismatch(plugin_dir, api):
-    import torch
-
-    plugin_dir("pk-oldcuda", record={"torch": torch.__version__, "torch_cuda": "11.8", "archs": ["9.0a"],
-                                     "cuda_skipped": None})
+def test_rule5_cuda_mismatch(plugin_dir, api, record):
+    plugin_dir("pk-oldcuda", record=record({"demo": ["9.0a"]}, torch_cuda="11.8"))
     assert "was built against CUDA 11.8" in api.unavailable_reason("demo", SM90)
 
 
-def test_rule5_cpu_only_torch(plugin_dir, api, monkeypatch):
+def test_rule5_cpu_only_torch(plugin_dir, api, monkeypatch, record):
     import torch
 
-    plugin_dir("pk-cputorch", record={"torch": torch.__version__, "torch_cuda": "13.0", "archs": ["9.0a"],
-                                      "cuda_skipped": None})
+    plugin_dir("pk-cputorch", record=record({"demo": ["9.0a"]}, torch_cuda="13.0"))
     monkeypatch.setattr(torch.version, "cuda", None)
     assert api.unavailable_reason("demo", SM90) == (
         "demo was built against CUDA 13.0 but this process runs a CPU-only torch; "
@@ -165,34 +158,64 @@ def test_rule6_default_device_without_gpu(plugin_dir, api):
 
 def test_rule7_arch_mismatch(plugin_dir, api):
     plugin_dir("pk-hopper", archs=("9.0a",))
-    assert api.unavailable_reason("demo", SM100) == "demo lists archs 9.0a; this device is sm_100"
-    assert api.unavailable_reason("demo", SM90) is None
-
-
-def test_rule7_archs_are_per_kernel(plugin_dir, api, tmp_path):
-    import torch
-
-    record = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "archs": ["10.0a", "9.0a"],
-              "cuda_skipped": None}  # one _C for both kernels, compiled for both archs
-    package = plugin_dir("pk-two-archs", kernel="hopper_only", archs=("9.0a",), record=record)
-    with open(tmp_path / package / "kernel.toml", "a") as manifest:
-        manifest.write(f'[blackwell_only]\nnamespace = "pk_test_{package}"\nops = ["op_b"]\nmodule = "{package}.ops"\n'
-                       'archs = ["10.0a"]\n')
-    api.refresh()
-    assert api.unavailable_reason("hopper_only", SM90) is None
-    assert api.unavailable_reason("blackwell_only", SM100) is None
-    assert api.unavailable_reason("hopper_only", SM100) == "hopper_only lists archs 9.0a; this device is sm_100"
-    assert api.unavailable_reason("blackwell_only", SM90) == "blackwell_only lists archs 10.0a; this device is sm_90"
-
-
-def test_rule7_listed_arch_not_compiled(plugin_dir, api):
-    import torch
-
-    record = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "archs": ["9.0a"], "cuda_skipped": None}
-    plugin_dir("pk-partial-build", archs=("9.0a", "10.0a"), record=record)
     assert api.unavailable_reason("demo", SM100) == (
-        "demo lists archs 9.0a, 10.0a but its build compiled 9.0a; this device is sm_100")
+        "demo has no CUDA build for sm_100: it supports 9.0a only (this install has it for 9.0a)")
     assert api.unavailable_reason("demo", SM90) is None
+
+
+def test_rule7_archs_are_per_kernel(plugin_dir, api, tmp_path, record):
+    package = plugin_dir("pk-two-archs", kernel="generic", archs=("8.0", "12.0"),
+                         record=record({"generic": ["8.0", "12.0"], "hopper_only": ["9.0a"]}))
+    with open(tmp_path / package / "kernel.toml", "a") as manifest:
+        manifest.write(f'[hopper_only]\nnamespace = "pk_test_{package}"\nops = ["op_b"]\nmodule = "{package}.ops"\n'
+                       'archs = ["9.0a"]\n')
+    api.refresh()
+    assert api.unavailable_reason("generic", Target("cuda", 0, (12, 1))) is None
+    assert api.unavailable_reason("hopper_only", SM90) is None
+    assert api.unavailable_reason("hopper_only", Target("cuda", 0, (12, 0))) == (
+        "hopper_only has no CUDA build for sm_120: it supports 9.0a only (this install has it for 9.0a); "
+        "this install has generic's for sm_120")
+    assert api.unavailable_reason("generic", SM90) == (
+        "generic has no CUDA build for sm_90: it supports 8.0, 12.0 only (this install has it for 8.0, 12.0); "
+        "this install has hopper_only's for sm_90")
+
+
+def test_rule7_listed_arch_not_compiled(plugin_dir, api, record):
+    why = "PRIME_KERNELS_ARCH=9.0a did not ask for a device it runs on"
+    plugin_dir("pk-partial-build", archs=("9.0a", "10.0a"), record=record({"demo": (["9.0a"], {"10.0a": why})}))
+    assert api.unavailable_reason("demo", SM100) == (
+        f"demo supports sm_100 (10.0a) but this build of pk-partial-build did not compile it (10.0a: {why}; this "
+        "install has it for 9.0a); rebuild it without PRIME_KERNELS_ARCH (every arch) or with PRIME_KERNELS_ARCH=10.0a")
+    assert api.unavailable_reason("demo", SM90) is None
+
+
+@pytest.mark.parametrize("device,capability", [("sm_120", (12, 0)), ("sm_90", (9, 0)), ((12, 0), (12, 0)),
+                                               ("sm_86", (8, 6)), ("12.1", (12, 1)), ("sm_100a", (10, 0))])
+def test_what_if_gating_takes_a_capability_and_skips_device_presence(plugin_dir, api, device, capability):
+    plugin_dir("pk-whatif", archs=("8.0", "9.0a", "12.0"))
+    assert api.unavailable_reason("demo", device) == api.unavailable_reason("demo", Target("cuda", 0, capability))
+    assert api.is_available("demo", "sm_90") and api.is_available("demo", "sm_121") and api.is_available("demo", (8, 9))
+    assert api.unavailable_reason("demo", "sm_100") == (
+        "demo has no CUDA build for sm_100: it supports 8.0, 9.0a, 12.0 only (this install has it for 8.0, 9.0a, 12.0)")
+
+
+@pytest.mark.parametrize("record_value,expected", [
+    ({"kernels": {"demo": {"archs": [90]}}}, "lists archs [90] for demo, not a list of arch strings"),
+    ({"archs": ["9.0a"], "kernels": None}, "has no per-kernel 'kernels' table"),
+    ({"kernels": {}}, "has no entry for demo"),
+    ([1, 2], "is not a JSON object (found list)"),
+])
+def test_malformed_build_records_are_sentences(plugin_dir, api, record, record_value, expected):
+    value = dict(record(), **record_value) if isinstance(record_value, dict) else record_value
+    plugin_dir(f"pk-badrecord-{abs(hash(expected))}", record=value)  # a package per case: sys.modules keeps each
+    assert expected in api.unavailable_reason("demo", "cpu")
+    assert expected in api.status("sm_90")["demo"]
+
+
+@pytest.mark.parametrize("target", [Target("x"), Target("cuda", 0, None), Target("cuda", 0, (9,))])
+def test_a_malformed_target_is_a_reason(plugin_dir, api, target):
+    plugin_dir("pk-badtarget")
+    assert api.unavailable_reason("demo", target).startswith(f"Target {target!r} is neither")
 
 
 @pytest.mark.parametrize("arch,capability,runs", [
@@ -332,7 +355,7 @@ def test_spec_and_log_status(plugin_dir, api, caplog):
     plugin_dir("pk-spec", version="0.3.0")
     spec = api.spec("demo")
     assert (spec.distribution, spec.version, spec.ops, spec.archs) == ("pk-spec", "0.3.0", ("op_a",), ("9.0a",))
-    assert spec.build["archs"] == ["9.0a"]
+    assert spec.build["kernels"]["demo"]["archs"] == ["9.0a"]
     with caplog.at_level(logging.INFO):
         api.log_status(logging.getLogger("trainer"), device="cpu")
     assert "prime-kernels: demo: available" in caplog.text
