@@ -294,7 +294,8 @@ def extension_plan(root: Path, toolchain: Toolchain) -> dict:
         includes += _build_requirement_includes(requirement)
     std = f"-std={cxx_std.pop()}"
     for group in groups:
-        group["nvcc_flags"] = gencode_flags(group["archs"])
+        # One nvcc compiles the host side once and the device side once per arch: --threads runs those in parallel.
+        group["nvcc_flags"] = gencode_flags(group["archs"]) + (["--threads=0"] if len(group["archs"]) > 1 else [])
     return {
         "package": package_dir.name,
         "version": f"{manifest['version']}+{abi_tag(toolchain, with_cuda)}",

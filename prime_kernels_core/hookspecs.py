@@ -14,7 +14,8 @@ def prime_kernels_declare():
 
 @hookspec(firstresult=True)
 def prime_kernels_extra_check(kernel, device):
-    """Return a sentence saying why ``kernel`` cannot run on ``device`` (a Target), or None; runs after every core rule."""
+    """Return a sentence saying why ``kernel`` cannot run on ``device`` (a Target; index None when it asks about a
+    capability with no device present), or None; runs after every core rule."""
 
 
 @hookspec

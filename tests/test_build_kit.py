@@ -145,7 +145,7 @@ def test_plan_compiles_manifest_constants_and_archs(tmp_path, monkeypatch):
     assert plan["version"] == "0.2.0+cu130torch2.14"
     assert plan["cpu_sources"] == ["csrc/k.cpp"]
     assert plan["cuda_groups"] == [{"sources": ["csrc/k.cu"], "archs": ["10.0a", "9.0a"], "nvcc_flags": [
-        "-gencode=arch=compute_100a,code=sm_100a", "-gencode=arch=compute_90a,code=sm_90a"]}]
+        "-gencode=arch=compute_100a,code=sm_100a", "-gencode=arch=compute_90a,code=sm_90a", "--threads=0"]}]
     assert "-DMOE_BLOCK_M=128" in plan["cxx_flags"] and "-DMOE_USE_TMA=1" in plan["nvcc_flags"]
     assert not any("gencode" in f for f in plan["nvcc_flags"])  # each source set carries its own
     assert plan["cuda_skipped"] is None and plan["kernels"] == {"moe": {"archs": ["9.0a", "10.0a"], "not_built": {}}}
@@ -156,7 +156,7 @@ def test_fat_build_compiles_each_kernel_for_its_own_archs(tmp_path, monkeypatch)
     _write_two_kernels(tmp_path)
     plan = build.extension_plan(tmp_path, GOOD)
     assert plan["cuda_groups"] == [
-        {"sources": ["csrc/cuda/a.cu"], "archs": ["12.0", "8.0", "9.0"], "nvcc_flags": build.gencode_flags(["12.0", "8.0", "9.0"])},
+        {"sources": ["csrc/cuda/a.cu"], "archs": ["12.0", "8.0", "9.0"], "nvcc_flags": [*build.gencode_flags(["12.0", "8.0", "9.0"]), "--threads=0"]},
         {"sources": ["csrc/cuda/b_sm90.cu", "csrc/cuda/b_common.cu"], "archs": ["9.0a"], "nvcc_flags": build.gencode_flags(["9.0a"])},
         {"sources": ["csrc/cuda/b_sm100.cu"], "archs": ["10.0a"], "nvcc_flags": build.gencode_flags(["10.0a"])},
     ]

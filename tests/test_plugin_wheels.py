@@ -118,3 +118,38 @@ def test_second_copy_of_a_namespace_is_a_clash_not_an_abort(tmp_path, monkeypatc
         assert "pk_example_fork._C" not in sys.modules
     finally:
         prime_kernels.refresh()
+
+
+GENERIC_DEVICES = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_103", "sm_110", "sm_120", "sm_121")
+
+
+def _default_build(name):
+    """The installed kernel's spec, skipping unless it comes from a default (fat) build."""
+    reason = prime_kernels.unavailable_reason(name, "cpu")
+    if reason is not None and "no installed plugin" in reason:
+        pytest.skip(f"{name} is not installed")
+    spec = prime_kernels.spec(name)
+    if (spec.build or {}).get("arch_request", "").startswith(ARCH_ENV):
+        pytest.skip(f"{name} was built for {spec.build['arch_request']}, not the default every-arch build")
+    return spec
+
+
+def test_default_install_runs_fused_logp_on_every_generation_from_sm80():
+    _default_build("fused_logp")
+    for device in GENERIC_DEVICES:
+        assert prime_kernels.unavailable_reason("fused_logp", device) is None, device
+    assert prime_kernels.unavailable_reason("fused_logp", "sm_75") == (
+        "fused_logp has no CUDA build for sm_75: it supports 8.0, 8.6, 8.9, 9.0, 10.0, 11.0, 12.0 only (this install "
+        "has it for 8.0, 8.6, 8.9, 9.0, 10.0, 11.0, 12.0)")
+
+
+@pytest.mark.parametrize("name", ["linear_logp", "flash_moe"])
+def test_default_install_runs_the_hopper_kernels_on_sm90_only(name):
+    spec = _default_build(name)
+    assert prime_kernels.unavailable_reason(name, "sm_90") is None
+    for device in set(GENERIC_DEVICES) - {"sm_90"}:
+        reason = prime_kernels.unavailable_reason(name, device)
+        assert reason.startswith(f"{name} has no CUDA build for {device}: it supports 9.0a only (this install has it "
+                                 "for 9.0a)"), reason
+        if spec.distribution == prime_kernels.spec("fused_logp").distribution:
+            assert reason.endswith(f"; this install has fused_logp's for {device}"), reason
