@@ -47,15 +47,19 @@ def build_wheel(project: Path, wheelhouse: Path, log_dir: Path) -> Path:
 
 
 def _cuobjdump() -> str | None:
-    """cuobjdump from the toolkit, the nvidia-cuda-cuobjdump wheel or triton's copy (torch's dependency)."""
+    """cuobjdump with nvdisasm beside it (its -sass needs it): triton's copy (a dependency of torch's CUDA wheels), the
+    toolkit's, the nvidia-cuda-cuobjdump wheel's, or the PATH's."""
     import importlib.util
 
-    candidates = [Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "cuobjdump")]
-    for package, sub in (("nvidia", "cu13/bin"), ("triton", "backends/nvidia/bin")):
+    candidates = []
+    for package, sub in (("triton", "backends/nvidia/bin"), ("nvidia", "cu13/bin")):
         spec = importlib.util.find_spec(package)
         for root in (spec.submodule_search_locations or []) if spec else []:
             candidates.append(Path(root, sub, "cuobjdump"))
-    return next((str(c) for c in candidates if c.is_file() and os.access(c, os.X_OK)), shutil.which("cuobjdump"))
+    candidates.insert(1, Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "cuobjdump"))
+    found = [c for c in candidates if c.is_file() and os.access(c, os.X_OK)]
+    with_disassembler = [c for c in found if (c.parent / "nvdisasm").exists()]
+    return str((with_disassembler or found)[0]) if found else shutil.which("cuobjdump")
 
 
 def cubins_per_arch(shared_object: Path) -> collections.Counter:
