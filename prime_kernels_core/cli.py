@@ -233,13 +233,13 @@ def _cuda_label(target: dict) -> str:
 
 
 def _fit(natural: list[int], words: list[int], fixed: list[bool], width: int) -> list[int]:
-    """Column widths: the natural ones, narrowed one character at a time (the column with the most room first) until a
-    row fits ``width``: down to each column's longest word, then, if that is still too wide, to 8 characters, breaking
-    words. State columns never wrap."""
+    """Column widths: the natural ones, the widest column narrowed one character at a time (once a cell wraps, the
+    narrower lines cost nothing more) until a row fits ``width``: down to each column's longest word, then, if that is
+    still too wide, to 8 characters, breaking words. State columns never wrap."""
     widths = list(natural)
     for floors in (words, [8] * len(widths)):
         while sum(widths) + len(GAP) * (len(widths) - 1) > width:
-            room = [(w - floor, i) for i, (w, floor) in enumerate(zip(widths, floors)) if not fixed[i] and w > floor]
+            room = [(w, i) for i, (w, floor) in enumerate(zip(widths, floors)) if not fixed[i] and w > floor]
             if not room:
                 break
             widths[max(room)[1]] -= 1
