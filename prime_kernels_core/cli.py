@@ -177,7 +177,7 @@ def _probe_reasons(name: str, devices: list) -> list[str | None]:
 
 def _kernel_row(entry: registry.Entry, checks: dict, probe: bool) -> dict:
     spec = entry.spec
-    build = spec.build if spec else None
+    build = spec.build if spec and isinstance(spec.build, dict) else None  # the gating rules report a bad record
     devices = list(checks.values())
     reasons = (_probe_reasons(entry.name, devices) if probe
                else [registry.unavailable_reason(entry.name, d) for d in devices])
