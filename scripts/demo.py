@@ -165,6 +165,8 @@ def main():
     print("step time:")
     print(timing_line("prime-kernels paths", fast["times"], WARMUP_STEPS[device]))
     print(timing_line("PyTorch paths      ", slow["times"], WARMUP_STEPS[device]))
+    if any(max(t) > 1.5 * min(t) for t in (fast["times"], slow["times"])):
+        print("  (the slowest step took over 1.5x the fastest: other work shares this machine; compare the medians)")
     if device == "cpu":
         print("  On a CPU the kernels run their reference C++ implementations (written for testing, not speed): this\n"
               "  compares that C++ with PyTorch's CPU paths and says nothing about GPU speed. The kernels' measured\n"
