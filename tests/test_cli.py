@@ -57,15 +57,16 @@ def test_table_fits_the_terminal(plugin_dir, tmp_path, columns):
     assert " ".join(" ".join(lines).split()).count(" ".join(long_reason.split())) == 1  # wrapped, not cut
 
 
-def test_a_reason_every_row_shares_is_printed_once(plugin_dir, tmp_path):
+def test_a_reason_every_row_shares_is_printed_once(plugin_dir, tmp_path, monkeypatch):
     plugin_dir("pk-cli-good", kernel="good")
     plugin_dir("pk-cli-bad", kernel="bad")
-    done = _run(tmp_path, "--arch", "sm_100", columns=120)
+    monkeypatch.setenv(registry.DISABLE_ENV, "good,bad")
+    done = _run(tmp_path, "--device", "cpu", columns=120)
     assert done.returncode == 0, done.stderr
-    shared = [line for line in done.stdout.splitlines() if line.startswith("every kernel is unavailable on sm_100")]
-    assert len(shared) == 1, done.stdout
+    assert done.stdout.count(f"disabled by {registry.DISABLE_ENV}") == 1, done.stdout
+    assert done.stdout.splitlines()[-1] == f"every kernel is unavailable on cpu: disabled by {registry.DISABLE_ENV}"
     cells = [line.split() for line in done.stdout.splitlines() if line.startswith(("good", "bad"))]
-    assert [c[-2:] for c in cells] == [["unavailable", "available"]] * 2
+    assert [c[-1] for c in cells] == ["unavailable"] * 2
 
 
 def test_json_schema_version_1(plugin_dir, tmp_path):
@@ -139,15 +140,15 @@ def test_require_suggests_the_closest_name(plugin_dir, tmp_path):
     assert "no installed plugin declares a kernel named 'fused-logp'; did you mean 'fused_logp'?" in done.stderr
 
 
-def test_load_names_the_kernel_and_suggests_the_cpu(plugin_dir, api, monkeypatch):
-    plugin_dir("pk-cli-load", kernel="fused_logp")  # in this process: a distribution name no other test imports
-    monkeypatch.setattr(registry, "resolve_target", lambda device=None: (
-        registry.Target("cpu") if device == "cpu" else "no CUDA device is visible to this process"))
+def test_load_names_the_kernel_and_suggests_the_cpu(plugin_dir, api):
+    # in this process: a distribution name no other test imports; an arch no GPU of this project's machines has
+    plugin_dir("pk-cli-load", kernel="fused_logp", archs=("12.1a",))
     with pytest.raises(api.KernelUnavailableError) as raised:
         api.load("fused_logp")
+    reason = api.unavailable_reason("fused_logp")
     assert str(raised.value) == (
-        "cannot load fused_logp on the current CUDA device: no CUDA device is visible to this process; its CPU "
-        'implementation can run: prime_kernels.load("fused_logp", device="cpu")')
+        f"cannot load fused_logp on the current CUDA device: {reason}; its CPU implementation can run: "
+        'prime_kernels.load("fused_logp", device="cpu")')
     assert api.load("fused_logp", device="cpu") is not None
     with pytest.raises(api.KernelUnavailableError, match="did you mean 'fused_logp'"):
         api.load("fused-logp", device="cpu")
