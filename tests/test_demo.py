@@ -43,7 +43,7 @@ def test_cpu_run_says_what_it_timed_and_judges_every_output():
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "MoE via flash_moe; logp/entropy via linear_logp" in out
-    assert out.count("median") == 2 and "5 steps after 1 warm-up" in out
+    assert out.count(": median ") == 2 and "5 steps after 1 warm-up" in out
     assert "reference C++" in out and "BENCHMARKS.md" in out
     judged = [line for line in out.splitlines() if line.endswith((": pass", ": FAIL"))]
     assert [line.split(":")[0].strip() for line in judged] == [
