@@ -120,7 +120,7 @@ def test_exit_codes(plugin_dir, tmp_path):
     assert _run(tmp_path, "--device", "cpu", "--require", "good").returncode == 0
     done = _run(tmp_path, "--device", "cpu", "--require", "good", "bad", "missing")
     assert done.returncode == 1
-    assert f"required kernel bad is unavailable on cpu: importing pk_cli_bad.ops failed" in done.stderr
+    assert "required kernel bad is unavailable on cpu: importing pk_cli_bad.ops failed" in done.stderr
     assert "required kernel missing is unavailable on cpu: no installed plugin declares a kernel named" in done.stderr
     version = _run(tmp_path, "--version")
     assert (version.returncode, version.stdout.strip()) == (0, f"prime-kernels {cli.__version__}")
