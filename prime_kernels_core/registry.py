@@ -5,6 +5,7 @@ Every public function here returns a reason instead of raising: status and gatin
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import importlib.metadata
 import os
@@ -354,13 +355,31 @@ def _extra_check_reason(spec: KernelSpec, answer) -> str | None:
     return None
 
 
+def unknown_kernel_reason(name: str) -> str:
+    """Why ``name`` names no kernel here, with the closest installed name when one is close ("fused-logp")."""
+    names = list(dict.fromkeys(e.name for e in entries()))
+    close = [n for n in names if normalized_name(n) == normalized_name(name)] or difflib.get_close_matches(name, names, 1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return f"no installed plugin declares a kernel named '{name}'{hint}"
+
+
+def _load_refusal(name: str, device, reason: str) -> str:
+    """load()'s error: the kernel, where it was asked to run, the reason, and device="cpu" when that would work."""
+    target = resolve_target(device)
+    on_cpu = isinstance(target, Target) and target.kind == "cpu"
+    where = "the CPU" if on_cpu else ("the current CUDA device" if device is None else f"device {device!r}")
+    fallback = "" if on_cpu or not is_available(name, "cpu") else (
+        f'; its CPU implementation can run: prime_kernels.load("{name}", device="cpu")')
+    return f"cannot load {name} on {where}: {reason}{fallback}"
+
+
 def _reason(name: str, device) -> str | None:
     disabled = {n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",")}
     if name in disabled:
         return f"disabled by {DISABLE_ENV}"
     entry, clash = _find(name)
     if entry is None:
-        return f"no installed plugin declares a kernel named '{name}'"
+        return unknown_kernel_reason(name)
     if entry.error:  # rule 1
         return f"plugin {entry.distribution} {entry.version} failed to load: {entry.error}"
     spec = entry.spec
@@ -438,7 +457,7 @@ def load(name: str, device=None):
     """The kernel's Python module; raises KernelUnavailableError with the reason when it cannot run on ``device``."""
     reason = unavailable_reason(name, device)
     if reason:
-        raise KernelUnavailableError(reason)
+        raise KernelUnavailableError(_load_refusal(name, device, reason))
     return _import_module(spec(name).module)[0]
 
 

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh machine: a venv with torch, the core, and every plugin built once as a wheel
 # (python -m build --no-isolation, against the torch in the venv) and installed from that wheel.
-# Prints the venv's python path last. A plugin is rebuilt only when its sources or the build kit change.
+# Prints the venv's python path last (stdout); progress goes to stderr, compiler output to a log per plugin
+# (<plugin>/build/setup.log). A plugin is rebuilt only when its sources or the build kit change.
+# Environment: PRIME_KERNELS_VENV (default .venv), PRIME_KERNELS_WHEELHOUSE (default dist), MAX_JOBS (compile jobs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${PRIME_KERNELS_VENV:-.venv}
 wheelhouse=${PRIME_KERNELS_WHEELHOUSE:-dist}
+torch_pin=2.14.1
 log() { echo "[setup] $*" >&2; }
 # torch guesses CUDA_HOME from the nvcc on PATH, which may be a wrapper outside the toolkit.
 [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ] && export CUDA_HOME=/usr/local/cuda
@@ -16,25 +19,58 @@ py="$venv/bin/python"
 pip_install() {
   "$py" -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v '^WARNING: Location .* is ignored' || true; } >&2
 }
-log "installing torch and build tools"
+if "$py" -c "import sys, torch; sys.exit(not torch.__version__.startswith('$torch_pin'))" 2>/dev/null; then
+  log "torch $torch_pin is installed; checking the build tools"
+else
+  log "installing torch $torch_pin and build tools (a download of a few GB the first time)"
+fi
 # The core is installed with --no-deps below, so its dependencies come here (tomli: manifests on Python 3.10).
-pip_install torch==2.14.1 pluggy "tomli; python_version < '3.11'" pytest ninja build wheel "setuptools>=64" numpy
+pip_install torch==$torch_pin pluggy "tomli; python_version < '3.11'" pytest ninja build wheel "setuptools>=64" numpy
 # --no-build-isolation everywhere: an isolated build would pull another torch and produce a wheel that fails at import.
 pip_install --no-build-isolation --no-deps --force-reinstall .
 
 kit_hash=$(cat prime_kernels_core/build.py prime_kernels_core/manifest.py prime_kernels_core/csrc/* prime_kernels_core/include/prime_kernels/* | sha1sum | cut -c1-12)
-for plugin in plugins/*/ examples/*/; do
-  [ -f "$plugin/pyproject.toml" ] || continue
+wheel_dir() {  # the wheelhouse folder named by the plugin's content hash
+  local plugin=$1 hash
   hash=$( (cd "$plugin" && find . -type f -not -path './build/*' -not -path '*/__pycache__/*' -not -name '*.so' \
            -not -name '_build_record.json' -not -path '*.egg-info*' | sort | xargs sha1sum; echo "$kit_hash") | sha1sum | cut -c1-12)
-  out="$wheelhouse/$(basename "$plugin")-$hash"
-  if ! ls "$out"/*.whl >/dev/null 2>&1; then
-    log "building $plugin (wheel into $out)"
-    start=$(date +%s)
-    rm -rf "$plugin/build"
-    "$py" -m build --wheel --no-isolation --outdir "$out" "$plugin" >&2
-    log "built $plugin in $(( $(date +%s) - start )) s"
+  echo "$wheelhouse/$(basename "$plugin")-$hash"
+}
+plugins=() to_build=()
+for plugin in plugins/*/ examples/*/; do
+  [ -f "$plugin/pyproject.toml" ] || continue
+  plugins+=("${plugin%/}")
+  ls "$(wheel_dir "$plugin")"/*.whl >/dev/null 2>&1 || to_build+=("$(basename "$plugin")")
+done
+if [ ${#to_build[@]} -gt 0 ]; then
+  log "compiling ${#to_build[@]} plugin(s) from source (${to_build[*]}) with ${MAX_JOBS:-all} parallel jobs: roughly 1-3" \
+      "minutes per CUDA plugin on 2 cores; later runs reuse the wheels in $wheelhouse"
+else
+  log "reusing built wheels from $wheelhouse (no plugin source changed)"
+fi
+
+# Compiler output goes to the log; on failure its path and its last error lines are printed.
+build_wheel() {
+  local plugin=$1 out=$2 build_log=$PWD/$1/build/setup.log
+  rm -rf "$plugin/build"
+  mkdir -p "$plugin/build"
+  if ! "$py" -m build --wheel --no-isolation --outdir "$out" "$plugin" >"$build_log" 2>&1; then
+    log "FAILED to build $plugin; full compiler output: $build_log; its last error lines:"
+    { grep -iE 'error|fatal' "$build_log" || tail -n 20 "$build_log"; } | tail -n 15 | cut -c1-300 >&2
+    exit 1
   fi
+}
+for plugin in "${plugins[@]}"; do
+  out=$(wheel_dir "$plugin")
+  start=$(date +%s)
+  if ls "$out"/*.whl >/dev/null 2>&1; then
+    what="reused wheel $out"
+  else
+    build_wheel "$plugin" "$out"
+    what="built in $(( $(date +%s) - start )) s (log: $plugin/build/setup.log)"
+  fi
+  installed=$(date +%s)
   pip_install --no-deps --force-reinstall "$out"/*.whl
+  log "$(printf '%-22s' "$(basename "$plugin")") $what, installed in $(( $(date +%s) - installed )) s"
 done
 echo "$py"

@@ -4,48 +4,168 @@ import os
 import subprocess
 import sys
 
-from prime_kernels_core.cli import format_table, rows
+import pytest
+
+from prime_kernels_core import cli, registry
+
+ALLOW = "pk-cli-good,pk-cli-bad"
+BAD_REASON = "libcuda.so.1: cannot open shared object file"
 
 
-def _run(tmp_path, *args, allow="pk-cli-good,pk-cli-bad"):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]), PRIME_KERNELS_PLUGINS=allow)
+def _run(tmp_path, *args, allow=ALLOW, columns=80):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]), PRIME_KERNELS_PLUGINS=allow,
+               COLUMNS=str(columns))
     return subprocess.run([sys.executable, "-m", "prime_kernels", *args], capture_output=True, text=True, env=env)
 
 
 def _two_plugins(plugin_dir):
     plugin_dir("pk-cli-good", kernel="good")
-    plugin_dir("pk-cli-bad", kernel="bad", import_error="libcuda.so.1: cannot open shared object file")
+    plugin_dir("pk-cli-bad", kernel="bad", import_error=BAD_REASON)
 
 
-def test_table_and_json(plugin_dir, tmp_path):
+def _kernels(done):
+    assert done.returncode in (0, 1), done.stderr
+    return {k["kernel"]: k for k in json.loads(done.stdout)["kernels"]}
+
+
+def test_table_has_the_environment_and_both_devices(plugin_dir, tmp_path):
     _two_plugins(plugin_dir)
-    done = _run(tmp_path, "--device", "cpu")
+    done = _run(tmp_path, columns=200)
     assert done.returncode == 0, done.stderr
-    header, *lines = done.stdout.splitlines()
-    assert header.split()[:3] == ["kernel", "distribution", "namespace"]
+    lines = done.stdout.splitlines()
+    import torch
+
+    assert lines[0].startswith("prime-kernels") and f"torch {torch.__version__}" in lines[0]
+    assert any(line.startswith(("driver", "nvcc", "GPU")) for line in lines[1:5])
+    header = next(line for line in lines if line.startswith("kernel"))
+    assert header.split()[:2] == ["kernel", "plugin"] and header.split()[-1] == "cpu" and "cuda" in header
     good = next(line for line in lines if line.startswith("good"))
-    assert "pk-cli-good 0.1.0" in good and "available" in good
-    rows = {r["kernel"]: r for r in json.loads(_run(tmp_path, "--json", "--device", "cpu").stdout)}
-    assert rows["good"]["state"] == "available" and rows["good"]["archs built"] == "9.0a"
-    assert rows["bad"]["state"] == "unavailable"
-    assert rows["bad"]["reason"].endswith("libcuda.so.1: cannot open shared object file")
+    assert "pk-cli-good 0.1.0" in good and good.split()[-1] == "available"
+    assert any(BAD_REASON in line for line in lines)
 
 
-def test_require_exit_codes(plugin_dir, tmp_path):
+@pytest.mark.parametrize("columns", [80, 120, 200])
+def test_table_fits_the_terminal(plugin_dir, tmp_path, columns):
+    long_reason = "a very long reason " * 20  # several lines' worth at any of these widths
+    plugin_dir("pk-cli-good", kernel="good_kernel_with_a_long_name")
+    plugin_dir("pk-cli-bad-with-a-long-distribution-name", kernel="bad", import_error=long_reason)
+    done = _run(tmp_path, columns=columns, allow="pk-cli-good,pk-cli-bad-with-a-long-distribution-name")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    too_wide = [line for line in lines if len(line) > columns]
+    assert not too_wide, too_wide
+    assert " ".join(" ".join(lines).split()).count(" ".join(long_reason.split())) == 1  # wrapped, not cut
+
+
+def test_a_reason_every_row_shares_is_printed_once(plugin_dir, tmp_path, monkeypatch):
+    plugin_dir("pk-cli-good", kernel="good")
+    plugin_dir("pk-cli-bad", kernel="bad")
+    monkeypatch.setenv(registry.DISABLE_ENV, "good,bad")
+    done = _run(tmp_path, "--device", "cpu", columns=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count(f"disabled by {registry.DISABLE_ENV}") == 1, done.stdout
+    assert done.stdout.splitlines()[-1] == f"every kernel is unavailable on cpu: disabled by {registry.DISABLE_ENV}"
+    cells = [line.split() for line in done.stdout.splitlines() if line.startswith(("good", "bad"))]
+    assert [c[-1] for c in cells] == ["unavailable"] * 2
+
+
+def test_json_schema_version_1(plugin_dir, tmp_path):
+    _two_plugins(plugin_dir)
+    doc = json.loads(_run(tmp_path, "--json").stdout)
+    assert doc["schema_version"] == 1 == cli.SCHEMA_VERSION
+    assert set(doc) == {"schema_version", "environment", "cuda_target", "probed", "discovery_failure", "kernels"}
+    assert set(doc["environment"]) == {
+        "core_version", "python_version", "python_executable", "torch_version", "torch_cuda_version",
+        "driver_version", "driver_reason", "nvcc_version", "nvcc_path", "nvcc_reason", "gpus", "gpu_reason"}
+    for gpu in doc["environment"]["gpus"]:
+        assert set(gpu) == {"index", "name", "capability", "arch", "memory_gib"}
+    assert (doc["environment"]["gpus"] == []) == (doc["environment"]["gpu_reason"] is not None)
+    assert set(doc["cuda_target"]) == {"device", "arch", "what_if"} and doc["cuda_target"]["what_if"] is False
+    assert doc["probed"] is False and doc["discovery_failure"] is None
+    kernels = {k["kernel"]: k for k in doc["kernels"]}
+    assert set(kernels) == {"good", "bad"}
+    import torch
+
+    good, bad = kernels["good"], kernels["bad"]
+    assert set(good) == {
+        "kernel", "distribution", "distribution_version", "namespace", "archs_listed", "archs_built",
+        "built_torch_version", "built_torch_cuda_version", "checked_in_child", "cuda", "cpu"}
+    assert (good["distribution"], good["distribution_version"], good["namespace"]) == ("pk-cli-good", "0.1.0",
+                                                                                       "pk_test_pk_cli_good")
+    assert good["archs_listed"] == good["archs_built"] == ["9.0a"]
+    assert (good["built_torch_version"], good["built_torch_cuda_version"]) == (torch.__version__, torch.version.cuda)
+    assert good["cpu"] == {"available": True, "reason": None}
+    assert set(good["cuda"]) == {"available", "reason"}
+    assert bad["cpu"]["available"] is False and bad["cpu"]["reason"].endswith(BAD_REASON)
+    assert all(" " not in key for k in doc["kernels"] for key in k)
+
+
+def test_json_with_device_cpu_has_no_cuda_column(plugin_dir, tmp_path):
+    _two_plugins(plugin_dir)
+    doc = json.loads(_run(tmp_path, "--json", "--device", "cpu").stdout)
+    assert doc["cuda_target"] is None and all(k["cuda"] is None for k in doc["kernels"])
+
+
+def test_what_if_arch_is_passed_to_the_registry(plugin_dir, monkeypatch):
+    plugin_dir("pk-cli-what-if", kernel="good")  # in this process: a distribution name no other test imports
+    asked = []
+    monkeypatch.setattr(registry, "unavailable_reason", lambda name, device=None: asked.append(device))
+    doc = cli.report(arch="sm_100")
+    assert asked == ["sm_100", "cpu"]
+    assert doc["cuda_target"] == {"device": None, "arch": "sm_100", "what_if": True}
+
+
+def test_exit_codes(plugin_dir, tmp_path):
     _two_plugins(plugin_dir)
     assert _run(tmp_path, "--device", "cpu", "--require", "good").returncode == 0
     done = _run(tmp_path, "--device", "cpu", "--require", "good", "bad", "missing")
     assert done.returncode == 1
-    assert "required kernel bad is unavailable: importing pk_cli_bad.ops failed" in done.stderr
-    assert "required kernel missing is unavailable: not installed" in done.stderr
+    assert "required kernel bad is unavailable on cpu: importing pk_cli_bad.ops failed" in done.stderr
+    assert "required kernel missing is unavailable on cpu: no installed plugin declares a kernel named" in done.stderr
+    version = _run(tmp_path, "--version")
+    assert (version.returncode, version.stdout.strip()) == (0, f"prime-kernels {cli.__version__}")
+    for bad_args in (["--device", "garbage"], ["--device", "cuda:x"], ["--arch", "hopper"], ["--arch", "90"],
+                     ["--device", "0", "--arch", "sm_90"], ["--frobnicate"], ["nonsense"]):
+        done = _run(tmp_path, *bad_args)
+        assert done.returncode == 2, (bad_args, done.stdout, done.stderr)
+        assert done.stdout == "" and len(done.stderr.splitlines()) == 1, (bad_args, done.stderr)
+        assert done.stderr.startswith("prime-kernels: error:"), done.stderr
+    assert "'garbage' is not a device" in _run(tmp_path, "--device", "garbage").stderr
 
 
-def test_probe_turns_a_crash_into_a_row(plugin_dir, tmp_path):
+def test_require_suggests_the_closest_name(plugin_dir, tmp_path):
+    plugin_dir("pk-cli-good", kernel="fused_logp")
+    done = _run(tmp_path, "--device", "cpu", "--require", "fused-logp", allow="pk-cli-good")
+    assert done.returncode == 1
+    assert "no installed plugin declares a kernel named 'fused-logp'; did you mean 'fused_logp'?" in done.stderr
+
+
+def test_load_names_the_kernel_and_suggests_the_cpu(plugin_dir, api):
+    # in this process: a distribution name no other test imports; an arch no GPU of this project's machines has
+    plugin_dir("pk-cli-load", kernel="fused_logp", archs=("12.1a",))
+    with pytest.raises(api.KernelUnavailableError) as raised:
+        api.load("fused_logp")
+    reason = api.unavailable_reason("fused_logp")
+    assert str(raised.value) == (
+        f"cannot load fused_logp on the current CUDA device: {reason}; its CPU implementation can run: "
+        'prime_kernels.load("fused_logp", device="cpu")')
+    assert api.load("fused_logp", device="cpu") is not None
+    with pytest.raises(api.KernelUnavailableError, match="did you mean 'fused_logp'"):
+        api.load("fused-logp", device="cpu")
+
+
+def test_probe_turns_a_crash_into_a_row_and_says_so(plugin_dir, tmp_path):
     plugin_dir("pk-cli-good", kernel="good", ops_source="import os\nos.abort()\n")
     done = _run(tmp_path, "--device", "cpu", "--probe", "--json", allow="pk-cli-good")
     assert done.returncode == 0, done.stderr
-    (row,) = json.loads(done.stdout)
-    assert row["state"] == "unavailable" and "crashed the child process (exit code -6)" in row["reason"]
+    doc = json.loads(done.stdout)
+    (row,) = doc["kernels"]
+    assert doc["probed"] is True and row["checked_in_child"] is True
+    assert row["cpu"]["available"] is False and "crashed the child process (exit code -6)" in row["cpu"]["reason"]
+    text = _run(tmp_path, "--device", "cpu", "--probe", allow="pk-cli-good").stdout
+    assert "checked in a child process of its own (--probe): good; the child crashed for good." in " ".join(
+        text.split())
+    assert "child process" not in _run(tmp_path, "--device", "cpu", allow="pk-cli-good").stdout
 
 
 def test_broken_unrelated_distribution_beside_a_good_plugin(plugin_dir, tmp_path):
@@ -55,12 +175,10 @@ def test_broken_unrelated_distribution_beside_a_good_plugin(plugin_dir, tmp_path
     (info / "METADATA").write_bytes(b"Metadata-Version: 2.1\nName: other\nVersion: 1.0\nSummary: caf\xe9\n")
     done = _run(tmp_path, "--device", "cpu", "--json", "--require", "good", allow="pk-cli-good")
     assert done.returncode == 0, done.stderr
-    assert [(r["kernel"], r["state"]) for r in json.loads(done.stdout)] == [("good", "available")]
+    assert [(k["kernel"], k["cpu"]["available"]) for k in json.loads(done.stdout)["kernels"]] == [("good", True)]
 
 
-def test_failed_discovery_is_one_row(monkeypatch):
-    from prime_kernels_core import registry
-
+def test_failed_discovery_is_one_line(monkeypatch):
     def unreadable_site_packages():
         raise OSError("site-packages unreadable")
 
@@ -69,22 +187,30 @@ def test_failed_discovery_is_one_row(monkeypatch):
     try:
         expected = "plugin discovery failed: OSError: site-packages unreadable"
         assert registry.status("cpu") == {registry.DISCOVERY_KEY: expected}
-        (row,) = rows("cpu")
-        assert (row["kernel"], row["state"], row["reason"]) == (registry.DISCOVERY_KEY, "unavailable", expected)
+        doc = cli.report("cpu")
+        assert (doc["discovery_failure"], doc["kernels"]) == (expected, [])
+        assert cli.format_report(doc, 80).splitlines()[-1] == expected
     finally:
         monkeypatch.undo()
         registry.refresh()
 
 
-def test_probe_parses_the_device_like_the_parent(plugin_dir, tmp_path):
+def test_probe_gives_the_same_answers_as_the_parent(plugin_dir, tmp_path):
     plugin_dir("pk-cli-good", kernel="good")
-    for device in ([], ["--device", "0"], ["--device", "cpu"]):
-        direct, probed = (json.loads(_run(tmp_path, "--json", *device, *probe, allow="pk-cli-good").stdout)
+    for device in ([], ["--device", "0"], ["--device", "cpu"], ["--arch", "sm_90"]):
+        direct, probed = (json.loads(_run(tmp_path, "--json", *device, *probe, allow="pk-cli-good").stdout)["kernels"]
                           for probe in ([], ["--probe"]))
-        assert probed == direct, device
+        strip = lambda rows: [{k: v for k, v in row.items() if k != "checked_in_child"} for row in rows]
+        assert strip(probed) == strip(direct), device
     (row,) = probed
-    assert row["state"] == "available"
+    assert row["cpu"]["available"] is True
 
 
-def test_empty_table_has_a_hint():
-    assert "No prime-kernels plugins are installed" in format_table([])
+def test_empty_table_has_a_hint(monkeypatch):
+    monkeypatch.setenv(registry.ALLOW_ENV, "no-such-plugin-anywhere")
+    registry.refresh()
+    try:
+        assert cli.NO_PLUGINS_HINT.split(".")[0] in cli.format_report(cli.report(), 80)
+    finally:
+        monkeypatch.undo()
+        registry.refresh()

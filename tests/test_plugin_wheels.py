@@ -84,9 +84,10 @@ def test_missing_nvcc_skips_cuda_and_status_says_why(tmp_path):
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)], check=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), *sys.path]), PRIME_KERNELS_PLUGINS="pk-example-rmsnorm")
-    rows = json.loads(subprocess.run([sys.executable, "-m", "prime_kernels", "--json", "--device", "cuda:0"],
-                                     capture_output=True, text=True, env=env, check=True).stdout)
-    assert rows[0]["reason"] == "residual_rmsnorm was built without CUDA: no CUDA toolkit was found (CUDA_HOME=/nonexistent has no bin/nvcc and include/cuda_runtime.h)"
+    (row,) = json.loads(subprocess.run([sys.executable, "-m", "prime_kernels", "--json", "--device", "cuda:0"],
+                                       capture_output=True, text=True, env=env, check=True).stdout)["kernels"]
+    assert row["cpu"] == {"available": True, "reason": None}
+    assert row["cuda"]["reason"] == "residual_rmsnorm was built without CUDA: no CUDA toolkit was found (CUDA_HOME=/nonexistent has no bin/nvcc and include/cuda_runtime.h)"
 
 
 def test_in_place_build_records_beside_the_in_place_extension(tmp_path):
