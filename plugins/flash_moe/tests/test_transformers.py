@@ -233,6 +233,23 @@ def test_cpu_model(kind):
     check_model(kind, "cpu")
 
 
+@cpu
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_compiled_block_matches_eager(kind):
+    """torch.compile(fullgraph=True) traces a transformers MoE block through the integration (no graph break)."""
+    block = with_experts(make_model(kind, seed=2), NAME).model.layers[0].mlp
+    x = torch.randn(2, 16, block.experts.gate_up_proj.shape[-1], generator=torch.Generator().manual_seed(3))
+    x = x.to(torch.bfloat16).requires_grad_()
+    results = []
+    for fn in (block, torch.compile(block, fullgraph=True, backend="aot_eager")):
+        torch._dynamo.reset()
+        with counted_moe_calls() as calls:
+            out = fn(x)
+        assert calls[0] == 1
+        results.append([out.detach(), *torch.autograd.grad(out.float().square().sum(), [x, *block.parameters()])])
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+
+
 def test_register_is_idempotent_and_returns_the_name():
     assert integrations.register_transformers() == NAME == "flash_moe"
     assert integrations.register_transformers() == NAME
