@@ -34,7 +34,8 @@ def make_block():
 
     config = transformers.Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=EXPERTS,
                                          num_experts_per_tok=TOP_K, norm_topk_prob=True)
-    block = Qwen3MoeSparseMoeBlock(config)
+    with torch.device("cuda"):
+        block = Qwen3MoeSparseMoeBlock(config)
     with torch.no_grad():
         block.experts.gate_up_proj.normal_(0, HIDDEN**-0.5)
         block.experts.down_proj.normal_(0, INTER**-0.5)

@@ -53,12 +53,13 @@ MODELS = {"qwen3_moe": (qwen3_config, transformers.Qwen3MoeForCausalLM),
           "mixtral": (mixtral_config, transformers.MixtralForCausalLM)}
 
 
-def make_model(kind, seed=0, **config):
-    """A bf16 model whose experts and routers are scaled so the MoE output is O(1) and routing is decisive (the
-    default init, std 0.02, makes both negligible next to the residual stream)."""
+def make_model(kind, seed=0, device="cpu", **config):
+    """A bf16 model on ``device`` whose experts and routers are scaled so the MoE output is O(1) and routing is
+    decisive (the default init, std 0.02, makes both negligible next to the residual stream)."""
     make_config, cls = MODELS[kind]
     torch.manual_seed(seed)
-    model = cls(make_config(**config))
+    with torch.device(device):  # initialised where it runs: the Qwen3-30B-A3B-shaped block has 400M parameters
+        model = cls(make_config(**config))
     with torch.no_grad():
         for module in model.modules():
             if hasattr(module, "gate_up_proj"):
@@ -206,7 +207,7 @@ def model_forward(model, input_ids):
 
 
 def check_block(kind, device, tokens=(2, 40), seed=0, **config):
-    model = make_model(kind, seed, **config).to(device)
+    model = make_model(kind, seed, device, **config)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(*tokens, model.config.hidden_size, generator=g).to(torch.bfloat16).to(device)
     go = torch.randn(x.shape, generator=g).to(torch.bfloat16).to(device)
@@ -214,7 +215,7 @@ def check_block(kind, device, tokens=(2, 40), seed=0, **config):
 
 
 def check_model(kind, device, seed=0):
-    model = make_model(kind, seed).to(device)
+    model = make_model(kind, seed, device)
     g = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=g).to(device)
     go = torch.randn(2, 24, model.config.vocab_size, generator=g).to(torch.bfloat16).to(device)
