@@ -379,6 +379,37 @@ def test_shape_contract_falls_back():
         tf_moe.ALL_EXPERTS_FUNCTIONS[STRICT](experts, x, ids, weights)
 
 
+@cpu
+def test_expert_parallel_sentinels_through_transformers():
+    """Under transformers' expert parallelism (AllReduceEP) the experts see local ids with other ranks' routes marked
+    num_experts (weight 0): flash_moe skips them, output and gradients within the ratio of grouped_mm's EP path."""
+    experts = qwen3_experts()
+    experts._is_expert_parallel = True
+    E = experts.num_experts
+    ids, weights = _routing(60, E, 2, seed=8)
+    off_rank = torch.rand(ids.shape, generator=torch.Generator().manual_seed(9)) < 0.4
+    ids, weights = torch.where(off_rank, E, ids), weights.masked_fill(off_rank, 0.0).to(torch.bfloat16)
+    x = torch.randn(60, 128, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    go = torch.randn(60, 128, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    ref_experts = copy.deepcopy(experts).double()
+
+    def call(module, implementation, dtype):
+        leaves = [x.to(dtype).requires_grad_(), weights.to(dtype).requires_grad_()]
+        fn = tf_moe.ALL_EXPERTS_FUNCTIONS.get_interface(implementation, type(module).forward.__wrapped__)
+        out = fn(module, leaves[0], ids, leaves[1])
+        grads = torch.autograd.grad(out, [*leaves, module.gate_up_proj, module.down_proj], go.to(dtype))
+        return out, grads
+
+    with counted_moe_calls() as calls:
+        ours = call(experts, NAME, torch.bfloat16)
+    assert calls[0] == 1
+    theirs = call(experts, "grouped_mm", torch.bfloat16)
+    ref = call(ref_experts, "eager", torch.float64)
+    assert_within_ratio("EP output", ours[0], ref[0], theirs[0], ref[0])
+    for name, a, b, r in zip(("x", "top_k_weights", "gate_up_proj", "down_proj"), ours[1], theirs[1], ref[1]):
+        assert_within_ratio(f"EP grad {name}", a, r, b, r)
+
+
 def check_sentinel_ids(device):
     """transformers' unrouted marking (id == num_experts) is skipped in moe(): as -1, forward and every gradient."""
     g = torch.Generator().manual_seed(6)
