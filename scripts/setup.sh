@@ -26,6 +26,8 @@ else
 fi
 # The core is installed with --no-deps below, so its dependencies come here (tomli: manifests on Python 3.10).
 pip_install torch==$torch_pin pluggy "tomli; python_version < '3.11'" pytest ninja build wheel "setuptools>=64" numpy
+# Test dependency: flash_moe's transformers integration is tested against this release (its tests skip without it).
+pip_install transformers==5.24.0
 # --no-build-isolation everywhere: an isolated build would pull another torch and produce a wheel that fails at import.
 pip_install --no-build-isolation --no-deps --force-reinstall .
 

@@ -508,7 +508,8 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, t
     """SwiGLU MoE experts: sum_k topk_weights[t, k] * (silu(x W1[e]^T) * (x W3[e]^T)) W2[e]^T, differentiable.
 
     x (..., dim) bf16; w1 (gate), w3 (up): (E_local, hidden, dim) bf16; w2 (E_local, dim, hidden) bf16; topk_ids
-    (..., top_k) int32 or int64 (global ids; -1 = not routed; ids out of range as ``moe_align`` treats them);
+    (..., top_k) int32 or int64 (global ids; -1 or ``num_experts`` = not routed, the latter transformers' marking of
+    unrouted slots and of other ranks' experts; other ids out of range as ``moe_align`` treats them);
     topk_weights (..., top_k) float. Expert parallelism: experts [expert_start, expert_start + E_local) are local,
     other ids contribute nothing (``num_experts``: the global count for the id range check; default E_local when
     expert_start is 0, unchecked above otherwise).
@@ -543,6 +544,8 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, t
     top_k = topk_ids.shape[-1]
     if num_experts is None:
         num_experts = w1.shape[0] if expert_start == 0 else _INT32_MAX
+    # transformers marks a slot with no expert by id == num_experts; moe_align (CPU and CUDA) skips -1
+    topk_ids = topk_ids.masked_fill(topk_ids == num_experts, -1)
     if mxfp8:
         reason = unsupported_shape_reason(x.shape[-1], w1.shape[1], mxfp8=True)
         if reason is not None:

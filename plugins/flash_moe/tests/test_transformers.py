@@ -1,0 +1,467 @@
+"""flash_moe as a transformers experts implementation (prime_kernels_flash_moe.integrations): tiny randomly initialised
+Qwen3-MoE and Mixtral models built in code, bf16, one MoE block and the whole 2-layer model, forward and backward.
+The output and every gradient are judged against a float64 copy of the same model on the same inputs (transformers'
+eager experts loop), as a ratio to the error of transformers' grouped_mm path (at most 1.5x). The float64 copy takes
+the routing decisions of the bf16 run it judges (its routers' top-k forced to that run's ids), so a near-tie that
+rounding flips is not counted as error. Also: the layouts flash_moe refuses, with a sentence, falling back to
+grouped_mm (reason logged once) or raising with strict=True; expert id == num_experts skipped in moe().
+CPU tests run everywhere transformers is installed; ``@pytest.mark.gpu`` ones need CUDA and an sm_90a build."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+
+import pytest
+import torch
+
+from prime_kernels_core.testing import RATIO_RESOLUTION, ROUNDING_FLOOR_SLACK, relative_error
+from prime_kernels_flash_moe import ops
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (scripts/setup.sh installs "
+                                                           "it): the integration tests need it")
+tf_moe = pytest.importorskip("transformers.integrations.moe", reason="this transformers has no experts registry")
+if not hasattr(tf_moe, "ALL_EXPERTS_FUNCTIONS"):
+    pytest.skip(f"transformers {transformers.__version__} has no ALL_EXPERTS_FUNCTIONS (needs 5.x)",
+                allow_module_level=True)
+
+from prime_kernels_flash_moe import integrations  # noqa: E402  (after the skips: it needs transformers to register)
+
+KERNEL = "flash_moe"
+MAX_RATIO = 1.5
+NAME = integrations.register_transformers()
+STRICT = integrations.register_transformers("flash_moe_strict", strict=True)
+cpu = pytest.mark.kernel(KERNEL, device="cpu")
+gpu = [pytest.mark.gpu, pytest.mark.kernel(KERNEL)]
+
+
+def qwen3_config(**kw):
+    return transformers.Qwen3MoeConfig(**{
+        "vocab_size": 256, "hidden_size": 128, "intermediate_size": 128, "moe_intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+        "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "max_position_embeddings": 128, **kw})
+
+
+def mixtral_config(**kw):
+    return transformers.MixtralConfig(**{
+        "vocab_size": 256, "hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "max_position_embeddings": 128, **kw})
+
+
+MODELS = {"qwen3_moe": (qwen3_config, transformers.Qwen3MoeForCausalLM),
+          "mixtral": (mixtral_config, transformers.MixtralForCausalLM)}
+
+
+def make_model(kind, seed=0, device="cpu", **config):
+    """A bf16 model on ``device`` whose experts and routers are scaled so the MoE output is O(1) and routing is
+    decisive (the default init, std 0.02, makes both negligible next to the residual stream)."""
+    make_config, cls = MODELS[kind]
+    torch.manual_seed(seed)
+    with torch.device(device):  # initialised where it runs: the Qwen3-30B-A3B-shaped block has 400M parameters
+        model = cls(make_config(**config))
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "gate_up_proj"):
+                module.gate_up_proj.normal_(0, module.gate_up_proj.shape[-1] ** -0.5)
+                module.down_proj.normal_(0, module.down_proj.shape[-1] ** -0.5)
+            elif type(module).__name__.endswith("TopKRouter"):
+                module.weight.normal_(0, module.weight.shape[-1] ** -0.5)
+    return model.to(torch.bfloat16).eval()
+
+
+def with_experts(model, implementation, dtype=None):
+    other = copy.deepcopy(model)
+    if dtype is not None:
+        other = other.to(dtype)
+    other.set_experts_implementation(implementation)
+    return other
+
+
+def routers(model):
+    return [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+@contextlib.contextmanager
+def recorded_routing(model):
+    """{router name: the top-k ids it chose} for one forward."""
+    records = {}
+    handles = [m.register_forward_hook(lambda mod, args, out, n=n: records.__setitem__(n, out[2].detach().clone()))
+               for n, m in routers(model)]
+    try:
+        yield records
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def forced_routing(model, records):
+    """Each router's torch.topk returns the recorded ids (and its own probabilities at them) for one forward."""
+    real_topk = torch.topk
+
+    def before(name):
+        def hook(mod, args):
+            ids = records[name]
+
+            def topk(probs, k, dim=-1, **kwargs):
+                assert k == ids.shape[-1] and dim in (-1, probs.dim() - 1)
+                forced = ids.to(probs.device)
+                return probs.gather(-1, forced), forced
+
+            torch.topk = topk
+        return hook
+
+    def after(mod, args, out):
+        torch.topk = real_topk
+
+    handles = []
+    for n, m in routers(model):
+        handles += [m.register_forward_pre_hook(before(n)), m.register_forward_hook(after)]
+    try:
+        yield
+    finally:
+        torch.topk = real_topk
+        for h in handles:
+            h.remove()
+
+
+def run(fn, model, inputs, grad_out):
+    """(output, {name: gradient} of the parameters and of float inputs, routing) of fn(model, inputs)."""
+    inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    with recorded_routing(model) as routing:
+        out = fn(model, *inputs)
+    out.backward(grad_out.to(out.dtype))
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    grads.update({f"input {i}": t.grad for i, t in enumerate(inputs) if t.is_floating_point()})
+    return out.detach(), grads, routing
+
+
+def reference(fn, model, inputs, grad_out, routing):
+    ref = with_experts(model, "eager", torch.float64)
+    with forced_routing(ref, routing):
+        out, grads, seen = run(fn, ref, [t.double() if t.is_floating_point() else t for t in inputs], grad_out)
+    for name, ids in routing.items():
+        assert torch.equal(seen[name].cpu(), ids.cpu()), f"routing was not forced for {name}"
+    return out, grads
+
+
+def assert_within_ratio(label, ours, ours_ref, theirs, theirs_ref):
+    """ours' error against its float64 reference at most MAX_RATIO x theirs' against theirs (or at the rounding
+    floor), as prime_kernels_core.testing.assert_error_ratio but with each run's own reference (routing)."""
+    e_ours, e_theirs = relative_error(ours, ours_ref), relative_error(theirs, theirs_ref)
+    floor = relative_error(ours_ref.to(ours.dtype), ours_ref)
+    ratio = e_ours / e_theirs if e_theirs > 0 else (0.0 if e_ours == 0 else float("inf"))
+    print(f"{label}: error {e_ours:.3e}, grouped_mm {e_theirs:.3e}, ratio {ratio:.3f} (limit {MAX_RATIO}); "
+          f"rounding floor {floor:.3e}")
+    assert ratio <= MAX_RATIO * (1 + RATIO_RESOLUTION) or e_ours <= floor * (1 + ROUNDING_FLOOR_SLACK), (
+        f"{label}: error {e_ours:.3e} is {ratio:.4f}x grouped_mm's {e_theirs:.3e} (limit {MAX_RATIO})")
+
+
+@contextlib.contextmanager
+def counted_moe_calls():
+    """[number of ops.moe calls] while inside (the integration reaches moe through this module attribute)."""
+    real_moe, calls = ops.moe, [0]
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real_moe(*args, **kwargs)
+
+    ops.moe = counting
+    try:
+        yield calls
+    finally:
+        ops.moe = real_moe
+
+
+def check_against_grouped_mm(label, model, fn, inputs, grad_out):
+    with counted_moe_calls() as calls:
+        ours, g_ours, r_ours = run(fn, with_experts(model, NAME), inputs, grad_out)
+    assert calls[0] == len(r_ours) >= 1, f"{label}: flash_moe ran {calls[0]} of {len(r_ours)} MoE layers"
+    theirs, g_theirs, r_theirs = run(fn, with_experts(model, "grouped_mm"), inputs, grad_out)
+    ours_ref, g_ours_ref = reference(fn, model, inputs, grad_out, r_ours)
+    theirs_ref, g_theirs_ref = reference(fn, model, inputs, grad_out, r_theirs)
+    assert ours.dtype == torch.bfloat16 and ours.shape == theirs.shape
+    assert_within_ratio(f"{label} output", ours, ours_ref, theirs, theirs_ref)
+    assert g_ours.keys() == g_theirs.keys()
+    checked = 0
+    for name, g in g_ours.items():
+        if g_ours_ref[name] is None:
+            assert g is None and g_theirs[name] is None, f"{label}: {name} has a gradient only on one path"
+            continue
+        assert g is not None and g.dtype == g_theirs[name].dtype and g.shape == g_theirs[name].shape, name
+        if g_ours_ref[name].norm() == 0:
+            assert g.abs().max() == 0, f"{label} grad {name} should be zero"
+            continue
+        assert_within_ratio(f"{label} grad {name}", g, g_ours_ref[name], g_theirs[name], g_theirs_ref[name])
+        checked += 1
+    assert checked >= 3, f"{label}: only {checked} gradients compared"
+
+
+def block_forward(model, hidden_states):
+    return model.model.layers[0].mlp(hidden_states)
+
+
+def model_forward(model, input_ids):
+    return model(input_ids).logits
+
+
+def check_block(kind, device, tokens=(2, 40), seed=0, **config):
+    model = make_model(kind, seed, device, **config)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(*tokens, model.config.hidden_size, generator=g).to(torch.bfloat16).to(device)
+    go = torch.randn(x.shape, generator=g).to(torch.bfloat16).to(device)
+    check_against_grouped_mm(f"{kind} block", model, block_forward, [x], go)
+
+
+def check_model(kind, device, seed=0):
+    model = make_model(kind, seed, device)
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=g).to(device)
+    go = torch.randn(2, 24, model.config.vocab_size, generator=g).to(torch.bfloat16).to(device)
+    check_against_grouped_mm(f"{kind} 2-layer model", model, model_forward, [ids], go)
+
+
+@cpu
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_cpu_block(kind):
+    check_block(kind, "cpu")
+
+
+@cpu
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_cpu_model(kind):
+    check_model(kind, "cpu")
+
+
+@cpu
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_compiled_block_matches_eager(kind):
+    """torch.compile(fullgraph=True) traces a transformers MoE block through the integration (no graph break)."""
+    block = with_experts(make_model(kind, seed=2), NAME).model.layers[0].mlp
+    x = torch.randn(2, 16, block.experts.gate_up_proj.shape[-1], generator=torch.Generator().manual_seed(3))
+    x = x.to(torch.bfloat16).requires_grad_()
+    results = []
+    for fn in (block, torch.compile(block, fullgraph=True, backend="aot_eager")):
+        torch._dynamo.reset()
+        with counted_moe_calls() as calls:
+            out = fn(x)
+        assert calls[0] == 1
+        results.append([out.detach(), *torch.autograd.grad(out.float().square().sum(), [x, *block.parameters()])])
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+
+
+def test_register_is_idempotent_and_returns_the_name():
+    assert integrations.register_transformers() == NAME == "flash_moe"
+    assert integrations.register_transformers() == NAME
+    assert NAME in tf_moe.ALL_EXPERTS_FUNCTIONS and STRICT in tf_moe.ALL_EXPERTS_FUNCTIONS
+
+
+def test_register_names_what_is_missing(monkeypatch):
+    monkeypatch.setattr(integrations, "_moe_module", None)
+    monkeypatch.delattr(tf_moe, "ALL_EXPERTS_FUNCTIONS")
+    with pytest.raises(RuntimeError, match=r"needs transformers 5.x.*lacks ALL_EXPERTS_FUNCTIONS"):
+        integrations.register_transformers()
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_transformers(name, *args, **kwargs):
+        if name == "transformers" or name.startswith("transformers."):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_transformers)
+    with pytest.raises(RuntimeError, match=r"needs transformers 5.x installed \(pip install transformers\)"):
+        integrations.register_transformers()
+
+
+def qwen3_experts(**config):
+    return make_model("qwen3_moe", **config).model.layers[0].mlp.experts
+
+
+class CustomGateExperts(transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts):
+    def _apply_gate(self, gate_up_out):
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        return self.act_fn(gate.clamp(max=7.0)) * up
+
+
+def _flip(attribute, value):
+    def change(experts):
+        setattr(experts, attribute, value)
+    return change
+
+
+@pytest.mark.parametrize("change, words", [
+    (_flip("has_gate", False), "has no gate"),
+    (_flip("has_bias", True), "has expert biases"),
+    (_flip("is_transposed", True), "transposed"),
+    (_flip("is_concatenated", False), "interleaves gate and up rows"),
+    (_flip("has_post_expert_norm", True), "normalizes each expert's output"),
+    (lambda e: setattr(e, "act_fn", torch.nn.GELU()), "activation is GELU, not SiLU"),
+    (lambda e: delattr(e, "has_gate"), "layout is unknown"),
+    (lambda e: setattr(e, "num_experts", 7), "num_experts is 7 but gate_up_proj holds 8"),
+])
+def test_layout_reasons(change, words):
+    experts = qwen3_experts()
+    assert integrations.unsupported_layout_reason(experts) is None
+    change(experts)
+    reason = integrations.unsupported_layout_reason(experts)
+    assert reason is not None and words in reason and reason.startswith("Qwen3MoeExperts")
+
+
+def test_custom_gate_is_refused():
+    experts = qwen3_experts()
+    custom = CustomGateExperts(experts.config)
+    assert "has its own gating (_apply_gate)" in integrations.unsupported_layout_reason(custom)
+
+
+def real_refused_experts():
+    """(experts module, the words of its reason): transformers models whose experts flash_moe does not compute."""
+    gpt_oss = transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts(transformers.GptOssConfig(
+        hidden_size=128, intermediate_size=64, num_local_experts=4))
+    nemotron = transformers.models.nemotron_h.modeling_nemotron_h.NemotronHExperts(transformers.NemotronHConfig(
+        hidden_size=128, moe_intermediate_size=64, n_routed_experts=4))
+    return [(gpt_oss, "has expert biases"), (nemotron, "has no gate")]
+
+
+def _routing(T, E, top_k, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(T)])
+    return ids, torch.rand(T, top_k, generator=g).softmax(-1)
+
+
+def test_refused_experts_fall_back_to_grouped_mm_and_log_once(caplog):
+    for experts, words in real_refused_experts():
+        with torch.no_grad():
+            for p in experts.parameters():
+                p.normal_(0, 0.1)
+        experts = experts.to(torch.bfloat16)
+        ids, weights = _routing(30, 4, 2, seed=3)
+        x = torch.randn(30, 128).to(torch.bfloat16)
+        expected = tf_moe.ALL_EXPERTS_FUNCTIONS["grouped_mm"](experts, x, ids, weights)
+        with caplog.at_level(logging.WARNING, logger=integrations.__name__):
+            caplog.clear()
+            for _ in range(2):
+                got = tf_moe.ALL_EXPERTS_FUNCTIONS[NAME](experts, x, ids, weights)
+                assert torch.equal(got, expected)
+        messages = [r.getMessage() for r in caplog.records if words in r.getMessage()]
+        assert len(messages) == 1 and "grouped_mm" in messages[0], caplog.text
+        with pytest.raises(RuntimeError, match=f"flash_moe experts \\(strict\\): .*{words}"):
+            tf_moe.ALL_EXPERTS_FUNCTIONS[STRICT](experts, x, ids, weights)
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda e, x: (e.float(), x), "needs bfloat16 expert weights, got gate_up_proj torch.float32"),
+    (lambda e, x: (e, x.view(2, 15, -1)), "needs hidden_states (tokens, 128)"),
+])
+def test_call_reasons_fall_back_or_raise(change, words):
+    experts = qwen3_experts()
+    ids, weights = _routing(30, 8, 2, seed=4)
+    experts, x = change(experts, torch.randn(30, 128).to(torch.bfloat16))
+    reason = integrations.unsupported_call_reason(experts, x, ids, weights)
+    assert reason is not None and words in reason
+    with pytest.raises(RuntimeError, match="strict"):
+        tf_moe.ALL_EXPERTS_FUNCTIONS[STRICT](experts, x, ids, weights)
+    if x.dim() == 2:  # grouped_mm itself takes 2-D hidden states only
+        torch.testing.assert_close(tf_moe.ALL_EXPERTS_FUNCTIONS[NAME](experts, x, ids, weights),
+                                   tf_moe.ALL_EXPERTS_FUNCTIONS["grouped_mm"](experts, x, ids, weights), rtol=0, atol=0)
+
+
+def test_shape_contract_falls_back():
+    """hidden 96 is not a multiple of DIM_ALIGN: the reason is ops.unsupported_shape_reason's."""
+    model = make_model("mixtral", hidden_size=96, head_dim=48)
+    experts = model.model.layers[0].mlp.experts
+    ids, weights = _routing(10, 4, 2, seed=5)
+    x = torch.randn(10, 96).to(torch.bfloat16)
+    assert integrations.unsupported_call_reason(experts, x, ids, weights) == ops.unsupported_shape_reason(96, 128)
+    with pytest.raises(RuntimeError, match="multiple of"):
+        tf_moe.ALL_EXPERTS_FUNCTIONS[STRICT](experts, x, ids, weights)
+
+
+@cpu
+def test_expert_parallel_sentinels_through_transformers():
+    """Under transformers' expert parallelism (AllReduceEP) the experts see local ids with other ranks' routes marked
+    num_experts (weight 0): flash_moe skips them, output and gradients within the ratio of grouped_mm's EP path."""
+    experts = qwen3_experts()
+    experts._is_expert_parallel = True
+    E = experts.num_experts
+    ids, weights = _routing(60, E, 2, seed=8)
+    off_rank = torch.rand(ids.shape, generator=torch.Generator().manual_seed(9)) < 0.4
+    ids, weights = torch.where(off_rank, E, ids), weights.masked_fill(off_rank, 0.0).to(torch.bfloat16)
+    x = torch.randn(60, 128, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    go = torch.randn(60, 128, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    ref_experts = copy.deepcopy(experts).double()
+
+    def call(module, implementation, dtype):
+        leaves = [x.to(dtype).requires_grad_(), weights.to(dtype).requires_grad_()]
+        fn = tf_moe.ALL_EXPERTS_FUNCTIONS.get_interface(implementation, type(module).forward.__wrapped__)
+        out = fn(module, leaves[0], ids, leaves[1])
+        grads = torch.autograd.grad(out, [*leaves, module.gate_up_proj, module.down_proj], go.to(dtype))
+        return out, grads
+
+    with counted_moe_calls() as calls:
+        ours = call(experts, NAME, torch.bfloat16)
+    assert calls[0] == 1
+    theirs = call(experts, "grouped_mm", torch.bfloat16)
+    ref = call(ref_experts, "eager", torch.float64)
+    assert_within_ratio("EP output", ours[0], ref[0], theirs[0], ref[0])
+    for name, a, b, r in zip(("x", "top_k_weights", "gate_up_proj", "down_proj"), ours[1], theirs[1], ref[1]):
+        assert_within_ratio(f"EP grad {name}", a, r, b, r)
+
+
+def check_sentinel_ids(device):
+    """transformers' unrouted marking (id == num_experts) is skipped in moe(): as -1, forward and every gradient."""
+    g = torch.Generator().manual_seed(6)
+    T, E, k, dim, hidden = 70, 4, 3, 128, 64
+    x = torch.randn(T, dim, generator=g).to(torch.bfloat16)
+    w1, w3 = ((torch.randn(E, hidden, dim, generator=g) / dim**0.5).to(torch.bfloat16) for _ in range(2))
+    w2 = (torch.randn(E, dim, hidden, generator=g) / hidden**0.5).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    ids[::4, 1] = E
+    ids[5] = E  # a token with no expert at all: its row is zero
+    tw = torch.rand(T, k, generator=g).softmax(-1)
+    results = []
+    for unrouted in (E, -1):
+        marked = torch.where(ids == E, unrouted, ids)
+        leaves = [t.to(device).requires_grad_() for t in (x, w1, w2, w3, tw)]
+        out = ops.moe(*leaves[:4], marked.to(device), leaves[4])
+        out.backward(torch.ones_like(out))
+        results.append([out.detach(), *(t.grad for t in leaves)])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert (results[0][0][5] == 0).all() and (results[0][-1][5] == 0).all()
+
+
+@cpu
+def test_cpu_expert_id_num_experts_is_skipped():
+    check_sentinel_ids("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+def test_cuda_expert_id_num_experts_is_skipped():
+    check_sentinel_ids("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_cuda_block(kind):
+    check_block(kind, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_cuda_model(kind):
+    check_model(kind, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+def test_cuda_qwen3_30b_a3b_shaped_block():
+    """One Qwen3-30B-A3B-shaped block (H 2048, I 768, 128 experts, top 8), 1024 tokens."""
+    check_block("qwen3_moe", "cuda", tokens=(2, 512), hidden_size=2048, moe_intermediate_size=768, num_experts=128,
+                num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=64,
+                num_hidden_layers=1)
