@@ -329,6 +329,37 @@ def announce(plan: dict) -> None:
         print(f"prime-kernels: {plan['package']}: {name}: CUDA for {built}" + (f" ({left})" if left else ""), file=sys.stderr)
 
 
+# Run in a child process against the built _C: the ops its static TORCH_LIBRARY blocks register (overloads folded).
+REGISTRATION_PROBE = (
+    "import json, sys, torch; before = set(torch._C._dispatch_get_all_op_names()); "
+    "torch.ops.load_library(sys.argv[1]); "
+    "print(json.dumps(sorted({op.split('.')[0] for op in set(torch._C._dispatch_get_all_op_names()) - before})))"
+)
+
+
+def registered_ops(shared_object: str | Path) -> list[str]:
+    """The ``namespace::op`` names the compiled extension registers, from a child process that loads it."""
+    done = subprocess.run([sys.executable, "-c", REGISTRATION_PROBE, str(shared_object)], capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise BuildError(f"the built {Path(shared_object).name} fails to load in a fresh process (exit {done.returncode}): {tail}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def registration_mismatch(package: str, kernels: dict, ops: list[str]) -> str | None:
+    """Why what ``_C`` registers differs from what the manifest declares (namespaces and ops), or None."""
+    declared = {f"{t['namespace']}::{op}" for t in kernels.values() for op in t["ops"]}
+    if set(ops) == declared:
+        return None
+    namespaces = lambda names: sorted({n.split("::")[0] for n in names})
+    parts = [f"its C++ registers namespaces {namespaces(ops)} and kernel.toml declares {namespaces(declared)}"]
+    if declared - set(ops):
+        parts.append(f"declared but not registered: {sorted(declared - set(ops))}")
+    if set(ops) - declared:
+        parts.append(f"registered but not declared: {sorted(set(ops) - declared)}")
+    return f"{package}._C does not register what kernel.toml declares: " + "; ".join(parts)
+
+
 def build_record(plan: dict, toolchain: Toolchain) -> dict:
     return {
         "torch": toolchain.torch_version,
@@ -383,6 +414,13 @@ def setup_plugin(root: str | Path | None = None, **setup_kwargs) -> None:
 
         def run(self):
             super().run()
+            # The registry trusts the record before anything is imported, so the record must say what _C really
+            # registers: a _C that registers another namespace than declared would abort the process at import.
+            ops = registered_ops(self.get_ext_fullpath(extension.name))
+            mismatch = registration_mismatch(plan["package"], load(_plugin_package(root))["kernels"], ops)
+            if mismatch:
+                raise BuildError(mismatch)
+            record["registered_ops"] = ops
             # Beside the built _C, and beside the in-place copy an editable install (pip install -e) imports.
             in_place = Path(self.get_ext_fullpath(extension.name)).parent
             for package_dir in {Path(self.build_lib) / plan["package"], in_place}:

@@ -131,13 +131,21 @@ def _declare(dist_name: str, version: str, ep, unreadable: str | None) -> list[E
         return _failed(dist_name, version, ep, f"{type(exc).__name__}: {exc}")
 
 
+def namespaces(spec: KernelSpec) -> set[str]:
+    """The torch.ops namespaces ``spec``'s extension claims: declared, and registered as its build record says."""
+    ops = spec.build.get("registered_ops") if isinstance(spec.build, dict) else None
+    recorded = {op.split("::")[0] for op in ops if isinstance(op, str)} if isinstance(ops, list) else set()
+    return {spec.namespace} | recorded
+
+
 def _clashes(entries: list[Entry]) -> dict[int, str]:
     """For each entry index whose kernel name or namespace another distribution also claims, the sentence saying so."""
     claims = defaultdict(list)
     for i, entry in enumerate(entries):
         if entry.spec is not None:
             claims[("kernel name", entry.spec.name)].append(i)
-            claims[("namespace", entry.spec.namespace)].append(i)
+            for namespace in namespaces(entry.spec):
+                claims[("namespace", namespace)].append(i)
     reasons = {}
     for (what, value), indices in claims.items():
         dists = {(entries[i].distribution, entries[i].version) for i in indices}
@@ -241,12 +249,27 @@ def _foreign_namespace_reason(spec: KernelSpec) -> str | None:
         return None
     import torch
 
-    prefix = spec.namespace + "::"
-    taken = sorted(op for op in torch._C._dispatch_get_all_op_names() if op.startswith(prefix))
-    if taken:
+    registered = torch._C._dispatch_get_all_op_names()
+    for namespace in sorted(namespaces(spec)):
+        taken = sorted(op for op in registered if op.startswith(namespace + "::"))
+        if taken:
+            return (
+                f"torch.ops namespace '{namespace}' is already registered in this process by something other than "
+                f"{spec.distribution} (found {', '.join(taken[:3])}); importing {spec.extension} would abort the process"
+            )
+    return None
+
+
+def _missing_ops_reason(spec: KernelSpec) -> str | None:
+    """After the import: every op the kernel declares is in the dispatcher."""
+    import torch
+
+    registered = {op.split(".")[0] for op in torch._C._dispatch_get_all_op_names()}
+    missing = [op for op in spec.ops if f"{spec.namespace}::{op}" not in registered]
+    if missing:
         return (
-            f"torch.ops namespace '{spec.namespace}' is already registered in this process by something other than "
-            f"{spec.distribution} (found {', '.join(taken[:3])}); importing {spec.extension} would abort the process"
+            f"{spec.name} declares ops {', '.join(f'{spec.namespace}::{op}' for op in missing)} that importing "
+            f"{spec.module} did not register; its kernel.toml and its C++ disagree (rebuild, or fix the manifest)"
         )
     return None
 
@@ -306,6 +329,9 @@ def _kernel_build(spec: KernelSpec) -> dict | str:
     kernel = kernels.get(spec.name)
     if not isinstance(kernel, dict):
         return f"{where} has no entry for {spec.name}; rebuild {spec.distribution}"
+    ops = record.get("registered_ops")
+    if not isinstance(ops, list) or not all(isinstance(op, str) and "::" in op for op in ops):
+        return f"{where} does not list the ops its _C registers (a build by an older prime-kernels-core?); rebuild {spec.distribution}"
     archs, not_built = kernel.get("archs"), kernel.get("not_built", {})
     if not isinstance(archs, list) or not all(isinstance(a, str) and ARCH_PATTERN.fullmatch(a) for a in archs):
         return f"{where} lists archs {archs!r} for {spec.name}, not a list of arch strings such as \"9.0a\"; rebuild it"
@@ -409,6 +435,9 @@ def _reason(name: str, device) -> str | None:
     _, failure = _import_module(spec.module)  # rule 8
     if failure:
         return failure
+    missing = _missing_ops_reason(spec)
+    if missing:
+        return missing
     try:  # rule 9
         answer = entry.manager.hook.prime_kernels_extra_check(kernel=name, device=target)
     except (Exception, SystemExit) as exc:

@@ -8,6 +8,11 @@ import prime_kernels
 from prime_kernels_core import registry
 
 DEFAULT_RECORD = object()
+# A kernel module that registers its declared ops, as a real _C would, and a shape contract.
+_DEFAULT_OPS = (
+    "import torch\n_library = torch.library.Library('{namespace}', 'DEF')\n{defines}"
+    "def unsupported_shape_reason(n):\n    return None if n % 8 == 0 else f'n={{n}}, needs a multiple of 8'\n"
+)
 
 
 def running_record(kernels: dict | None = None, **overrides) -> dict:
@@ -56,12 +61,15 @@ def plugin_dir(tmp_path, monkeypatch):
             archs = {json.dumps(list(archs))}
         """))
         if record is DEFAULT_RECORD:
-            (pkg / "_build_record.json").write_text(json.dumps(running_record({kernel: list(archs)})))
-        elif record is not None:
+            record = running_record({kernel: list(archs)})
+        if isinstance(record, dict):  # as the build kit records them, unless the test says otherwise
+            record = {"registered_ops": [f"{namespace}::{op}" for op in ops], **record}
+        if record is not None:
             (pkg / "_build_record.json").write_text(json.dumps(record))
         (pkg / "ops.py").write_text(
             f"raise ImportError({import_error!r})\n" if import_error else
-            ops_source or "def unsupported_shape_reason(n):\n    return None if n % 8 == 0 else f'n={n}, needs a multiple of 8'\n"
+            ops_source or _DEFAULT_OPS.format(namespace=namespace, defines="".join(
+                f"_library.define('{op}(Tensor x) -> Tensor')\n" for op in ops))
         )
         (pkg / "plugin.py").write_text(
             plugin_source.replace("PACKAGE", package) if plugin_source else

@@ -1,4 +1,6 @@
 """Every gating rule, through real entry points of throwaway distributions. Each test fails if its rule is removed."""
+import sys
+
 import pytest
 import torch
 
@@ -167,7 +169,7 @@ def test_rule7_archs_are_per_kernel(plugin_dir, api, tmp_path, record):
     package = plugin_dir("pk-two-archs", kernel="generic", archs=("8.0", "12.0"),
                          record=record({"generic": ["8.0", "12.0"], "hopper_only": ["9.0a"]}))
     with open(tmp_path / package / "kernel.toml", "a") as manifest:
-        manifest.write(f'[hopper_only]\nnamespace = "pk_test_{package}"\nops = ["op_b"]\nmodule = "{package}.ops"\n'
+        manifest.write(f'[hopper_only]\nnamespace = "pk_test_{package}"\nops = ["op_a"]\nmodule = "{package}.ops"\n'
                        'archs = ["9.0a"]\n')
     api.refresh()
     assert api.unavailable_reason("generic", Target("cuda", 0, (12, 1))) is None
@@ -359,3 +361,29 @@ def test_spec_and_log_status(plugin_dir, api, caplog):
     with caplog.at_level(logging.INFO):
         api.log_status(logging.getLogger("trainer"), device="cpu")
     assert "prime-kernels: demo: available" in caplog.text
+
+
+def test_declared_ops_the_import_did_not_register_are_a_reason(plugin_dir, api, tmp_path):
+    package = plugin_dir("pk-undeclared", ops=("op_a", "op_b"))
+    ops = tmp_path / package / "ops.py"
+    ops.write_text(ops.read_text().replace("_library.define('op_b(Tensor x) -> Tensor')\n", ""))
+    assert api.unavailable_reason("demo", "cpu") == (
+        f"demo declares ops pk_test_{package}::op_b that importing {package}.ops did not register; its kernel.toml and "
+        "its C++ disagree (rebuild, or fix the manifest)")
+
+
+def test_a_namespace_the_build_record_says_is_registered_clashes_before_any_import(plugin_dir, api, record):
+    """A squatter declares acme_squat but its _C registers fused_logp's namespace: neither is imported."""
+    plugin_dir("pk-owner", kernel="owner", namespace="pk_test_owned")
+    plugin_dir("pk-squatter", kernel="squatter", namespace="acme_squat",
+               record=record({"squatter": ["9.0a"]}, registered_ops=["pk_test_owned::op_a"]))
+    expected = ("namespace 'pk_test_owned' is claimed by both pk-owner 0.1.0 and pk-squatter 0.1.0; uninstall one of "
+                "them (neither was imported)")
+    assert api.unavailable_reason("squatter", "cpu") == expected
+    assert api.unavailable_reason("owner", "cpu") == expected
+    assert "pk_squatter.ops" not in sys.modules and "pk_owner.ops" not in sys.modules
+
+
+def test_a_record_without_registered_ops_is_a_reason(plugin_dir, api, record):
+    plugin_dir("pk-noregistered", record=record({"demo": ["9.0a"]}, registered_ops=None))
+    assert "does not list the ops its _C registers" in api.unavailable_reason("demo", "cpu")

@@ -154,3 +154,26 @@ def test_default_install_runs_the_hopper_kernels_on_sm90_only(name):
                                  "for 9.0a)"), reason
         if spec.distribution == prime_kernels.spec("fused_logp").distribution:
             assert reason.endswith(f"; this install has fused_logp's for {device}"), reason
+
+
+def test_a_build_whose_c_plus_plus_registers_another_namespace_is_refused(tmp_path):
+    """The abort case of issue 22: kernel.toml says acme_squat, the C++ registers pk_example. The build kit loads the
+    built _C in a child process, compares, and refuses, naming both; an honest build records what _C registers."""
+    source = tmp_path / "src"
+    shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.so", "_build_record.json", "tests"))
+    manifest = source / "pk_example_rmsnorm" / "kernel.toml"
+    manifest.write_text(manifest.read_text().replace('namespace = "pk_example"', 'namespace = "acme_squat"'))
+    inherited = {k: v for k, v in os.environ.items() if k != ARCH_ENV}
+    done = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=source, capture_output=True,
+                          text=True, env=dict(inherited, CUDA_HOME="/nonexistent"))
+    assert done.returncode != 0
+    assert ("pk_example_rmsnorm._C does not register what kernel.toml declares: its C++ registers namespaces "
+            "['pk_example'] and kernel.toml declares ['acme_squat']; declared but not registered: "
+            "['acme_squat::residual_rmsnorm']; registered but not declared: ['pk_example::residual_rmsnorm']"
+            ) in done.stdout + done.stderr
+    assert not (source / "pk_example_rmsnorm" / "_build_record.json").exists()
+
+
+def test_the_build_record_lists_what_c_registers():
+    spec = prime_kernels.spec("residual_rmsnorm")
+    assert spec.build["registered_ops"] == ["pk_example::residual_rmsnorm"]
