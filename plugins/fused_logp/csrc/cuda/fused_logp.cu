@@ -24,6 +24,8 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <cstring>
+#include <algorithm>
 #include <optional>
 #include <type_traits>
 
@@ -38,6 +40,9 @@
 #endif
 #ifndef FUSED_LOGP_MAX_SPLITS
 #error "FUSED_LOGP_MAX_SPLITS must come from kernel.toml ([fused_logp.constants])"
+#endif
+#ifndef FUSED_LOGP_INVARIANT_SPLIT_ELEMS
+#error "FUSED_LOGP_INVARIANT_SPLIT_ELEMS must come from kernel.toml ([fused_logp.constants])"
 #endif
 
 namespace fused_logp_detail {
@@ -165,6 +170,23 @@ __device__ __forceinline__ int head_elems(const T* row, int V) {
   return h < V ? h : V;
 }
 
+// Vector v of a row (elements v * kVec ... v * kVec + kVec - 1). An aligned row loads it in one 16-byte __ldg; a row
+// that is not 16-byte aligned (odd V, strided rows) is gathered element by element into the same register layout,
+// so that a batch-invariant forward adds every element in the same vector, chain and order wherever the row sits.
+template <typename T, int kVec>
+__device__ __forceinline__ uint4 load_vec(const T* x, const uint4* xv, int v, bool gather) {
+  if (!gather) return __ldg(xv + v);
+  using U = std::conditional_t<sizeof(T) == 4, unsigned int, unsigned short>;
+  static_assert(sizeof(T) * kVec == 16, "a vector is 16 bytes");
+  U u[kVec];
+  const U* src = reinterpret_cast<const U*>(x) + static_cast<int64_t>(v) * kVec;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) u[k] = __ldg(src + k);
+  uint4 r;
+  memcpy(&r, u, 16);
+  return r;
+}
+
 // ---- forward ----------------------------------------------------------------------------------------------------
 // Per-thread online state: m the running max (raw logit units), s = sum 2^a, t = sum 2^a * a, a = (x - m) * c,
 // c = log2(e) / T. A NaN logit turns s and t into NaN and m into +inf (so later vectors take the fast path).
@@ -274,6 +296,7 @@ struct FwdParams {
   int V;
   int splits;
   int vec_per_split;
+  bool batch_invariant;  // vectors at row offsets 0, kVec, 2 kVec, ... whatever the row's address (see load_vec)
   const label_t* labels;
   const float* token_temperature;  // nullable
   double temperature;
@@ -352,7 +375,11 @@ __global__ void __launch_bounds__(kThreads) fused_logp_fwd_kernel(const FwdParam
   const float c_lo = static_cast<float>(c - static_cast<double>(c_hi));
   const int V = p.V;
   const scalar_t* x = reinterpret_cast<const scalar_t*>(p.logits) + row * p.row_stride;
-  const int head = head_elems(x, V);
+  // Batch-invariant: vectors start at row offset 0 whatever the row's alignment (gathered when not aligned), so a
+  // row's sums never depend on where it sits in memory; else a scalar head up to the first 16-byte boundary.
+  const int aligned_head = head_elems(x, V);
+  const bool gather = p.batch_invariant && aligned_head != 0;
+  const int head = p.batch_invariant ? 0 : aligned_head;
   const int nvec = (V - head) / kVec;
   const int tail0 = head + nvec * kVec;
 
@@ -372,11 +399,11 @@ __global__ void __launch_bounds__(kThreads) fused_logp_fwd_kernel(const FwdParam
   for (; v + (kUnroll - 1) * kThreads < ve; v += kUnroll * kThreads) {
     uint4 r[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) r[u] = __ldg(xv + v + u * kThreads);
+    for (int u = 0; u < kUnroll; ++u) r[u] = load_vec<scalar_t, kVec>(x, xv, v + u * kThreads, gather);
     acc_update<E, kUnroll, kWithT>(A, r, c_hi, c_lo);
   }
   for (; v < ve; v += kThreads) {
-    const uint4 r[1] = {__ldg(xv + v)};
+    const uint4 r[1] = {load_vec<scalar_t, kVec>(x, xv, v, gather)};
     acc_update<E, 1, kWithT>(A, r, c_hi, c_lo);
   }
 
@@ -572,9 +599,18 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
     R.k1 = static_cast<float>(bad ? nan : static_cast<double>(p.grad_logp[row]) / T);
     R.k2 = kWithEnt ? static_cast<float>(static_cast<double>(p.grad_entropy[row]) * kLn2 / T) : 0.f;
   }
+  // Every element's gradient is one function of (its logit, the row's constants, whether it is the label), whatever
+  // path computes it (vector body, scalar head/tail, strided scalar path, split): fp32 logits always take the accurate
+  // exp2; bf16/fp16 take ex2.approx unless the element's probability exceeds ~1/2^1.5 (exponent hi > -1.5), where its
+  // ~2-ulp error would show in 1 - p at the label and in p at a dominant logit; the label is always accurate. So the
+  // gradient of a row never depends on the row's alignment or on the split count (batch invariance).
+  constexpr bool kAlwaysAccurate = std::is_same<scalar_t, float>::value;
+  constexpr float kAccurateAbove = -1.5f;
   auto one = [&](int j, float xv) -> float {
     float hi;
-    return j == y ? grad_elem<kWithEnt, true, true>(R, xv, hi) : grad_elem<kWithEnt, true>(R, xv, hi);
+    if (j == y) return grad_elem<kWithEnt, true, true>(R, xv, hi);
+    const float g = grad_elem<kWithEnt, kAlwaysAccurate>(R, xv, hi);
+    return (kAlwaysAccurate || hi <= kAccurateAbove) ? g : grad_elem<kWithEnt, true>(R, xv, hi);
   };
 
   const int head = head_elems(x, V);
@@ -603,7 +639,6 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
   auto process = [&](int v, const uint4& r) {
     float f[kVec];
     E::unpack(r, f);
-    constexpr bool kAlwaysAccurate = std::is_same<scalar_t, float>::value;
     float hmax = -3.0e38f;
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
@@ -611,14 +646,15 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
       f[k] = grad_elem<kWithEnt, kAlwaysAccurate>(R, f[k], hi);
       hmax = fmaxf(hmax, hi);
     }
-    // bf16/fp16 use ex2.approx, except in the (at most one per row) vector holding a probability above ~1/2, where its
-    // ~2-ulp error would show in 1 - p at the label and in p at a dominant logit: redo that vector accurately.
-    if (!kAlwaysAccurate && hmax > -1.5f) {
-      E::unpack(r, f);
+    // bf16/fp16: the (at most two per row) elements with a probability above ~0.35 again, accurately (see `one`).
+    if (!kAlwaysAccurate && hmax > kAccurateAbove) {
+      float xk[kVec];
+      E::unpack(r, xk);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
         float hi;
-        f[k] = grad_elem<kWithEnt, true>(R, f[k], hi);
+        const float g = grad_elem<kWithEnt, true>(R, xk[k], hi);
+        if (hi > kAccurateAbove) f[k] = g;
       }
     }
     const int j0 = head + v * kVec;
@@ -663,8 +699,12 @@ void dispatch_label(at::ScalarType st, F&& f) {
 }
 
 // Blocks per row: 1 when the rows alone fill the GPU (two waves of resident blocks), else enough splits for that,
-// each at least SPLIT_MIN_ELEMS logits, at most MAX_SPLITS.
-int choose_splits(int64_t N, int64_t V) {
+// each at least SPLIT_MIN_ELEMS logits, at most MAX_SPLITS. The forward's sums depend on the split count, so the
+// batch-invariant forward takes it from V alone: one split per INVARIANT_SPLIT_ELEMS logits, at most MAX_SPLITS.
+// (The backward's elements do not depend on it: any split count gives the same gradient.)
+int choose_splits(int64_t N, int64_t V, bool batch_invariant) {
+  if (batch_invariant)
+    return static_cast<int>(std::clamp<int64_t>(V / FUSED_LOGP_INVARIANT_SPLIT_ELEMS, 1, FUSED_LOGP_MAX_SPLITS));
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t target = 2LL * sms * (2048 / kThreads);
   if (N >= target) return 1;
@@ -678,7 +718,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cuda(const at::Tenso
                                                                  double temperature,
                                                                  const std::optional<at::Tensor>& token_temperature,
                                                                  int64_t ignore_index, bool return_entropy,
-                                                                 bool check_labels) {
+                                                                 bool check_labels, bool batch_invariant) {
   fused_logp_detail::check_forward_args(logits_in, labels_in, temperature, token_temperature);
   TORCH_CHECK(logits_in.is_cuda(), "fused_logp: CUDA implementation got logits on ", logits_in.device());
   c10::cuda::CUDAGuard guard(logits_in.device());
@@ -700,7 +740,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cuda(const at::Tenso
     bad = at::empty({1}, logits.options().dtype(at::kLong));
     C10_CUDA_CHECK(cudaMemsetAsync(bad.data_ptr(), 0xff, sizeof(int64_t), stream));  // "none" = all ones
   }
-  const int splits = choose_splits(N, V);
+  const int splits = choose_splits(N, V, batch_invariant);
   at::Tensor partial;
   if (splits > 1) partial = at::empty({N, splits, 3}, logits.options().dtype(at::kDouble));
 
@@ -715,6 +755,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cuda(const at::Tenso
       p.V = static_cast<int>(V);
       p.splits = splits;
       p.vec_per_split = static_cast<int>((V / kVec + splits - 1) / splits);
+      p.batch_invariant = batch_invariant;
       p.labels = labels.data_ptr<label_t>();
       p.token_temperature = tt.defined() ? tt.data_ptr<float>() : nullptr;
       p.temperature = temperature;
@@ -775,7 +816,7 @@ at::Tensor logp_entropy_backward_cuda(const at::Tensor& grad_logp_in, const std:
   at::Tensor tt;
   if (token_temperature.has_value()) tt = token_temperature->contiguous();
   auto stream = at::cuda::getCurrentCUDAStream();
-  const int splits = choose_splits(N, V);
+  const int splits = choose_splits(N, V, false);  // any split count gives the same gradient (see `one`)
 
   dispatch_scalar(logits.scalar_type(), [&](auto s_tag) {
     using scalar_t = decltype(s_tag);
