@@ -15,7 +15,7 @@ backward op turns into no onehot term at all (``_LinearFn.backward``). The backw
 op with the global (lse, sum_pz), so grad_logits / grad_weight / grad_bias need no collective; grad_hidden of the
 linear version is a sum over all vocab shards, hence one all_reduce SUM of [N, H] (fp32).
 
-Every call first runs ``_agree``: one all_gather of a 14-int64 row per rank and one host read, so that ranks that
+Every call first runs ``_agree``: one all_gather of a 15-int64 row per rank and one host read, so that ranks that
 disagree on N, H, the temperature (a tensor's values by checksum), the labels or the shard layout, or that failed
 their own argument checks, all raise the same kind of error instead of hanging in a later collective. Details:
 docs/notes/vocab_parallel.md.
@@ -34,7 +34,7 @@ _I64_MAX = 2**63 - 1
 # The int64 row each rank contributes to the all_gather of _agree.
 _FIELDS = ("error", "num_tokens", "local_vocab", "vocab_start", "hidden_size", "temperature_kind",
            "temperature_bits", "ignore_index", "return_entropy", "grad_hidden", "labels_checksum", "label_min",
-           "label_max", "temperature_checksum")
+           "label_max", "temperature_checksum", "batch_invariant")
 _F = {name: i for i, name in enumerate(_FIELDS)}
 
 
@@ -60,7 +60,7 @@ def _checksum(values: torch.Tensor) -> torch.Tensor:
 
 
 def _agree(group, device, error, n, local_vocab, vocab_start, hidden_size, temperature, ignore_index, return_entropy,
-           grad_hidden, labels):
+           grad_hidden, labels, batch_invariant=False):
     """One all_gather of a small int64 row per rank, then one host read; every rank checks the same table.
 
     Returns (this rank's vocab_start, global vocab size). Raises on every rank when any rank failed its local argument
@@ -82,7 +82,8 @@ def _agree(group, device, error, n, local_vocab, vocab_start, hidden_size, tempe
             torch.cat([torch.where(valid, lab, -1), lab.new_full((1,), -1)]).max(),
             temperature_checksum,
         ])
-        row = torch.cat([torch.tensor(host, dtype=torch.int64, device=device), dev])
+        row = torch.cat([torch.tensor(host, dtype=torch.int64, device=device), dev,
+                         torch.tensor([int(batch_invariant)], dtype=torch.int64, device=device)])
     else:
         row = torch.zeros(len(_FIELDS), dtype=torch.int64, device=device)
         row[_F["error"]] = 1
@@ -119,6 +120,8 @@ def _agree(group, device, error, n, local_vocab, vocab_start, hidden_size, tempe
     same("grad_hidden", "whether hidden requires grad (the backward all-reduces grad_hidden)",
          lambda r: str(bool(table[r][_F["grad_hidden"]])))
     same("labels_checksum", "the labels (position-weighted checksum)")
+    same("batch_invariant", "batch_invariant (the invariant mode gathers partials instead of all-reducing them)",
+         lambda r: str(bool(table[r][_F["batch_invariant"]])))
 
     sizes, starts = col("local_vocab"), col("vocab_start")
     total = sum(sizes)
@@ -292,7 +295,7 @@ def logp_entropy_vocab_parallel(logits, labels, temperature=1.0, *, ignore_index
     except Exception as e:  # raised on every rank by _agree, after the one collective
         error = e
     start, _total = _agree(group, device, error, n, v_local, vocab_start, 0, temperature, int(ignore_index),
-                           return_entropy, False, l1)
+                           return_entropy, False, l1, batch_invariant)
     local, owned, nonowned = _local_labels(l1, int(ignore_index), start, v_local)
     logp, entropy = _LogitsFn.apply(x, local, owned, nonowned, l1.long() != int(ignore_index), scalar_t, tt,
                                     bool(return_entropy), group, bool(batch_invariant))
@@ -395,7 +398,7 @@ def linear_logp_entropy_vocab_parallel(hidden, weight, labels, temperature=1.0, 
     except Exception as e:  # raised on every rank by _agree, after the one collective
         error = e
     start, _total = _agree(group, device, error, n, v_local, vocab_start, h_size, temperature, int(ignore_index),
-                           return_entropy, grad_hidden, l1)
+                           return_entropy, grad_hidden, l1, batch_invariant)
     local, owned, nonowned = _local_labels(l1, int(ignore_index), start, v_local)
     logp, entropy = _LinearFn.apply(h2, weight, bias, local, owned, nonowned, l1.long() != int(ignore_index), temp, tt,
                                     bool(return_entropy), group, bool(batch_invariant))

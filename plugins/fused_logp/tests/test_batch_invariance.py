@@ -230,14 +230,18 @@ def test_gpu_cublas_row_blocks_are_row_invariant():
     w = torch.randn(k, h, device="cuda", generator=g).bfloat16()
     a = torch.randn(m, k, device="cuda", generator=g).bfloat16()
     acc = torch.randn(m, h, device="cuda", generator=g)
-    ref = torch.addmm(acc, a, w, out_dtype=torch.float32)
+    def gemm(acc_in, a_in):  # as linear_logp_bwd.cu: at::addmm_out(acc, acc, dz_block, w_chunk, at::kFloat, 1, 1)
+        out = acc_in.clone()
+        return torch.addmm(out, a_in, w, out_dtype=torch.float32, out=out)
+
+    ref = gemm(acc, a)
     # a third of the rows kept, each moved to another row of the block; the others (and their accumulators) new
     src = torch.randperm(m, device="cuda", generator=g)[: m // 3]
     dst = torch.randperm(m, device="cuda", generator=g)[: m // 3]
     other_a = torch.randn(m, k, device="cuda", generator=g).bfloat16()
     other_acc = torch.randn(m, h, device="cuda", generator=g)
     other_a[dst], other_acc[dst] = a[src], acc[src]
-    mixed = torch.addmm(other_acc, other_a, w, out_dtype=torch.float32)
+    mixed = gemm(other_acc, other_a)
     assert torch.equal(mixed[dst], ref[src]), "cuBLAS: a row's GEMM result depends on its position or the other rows"
 
 
@@ -284,6 +288,12 @@ def _vp_worker_runs(rank, world, group, device):
                                           batch_invariant=True)
             (lp * gl + ent * ge).sum().backward()
             out["grad_weight twice"] = torch.equal(w.grad, w2.grad)
+    if world > 1:  # ranks that disagree on the mode (all_gather vs all_reduce) raise instead of hanging
+        try:
+            logp_entropy(x[:, start:start + size], y, process_group=group, batch_invariant=rank == 0)
+            out["mode mismatch"] = None
+        except ValueError as e:
+            out["mode mismatch"] = str(e)
     return out
 
 
@@ -322,6 +332,9 @@ def _vp_spawn(world, tmp: Path, backend, timeout):
 def check_vp(outs, world):
     for rank, out in enumerate(outs):
         assert out.pop("grad_weight twice"), f"rank {rank}: grad_weight differs between two runs"
+        if world > 1:
+            msg = out.pop("mode mismatch")
+            assert msg and "ranks disagree on batch_invariant" in msg, msg
         for kind in ("logits", "linear"):
             ref = out[(kind, 1)]
             for n in VP_BATCHES[1:]:

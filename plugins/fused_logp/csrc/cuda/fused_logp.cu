@@ -296,7 +296,6 @@ struct FwdParams {
   int V;
   int splits;
   int vec_per_split;
-  bool batch_invariant;  // vectors at row offsets 0, kVec, 2 kVec, ... whatever the row's address (see load_vec)
   const label_t* labels;
   const float* token_temperature;  // nullable
   double temperature;
@@ -357,7 +356,10 @@ __device__ __forceinline__ void write_ignored(const FwdParams<label_t>& p, int64
   p.stats[2 * row + 1] = 0.0;
 }
 
-template <typename scalar_t, typename label_t, bool kWithT>
+// kGather (batch-invariant forward over rows that are not all 16-byte aligned): vectors start at row offset 0 whatever
+// the row's address, rows that are not aligned gathered element-wise (load_vec), so that a row's sums never depend on
+// where it sits in memory. Otherwise a scalar head up to the row's first 16-byte boundary (aligned rows have none).
+template <typename scalar_t, typename label_t, bool kWithT, bool kGather>
 __global__ void __launch_bounds__(kThreads) fused_logp_fwd_kernel(const FwdParams<label_t> p) {
   using E = Elem<scalar_t>;
   constexpr int kVec = E::kVec;
@@ -375,11 +377,9 @@ __global__ void __launch_bounds__(kThreads) fused_logp_fwd_kernel(const FwdParam
   const float c_lo = static_cast<float>(c - static_cast<double>(c_hi));
   const int V = p.V;
   const scalar_t* x = reinterpret_cast<const scalar_t*>(p.logits) + row * p.row_stride;
-  // Batch-invariant: vectors start at row offset 0 whatever the row's alignment (gathered when not aligned), so a
-  // row's sums never depend on where it sits in memory; else a scalar head up to the first 16-byte boundary.
   const int aligned_head = head_elems(x, V);
-  const bool gather = p.batch_invariant && aligned_head != 0;
-  const int head = p.batch_invariant ? 0 : aligned_head;
+  const bool gather = kGather && aligned_head != 0;
+  const int head = kGather ? 0 : aligned_head;
   const int nvec = (V - head) / kVec;
   const int tail0 = head + nvec * kVec;
 
@@ -536,8 +536,15 @@ __device__ __forceinline__ float exp2_accurate(float hi, float lo) {
   return q * scale;
 }
 
+// Exponents above this (p > 2^-1.5 ~ 0.35: at most two elements of a row) take the accurate exp2 even for bf16/fp16:
+// there ex2.approx's ~2-ulp error would show in 1 - p at the label and in p at a dominant logit.
+constexpr float kAccurateAbove = -1.5f;
+
+// One element's gradient: a function of its logit, the row's constants and whether it is the label only, whatever
+// path (vector body, scalar head/tail, split) computes it, so that a row's gradient never depends on its alignment or
+// the split count (batch invariance). kAccurateExp: always the accurate exp2 (fp32 logits, the label).
 template <bool kWithEnt, bool kAccurateExp, bool kIsLabel = false>
-__device__ __forceinline__ float grad_elem(const BwdRow& R, float x_in, float& hi_out) {
+__device__ __forceinline__ float grad_elem(const BwdRow& R, float x_in) {
   // A -inf logit becomes -1e30 (p = 0 exactly, every intermediate finite). NaN needs no care here: a NaN logit made
   // the row's lse NaN in the forward, so the whole row's gradient is NaN anyway.
   const float x = fmaxf(x_in, -1.0e30f);
@@ -552,9 +559,8 @@ __device__ __forceinline__ float grad_elem(const BwdRow& R, float x_in, float& h
   const float bv = __fsub_rn(hi, ph);
   const float err = __fadd_rn(__fsub_rn(ph, __fsub_rn(hi, bv)), __fsub_rn(-R.L_hi, bv));
   const float lo = (w - R.L_lo) + err;
-  hi_out = hi;
   float p;
-  if (kAccurateExp) {
+  if (kAccurateExp || hi > kAccurateAbove) {
     p = exp2_accurate(hi, lo);
   } else {
     const float p0 = ex2(hi);
@@ -599,18 +605,10 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
     R.k1 = static_cast<float>(bad ? nan : static_cast<double>(p.grad_logp[row]) / T);
     R.k2 = kWithEnt ? static_cast<float>(static_cast<double>(p.grad_entropy[row]) * kLn2 / T) : 0.f;
   }
-  // Every element's gradient is one function of (its logit, the row's constants, whether it is the label), whatever
-  // path computes it (vector body, scalar head/tail, strided scalar path, split): fp32 logits always take the accurate
-  // exp2; bf16/fp16 take ex2.approx unless the element's probability exceeds ~1/2^1.5 (exponent hi > -1.5), where its
-  // ~2-ulp error would show in 1 - p at the label and in p at a dominant logit; the label is always accurate. So the
-  // gradient of a row never depends on the row's alignment or on the split count (batch invariance).
+  // fp32 logits always take the accurate exp2; bf16/fp16 ex2.approx except where p > ~0.35 (grad_elem).
   constexpr bool kAlwaysAccurate = std::is_same<scalar_t, float>::value;
-  constexpr float kAccurateAbove = -1.5f;
   auto one = [&](int j, float xv) -> float {
-    float hi;
-    if (j == y) return grad_elem<kWithEnt, true, true>(R, xv, hi);
-    const float g = grad_elem<kWithEnt, kAlwaysAccurate>(R, xv, hi);
-    return (kAlwaysAccurate || hi <= kAccurateAbove) ? g : grad_elem<kWithEnt, true>(R, xv, hi);
+    return j == y ? grad_elem<kWithEnt, true, true>(R, xv) : grad_elem<kWithEnt, kAlwaysAccurate>(R, xv);
   };
 
   const int head = head_elems(x, V);
@@ -639,32 +637,16 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
   auto process = [&](int v, const uint4& r) {
     float f[kVec];
     E::unpack(r, f);
-    float hmax = -3.0e38f;
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      float hi;
-      f[k] = grad_elem<kWithEnt, kAlwaysAccurate>(R, f[k], hi);
-      hmax = fmaxf(hmax, hi);
-    }
-    // bf16/fp16: the (at most two per row) elements with a probability above ~0.35 again, accurately (see `one`).
-    if (!kAlwaysAccurate && hmax > kAccurateAbove) {
-      float xk[kVec];
-      E::unpack(r, xk);
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        float hi;
-        const float g = grad_elem<kWithEnt, true>(R, xk[k], hi);
-        if (hi > kAccurateAbove) f[k] = g;
-      }
-    }
+    for (int k = 0; k < kVec; ++k) f[k] = grad_elem<kWithEnt, kAlwaysAccurate>(R, f[k]);
     const int j0 = head + v * kVec;
     if (static_cast<unsigned>(y - j0) < static_cast<unsigned>(kVec)) {
 #pragma unroll
       for (int k = 0; k < kVec; ++k)
         if (j0 + k == y) {
-          float xk[kVec], hi;
+          float xk[kVec];
           E::unpack(r, xk);
-          f[k] = grad_elem<kWithEnt, true, true>(R, xk[k], hi);
+          f[k] = grad_elem<kWithEnt, true, true>(R, xk[k]);
         }
     }
     __stcs(gv + v, E::pack(f));
@@ -741,6 +723,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cuda(const at::Tenso
     C10_CUDA_CHECK(cudaMemsetAsync(bad.data_ptr(), 0xff, sizeof(int64_t), stream));  // "none" = all ones
   }
   const int splits = choose_splits(N, V, batch_invariant);
+  // Every row 16-byte aligned: the invariant forward runs the same kernel as the default (no gather path).
+  const bool rows_aligned = reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0 &&
+                            (N == 1 || (logits.stride(0) * logits.element_size()) % 16 == 0);
+  const bool gather = batch_invariant && !rows_aligned;
   at::Tensor partial;
   if (splits > 1) partial = at::empty({N, splits, 3}, logits.options().dtype(at::kDouble));
 
@@ -755,7 +741,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cuda(const at::Tenso
       p.V = static_cast<int>(V);
       p.splits = splits;
       p.vec_per_split = static_cast<int>((V / kVec + splits - 1) / splits);
-      p.batch_invariant = batch_invariant;
       p.labels = labels.data_ptr<label_t>();
       p.token_temperature = tt.defined() ? tt.data_ptr<float>() : nullptr;
       p.temperature = temperature;
@@ -767,21 +752,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cuda(const at::Tenso
       p.bad = check_labels ? reinterpret_cast<unsigned long long*>(bad.data_ptr<int64_t>()) : nullptr;
       const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>(splits));
       // The entropy gradient needs sum p*z, so t is tracked whenever entropy is requested.
-      if (return_entropy) {
-        fused_logp_fwd_kernel<scalar_t, label_t, true><<<grid, kThreads, 0, stream>>>(p);
+      auto run = [&](auto with_t, auto gather) {
+        fused_logp_fwd_kernel<scalar_t, label_t, with_t(), gather()><<<grid, kThreads, 0, stream>>>(p);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         if (splits > 1) {
-          fused_logp_combine_kernel<scalar_t, label_t, true><<<static_cast<unsigned>((N + 127) / 128), 128, 0, stream>>>(p, N);
+          fused_logp_combine_kernel<scalar_t, label_t, with_t()>
+              <<<static_cast<unsigned>((N + 127) / 128), 128, 0, stream>>>(p, N);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
-      } else {
-        fused_logp_fwd_kernel<scalar_t, label_t, false><<<grid, kThreads, 0, stream>>>(p);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        if (splits > 1) {
-          fused_logp_combine_kernel<scalar_t, label_t, false><<<static_cast<unsigned>((N + 127) / 128), 128, 0, stream>>>(p, N);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        }
-      }
+      };
+      using yes = std::true_type;
+      using no = std::false_type;
+      if (return_entropy)
+        gather ? run(yes{}, yes{}) : run(yes{}, no{});
+      else
+        gather ? run(no{}, yes{}) : run(no{}, no{});
     });
   });
 
