@@ -197,8 +197,8 @@ def invariant_ab(bw, results):
             f = sorted(times[inv]["fwd"])[AB_ROUNDS // 2]
             b = sorted(times[inv]["fb"])[AB_ROUNDS // 2]
             kept = _probe_bits_kept(x, y, t, inv)
-            row[key] = {"fwd_ms": f, "fwd_bwd_ms": b, "fwd_rounds": times[inv]["fwd"], "fwd_bwd_rounds": times[inv]["fb"],
-                        "probe_bits_kept": kept}
+            row[key] = {"fwd_ms": f, "fwd_bwd_ms": b, "fwd_rounds": times[inv]["fwd"],
+                        "fwd_bwd_rounds": times[inv]["fb"], "probe_bits_kept": kept}
             print(f"| {n} | {v} | {key} | {f:.3f} | {f / floor_fwd:.3f} | {b:.3f} | {b / floor_fb:.3f} | {kept} |",
                   flush=True)
         row["ratio_fwd"] = row["invariant"]["fwd_ms"] / row["default"]["fwd_ms"]

@@ -146,14 +146,14 @@ def invariant_ab(ceiling, results):
             key = "invariant" if inv else "default"
             f, b = min(times[inv]["fwd"]), min(times[inv]["fb"])  # of the rounds' medians: the least disturbed
             kept = _probe_bits_kept(h, w, y, inv)
-            row[key] = {"fwd_ms": f, "fwd_bwd_ms": b, "fwd_rounds": times[inv]["fwd"], "fwd_bwd_rounds": times[inv]["fb"],
-                        "probe_bits_kept": kept}
+            row[key] = {"fwd_ms": f, "fwd_bwd_ms": b, "fwd_rounds": times[inv]["fwd"],
+                        "fwd_bwd_rounds": times[inv]["fb"], "probe_bits_kept": kept}
             print(f"| {n} | {hs} | {v} | {key} | {f:.3f} | {f / floor_f:.3f} | {b:.3f} | {b / floor_fb:.3f} | {kept} |",
                   flush=True)
         row["ratio_fwd"] = row["invariant"]["fwd_ms"] / row["default"]["fwd_ms"]
         row["ratio_fwd_bwd"] = row["invariant"]["fwd_bwd_ms"] / row["default"]["fwd_bwd_ms"]
-        print(f"| {n} | {hs} | {v} | invariant / default | x{row['ratio_fwd']:.3f} | | x{row['ratio_fwd_bwd']:.3f} | | |",
-              flush=True)
+        print(f"| {n} | {hs} | {v} | invariant / default | x{row['ratio_fwd']:.3f} | | "
+              f"x{row['ratio_fwd_bwd']:.3f} | | |", flush=True)
         results.append(row)
         del h, w, y
 

@@ -34,10 +34,18 @@ CUDA_DTYPES = (torch.bfloat16, torch.float16)
 _ops = torch.ops.fused_logp
 
 
-def workspace_bytes(num_tokens: int, vocab_size: int, hidden_size: int, backward: bool = False) -> int:
+def workspace_bytes(num_tokens: int, vocab_size: int, hidden_size: int, backward: bool = False,
+                    batch_invariant: bool = False) -> int:
     """Device memory the CUDA ops allocate beyond their inputs and outputs (upper bound, excluding cuBLAS's own)."""
     if not backward:
         return (3 * MAX_SPLITS + 1) * 4 * num_tokens + 12 * num_tokens  # partials + label logit, stats
+    if batch_invariant:  # vocab chunks of INVARIANT_DZ_CHUNK_TILES tiles, rows padded to whole GEMM blocks
+        vc = INVARIANT_DZ_CHUNK_TILES * BLOCK_V
+        block_rows = max(INVARIANT_GEMM_ROWS, DZ_CHUNK_ELEMS // vc // INVARIANT_GEMM_ROWS * INVARIANT_GEMM_ROWS)
+        pad = -(-min(num_tokens, block_rows) // INVARIANT_GEMM_ROWS) * INVARIANT_GEMM_ROWS
+        padded_tokens = -(-num_tokens // INVARIANT_GEMM_ROWS) * INVARIANT_GEMM_ROWS
+        gw = 4 * vc * hidden_size if num_tokens > block_rows else 0  # fp32 grad_weight across token chunks
+        return pad * vc * 2 + 4 * padded_tokens * hidden_size + 4 * vocab_size + gw
     rows = min(num_tokens, max(BLOCK_N, DZ_CHUNK_ELEMS // BLOCK_V // BLOCK_N * BLOCK_N))
     dz = min(DZ_CHUNK_ELEMS, rows * ((vocab_size + BLOCK_V - 1) // BLOCK_V) * BLOCK_V) * 2
     return dz + 4 * num_tokens * hidden_size + 4 * vocab_size  # + fp32 grad_hidden accumulator, fp32 grad_bias

@@ -47,7 +47,7 @@ def _lead_shape(n):
     return (n // 4, 4) if n % 4 == 0 and n >= 8 else (n,)
 
 
-# ---- logits op ---------------------------------------------------------------------------------------------------------
+# ---- logits op -------------------------------------------------------------------------------------------------------
 class _LogitsProbes:
     def __init__(self, v, dtype, device, row_pad=0):
         g = _gen(device, v + 17 * row_pad)
@@ -68,7 +68,8 @@ class _LogitsProbes:
         k = min(PROBES, n)
         pos = _positions(n, k, self.device, g)
         # rows of a wider buffer when row_pad: a row stride that is no multiple of 16 bytes (rows not aligned)
-        buf = (torch.randn(n, self.v + self.row_pad, device=self.device, generator=g) * 4).to(self.dtype)
+        # drawn in place: at 65536 x 151936 a float32 temporary would not fit beside the gradient
+        buf = torch.empty(n, self.v + self.row_pad, device=self.device, dtype=self.dtype).normal_(0, 4, generator=g)
         x = buf[:, self.row_pad:]
         ignored, temps, gl, ge = _neighbours(n, self.device, g)
         y = torch.randint(0, self.v, (n,), device=self.device, generator=g)
@@ -138,7 +139,7 @@ def test_gpu_logits_unaligned_rows(v, pad, dtype):
     check_logits_invariance(v, dtype, "cuda", (1, 7, 64, 1500, 16384), row_pad=pad)
 
 
-# ---- linear op ---------------------------------------------------------------------------------------------------------
+# ---- linear op -------------------------------------------------------------------------------------------------------
 class _LinearProbes:
     def __init__(self, v, h, dtype, device, bias=True):
         g = _gen(device, 3 * v + h)
@@ -245,7 +246,7 @@ def test_gpu_cublas_row_blocks_are_row_invariant():
     assert torch.equal(mixed[dst], ref[src]), "cuBLAS: a row's GEMM result depends on its position or the other rows"
 
 
-# ---- vocabulary-parallel (gloo: spawned CPU processes; NCCL: @gpu) -------------------------------------------------------
+# ---- vocabulary-parallel (gloo: spawned CPU processes; NCCL: @gpu) ---------------------------------------------------
 VP_LAYOUTS = {1: [32000], 2: [15000, 17000], 3: [10000, 12003, 9997]}
 VP_BATCHES = (1, 7, 64, 300)
 
@@ -264,7 +265,7 @@ def _vp_worker_runs(rank, world, group, device):
         g = _gen(device, n)
         k = min(PROBES, n)
         pos = _positions(n, k, device, g)
-        x = (torch.randn(n, v, device=device, generator=g) * 4).bfloat16()
+        x = torch.empty(n, v, device=device, dtype=torch.bfloat16).normal_(0, 4, generator=g)
         ignored, temps, gl, ge = _neighbours(n, device, g)
         y = torch.randint(0, v, (n,), device=device, generator=g)
         y[ignored] = IGNORE
@@ -324,7 +325,8 @@ def _vp_spawn(world, tmp: Path, backend, timeout):
             hung.append(r)
             p.kill()
             logs.append(p.communicate()[0])
-    report = "\n".join(f"--- rank {r} (rc {p.returncode}) ---\n{log[-3000:]}" for r, (p, log) in enumerate(zip(procs, logs)))
+    report = "\n".join(f"--- rank {r} (rc {p.returncode}) ---\n{log[-3000:]}"
+                       for r, (p, log) in enumerate(zip(procs, logs)))
     assert not hung and all(p.returncode == 0 for p in procs), f"a worker failed or hung:\n{report}"
     return [torch.load(tmp / f"out{r}.pt", weights_only=False) for r in range(world)]
 
