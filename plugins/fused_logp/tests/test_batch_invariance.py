@@ -231,9 +231,8 @@ def test_gpu_cublas_row_blocks_are_row_invariant():
     w = torch.randn(k, h, device="cuda", generator=g).bfloat16()
     a = torch.randn(m, k, device="cuda", generator=g).bfloat16()
     acc = torch.randn(m, h, device="cuda", generator=g)
-    def gemm(acc_in, a_in):  # as linear_logp_bwd.cu: at::addmm_out(acc, acc, dz_block, w_chunk, at::kFloat, 1, 1)
-        out = acc_in.clone()
-        return torch.addmm(out, a_in, w, out_dtype=torch.float32, out=out)
+    def gemm(acc_in, a_in):  # the shape and dtypes of linear_logp_bwd.cu's at::addmm_out(acc, acc, dz, w, kFloat)
+        return torch.addmm(acc_in, a_in, w, out_dtype=torch.float32)
 
     ref = gemm(acc, a)
     # a third of the rows kept, each moved to another row of the block; the others (and their accumulators) new
