@@ -2,6 +2,12 @@
 memory floor from the copy bandwidth measured in the same run, and peers where importable.
 
     python bench/bench_fused_logp.py [--json PATH] [--quick] [--no-compile]
+    python bench/bench_fused_logp.py --invariant-ab [--json PATH]
+
+--invariant-ab: default vs batch_invariant=True at the issue-25 shapes (N = 16384 and 1024, V = 151936; and V = 32000),
+alternating rounds in one run, medians, ratios invariant / default and the floors; plus whether 5 probe tokens keep
+their bits between a batch of 5 and the benchmark batch in each mode (informational; the tests assert the invariant
+mode).
 
 Timing: triton.testing.do_bench median; data larger than L2; fresh randn*3 bf16 logits per shape.
 Floor: fwd reads logits once; fwd+bwd reads them twice and writes the gradient once (bytes / copy bandwidth).
@@ -144,17 +150,86 @@ def bench_shape(n, v, bw, peers, results):
     free()
 
 
+INVARIANT_AB_SHAPES = [(16384, 151936), (1024, 151936), (16384, 32000), (1024, 32000)]
+AB_ROUNDS = 3
+
+
+def _probe_bits_kept(x, y, t, invariant):
+    """Whether the first 5 tokens' logp, entropy and gradient rows have the same bits alone as inside (x, y, t)."""
+    from prime_kernels_fused_logp.ops import logp_entropy
+
+    def run(xs, ys, ts):
+        xg = xs.detach().clone().requires_grad_()
+        lp, ent = logp_entropy(xg, ys, ts, check_labels=False, batch_invariant=invariant)
+        (lp.sum() + ent.sum()).backward()
+        return lp[:5], ent[:5], xg.grad[:5]
+
+    return all(torch.equal(a, b) for a, b in zip(run(x[:5], y[:5], t[:5]), run(x, y, t)))
+
+
+def invariant_ab(bw, results):
+    from prime_kernels_fused_logp.ops import logp_entropy
+
+    print("| N | V | mode | fwd ms | fwd/floor | fwd+bwd ms | fwd+bwd/floor | probe bits kept (N=5 vs N) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n, v in INVARIANT_AB_SHAPES:
+        floor_fwd, floor_fb = n * v * 2 / bw * 1e3, 3 * n * v * 2 / bw * 1e3
+        x = torch.randn(n, v, device="cuda", dtype=torch.bfloat16) * 3
+        y = torch.randint(0, v, (n,), device="cuda")
+        t = torch.rand(n, device="cuda") + 0.5
+        xg = x.detach().requires_grad_()
+        times = {m: {"fwd": [], "fb": []} for m in (False, True)}
+        for _ in range(AB_ROUNDS):
+            for inv in (False, True):
+                def fwd():
+                    return logp_entropy(x, y, t, check_labels=False, batch_invariant=inv)
+
+                def fb():
+                    lp, ent = logp_entropy(xg, y, t, check_labels=False, batch_invariant=inv)
+                    (lp.sum() + ent.sum()).backward()
+
+                times[inv]["fwd"].append(do_bench(fwd))
+                times[inv]["fb"].append(do_bench(fb, grad_to_none=[xg]))
+                xg.grad = None
+        row = {"N": n, "V": v, "floor_fwd_ms": floor_fwd, "floor_fwd_bwd_ms": floor_fb}
+        for inv in (False, True):
+            key = "invariant" if inv else "default"
+            f = sorted(times[inv]["fwd"])[AB_ROUNDS // 2]
+            b = sorted(times[inv]["fb"])[AB_ROUNDS // 2]
+            kept = _probe_bits_kept(x, y, t, inv)
+            row[key] = {"fwd_ms": f, "fwd_bwd_ms": b, "fwd_rounds": times[inv]["fwd"],
+                        "fwd_bwd_rounds": times[inv]["fb"], "probe_bits_kept": kept}
+            print(f"| {n} | {v} | {key} | {f:.3f} | {f / floor_fwd:.3f} | {b:.3f} | {b / floor_fb:.3f} | {kept} |",
+                  flush=True)
+        row["ratio_fwd"] = row["invariant"]["fwd_ms"] / row["default"]["fwd_ms"]
+        row["ratio_fwd_bwd"] = row["invariant"]["fwd_bwd_ms"] / row["default"]["fwd_bwd_ms"]
+        print(f"| {n} | {v} | invariant / default | x{row['ratio_fwd']:.3f} | | x{row['ratio_fwd_bwd']:.3f} | | |",
+              flush=True)
+        results.append(row)
+        del x, xg, y, t
+        free()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write results to this path")
     ap.add_argument("--quick", action="store_true", help="main shape only")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    ap.add_argument("--invariant-ab", action="store_true", help="default vs batch_invariant=True (issue 25), only")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_fused_logp: needs a CUDA device")
     torch.manual_seed(torch.seed() % 2**31)
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.3f} TB/s (read + write, 2 GiB)", flush=True)
+    if args.invariant_ab:
+        results = []
+        invariant_ab(bw, results)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "copy_bandwidth_Bps": bw, "torch": torch.__version__,
+                           "invariant_ab": results}, f, indent=1)
+        return
     peers = make_peers(args.no_compile)
     results = []
     for n, v in SHAPES[:1] if args.quick else SHAPES:

@@ -2,6 +2,12 @@
 forward and forward+backward, peak memory above the inputs, against the bf16 matmul ceiling measured in the same run.
 
     python bench/bench_linear_logp.py [--json PATH] [--quick]
+    python bench/bench_linear_logp.py --invariant-ab [--json PATH]
+
+--invariant-ab: default vs batch_invariant=True at the issue-25 shapes (N = 8192 and 1024, H = 4096, V = 151936; N = 5),
+forward and forward+backward, alternating rounds in one run, medians, ratios invariant / default and the floors; plus
+whether 5 probe tokens keep their bits (logp, entropy, grad_hidden rows) between a batch of 5 and the benchmark batch
+in each mode (informational; the tests assert the invariant mode).
 
 Timing: triton.testing.do_bench median. Ceiling: an 8192^3 bf16 torch.mm. Floors: 2NHV / ceiling (forward),
 8NHV / ceiling (forward + backward: recompute + two gradient GEMMs). Peers where importable (try/except):
@@ -97,15 +103,79 @@ def measure(fn, h, w, y, backward: bool):
         return None, None
 
 
+INVARIANT_AB_SHAPES = [(8192, 4096, 151936), (1024, 4096, 151936), (5, 4096, 151936)]
+AB_ROUNDS = 2
+
+
+def _probe_bits_kept(h, w, y, invariant):
+    """Whether the first 5 tokens' logp, entropy and grad_hidden rows have the same bits alone as inside the batch."""
+    from prime_kernels_fused_logp.linear_ops import linear_logp_entropy
+
+    def run(hs, ys):
+        hg = hs.detach().clone().requires_grad_()
+        lp, ent = linear_logp_entropy(hg, w.detach(), ys, T, batch_invariant=invariant)
+        (lp.sum() + ent.sum()).backward()
+        return lp[:5], ent[:5], hg.grad[:5]
+
+    return all(torch.equal(a, b) for a, b in zip(run(h[:5], y[:5]), run(h, y)))
+
+
+def invariant_ab(ceiling, results):
+    from prime_kernels_fused_logp.linear_ops import linear_logp_entropy
+
+    print("| N | H | V | mode | fwd ms | fwd/floor | fwd+bwd ms | fwd+bwd/floor | probe bits kept (N=5 vs N) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for n, hs, v in INVARIANT_AB_SHAPES:
+        free()
+        h = (torch.randn(n, hs, device="cuda") / hs**0.25).bfloat16().requires_grad_()
+        w = (torch.randn(v, hs, device="cuda") / hs**0.25).bfloat16().requires_grad_()
+        y = torch.randint(0, v, (n,), device="cuda")
+        flops = 2 * n * hs * v
+        floor_f, floor_fb = flops / ceiling * 1e3, 4 * flops / ceiling * 1e3
+        times = {m: {"fwd": [], "fb": []} for m in (False, True)}
+        for _ in range(AB_ROUNDS):
+            for inv in (False, True):
+                fn = lambda h_, w_, y_, inv=inv: linear_logp_entropy(h_, w_, y_, T, batch_invariant=inv)  # noqa: E731
+                with torch.no_grad():
+                    f_ms, _ = measure(fn, h.detach(), w.detach(), y, False)
+                fb_ms, _ = measure(fn, h, w, y, True)
+                times[inv]["fwd"].append(f_ms)
+                times[inv]["fb"].append(fb_ms)
+        row = {"N": n, "H": hs, "V": v, "floor_fwd_ms": floor_f, "floor_fwd_bwd_ms": floor_fb}
+        for inv in (False, True):
+            key = "invariant" if inv else "default"
+            f, b = min(times[inv]["fwd"]), min(times[inv]["fb"])  # of the rounds' medians: the least disturbed
+            kept = _probe_bits_kept(h, w, y, inv)
+            row[key] = {"fwd_ms": f, "fwd_bwd_ms": b, "fwd_rounds": times[inv]["fwd"],
+                        "fwd_bwd_rounds": times[inv]["fb"], "probe_bits_kept": kept}
+            print(f"| {n} | {hs} | {v} | {key} | {f:.3f} | {f / floor_f:.3f} | {b:.3f} | {b / floor_fb:.3f} | {kept} |",
+                  flush=True)
+        row["ratio_fwd"] = row["invariant"]["fwd_ms"] / row["default"]["fwd_ms"]
+        row["ratio_fwd_bwd"] = row["invariant"]["fwd_bwd_ms"] / row["default"]["fwd_bwd_ms"]
+        print(f"| {n} | {hs} | {v} | invariant / default | x{row['ratio_fwd']:.3f} | | "
+              f"x{row['ratio_fwd_bwd']:.3f} | | |", flush=True)
+        results.append(row)
+        del h, w, y
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", help="write results to this path")
     ap.add_argument("--quick", action="store_true", help="main shape only, no peers")
+    ap.add_argument("--invariant-ab", action="store_true", help="default vs batch_invariant=True (issue 25), only")
     args = ap.parse_args()
     from prime_kernels_fused_logp.linear_ops import linear_logp_entropy
 
     ceiling = matmul_ceiling()
     print(f"{torch.cuda.get_device_name()}: bf16 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s (8192^3)")
+    if args.invariant_ab:
+        results = []
+        invariant_ab(ceiling, results)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ceiling_flops": ceiling,
+                           "invariant_ab": results}, f, indent=2)
+        return
     results, summary = [], [f"ceiling {ceiling / 1e12:.0f} TFLOP/s"]
     ours = lambda h, w, y: linear_logp_entropy(h, w, y, T)  # noqa: E731
     peers = {} if args.quick else make_peers()

@@ -120,10 +120,15 @@ at::Tensor slot_outputs_cpu(const char* op, const at::Tensor& x, const at::Tenso
   for_each_block(op, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m,
                  [&](int64_t e, const std::vector<int64_t>& slot_list) {
                    const auto slot_t = at::tensor(slot_list, x.options().dtype(at::kLong));
-                   const auto xb = x.index_select(0, at::floor_divide(slot_t, s.top_k)).to(at::kFloat);
+                   const int64_t n = slot_t.numel();
+                   // Every block's GEMMs run on block_m rows (zero padding): at::mm's per-row result depends on the
+                   // row count for small counts (other kernels at M <= 8, measured), which would make a token's
+                   // output depend on how many other slots its experts got (batch invariance).
+                   const auto xb = at::constant_pad_nd(
+                       x.index_select(0, at::floor_divide(slot_t, s.top_k)).to(at::kFloat), {0, 0, 0, block_m - n});
                    const auto h = round_h(at::silu(xb.mm(gate[e].to(at::kFloat).t())) *
                                           xb.mm(up[e].to(at::kFloat).t()));
-                   y.index_copy_(0, slot_t, h.mm(w2[e].to(at::kFloat).t()));
+                   y.index_copy_(0, slot_t, h.mm(w2[e].to(at::kFloat).t()).narrow(0, 0, n));
                  });
   return y;
 }

@@ -4,7 +4,8 @@
 // cuda/fused_logp.cu and share the argument checks defined here (fused_logp_detail::check_*).
 //
 //   logp_entropy(Tensor logits, Tensor labels, float temperature, Tensor? token_temperature, int ignore_index,
-//                bool return_entropy, bool check_labels) -> (Tensor logp, Tensor entropy, Tensor stats)
+//                bool return_entropy, bool check_labels, bool batch_invariant=False)
+//                -> (Tensor logp, Tensor entropy, Tensor stats)
 //     logits [N, V] (fp32/bf16/fp16, last dim stride 1, any row stride), labels [N] (int64/int32),
 //     token_temperature None or fp32 [N]; the temperature of token i is temperature * token_temperature[i].
 //     token_temperature[i] of a token that is not ignored must be finite and > 0: on CPU an error naming the first
@@ -19,6 +20,11 @@
 //     a device word; with check_labels the op reads that word back (a 8-byte device->host copy, i.e. a sync) and
 //     raises. check_labels=false skips the read-back (no sync: CUDA-graph capture, no-sync training loops) and
 //     leaves NaN in the outputs of such tokens. On CPU labels are always checked.
+//     batch_invariant: every token's outputs (and stats) are bitwise identical whatever the other rows, their number
+//     and the row's address. The CPU implementation always is (one sequential double pass per row); CUDA then takes
+//     its split-vocab count from V alone and groups a row's elements from its first element even when the row is not
+//     16-byte aligned. The backward is batch-invariant in every mode (each element's gradient is one function of its
+//     logit and the row's stats).
 //
 //   logp_entropy_backward(Tensor grad_logp, Tensor? grad_entropy, Tensor logits, Tensor labels, float temperature,
 //                         Tensor? token_temperature, Tensor stats, int ignore_index) -> Tensor grad_logits
@@ -172,7 +178,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cpu(const at::Tensor
                                                                 double temperature,
                                                                 const std::optional<at::Tensor>& token_temperature,
                                                                 int64_t ignore_index, bool return_entropy,
-                                                                bool /*check_labels: always checked on CPU*/) {
+                                                                bool /*check_labels: always checked on CPU*/,
+                                                                bool /*batch_invariant: the CPU path always is*/) {
   check_forward_args(logits_in, labels_in, temperature, token_temperature);
   TORCH_CHECK(logits_in.device().is_cpu(), "fused_logp: CPU implementation got logits on ", logits_in.device());
   const int64_t N = logits_in.size(0), V = logits_in.size(1);
@@ -314,7 +321,8 @@ at::Tensor logp_entropy_backward_cpu(const at::Tensor& grad_logp_in, const std::
 TORCH_LIBRARY(fused_logp, m) {
   m.def(
       "logp_entropy(Tensor logits, Tensor labels, float temperature, Tensor? token_temperature, int ignore_index, "
-      "bool return_entropy, bool check_labels) -> (Tensor logp, Tensor entropy, Tensor stats)");
+      "bool return_entropy, bool check_labels, bool batch_invariant=False) -> (Tensor logp, Tensor entropy, "
+      "Tensor stats)");
   m.def(
       "logp_entropy_backward(Tensor grad_logp, Tensor? grad_entropy, Tensor logits, Tensor labels, float temperature, "
       "Tensor? token_temperature, Tensor stats, int ignore_index) -> Tensor");

@@ -5,7 +5,8 @@
 // CUDA implementations live in cuda/linear_logp_{fwd,bwd}.cu and share the argument checks defined here.
 //
 //   linear_logp_entropy(Tensor hidden, Tensor weight, Tensor labels, float temperature, Tensor? token_temperature,
-//                       Tensor? bias, int ignore_index, bool return_entropy) -> (Tensor logp, Tensor entropy, Tensor stats)
+//                       Tensor? bias, int ignore_index, bool return_entropy, bool batch_invariant=False)
+//                       -> (Tensor logp, Tensor entropy, Tensor stats)
 //     hidden [N, H], weight [V, H] (same dtype: bfloat16, float16; float32 on CPU only), labels [N] int64/int32,
 //     token_temperature None or fp32 [N] (temperature of token i = temperature * token_temperature[i]), bias None or
 //     floating [V]. z = (hidden @ weight^T + bias) / T; logp = z_y - logsumexp(z); entropy = logsumexp(z) - sum p z.
@@ -17,13 +18,19 @@
 //
 //   linear_logp_entropy_backward(Tensor grad_logp, Tensor? grad_entropy, Tensor hidden, Tensor weight, Tensor labels,
 //       float temperature, Tensor? token_temperature, Tensor? bias, Tensor stats, int ignore_index, bool[3] output_mask,
-//       bool grad_weight_fp32) -> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)
+//       bool grad_weight_fp32, bool batch_invariant=False) -> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)
 //     dZ = [g_logp (onehot(y) - p) - g_ent p (z - sum_pz)] / T, recomputed from hidden and weight with the saved stats;
 //     grad_hidden = dZ @ weight (hidden's dtype), grad_weight = dZ^T @ hidden (hidden's dtype, or fp32 with
 //     grad_weight_fp32), grad_bias = sum_rows dZ (bias dtype), each accumulated in fp32 or wider. An output whose
 //     output_mask entry is false (or grad_bias without a bias) is returned as an empty tensor of shape [0].
 //     A label outside [0, V) that is not ignore_index adds no onehot term (no column matches): the vocabulary-parallel
 //     backward passes V for tokens whose label another rank owns.
+//
+//   batch_invariant (both ops): a token's logp, entropy, stats and grad_hidden row are bitwise identical whatever the
+//   other tokens and their number; grad_weight / grad_bias are reproducible run to run in every mode (fixed order, no
+//   atomics). The CPU implementation always is (double accumulation in a fixed order per row and per vocab row). CUDA:
+//   the forward's split count and the backward's chunking and GEMM shapes then come from V (and H) alone
+//   (cuda/linear_logp_fwd.cu, cuda/linear_logp_bwd.cu, docs/notes/batch_invariance.md).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -216,7 +223,7 @@ void logits_block(const Inputs& in, int64_t i, int64_t j0, int64_t j1, double in
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_cpu(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels, double temperature,
     const std::optional<at::Tensor>& token_temperature, const std::optional<at::Tensor>& bias, int64_t ignore_index,
-    bool return_entropy) {
+    bool return_entropy, bool /*batch_invariant: the CPU path always is*/) {
   check_forward_args(hidden, weight, labels, temperature, token_temperature, bias);
   const Inputs in = prepare(hidden, weight, labels, temperature, token_temperature, bias);
   const int64_t N = in.N, V = in.V;
@@ -280,7 +287,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_backward_cpu(
     const at::Tensor& grad_logp, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
     const at::Tensor& weight, const at::Tensor& labels, double temperature,
     const std::optional<at::Tensor>& token_temperature, const std::optional<at::Tensor>& bias, const at::Tensor& stats,
-    int64_t ignore_index, std::array<bool, 3> output_mask, bool grad_weight_fp32) {
+    int64_t ignore_index, std::array<bool, 3> output_mask, bool grad_weight_fp32,
+    bool /*batch_invariant: the CPU path always is*/) {
   check_backward_args(grad_logp, grad_entropy, hidden, weight, labels, temperature, token_temperature, bias, stats);
   const Inputs in = prepare(hidden, weight, labels, temperature, token_temperature, bias);
   const int64_t N = in.N, H = in.H, V = in.V;
@@ -372,11 +380,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_backward_cpu(
 TORCH_LIBRARY_FRAGMENT(fused_logp, m) {
   m.def(
       "linear_logp_entropy(Tensor hidden, Tensor weight, Tensor labels, float temperature, Tensor? token_temperature, "
-      "Tensor? bias, int ignore_index, bool return_entropy) -> (Tensor logp, Tensor entropy, Tensor stats)");
+      "Tensor? bias, int ignore_index, bool return_entropy, bool batch_invariant=False) -> (Tensor logp, "
+      "Tensor entropy, Tensor stats)");
   m.def(
       "linear_logp_entropy_backward(Tensor grad_logp, Tensor? grad_entropy, Tensor hidden, Tensor weight, "
       "Tensor labels, float temperature, Tensor? token_temperature, Tensor? bias, Tensor stats, int ignore_index, "
-      "bool[3] output_mask, bool grad_weight_fp32) -> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)");
+      "bool[3] output_mask, bool grad_weight_fp32, bool batch_invariant=False) -> (Tensor grad_hidden, "
+      "Tensor grad_weight, Tensor grad_bias)");
 }
 
 TORCH_LIBRARY_IMPL(fused_logp, CPU, m) {

@@ -22,6 +22,9 @@ BLOCK_K: int = _CONSTANTS["BLOCK_K"]
 STAGES: int = _CONSTANTS["STAGES"]
 MAX_SPLITS: int = _CONSTANTS["MAX_SPLITS"]
 DZ_CHUNK_ELEMS: int = _CONSTANTS["DZ_CHUNK_ELEMS"]
+INVARIANT_TILES_PER_SPLIT: int = _CONSTANTS["INVARIANT_TILES_PER_SPLIT"]
+INVARIANT_DZ_CHUNK_TILES: int = _CONSTANTS["INVARIANT_DZ_CHUNK_TILES"]
+INVARIANT_GEMM_ROWS: int = _CONSTANTS["INVARIANT_GEMM_ROWS"]
 HIDDEN_ALIGN: int = _CONSTANTS["HIDDEN_ALIGN"]
 PTR_ALIGN_BYTES: int = _CONSTANTS["PTR_ALIGN_BYTES"]
 MAX_VOCAB_SIZE: int = _CONSTANTS["MAX_VOCAB_SIZE"]
@@ -31,10 +34,18 @@ CUDA_DTYPES = (torch.bfloat16, torch.float16)
 _ops = torch.ops.fused_logp
 
 
-def workspace_bytes(num_tokens: int, vocab_size: int, hidden_size: int, backward: bool = False) -> int:
+def workspace_bytes(num_tokens: int, vocab_size: int, hidden_size: int, backward: bool = False,
+                    batch_invariant: bool = False) -> int:
     """Device memory the CUDA ops allocate beyond their inputs and outputs (upper bound, excluding cuBLAS's own)."""
     if not backward:
         return (3 * MAX_SPLITS + 1) * 4 * num_tokens + 12 * num_tokens  # partials + label logit, stats
+    if batch_invariant:  # vocab chunks of INVARIANT_DZ_CHUNK_TILES tiles, rows padded to whole GEMM blocks
+        vc = INVARIANT_DZ_CHUNK_TILES * BLOCK_V
+        block_rows = max(INVARIANT_GEMM_ROWS, DZ_CHUNK_ELEMS // vc // INVARIANT_GEMM_ROWS * INVARIANT_GEMM_ROWS)
+        pad = -(-min(num_tokens, block_rows) // INVARIANT_GEMM_ROWS) * INVARIANT_GEMM_ROWS
+        padded_tokens = -(-num_tokens // INVARIANT_GEMM_ROWS) * INVARIANT_GEMM_ROWS
+        gw = 4 * vc * hidden_size if num_tokens > block_rows else 0  # fp32 grad_weight across token chunks
+        return pad * vc * 2 + 4 * padded_tokens * hidden_size + 4 * vocab_size + gw
     rows = min(num_tokens, max(BLOCK_N, DZ_CHUNK_ELEMS // BLOCK_V // BLOCK_N * BLOCK_N))
     dz = min(DZ_CHUNK_ELEMS, rows * ((vocab_size + BLOCK_V - 1) // BLOCK_V) * BLOCK_V) * 2
     return dz + 4 * num_tokens * hidden_size + 4 * vocab_size  # + fp32 grad_hidden accumulator, fp32 grad_bias
@@ -77,7 +88,7 @@ def unsupported_shape_reason(hidden_size: int, vocab_size: int, num_tokens: int 
 
 @torch.library.register_fake("fused_logp::linear_logp_entropy")
 def _linear_logp_entropy_fake(hidden, weight, labels, temperature, token_temperature, bias, ignore_index,
-                              return_entropy):
+                              return_entropy, batch_invariant=False):
     n = hidden.shape[0]
     return (hidden.new_empty((n,), dtype=torch.float32), hidden.new_empty((n if return_entropy else 0,), dtype=torch.float32),
             hidden.new_empty((n, 2), dtype=torch.float32))
@@ -85,7 +96,8 @@ def _linear_logp_entropy_fake(hidden, weight, labels, temperature, token_tempera
 
 @torch.library.register_fake("fused_logp::linear_logp_entropy_backward")
 def _linear_logp_entropy_backward_fake(grad_logp, grad_entropy, hidden, weight, labels, temperature,
-                                       token_temperature, bias, stats, ignore_index, output_mask, grad_weight_fp32):
+                                       token_temperature, bias, stats, ignore_index, output_mask, grad_weight_fp32,
+                                       batch_invariant=False):
     gh = hidden.new_empty(hidden.shape) if output_mask[0] else hidden.new_empty((0,))
     gw = (hidden.new_empty(weight.shape, dtype=torch.float32 if grad_weight_fp32 else hidden.dtype)
           if output_mask[1] else hidden.new_empty((0,)))
@@ -94,27 +106,30 @@ def _linear_logp_entropy_backward_fake(grad_logp, grad_entropy, hidden, weight, 
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, labels, temperature, token_temperature, bias, ignore_index, return_entropy = inputs
+    hidden, weight, labels, temperature, token_temperature, bias, ignore_index, return_entropy = inputs[:8]
     _, _, stats = output
     ctx.save_for_backward(hidden, weight, labels, token_temperature, bias, stats)
     ctx.temperature = temperature
     ctx.ignore_index = ignore_index
     ctx.return_entropy = return_entropy
     ctx.has_bias = bias is not None
+    ctx.batch_invariant = bool(inputs[8]) if len(inputs) > 8 else False
 
 
 def _backward(ctx, grad_logp, grad_entropy, grad_stats):
     hidden, weight, labels, token_temperature, bias, stats = ctx.saved_tensors
     mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[5]]
     if not any(mask):
-        return (None,) * 8
+        return (None,) * 9
     if grad_logp is None:
         grad_logp = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     if not ctx.return_entropy:
         grad_entropy = None
     gh, gw, gb = _ops.linear_logp_entropy_backward(grad_logp, grad_entropy, hidden, weight, labels, ctx.temperature,
-                                                   token_temperature, bias, stats, ctx.ignore_index, mask, False)
-    return (gh if mask[0] else None, gw if mask[1] else None, None, None, None, gb if mask[2] else None, None, None)
+                                                   token_temperature, bias, stats, ctx.ignore_index, mask, False,
+                                                   ctx.batch_invariant)
+    return (gh if mask[0] else None, gw if mask[1] else None, None, None, None, gb if mask[2] else None, None, None,
+            None)
 
 
 torch.library.register_autograd("fused_logp::linear_logp_entropy", _backward, setup_context=_setup_context)
@@ -155,7 +170,8 @@ def _flatten(hidden, weight, labels, temperature, bias):
 def linear_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                         temperature: float | torch.Tensor = 1.0, *, bias: torch.Tensor | None = None,
                         ignore_index: int = -100, return_entropy: bool = True, fallback: str | None = None,
-                        chunk_size: int = 8192, process_group=None, vocab_start: int | None = None):
+                        chunk_size: int = 8192, batch_invariant: bool = False, process_group=None,
+                        vocab_start: int | None = None):
     """(logp, entropy) of shape labels.shape, fp32; entropy is None when return_entropy is False.
 
     hidden [..., H] and weight [V, H] in bfloat16/float16 (float32 on CPU), labels [...] integer, temperature a float
@@ -171,6 +187,14 @@ def linear_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     weight (and bias) are this rank's [V_local, H] rows, labels are global vocab ids, and the result is the global
     logp and entropy; grad_hidden is summed over the group (module ``vocab_parallel``, docs/notes/vocab_parallel.md).
     vocab_start: this rank's first global vocab id (None: derived from the local vocab sizes in group-rank order).
+    batch_invariant: each token's logp, entropy and grad_hidden row are then bitwise identical whatever the other
+    tokens (their number, labels, temperatures, ignored ones), its position and the leading shape; grad_weight and
+    grad_bias are bitwise reproducible run to run in either mode. CPU always is; on CUDA the forward's vocab split
+    count and the backward's chunks and cuBLAS GEMM shapes then depend on V and H only. The chunked fallback is not
+    batch-invariant (its logits GEMM is cuBLAS at M = N): with batch_invariant it raises UnsupportedShapeError.
+    Not guaranteed: equal bits between CPU and CUDA, across GPUs, builds or cuBLAS versions, or between the two
+    modes. With a process_group: bitwise identical for a given world size and shard layout (partials gathered and
+    summed in rank order). docs/notes/batch_invariance.md.
     """
     if process_group is not None:
         from .vocab_parallel import linear_logp_entropy_vocab_parallel
@@ -178,7 +202,7 @@ def linear_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
         return linear_logp_entropy_vocab_parallel(hidden, weight, labels, temperature, bias=bias,
                                                   ignore_index=ignore_index, return_entropy=return_entropy,
                                                   fallback=fallback, process_group=process_group,
-                                                  vocab_start=vocab_start)
+                                                  vocab_start=vocab_start, batch_invariant=batch_invariant)
     if vocab_start is not None:
         raise ValueError("linear_logp_entropy: vocab_start needs a process_group (it is the first vocab id of this "
                          "rank's shard)")
@@ -190,10 +214,13 @@ def linear_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     if reason is not None:
         if fallback != "chunked":
             raise UnsupportedShapeError(f"linear_logp_entropy: {reason} (pass fallback=\"chunked\" to use the logits op)")
+        if batch_invariant:
+            raise UnsupportedShapeError(f"linear_logp_entropy: {reason}, and batch_invariant=True needs the fused "
+                                        f"kernel (the chunked fallback's cuBLAS logits GEMM is not batch-invariant)")
         logp, entropy = _chunked(h2, weight, l1, temp, token_temperature, bias, ignore_index, chunk_size)
     else:
         logp, entropy, _ = _ops.linear_logp_entropy(h2, weight, l1, temp, token_temperature, bias, ignore_index,
-                                                    return_entropy)
+                                                    return_entropy, bool(batch_invariant))
     shape = labels.shape
     return logp.reshape(shape), (entropy.reshape(shape) if return_entropy else None)
 
@@ -243,15 +270,18 @@ def _chunked(h2, weight, l1, temperature, token_temperature, bias, ignore_index,
 
 
 def linear_logp_entropy_backward(grad_logp, grad_entropy, hidden, weight, labels, temperature=1.0, *, bias=None,
-                                 stats, ignore_index=-100, needs=(True, True, True), grad_weight_fp32=False):
+                                 stats, ignore_index=-100, needs=(True, True, True), grad_weight_fp32=False,
+                                 batch_invariant=False):
     """The backward op directly, for what autograd cannot return: ``grad_weight_fp32=True`` gives grad_weight in fp32
     (accumulated in fp32 and never rounded to weight's dtype), e.g. for fp32 master gradients; autograd casts every
     gradient to its input's dtype. ``stats``: the third output of ``torch.ops.fused_logp.linear_logp_entropy`` on the
     same inputs (2-D hidden). Returns (grad_hidden, grad_weight, grad_bias), None where not requested. Example:
-    docs/notes/linear_logp.md, "fp32 grad_weight"."""
+    docs/notes/linear_logp.md, "fp32 grad_weight". ``batch_invariant``: as in ``linear_logp_entropy`` (pair it with
+    stats from a batch-invariant forward)."""
     h2, l1, temp, token_temperature = _flatten(hidden, weight, labels, temperature, bias)
     ge = None if grad_entropy is None else grad_entropy.reshape(-1)
     mask = [bool(needs[0]), bool(needs[1]), bool(needs[2]) and bias is not None]
     gh, gw, gb = _ops.linear_logp_entropy_backward(grad_logp.reshape(-1), ge, h2, weight, l1, temp, token_temperature,
-                                                   bias, stats, ignore_index, mask, grad_weight_fp32)
+                                                   bias, stats, ignore_index, mask, grad_weight_fp32,
+                                                   bool(batch_invariant))
     return (gh.reshape(hidden.shape) if mask[0] else None, gw if mask[1] else None, gb if mask[2] else None)

@@ -18,6 +18,7 @@ BLOCK_THREADS: int = CONSTANTS["BLOCK_THREADS"]
 VEC_UNROLL: int = CONSTANTS["VEC_UNROLL"]
 SPLIT_MIN_ELEMS: int = CONSTANTS["SPLIT_MIN_ELEMS"]
 MAX_SPLITS: int = CONSTANTS["MAX_SPLITS"]
+INVARIANT_SPLIT_ELEMS: int = CONSTANTS["INVARIANT_SPLIT_ELEMS"]
 MAX_VOCAB_SIZE: int = CONSTANTS["MAX_VOCAB_SIZE"]
 MAX_NUM_TOKENS: int = CONSTANTS["MAX_NUM_TOKENS"]
 
@@ -40,7 +41,8 @@ def unsupported_shape_reason(vocab_size: int, num_tokens: int = 1) -> str | None
 
 # ---- fake (meta) implementations, for torch.compile / FakeTensor --------------------------------------------------
 @torch.library.register_fake("fused_logp::logp_entropy")
-def _logp_entropy_fake(logits, labels, temperature, token_temperature, ignore_index, return_entropy, check_labels):
+def _logp_entropy_fake(logits, labels, temperature, token_temperature, ignore_index, return_entropy, check_labels,
+                       batch_invariant=False):
     torch._check(logits.dim() == 2, lambda: f"fused_logp: logits must be 2-D [N, V], got {logits.dim()}-D")
     torch._check(
         logits.dtype in (torch.float32, torch.bfloat16, torch.float16),
@@ -68,7 +70,7 @@ def _logp_entropy_backward_fake(
 
 # ---- autograd -------------------------------------------------------------------------------------------------------
 def _setup_context(ctx, inputs, output):
-    logits, labels, temperature, token_temperature, ignore_index, return_entropy, _check_labels = inputs
+    logits, labels, temperature, token_temperature, ignore_index, return_entropy = inputs[:6]
     ctx.save_for_backward(logits, labels, token_temperature, output[2])
     ctx.temperature = temperature
     ctx.ignore_index = ignore_index
@@ -89,8 +91,9 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_stats):
             stats,
             ctx.ignore_index,
         )
-    # No gradient for labels, temperatures (the per-token temperature is treated as a constant) or the flags.
-    return grad_logits, None, None, None, None, None, None
+    # No gradient for labels, temperatures (the per-token temperature is treated as a constant) or the flags. (The
+    # backward op is batch-invariant in every mode: it needs no flag.)
+    return grad_logits, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("fused_logp::logp_entropy", _backward, setup_context=_setup_context)
@@ -105,6 +108,7 @@ def logp_entropy(
     ignore_index: int = -100,
     return_entropy: bool = True,
     check_labels: bool = True,
+    batch_invariant: bool = False,
     process_group=None,
     vocab_start: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -124,6 +128,14 @@ def logp_entropy(
         temperature must be finite and > 0 unless the token is ignored: on CPU any other raises, naming the first
         offending position; on CUDA that token gets NaN and, with ``check_labels``, the same read-back raises naming
         it.
+    batch_invariant: every token's logp, entropy and gradient row are then bitwise identical whatever the other
+        tokens (their number, labels, temperatures, ignored ones), the token's position and the leading shape. CPU is
+        always batch-invariant; CUDA then takes its split-vocab count from V alone (the default picks it from the
+        number of rows) and reads rows that are not 16-byte aligned element-wise into the same vector layout. The
+        gradient is batch-invariant in either mode. Not guaranteed: equal bits between CPU and CUDA, between GPU
+        architectures or builds (e.g. the 9.0a build and a generic-arch one), or between the two modes
+        (docs/notes/batch_invariance.md). With a process_group: bitwise identical for a given world size and shard
+        layout (the ranks' partials are gathered and summed in rank order).
     process_group: a torch.distributed group over which the vocabulary is sharded (tensor-parallel lm_head): logits
         is then this rank's [..., V_local] slice, labels are global vocab ids, and the result is the global logp and
         entropy (module ``vocab_parallel``, docs/notes/vocab_parallel.md). None (default): single rank, unchanged.
@@ -135,12 +147,13 @@ def logp_entropy(
 
         return logp_entropy_vocab_parallel(logits, labels, temperature, ignore_index=ignore_index,
                                            return_entropy=return_entropy, process_group=process_group,
-                                           vocab_start=vocab_start)
+                                           vocab_start=vocab_start, batch_invariant=batch_invariant)
     if vocab_start is not None:
         raise ValueError("fused_logp: vocab_start needs a process_group (the first vocab id of this rank's shard)")
     x, labels1, scalar_t, token_temperature, lead = _flatten(logits, labels, temperature)
     logp, entropy, _stats = _op(
-        x, labels1, scalar_t, token_temperature, int(ignore_index), bool(return_entropy), bool(check_labels)
+        x, labels1, scalar_t, token_temperature, int(ignore_index), bool(return_entropy), bool(check_labels),
+        bool(batch_invariant)
     )
     logp = logp.reshape(lead)
     return logp, (entropy.reshape(lead) if return_entropy else None)
@@ -196,6 +209,7 @@ __all__ = [
     "VEC_UNROLL",
     "SPLIT_MIN_ELEMS",
     "MAX_SPLITS",
+    "INVARIANT_SPLIT_ELEMS",
     "MAX_VOCAB_SIZE",
     "MAX_NUM_TOKENS",
 ]

@@ -19,6 +19,7 @@ def _logits_op_samples(device):
     return [
         ("logp_entropy", (logits, labels, 0.7, None, -100, True, True), {}),
         ("logp_entropy", (logits, labels.int(), 1.0, token_t, -100, False, True), {}),
+        ("logp_entropy", (logits, labels, 0.7, token_t, -100, True, False, True), {}),
         ("logp_entropy_backward", (grad, torch.randn_like(entropy), logits.detach(), labels, 0.7, None, stats, -100), {}),
         ("logp_entropy_backward", (grad, None, logits.detach(), labels, 0.7, None, stats, -100), {}),
     ]
@@ -52,10 +53,13 @@ def _linear_op_samples(device):
     return [
         ("linear_logp_entropy", fwd, {}),
         ("linear_logp_entropy", (hidden, weight, labels, 1.0, None, None, -100, False), {}),
+        ("linear_logp_entropy", fwd + (True,), {}),
         ("linear_logp_entropy_backward",
          (glp, gent, hidden, weight, labels, 0.7, tt, bias, stats, -100, [True, True, True], False), {}),
         ("linear_logp_entropy_backward",
          (glp, None, hidden, weight, labels, 0.7, tt, None, stats, -100, [True, False, False], True), {}),
+        ("linear_logp_entropy_backward",
+         (glp, gent, hidden, weight, labels, 0.7, tt, bias, stats, -100, [True, True, True], False, True), {}),
     ]
 
 

@@ -15,7 +15,7 @@ backward op turns into no onehot term at all (``_LinearFn.backward``). The backw
 op with the global (lse, sum_pz), so grad_logits / grad_weight / grad_bias need no collective; grad_hidden of the
 linear version is a sum over all vocab shards, hence one all_reduce SUM of [N, H] (fp32).
 
-Every call first runs ``_agree``: one all_gather of a 14-int64 row per rank and one host read, so that ranks that
+Every call first runs ``_agree``: one all_gather of a 15-int64 row per rank and one host read, so that ranks that
 disagree on N, H, the temperature (a tensor's values by checksum), the labels or the shard layout, or that failed
 their own argument checks, all raise the same kind of error instead of hanging in a later collective. Details:
 docs/notes/vocab_parallel.md.
@@ -34,7 +34,7 @@ _I64_MAX = 2**63 - 1
 # The int64 row each rank contributes to the all_gather of _agree.
 _FIELDS = ("error", "num_tokens", "local_vocab", "vocab_start", "hidden_size", "temperature_kind",
            "temperature_bits", "ignore_index", "return_entropy", "grad_hidden", "labels_checksum", "label_min",
-           "label_max", "temperature_checksum")
+           "label_max", "temperature_checksum", "batch_invariant")
 _F = {name: i for i, name in enumerate(_FIELDS)}
 
 
@@ -60,7 +60,7 @@ def _checksum(values: torch.Tensor) -> torch.Tensor:
 
 
 def _agree(group, device, error, n, local_vocab, vocab_start, hidden_size, temperature, ignore_index, return_entropy,
-           grad_hidden, labels):
+           grad_hidden, labels, batch_invariant=False):
     """One all_gather of a small int64 row per rank, then one host read; every rank checks the same table.
 
     Returns (this rank's vocab_start, global vocab size). Raises on every rank when any rank failed its local argument
@@ -82,7 +82,8 @@ def _agree(group, device, error, n, local_vocab, vocab_start, hidden_size, tempe
             torch.cat([torch.where(valid, lab, -1), lab.new_full((1,), -1)]).max(),
             temperature_checksum,
         ])
-        row = torch.cat([torch.tensor(host, dtype=torch.int64, device=device), dev])
+        row = torch.cat([torch.tensor(host, dtype=torch.int64, device=device), dev,
+                         torch.tensor([int(batch_invariant)], dtype=torch.int64, device=device)])
     else:
         row = torch.zeros(len(_FIELDS), dtype=torch.int64, device=device)
         row[_F["error"]] = 1
@@ -119,6 +120,8 @@ def _agree(group, device, error, n, local_vocab, vocab_start, hidden_size, tempe
     same("grad_hidden", "whether hidden requires grad (the backward all-reduces grad_hidden)",
          lambda r: str(bool(table[r][_F["grad_hidden"]])))
     same("labels_checksum", "the labels (position-weighted checksum)")
+    same("batch_invariant", "batch_invariant (the invariant mode gathers partials instead of all-reducing them)",
+         lambda r: str(bool(table[r][_F["batch_invariant"]])))
 
     sizes, starts = col("local_vocab"), col("vocab_start")
     total = sum(sizes)
@@ -174,8 +177,23 @@ def _token_temperature(temperature: float, token_temperature, n, device):
 
 
 # ---- the combine: [N]-sized float64 collectives --------------------------------------------------------------------
-def _combine(lse_l, spz_l, zy_l, owned, valid, want_entropy, group):
-    """Global (lse, sum_pz, logp fp32, entropy fp32 or empty) from the local float64 statistics; two all_reduces."""
+def _sum_over_ranks(t, group, batch_invariant):
+    """Sum of ``t`` over the group's ranks, in place. batch_invariant: gathered and added in rank order (a collective's
+    own summation order may depend on the message size, i.e. on N, for more than two ranks)."""
+    if not batch_invariant:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        return t
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    t.copy_(parts[0])
+    for part in parts[1:]:
+        t.add_(part)
+    return t
+
+
+def _combine(lse_l, spz_l, zy_l, owned, valid, want_entropy, group, batch_invariant=False):
+    """Global (lse, sum_pz, logp fp32, entropy fp32 or empty) from the local float64 statistics; two collectives (the
+    max is exact in any order)."""
     m = lse_l.clone()
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     zero = torch.zeros_like(m)
@@ -184,8 +202,7 @@ def _combine(lse_l, spz_l, zy_l, owned, valid, want_entropy, group):
     cols = [w, torch.where(owned, zy_l, zero)]
     if want_entropy:  # a shard of only -inf logits has w = 0 and spz NaN: it contributes nothing
         cols.append(torch.where(w == 0, zero, w * spz_l))
-    parts = torch.stack(cols, 1)
-    dist.all_reduce(parts, op=dist.ReduceOp.SUM, group=group)
+    parts = _sum_over_ranks(torch.stack(cols, 1), group, batch_invariant)
     s = parts[:, 0]
     lse = m + torch.log(s)
     logp = torch.where(valid, parts[:, 1] - lse, zero).float()
@@ -212,14 +229,15 @@ def _round_like_op(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class _LogitsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, local_labels, owned, nonowned, valid, temperature, token_temperature, return_entropy,
-                group):
+                group, batch_invariant):
         _, _, stats = _ops.logp_entropy(logits, local_labels, temperature, token_temperature, _LOCAL_IGNORE,
-                                        return_entropy, False)  # local labels are in range by construction
+                                        return_entropy, False, batch_invariant)  # local labels: in range
         n = logits.shape[0]
         tvec = _token_temperature(temperature, token_temperature, n, logits.device)
         col = local_labels.clamp_min(0)[:, None]
         zy = logits.gather(1, col).squeeze(1).double() / tvec  # exactly the op's z_y (float -> double / T)
-        lse, spz, logp, entropy = _combine(stats[:, 0], stats[:, 1], zy, owned, valid, return_entropy, group)
+        lse, spz, logp, entropy = _combine(stats[:, 0], stats[:, 1], zy, owned, valid, return_entropy, group,
+                                           batch_invariant)
         ctx.save_for_backward(logits, local_labels, nonowned, token_temperature, torch.stack([lse, spz], 1), tvec)
         ctx.temperature = temperature
         ctx.return_entropy = return_entropy
@@ -230,7 +248,7 @@ class _LogitsFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         if not ctx.needs_input_grad[0]:
-            return (None,) * 9
+            return (None,) * 10
         logits, local_labels, nonowned, token_temperature, stats, tvec = ctx.saved_tensors
         g = grad_logp.float().contiguous()
         ge = grad_entropy.float().contiguous() if ctx.return_entropy else None
@@ -248,11 +266,11 @@ class _LogitsFn(torch.autograd.Function):
             value = value - torch.where(p == 0, zero, (ge.double() / tvec) * p * (z - stats[:, 1]))
         current = grad.gather(1, col).squeeze(1)
         grad.scatter_(1, col, torch.where(nonowned, _round_like_op(value, grad.dtype), current)[:, None])
-        return grad, None, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None, None
 
 
 def logp_entropy_vocab_parallel(logits, labels, temperature=1.0, *, ignore_index=-100, return_entropy=True,
-                                process_group, vocab_start=None):
+                                process_group, vocab_start=None, batch_invariant=False):
     """``ops.logp_entropy`` with logits sharded over the vocabulary: this rank's [..., V_local], global labels."""
     from .ops import _flatten
 
@@ -277,10 +295,10 @@ def logp_entropy_vocab_parallel(logits, labels, temperature=1.0, *, ignore_index
     except Exception as e:  # raised on every rank by _agree, after the one collective
         error = e
     start, _total = _agree(group, device, error, n, v_local, vocab_start, 0, temperature, int(ignore_index),
-                           return_entropy, False, l1)
+                           return_entropy, False, l1, batch_invariant)
     local, owned, nonowned = _local_labels(l1, int(ignore_index), start, v_local)
     logp, entropy = _LogitsFn.apply(x, local, owned, nonowned, l1.long() != int(ignore_index), scalar_t, tt,
-                                    bool(return_entropy), group)
+                                    bool(return_entropy), group, bool(batch_invariant))
     lead = logits.shape[:-1]
     return logp.reshape(lead), (entropy.reshape(lead) if return_entropy else None)
 
@@ -289,18 +307,20 @@ def logp_entropy_vocab_parallel(logits, labels, temperature=1.0, *, ignore_index
 class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, local_labels, owned, nonowned, valid, temperature, token_temperature,
-                return_entropy, group):
+                return_entropy, group, batch_invariant):
         logp_l, _, stats = _ops.linear_logp_entropy(hidden, weight, local_labels, temperature, token_temperature, bias,
-                                                     _LOCAL_IGNORE, return_entropy)
+                                                     _LOCAL_IGNORE, return_entropy, batch_invariant)
         lse_l = stats[:, 0].double()
         zy = logp_l.double() + lse_l  # the owner's z_y (stats are fp32 in this op)
-        lse, spz, logp, entropy = _combine(lse_l, stats[:, 1].double(), zy, owned, valid, return_entropy, group)
+        lse, spz, logp, entropy = _combine(lse_l, stats[:, 1].double(), zy, owned, valid, return_entropy, group,
+                                           batch_invariant)
         ctx.save_for_backward(hidden, weight, bias, local_labels, nonowned, token_temperature,
                               torch.stack([lse, spz], 1).float())
         ctx.temperature = temperature
         ctx.return_entropy = return_entropy
         ctx.has_bias = bias is not None
         ctx.group = group
+        ctx.batch_invariant = batch_invariant
         if not return_entropy:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -310,7 +330,7 @@ class _LinearFn(torch.autograd.Function):
         hidden, weight, bias, local_labels, nonowned, token_temperature, stats = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = ctx.has_bias and ctx.needs_input_grad[2]
-        none = (None,) * 8
+        none = (None,) * 9
         if not (need_h or need_w or need_b):
             return (None, None, None) + none
         g = grad_logp.float().contiguous()
@@ -325,7 +345,8 @@ class _LinearFn(torch.autograd.Function):
         # outside [0, V) (no column matches), so their dZ is exactly -p (g + g_ent (z - sum_pz)) / T.
         labels = torch.where(nonowned, weight.shape[0], local_labels)
         gh, gw, gb = _ops.linear_logp_entropy_backward(g, ge, h_in, w_in, labels, ctx.temperature, token_temperature,
-                                                       bias, stats, _LOCAL_IGNORE, [need_h, need_w, need_b], False)
+                                                       bias, stats, _LOCAL_IGNORE, [need_h, need_w, need_b], False,
+                                                       ctx.batch_invariant)
         grad_hidden = grad_weight = grad_bias = None
         if need_w:
             grad_weight = gw.to(weight.dtype)
@@ -334,14 +355,14 @@ class _LinearFn(torch.autograd.Function):
         if need_h:
             # grad_hidden = sum over all vocab shards of dZ_r W_r: the one collective of the backward, in fp32
             # (a 16-bit all_reduce would round once per hop).
-            gh32 = gh.float()
-            dist.all_reduce(gh32, op=dist.ReduceOp.SUM, group=ctx.group)
+            gh32 = _sum_over_ranks(gh.float(), ctx.group, ctx.batch_invariant)
             grad_hidden = gh32.to(hidden.dtype)
         return (grad_hidden, grad_weight, grad_bias) + none
 
 
 def linear_logp_entropy_vocab_parallel(hidden, weight, labels, temperature=1.0, *, bias=None, ignore_index=-100,
-                                       return_entropy=True, fallback=None, process_group, vocab_start=None):
+                                       return_entropy=True, fallback=None, process_group, vocab_start=None,
+                                       batch_invariant=False):
     """``linear_ops.linear_logp_entropy`` with the lm_head sharded over the vocabulary: weight [V_local, H] (and bias
     [V_local]) of this rank, hidden [..., H] and global labels identical on every rank."""
     from prime_kernels_core.contracts import UnsupportedShapeError
@@ -377,10 +398,10 @@ def linear_logp_entropy_vocab_parallel(hidden, weight, labels, temperature=1.0, 
     except Exception as e:  # raised on every rank by _agree, after the one collective
         error = e
     start, _total = _agree(group, device, error, n, v_local, vocab_start, h_size, temperature, int(ignore_index),
-                           return_entropy, grad_hidden, l1)
+                           return_entropy, grad_hidden, l1, batch_invariant)
     local, owned, nonowned = _local_labels(l1, int(ignore_index), start, v_local)
     logp, entropy = _LinearFn.apply(h2, weight, bias, local, owned, nonowned, l1.long() != int(ignore_index), temp, tt,
-                                    bool(return_entropy), group)
+                                    bool(return_entropy), group, bool(batch_invariant))
     shape = labels.shape
     return logp.reshape(shape), (entropy.reshape(shape) if return_entropy else None)
 

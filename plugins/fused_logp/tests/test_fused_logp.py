@@ -36,11 +36,12 @@ def make_labels(n, v, device="cpu", ignore_frac=0.2, dtype=torch.int64):
     return y.to(dtype)
 
 
-def check_against_float64(label, logits, labels, temperature=1.0, grads=True, ignore_index=-100):
+def check_against_float64(label, logits, labels, temperature=1.0, grads=True, ignore_index=-100,
+                          batch_invariant=False):
     """Our logp / entropy / gradient vs the fp32 PyTorch path, both against float64: error ratio <= 1."""
     x_ours = logits.detach().clone().requires_grad_(grads)
     x_ref = logits.detach().clone().requires_grad_(grads)
-    lp, ent = logp_entropy(x_ours, labels, temperature, ignore_index=ignore_index)
+    lp, ent = logp_entropy(x_ours, labels, temperature, ignore_index=ignore_index, batch_invariant=batch_invariant)
     lp_ref, ent_ref = reference.logp_entropy_reference(x_ref, labels, temperature, ignore_index=ignore_index)
     lp64, ent64 = reference.logp_entropy_float64(logits.detach(), labels, temperature, ignore_index=ignore_index)
     assert lp.dtype == torch.float32 and ent.dtype == torch.float32
@@ -76,6 +77,7 @@ def test_cpu_matches_float64(dtype, kind, shape):
 def test_cpu_temperature(dtype):
     logits, labels = make_logits(32, 300, dtype), make_labels(32, 300)
     check_against_float64(f"cpu {dtype} T=0.7", logits, labels, 0.7)
+    check_against_float64(f"cpu {dtype} T=0.7 batch_invariant", logits, labels, 0.7, batch_invariant=True)
     check_against_float64(f"cpu {dtype} T=1.9", logits, labels, 1.9)
     per_token = (torch.rand(32) * 1.5 + 0.25).float()
     check_against_float64(f"cpu {dtype} per-token T", logits, labels, per_token)
@@ -353,12 +355,14 @@ class TestCUDA:
     # runs the split-vocab path; (4, 96, 193) a 3-D leading shape with odd V; (256, 32001) the issue's vocab that is no
     # multiple of the tile (a scalar tail after the 16-byte vectors).
     @pytest.mark.parametrize("shape", [(256, 32001), (64, 257), (64, 151936), (1000, 151), (4, 96, 193)], ids=str)
-    def test_matches_float64(self, dtype, kind, shape):
+    @pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch_invariant"])
+    def test_matches_float64(self, dtype, kind, shape, invariant):
         *lead, v = shape
         n = int(torch.tensor(lead).prod())
         logits = make_logits(n, v, dtype, "cuda", kind=kind).reshape(*lead, v)
         labels = make_labels(n, v, "cuda").reshape(*lead)
-        check_against_float64(f"cuda {dtype} {kind} {shape}", logits, labels)
+        check_against_float64(f"cuda {dtype} {kind} {shape} invariant={invariant}", logits, labels,
+                              batch_invariant=invariant)
 
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
     def test_temperature(self, dtype):

@@ -48,7 +48,7 @@ def _inputs(n, h, v, dtype, device, scale=1.0, ignore=0.0, ignore_index=-100):
 
 
 def check_numerics(n, h, v, dtype=torch.bfloat16, device="cpu", T=0.7, scale=1.0, bias=False, ignore=0.1,
-                   per_token=False, ignore_index=-100, grads=True, label=""):
+                   per_token=False, ignore_index=-100, grads=True, label="", batch_invariant=False):
     hid, w, y = _inputs(n, h, v, dtype, device, scale, ignore, ignore_index)
     b = torch.randn(v, device=device) if bias else None
     if per_token:
@@ -56,7 +56,7 @@ def check_numerics(n, h, v, dtype=torch.bfloat16, device="cpu", T=0.7, scale=1.0
     tag = f"{label or 'case'} n={n} h={h} v={v} {str(dtype)[6:]} {device}"
     leaves = [t.detach().requires_grad_() for t in (hid, w)] + ([b.detach().requires_grad_()] if bias else [])
     lp, ent = linear_logp_entropy(leaves[0], leaves[1], y, T, bias=leaves[2] if bias else None,
-                                  ignore_index=ignore_index)
+                                  ignore_index=ignore_index, batch_invariant=batch_invariant)
     refs = [t.detach().double().requires_grad_() for t in leaves]
     lp64, ent64 = _paths(refs[0], refs[1], y, T, refs[2] if bias else None, ignore_index, dtype64=True)
     base = [t.detach().requires_grad_() for t in leaves]
@@ -80,6 +80,7 @@ def check_numerics(n, h, v, dtype=torch.bfloat16, device="cpu", T=0.7, scale=1.0
 # ---- CPU numerics ---------------------------------------------------------------------------------------------------
 def test_small_random():
     check_numerics(33, 64, 1000, label="small")
+    check_numerics(33, 64, 1000, label="small batch_invariant", batch_invariant=True)
 
 
 def test_vocab_32001():
@@ -366,21 +367,26 @@ def test_chunked_fallback_dead_chunk():
 
 # ---- GPU ------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("inv", [False, True], ids=["default", "batch_invariant"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_gpu_small(dtype):
-    check_numerics(64, 64, 1000, dtype=dtype, device="cuda", label="gpu small")
+def test_gpu_small(dtype, inv):
+    check_numerics(64, 64, 1000, dtype=dtype, device="cuda", label="gpu small", batch_invariant=inv)
     check_numerics(linear_ops.BLOCK_N + 5, 128, 32001, dtype=dtype, device="cuda", label="gpu N=BLOCK_N+5",
-                   bias=True, per_token=True)
-    check_numerics(300, 200, 777, dtype=dtype, device="cuda", label="gpu H=200 (partial K tile)", ignore=0.3)
-    check_numerics(50, 64, 500, dtype=dtype, device="cuda", scale=12.0, T=0.5, label="gpu peaked")
+                   bias=True, per_token=True, batch_invariant=inv)
+    check_numerics(300, 200, 777, dtype=dtype, device="cuda", label="gpu H=200 (partial K tile)", ignore=0.3,
+                   batch_invariant=inv)
+    check_numerics(50, 64, 500, dtype=dtype, device="cuda", scale=12.0, T=0.5, label="gpu peaked",
+                   batch_invariant=inv)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("n", [256, 300])
-def test_gpu_qwen_vocab(n):
-    check_numerics(n, 4096, 151936, device="cuda", T=0.7, label="gpu V=151936 H=4096")
+@pytest.mark.parametrize("inv", [False, True], ids=["default", "batch_invariant"])
+def test_gpu_qwen_vocab(n, inv):
+    check_numerics(n, 4096, 151936, device="cuda", T=0.7, label=f"gpu V=151936 H=4096 invariant={inv}",
+                   batch_invariant=inv)
 
 
 @pytest.mark.gpu

@@ -58,12 +58,13 @@ def build_cases(world: int, seed: int) -> list[dict]:
     cases = []
 
     def add(name, kind, n, dtype, sizes, T=1.0, entropy=True, explicit=False, h=0, bias=False, scale=3.0, peaked=False,
-            max_ratio=1.0):
+            max_ratio=1.0, invariant=False):
         v = sum(sizes)
         y = _labels(n, sizes, 0.2, gen)
         if isinstance(T, str):
             T = (torch.rand(n, generator=gen) * 1.5 + 0.25).float()
         case = dict(name=name, kind=kind, labels=y, T=T, entropy=entropy, sizes=sizes, max_ratio=max_ratio,
+                    invariant=invariant,
                     g_logp=torch.randn(n, generator=gen), g_ent=torch.randn(n, generator=gen))
         # explicit vocab_start: shards assigned to ranks in reverse order (rank 0 holds the last shard)
         starts = [sum(sizes[:r]) for r in range(world)]
@@ -90,6 +91,9 @@ def build_cases(world: int, seed: int) -> list[dict]:
     add("logits fp16 no entropy", "logits", 64, torch.float16, sizes, entropy=False)
     add("logits bf16 peaked", "logits", 64, torch.bfloat16, sizes, T=1.3, peaked=True)
     add("linear bf16 bias per-token T", "linear", 16, torch.bfloat16, sizes, T="per-token", h=64, bias=True)
+    add("logits bf16 per-token T batch_invariant", "logits", 64, torch.bfloat16, sizes, T="per-token", invariant=True)
+    add("linear bf16 bias per-token T batch_invariant", "linear", 16, torch.bfloat16, sizes, T="per-token", h=64,
+        bias=True, invariant=True)
     add("linear fp16 no entropy explicit vocab_start", "linear", 16, torch.float16, sizes, T=0.9, entropy=False,
         h=32, explicit=True)
     # fp32 (CPU only): the PyTorch path is an fp32 matmul, as accurate as the op, whose fp32 stats then dominate the
@@ -116,7 +120,8 @@ def _worker_case(case, rank, group, device):
     from prime_kernels_fused_logp.ops import logp_entropy
 
     start, size = _shard(case, rank)
-    kw = dict(process_group=group, vocab_start=start if case["explicit"] else None, return_entropy=case["entropy"])
+    kw = dict(process_group=group, vocab_start=start if case["explicit"] else None, return_entropy=case["entropy"],
+              batch_invariant=case["invariant"])
     T = case["T"].to(device) if isinstance(case["T"], torch.Tensor) else case["T"]
     y = case["labels"].to(device)
     out = {}

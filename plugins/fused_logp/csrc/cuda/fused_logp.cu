@@ -24,6 +24,8 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <cstring>
+#include <algorithm>
 #include <optional>
 #include <type_traits>
 
@@ -38,6 +40,9 @@
 #endif
 #ifndef FUSED_LOGP_MAX_SPLITS
 #error "FUSED_LOGP_MAX_SPLITS must come from kernel.toml ([fused_logp.constants])"
+#endif
+#ifndef FUSED_LOGP_INVARIANT_SPLIT_ELEMS
+#error "FUSED_LOGP_INVARIANT_SPLIT_ELEMS must come from kernel.toml ([fused_logp.constants])"
 #endif
 
 namespace fused_logp_detail {
@@ -163,6 +168,23 @@ template <typename T>
 __device__ __forceinline__ int head_elems(const T* row, int V) {
   const int h = static_cast<int>(((16u - (reinterpret_cast<uintptr_t>(row) & 15u)) & 15u) / sizeof(T));
   return h < V ? h : V;
+}
+
+// Vector v of a row (elements v * kVec ... v * kVec + kVec - 1). An aligned row loads it in one 16-byte __ldg; a row
+// that is not 16-byte aligned (odd V, strided rows) is gathered element by element into the same register layout,
+// so that a batch-invariant forward adds every element in the same vector, chain and order wherever the row sits.
+template <typename T, int kVec>
+__device__ __forceinline__ uint4 load_vec(const T* x, const uint4* xv, int v, bool gather) {
+  if (!gather) return __ldg(xv + v);
+  using U = std::conditional_t<sizeof(T) == 4, unsigned int, unsigned short>;
+  static_assert(sizeof(T) * kVec == 16, "a vector is 16 bytes");
+  U u[kVec];
+  const U* src = reinterpret_cast<const U*>(x) + static_cast<int64_t>(v) * kVec;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) u[k] = __ldg(src + k);
+  uint4 r;
+  memcpy(&r, u, 16);
+  return r;
 }
 
 // ---- forward ----------------------------------------------------------------------------------------------------
@@ -334,7 +356,10 @@ __device__ __forceinline__ void write_ignored(const FwdParams<label_t>& p, int64
   p.stats[2 * row + 1] = 0.0;
 }
 
-template <typename scalar_t, typename label_t, bool kWithT>
+// kGather (batch-invariant forward over rows that are not all 16-byte aligned): vectors start at row offset 0 whatever
+// the row's address, rows that are not aligned gathered element-wise (load_vec), so that a row's sums never depend on
+// where it sits in memory. Otherwise a scalar head up to the row's first 16-byte boundary (aligned rows have none).
+template <typename scalar_t, typename label_t, bool kWithT, bool kGather>
 __global__ void __launch_bounds__(kThreads) fused_logp_fwd_kernel(const FwdParams<label_t> p) {
   using E = Elem<scalar_t>;
   constexpr int kVec = E::kVec;
@@ -352,7 +377,9 @@ __global__ void __launch_bounds__(kThreads) fused_logp_fwd_kernel(const FwdParam
   const float c_lo = static_cast<float>(c - static_cast<double>(c_hi));
   const int V = p.V;
   const scalar_t* x = reinterpret_cast<const scalar_t*>(p.logits) + row * p.row_stride;
-  const int head = head_elems(x, V);
+  const int aligned_head = head_elems(x, V);
+  const bool gather = kGather && aligned_head != 0;
+  const int head = kGather ? 0 : aligned_head;
   const int nvec = (V - head) / kVec;
   const int tail0 = head + nvec * kVec;
 
@@ -372,11 +399,11 @@ __global__ void __launch_bounds__(kThreads) fused_logp_fwd_kernel(const FwdParam
   for (; v + (kUnroll - 1) * kThreads < ve; v += kUnroll * kThreads) {
     uint4 r[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) r[u] = __ldg(xv + v + u * kThreads);
+    for (int u = 0; u < kUnroll; ++u) r[u] = load_vec<scalar_t, kVec>(x, xv, v + u * kThreads, gather);
     acc_update<E, kUnroll, kWithT>(A, r, c_hi, c_lo);
   }
   for (; v < ve; v += kThreads) {
-    const uint4 r[1] = {__ldg(xv + v)};
+    const uint4 r[1] = {load_vec<scalar_t, kVec>(x, xv, v, gather)};
     acc_update<E, 1, kWithT>(A, r, c_hi, c_lo);
   }
 
@@ -509,8 +536,15 @@ __device__ __forceinline__ float exp2_accurate(float hi, float lo) {
   return q * scale;
 }
 
+// Exponents above this (p > 2^-1.5 ~ 0.35: at most two elements of a row) take the accurate exp2 even for bf16/fp16:
+// there ex2.approx's ~2-ulp error would show in 1 - p at the label and in p at a dominant logit.
+constexpr float kAccurateAbove = -1.5f;
+
+// One element's gradient: a function of its logit, the row's constants and whether it is the label only, whatever
+// path (vector body, scalar head/tail, split) computes it, so that a row's gradient never depends on its alignment or
+// the split count (batch invariance). kAccurateExp: always the accurate exp2 (fp32 logits, the label).
 template <bool kWithEnt, bool kAccurateExp, bool kIsLabel = false>
-__device__ __forceinline__ float grad_elem(const BwdRow& R, float x_in, float& hi_out) {
+__device__ __forceinline__ float grad_elem(const BwdRow& R, float x_in) {
   // A -inf logit becomes -1e30 (p = 0 exactly, every intermediate finite). NaN needs no care here: a NaN logit made
   // the row's lse NaN in the forward, so the whole row's gradient is NaN anyway.
   const float x = fmaxf(x_in, -1.0e30f);
@@ -525,9 +559,8 @@ __device__ __forceinline__ float grad_elem(const BwdRow& R, float x_in, float& h
   const float bv = __fsub_rn(hi, ph);
   const float err = __fadd_rn(__fsub_rn(ph, __fsub_rn(hi, bv)), __fsub_rn(-R.L_hi, bv));
   const float lo = (w - R.L_lo) + err;
-  hi_out = hi;
   float p;
-  if (kAccurateExp) {
+  if (kAccurateExp || hi > kAccurateAbove) {
     p = exp2_accurate(hi, lo);
   } else {
     const float p0 = ex2(hi);
@@ -572,9 +605,10 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
     R.k1 = static_cast<float>(bad ? nan : static_cast<double>(p.grad_logp[row]) / T);
     R.k2 = kWithEnt ? static_cast<float>(static_cast<double>(p.grad_entropy[row]) * kLn2 / T) : 0.f;
   }
+  // fp32 logits always take the accurate exp2; bf16/fp16 ex2.approx except where p > ~0.35 (grad_elem).
+  constexpr bool kAlwaysAccurate = std::is_same<scalar_t, float>::value;
   auto one = [&](int j, float xv) -> float {
-    float hi;
-    return j == y ? grad_elem<kWithEnt, true, true>(R, xv, hi) : grad_elem<kWithEnt, true>(R, xv, hi);
+    return j == y ? grad_elem<kWithEnt, true, true>(R, xv) : grad_elem<kWithEnt, kAlwaysAccurate>(R, xv);
   };
 
   const int head = head_elems(x, V);
@@ -603,32 +637,16 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
   auto process = [&](int v, const uint4& r) {
     float f[kVec];
     E::unpack(r, f);
-    constexpr bool kAlwaysAccurate = std::is_same<scalar_t, float>::value;
-    float hmax = -3.0e38f;
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      float hi;
-      f[k] = grad_elem<kWithEnt, kAlwaysAccurate>(R, f[k], hi);
-      hmax = fmaxf(hmax, hi);
-    }
-    // bf16/fp16 use ex2.approx, except in the (at most one per row) vector holding a probability above ~1/2, where its
-    // ~2-ulp error would show in 1 - p at the label and in p at a dominant logit: redo that vector accurately.
-    if (!kAlwaysAccurate && hmax > -1.5f) {
-      E::unpack(r, f);
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        float hi;
-        f[k] = grad_elem<kWithEnt, true>(R, f[k], hi);
-      }
-    }
+    for (int k = 0; k < kVec; ++k) f[k] = grad_elem<kWithEnt, kAlwaysAccurate>(R, f[k]);
     const int j0 = head + v * kVec;
     if (static_cast<unsigned>(y - j0) < static_cast<unsigned>(kVec)) {
 #pragma unroll
       for (int k = 0; k < kVec; ++k)
         if (j0 + k == y) {
-          float xk[kVec], hi;
+          float xk[kVec];
           E::unpack(r, xk);
-          f[k] = grad_elem<kWithEnt, true, true>(R, xk[k], hi);
+          f[k] = grad_elem<kWithEnt, true, true>(R, xk[k]);
         }
     }
     __stcs(gv + v, E::pack(f));
@@ -663,8 +681,12 @@ void dispatch_label(at::ScalarType st, F&& f) {
 }
 
 // Blocks per row: 1 when the rows alone fill the GPU (two waves of resident blocks), else enough splits for that,
-// each at least SPLIT_MIN_ELEMS logits, at most MAX_SPLITS.
-int choose_splits(int64_t N, int64_t V) {
+// each at least SPLIT_MIN_ELEMS logits, at most MAX_SPLITS. The forward's sums depend on the split count, so the
+// batch-invariant forward takes it from V alone: one split per INVARIANT_SPLIT_ELEMS logits, at most MAX_SPLITS.
+// (The backward's elements do not depend on it: any split count gives the same gradient.)
+int choose_splits(int64_t N, int64_t V, bool batch_invariant) {
+  if (batch_invariant)
+    return static_cast<int>(std::clamp<int64_t>(V / FUSED_LOGP_INVARIANT_SPLIT_ELEMS, 1, FUSED_LOGP_MAX_SPLITS));
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t target = 2LL * sms * (2048 / kThreads);
   if (N >= target) return 1;
@@ -678,7 +700,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cuda(const at::Tenso
                                                                  double temperature,
                                                                  const std::optional<at::Tensor>& token_temperature,
                                                                  int64_t ignore_index, bool return_entropy,
-                                                                 bool check_labels) {
+                                                                 bool check_labels, bool batch_invariant) {
   fused_logp_detail::check_forward_args(logits_in, labels_in, temperature, token_temperature);
   TORCH_CHECK(logits_in.is_cuda(), "fused_logp: CUDA implementation got logits on ", logits_in.device());
   c10::cuda::CUDAGuard guard(logits_in.device());
@@ -700,7 +722,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cuda(const at::Tenso
     bad = at::empty({1}, logits.options().dtype(at::kLong));
     C10_CUDA_CHECK(cudaMemsetAsync(bad.data_ptr(), 0xff, sizeof(int64_t), stream));  // "none" = all ones
   }
-  const int splits = choose_splits(N, V);
+  const int splits = choose_splits(N, V, batch_invariant);
+  // Every row 16-byte aligned: the invariant forward runs the same kernel as the default (no gather path).
+  const bool rows_aligned = reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0 &&
+                            (N == 1 || (logits.stride(0) * logits.element_size()) % 16 == 0);
+  const bool gather = batch_invariant && !rows_aligned;
   at::Tensor partial;
   if (splits > 1) partial = at::empty({N, splits, 3}, logits.options().dtype(at::kDouble));
 
@@ -726,21 +752,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cuda(const at::Tenso
       p.bad = check_labels ? reinterpret_cast<unsigned long long*>(bad.data_ptr<int64_t>()) : nullptr;
       const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>(splits));
       // The entropy gradient needs sum p*z, so t is tracked whenever entropy is requested.
-      if (return_entropy) {
-        fused_logp_fwd_kernel<scalar_t, label_t, true><<<grid, kThreads, 0, stream>>>(p);
+      auto run = [&](auto with_t, auto gather) {
+        fused_logp_fwd_kernel<scalar_t, label_t, with_t(), gather()><<<grid, kThreads, 0, stream>>>(p);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         if (splits > 1) {
-          fused_logp_combine_kernel<scalar_t, label_t, true><<<static_cast<unsigned>((N + 127) / 128), 128, 0, stream>>>(p, N);
+          fused_logp_combine_kernel<scalar_t, label_t, with_t()>
+              <<<static_cast<unsigned>((N + 127) / 128), 128, 0, stream>>>(p, N);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
-      } else {
-        fused_logp_fwd_kernel<scalar_t, label_t, false><<<grid, kThreads, 0, stream>>>(p);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        if (splits > 1) {
-          fused_logp_combine_kernel<scalar_t, label_t, false><<<static_cast<unsigned>((N + 127) / 128), 128, 0, stream>>>(p, N);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        }
-      }
+      };
+      using yes = std::true_type;
+      using no = std::false_type;
+      if (return_entropy)
+        gather ? run(yes{}, yes{}) : run(yes{}, no{});
+      else
+        gather ? run(no{}, yes{}) : run(no{}, no{});
     });
   });
 
@@ -775,7 +801,7 @@ at::Tensor logp_entropy_backward_cuda(const at::Tensor& grad_logp_in, const std:
   at::Tensor tt;
   if (token_temperature.has_value()) tt = token_temperature->contiguous();
   auto stream = at::cuda::getCurrentCUDAStream();
-  const int splits = choose_splits(N, V);
+  const int splits = choose_splits(N, V, false);  // any split count gives the same gradient (see `one`)
 
   dispatch_scalar(logits.scalar_type(), [&](auto s_tag) {
     using scalar_t = decltype(s_tag);

@@ -17,6 +17,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include <prime_kernels/sm90.cuh>
@@ -33,6 +34,9 @@
 #endif
 #ifndef LINEAR_LOGP_STAGES
 #error "LINEAR_LOGP_STAGES must come from kernel.toml ([linear_logp.constants])"
+#endif
+#ifndef LINEAR_LOGP_INVARIANT_TILES_PER_SPLIT
+#error "LINEAR_LOGP_INVARIANT_TILES_PER_SPLIT must come from kernel.toml ([linear_logp.constants])"
 #endif
 #ifndef LINEAR_LOGP_GROUP_TOKEN_TILES
 #error "LINEAR_LOGP_GROUP_TOKEN_TILES must come from kernel.toml ([linear_logp.constants])"
@@ -449,6 +453,12 @@ void launch(const CUtensorMap& tm_h, const CUtensorMap& tm_w, const Params& p, c
 }
 
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+// Vocab tiles per CTA of the batch-invariant forward: from the vocabulary alone (the partials and their merge order
+// follow the split), INVARIANT_TILES_PER_SPLIT tiles per split, more where that would exceed max_splits.
+inline int invariant_tiles_per_split(int vocab_tiles, int max_splits) {
+  return std::max(LINEAR_LOGP_INVARIANT_TILES_PER_SPLIT, ceil_div(vocab_tiles, max_splits));
+}
 
 // Vocab tiles per CTA for `token_tiles` x `vocab_tiles` work on `sms` SMs: the split count (<= max_splits) that
 // minimises waves x tiles per CTA (ties: fewer splits, i.e. fewer partials).

@@ -4,6 +4,13 @@
 // reused chunk buffer; cuBLAS then accumulates grad_hidden += dZ @ W_chunk (fp32 accumulator) and forms
 // grad_weight[chunk] = dZ^T @ hidden (fp32 accumulate inside the GEMM; across token chunks in an fp32 buffer).
 // No atomics: the result is deterministic for a given GPU and library version.
+// batch_invariant: a row's grad_hidden must not depend on the other rows. dZ is elementwise; its accumulation over
+// vocab chunks (fp32, in chunk order) needs chunk boundaries that do not depend on N, and cuBLAS may pick another
+// kernel (tile shape, split-K, instruction) for another row count M, changing a row's summation order. So the
+// invariant backward uses vocab chunks of INVARIANT_DZ_CHUNK_TILES tiles, token chunks of whole blocks, and runs the
+// grad_hidden GEMM in blocks of exactly INVARIANT_GEMM_ROWS rows (the last block padded): every GEMM call of chunk c
+// has the same shape, strides and dtypes whatever N, so cuBLAS runs the same kernel, whose output row depends only on
+// its own dZ row. (Not covered: a kernel that splits K differently by tile position, e.g. stream-K.)
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -17,6 +24,12 @@
 
 #ifndef LINEAR_LOGP_DZ_CHUNK_ELEMS
 #error "LINEAR_LOGP_DZ_CHUNK_ELEMS must come from kernel.toml ([linear_logp.constants])"
+#endif
+#ifndef LINEAR_LOGP_INVARIANT_DZ_CHUNK_TILES
+#error "LINEAR_LOGP_INVARIANT_DZ_CHUNK_TILES must come from kernel.toml ([linear_logp.constants])"
+#endif
+#ifndef LINEAR_LOGP_INVARIANT_GEMM_ROWS
+#error "LINEAR_LOGP_INVARIANT_GEMM_ROWS must come from kernel.toml ([linear_logp.constants])"
 #endif
 
 namespace linear_logp_detail {
@@ -35,7 +48,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_backward_cuda
     const at::Tensor& grad_logp, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
     const at::Tensor& weight, const at::Tensor& labels_in, double temperature,
     const std::optional<at::Tensor>& token_temperature, const std::optional<at::Tensor>& bias,
-    const at::Tensor& stats_in, int64_t ignore_index, std::array<bool, 3> output_mask, bool grad_weight_fp32) {
+    const at::Tensor& stats_in, int64_t ignore_index, std::array<bool, 3> output_mask, bool grad_weight_fp32,
+    bool batch_invariant) {
   linear_logp_detail::check_backward_args(grad_logp, grad_entropy, hidden, weight, labels_in, temperature,
                                           token_temperature, bias, stats_in);
   linear_logp_detail::check_cuda_contract(hidden, weight);
@@ -47,10 +61,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_backward_cuda
 
   at::Tensor grad_w = need_w ? at::empty({V, H}, hidden.options().dtype(grad_weight_fp32 ? at::kFloat : dtype))
                              : at::empty({0}, hidden.options());
-  at::Tensor gh32 = need_h ? at::zeros({N, H}, f32) : at::Tensor();
+  // Invariant: grad_hidden's GEMMs run on whole blocks of GEMM_ROWS rows; the accumulator has the padded rows.
+  const int64_t gemm_rows = LINEAR_LOGP_INVARIANT_GEMM_ROWS;
+  static_assert(LINEAR_LOGP_INVARIANT_GEMM_ROWS % BN == 0, "INVARIANT_GEMM_ROWS: a multiple of BLOCK_N");
+  const int64_t n_alloc = batch_invariant ? ceil_div(N, gemm_rows) * gemm_rows : N;
+  at::Tensor gh32 = need_h ? at::zeros({n_alloc, H}, f32) : at::Tensor();
   at::Tensor gb32 = need_b ? at::zeros({V}, f32) : at::Tensor();
   auto finish = [&] {
-    at::Tensor gh = need_h ? gh32.to(dtype) : at::empty({0}, hidden.options());
+    at::Tensor gh = need_h ? gh32.narrow(0, 0, N).to(dtype) : at::empty({0}, hidden.options());
     at::Tensor gb = need_b ? gb32.to(bias->scalar_type()) : at::empty({0}, hidden.options());
     return std::make_tuple(gh, grad_w, gb);
   };
@@ -75,14 +93,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_backward_cuda
 
   // Chunking: the dZ buffer holds at most DZ_CHUNK_ELEMS elements. Whole token range and as many vocab tiles as fit;
   // token chunks (multiples of BN) only when even one vocab tile of all tokens does not fit.
+  // Invariant: INVARIANT_DZ_CHUNK_TILES vocab tiles per chunk and as many whole GEMM blocks of tokens as fit.
   const int64_t budget = LINEAR_LOGP_DZ_CHUNK_ELEMS;
   const int64_t vocab_tiles = ceil_div(V, BV);
   int64_t rows_per_chunk = N;
   int64_t tiles_per_chunk = std::max<int64_t>(1, budget / (N * BV));
   if (N * BV > budget) rows_per_chunk = std::max<int64_t>(BN, budget / BV / BN * BN);
+  if (batch_invariant) {
+    tiles_per_chunk = LINEAR_LOGP_INVARIANT_DZ_CHUNK_TILES;
+    rows_per_chunk = std::max<int64_t>(gemm_rows, budget / (tiles_per_chunk * BV) / gemm_rows * gemm_rows);
+  }
   tiles_per_chunk = std::min(tiles_per_chunk, vocab_tiles);
   const int64_t vc_max = tiles_per_chunk * BV;
-  at::Tensor dz = at::empty({std::min(rows_per_chunk, N), vc_max}, hidden.options());
+  const int64_t dz_rows = std::min(rows_per_chunk, N);
+  // the invariant GEMMs read whole blocks: rows past the chunk's tokens are zero (or an earlier chunk's dZ), and they
+  // only reach the accumulator's padding rows
+  at::Tensor dz = batch_invariant ? at::zeros({ceil_div(dz_rows, gemm_rows) * gemm_rows, vc_max}, hidden.options())
+                                  : at::empty({dz_rows, vc_max}, hidden.options());
   const bool token_chunked = rows_per_chunk < N;
   at::Tensor gw32 = (need_w && token_chunked && !grad_weight_fp32) ? at::empty({vc_max, H}, f32) : at::Tensor();
 
@@ -124,7 +151,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_backward_cuda
 
       const at::Tensor dzc = dz.narrow(0, 0, nr).narrow(1, 0, vc);
       const at::Tensor h_rows = hidden.narrow(0, r0, nr);
-      if (need_h) {
+      if (need_h && batch_invariant) {
+        for (int64_t b0 = 0; b0 < nr; b0 += gemm_rows) {
+          at::Tensor acc = gh32.narrow(0, r0 + b0, gemm_rows);
+          at::addmm_out(acc, acc, dz.narrow(0, b0, gemm_rows).narrow(1, 0, vc), w_chunk, at::kFloat, 1, 1);
+        }
+      } else if (need_h) {
         at::Tensor acc = gh32.narrow(0, r0, nr);
         at::addmm_out(acc, acc, dzc, w_chunk, at::kFloat, 1, 1);
       }

@@ -57,7 +57,7 @@ namespace {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_cuda(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels_in, double temperature,
     const std::optional<at::Tensor>& token_temperature, const std::optional<at::Tensor>& bias, int64_t ignore_index,
-    bool return_entropy) {
+    bool return_entropy, bool batch_invariant) {
   using namespace linear_logp;
   linear_logp_detail::check_forward_args(hidden, weight, labels_in, temperature, token_temperature, bias);
   linear_logp_detail::check_cuda_contract(hidden, weight);
@@ -91,7 +91,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_cuda(
   p.vt_begin = 0;
   p.vt_end = ceil_div(V, BV);
   p.token_tiles = ceil_div(N, BN);
-  p.tiles_per_split = choose_tiles_per_split(p.token_tiles, p.vt_end, sms, LINEAR_LOGP_MAX_SPLITS);
+  // A row's logp depends on the split count (its partials are merged in split order): the batch-invariant forward
+  // takes it from V alone; the default picks it from the number of token tiles to fill the GPU.
+  p.tiles_per_split = batch_invariant ? invariant_tiles_per_split(p.vt_end, LINEAR_LOGP_MAX_SPLITS)
+                                      : choose_tiles_per_split(p.token_tiles, p.vt_end, sms, LINEAR_LOGP_MAX_SPLITS);
   p.splits = ceil_div(p.vt_end, p.tiles_per_split);
   p.group = LINEAR_LOGP_GROUP_TOKEN_TILES;
   p.labels = labels.data_ptr<int64_t>();
