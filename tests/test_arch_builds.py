@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from prime_kernels_core import release
+from prime_kernels_core import build, release
 from prime_kernels_core.build import ARCH_ENV, KERNELS_ENV, REQUIRE_ENV
 
 PLUGIN = Path(__file__).resolve().parent / "arch_variants_plugin"
 ENV = {k: v for k, v in os.environ.items() if k not in (ARCH_ENV, KERNELS_ENV, REQUIRE_ENV)}
-pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"),
-                                reason="these builds need a CUDA toolkit (nvcc)")
+TOOLCHAIN_SKIP = build.toolchain_skip_reason(build.detect_toolchain())
+pytestmark = pytest.mark.skipif(TOOLCHAIN_SKIP is not None, reason=f"these builds need CUDA: {TOOLCHAIN_SKIP}")
 
 
 def _copy(tmp_path) -> Path:
