@@ -247,6 +247,7 @@ inline std::pair<at::Tensor, at::Tensor> split_gate_up(const char* op, const at:
 
 // The deterministic combine of per-slot expert outputs y [M * top_k, dim] (any float dtype): out[t] = sum over
 // k = 0..top_k-1 of topk_weights[t, k] * y[t * top_k + k], accumulated in fp32 in k order, rounded once to bf16.
+// The CPU ops pass the weights of the routed slots only (routed_weights_cpu: the others zero).
 inline at::Tensor combine_in_k_order(const at::Tensor& y, const at::Tensor& topk_weights, const MoeShape& s) {
   const auto slots = y.view({s.M, s.top_k, s.dim});
   auto acc = at::zeros({s.M, s.dim}, y.options().dtype(at::kFloat));
@@ -254,8 +255,11 @@ inline at::Tensor combine_in_k_order(const at::Tensor& y, const at::Tensor& topk
   return acc.to(at::kBFloat16);
 }
 
-// The same combine on CUDA in one pass (csrc/cuda/combine.cu): y bf16 on the current device.
-at::Tensor combine_in_k_order_cuda(const at::Tensor& y, const at::Tensor& topk_weights, const MoeShape& s);
+// The same combine on CUDA in one pass (csrc/cuda/combine.cu): y bf16 on the current device; only the slots the
+// alignment routes contribute (the weights of the others, which may be NaN or inf, are never read).
+at::Tensor combine_in_k_order_cuda(const at::Tensor& y, const at::Tensor& topk_weights, const at::Tensor& sorted,
+                                   const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
+                                   const MoeShape& s);
 
 inline void check_out(const char* op, const at::Tensor& out, const MoeShape& s, const at::Tensor& x) {
   TORCH_CHECK(out.scalar_type() == at::kBFloat16, op, ": out must be bfloat16, got ", out.scalar_type());
