@@ -13,6 +13,7 @@ from prime_kernels_core import manifest
 from prime_kernels_core.contracts import UnsupportedShapeError
 
 from . import _C  # noqa: F401  (registers the ops)
+from . import checks
 from .ops import require_device  # the module also registers fused_logp::logp_entropy's autograd (the fallback's)
 
 _CONSTANTS = manifest.constants("prime_kernels_fused_logp", "linear_logp")
@@ -78,6 +79,7 @@ def unsupported_shape_reason(hidden_size: int, vocab_size: int, num_tokens: int 
 @torch.library.register_fake("fused_logp::linear_logp_entropy")
 def _linear_logp_entropy_fake(hidden, weight, labels, temperature, token_temperature, bias, ignore_index,
                               return_entropy):
+    checks.check_linear_logp_entropy_args(hidden, weight, labels, temperature, token_temperature, bias, _CONSTANTS)
     n = hidden.shape[0]
     return (hidden.new_empty((n,), dtype=torch.float32), hidden.new_empty((n if return_entropy else 0,), dtype=torch.float32),
             hidden.new_empty((n, 2), dtype=torch.float32))
@@ -86,6 +88,8 @@ def _linear_logp_entropy_fake(hidden, weight, labels, temperature, token_tempera
 @torch.library.register_fake("fused_logp::linear_logp_entropy_backward")
 def _linear_logp_entropy_backward_fake(grad_logp, grad_entropy, hidden, weight, labels, temperature,
                                        token_temperature, bias, stats, ignore_index, output_mask, grad_weight_fp32):
+    checks.check_linear_logp_entropy_backward_args(grad_logp, grad_entropy, hidden, weight, labels, temperature,
+                                                   token_temperature, bias, stats, _CONSTANTS)
     gh = hidden.new_empty(hidden.shape) if output_mask[0] else hidden.new_empty((0,))
     gw = (hidden.new_empty(weight.shape, dtype=torch.float32 if grad_weight_fp32 else hidden.dtype)
           if output_mask[1] else hidden.new_empty((0,)))
@@ -118,9 +122,18 @@ def _backward(ctx, grad_logp, grad_entropy, grad_stats):
 
 
 torch.library.register_autograd("fused_logp::linear_logp_entropy", _backward, setup_context=_setup_context)
+checks.refuse_double_backward("linear_logp_entropy_backward", "linear_logp_entropy")
 
 
 def _flatten(hidden, weight, labels, temperature, bias):
+    fn = "linear_logp_entropy"
+    for name, value in (("hidden", hidden), ("weight", weight), ("labels", labels)):
+        checks.require_tensor(fn, name, value)
+    checks.require_tensor(fn, "bias", bias, optional=True)
+    checks.require_temperature(fn, temperature)
+    if hidden.dtype not in CUDA_DTYPES + (torch.float32,):
+        raise TypeError(f"{fn}: hidden must be bfloat16 or float16 (float32 also on CPU and through "
+                        f"fallback=\"chunked\"), got {hidden.dtype}")
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
         raise ValueError(f"hidden must be a tensor [..., H], got {type(hidden).__name__}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -172,6 +185,8 @@ def linear_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     logp and entropy; grad_hidden is summed over the group (module ``vocab_parallel``, docs/notes/vocab_parallel.md).
     vocab_start: this rank's first global vocab id (None: derived from the local vocab sizes in group-rank order).
     """
+    checks.require_ignore_index("linear_logp_entropy", ignore_index)
+    checks.require_process_group("linear_logp_entropy", process_group)
     if process_group is not None:
         from .vocab_parallel import linear_logp_entropy_vocab_parallel
 
@@ -249,6 +264,10 @@ def linear_logp_entropy_backward(grad_logp, grad_entropy, hidden, weight, labels
     gradient to its input's dtype. ``stats``: the third output of ``torch.ops.fused_logp.linear_logp_entropy`` on the
     same inputs (2-D hidden). Returns (grad_hidden, grad_weight, grad_bias), None where not requested. Example:
     docs/notes/linear_logp.md, "fp32 grad_weight"."""
+    checks.require_tensor("linear_logp_entropy_backward", "grad_logp", grad_logp)
+    checks.require_tensor("linear_logp_entropy_backward", "grad_entropy", grad_entropy, optional=True)
+    checks.require_tensor("linear_logp_entropy_backward", "stats", stats)
+    checks.require_ignore_index("linear_logp_entropy_backward", ignore_index)
     h2, l1, temp, token_temperature = _flatten(hidden, weight, labels, temperature, bias)
     ge = None if grad_entropy is None else grad_entropy.reshape(-1)
     mask = [bool(needs[0]), bool(needs[1]), bool(needs[2]) and bias is not None]
