@@ -10,6 +10,12 @@ import torch
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
+def _name(dtype: torch.dtype) -> str:
+    """The name TORCH_CHECK prints for a scalar type (c10's ScalarType names)."""
+    return {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
+            torch.int64: "Long", torch.int32: "Int", torch.bool: "Bool"}.get(dtype, str(dtype).removeprefix("torch."))
+
+
 def _require(condition, message: str) -> None:
     torch._check(condition, lambda: message)  # RuntimeError, as TORCH_CHECK
 
@@ -26,13 +32,13 @@ def check_residual_rmsnorm_args(x, residual, weight, eps) -> None:
     _require(x.dim() >= 1, f"{op}: x must have at least 1 dimension [..., D], got a 0-d tensor")
     hidden = x.shape[-1]
     _require(hidden > 0, f"{op}: x's last dimension (the hidden size D) must be positive, got {hidden}")
-    _require(x.dtype in _DTYPES, f"{op}: x must be float32, float64, float16 or bfloat16, got {x.dtype}")
+    _require(x.dtype in _DTYPES, f"{op}: x must be float32, float64, float16 or bfloat16, got {_name(x.dtype)}")
     _require(residual.shape == x.shape, f"{op}: residual must have x's shape {list(x.shape)}, got "
                                         f"{list(residual.shape)}")
-    _require(residual.dtype == x.dtype, f"{op}: residual must have x's dtype {x.dtype}, got {residual.dtype}")
+    _require(residual.dtype == x.dtype, f"{op}: residual must have x's dtype {_name(x.dtype)}, got {_name(residual.dtype)}")
     _require(weight.dim() == 1 and weight.shape[0] == hidden,
              f"{op}: weight must have shape [{hidden}] (x's last dimension), got {list(weight.shape)}")
-    _require(weight.dtype == x.dtype, f"{op}: weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    _require(weight.dtype == x.dtype, f"{op}: weight must have x's dtype {_name(x.dtype)}, got {_name(weight.dtype)}")
     _require(residual.device == x.device, f"{op}: residual must be on x's device {x.device}, got {residual.device}")
     _require(weight.device == x.device, f"{op}: weight must be on x's device {x.device}, got {weight.device}")
     _require(eps >= 0.0, f"{op}: eps must be non-negative, got {eps}")
