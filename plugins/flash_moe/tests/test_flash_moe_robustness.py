@@ -1,7 +1,7 @@
 """flash_moe under bad and edge inputs (issue 22): a meta tensor mixed with real ones fails as the ops' checks do
 (the fakes run them), NaN / inf weights on slots that are not routed contribute nothing, swiglu_backward's invalid
 rows stay zero whatever gate_up holds, moe refuses a double backward, fused_moe_mxfp8 compiles with inductor on
-float8 operands. The fuzz-style sweep over every public function and raw op: tests/test_fuzz.py."""
+float8 operands. The fuzz-style sweep over every public function and raw op: tests/test_flash_moe_fuzz.py."""
 from __future__ import annotations
 
 import pytest
