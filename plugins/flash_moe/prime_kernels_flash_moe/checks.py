@@ -83,7 +83,8 @@ def check_align_args(topk_ids, num_experts, block_m, bpc, expert_start, num_loca
             f"{op}: num_local_experts must be in [1, {num_experts - expert_start}] (num_experts - expert_start), got "
             f"{local}")
     max_experts = constants["MAX_EXPERTS"]
-    require(local <= max_experts, f"{op}: at most {max_experts} local experts, got {local}")
+    require(local <= max_experts, f"{op}: at most {max_experts} local experts, got num_local_experts={local} "
+                                  f"(num_experts - expert_start when not given)")
     require(expert_start + local - 1 <= _INT32_MAX,
             f"{op}: the local experts [expert_start, expert_start + num_local_experts) must be int32 ids, got "
             f"expert_start={expert_start}, num_local_experts={local}")
@@ -123,7 +124,7 @@ def check_moe_args(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens
     M, dim = x.shape
     E, hidden = gate.shape[0], gate.shape[1]
     require(up.shape == gate.shape, f"{op}: the gate and up weights must have one shape (E, hidden, dim), got "
-                                    f"{_shape(gate)} and {_shape(up)}")
+                                    f"{_shape(gate)} and {_shape(up)} ({w_name})")
     require(gate.shape[2] == dim,
             f"{op}: {w_name}'s last dimension must be dim={dim} (x's last dimension), got {gate.shape[2]}")
     if w2 is not None:
@@ -233,7 +234,7 @@ def check_swiglu_backward_args(gate_up, grad_h, row_weights, valid):
             f"{op}: gate_up must be a 2-D bfloat16 tensor (S, 2 * hidden), got {_name(gate_up.dtype)} of shape "
             f"{_shape(gate_up)}")
     rows, hidden = gate_up.shape[0], gate_up.shape[1] // 2
-    require(rows < _INT32_MAX, f"{op}: at most 2^31 - 2 rows, got {rows}")
+    require(rows < _INT32_MAX, f"{op}: gate_up must have at most 2^31 - 2 rows, got {rows}")
     require(grad_h.dtype == torch.bfloat16 and grad_h.dim() == 2 and grad_h.shape[0] == rows
             and grad_h.shape[1] == hidden,
             f"{op}: grad_h must be bfloat16 of shape (S, hidden) = ({rows}, {hidden}), got {_name(grad_h.dtype)} of shape "

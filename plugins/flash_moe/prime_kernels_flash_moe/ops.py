@@ -63,6 +63,7 @@ def unsupported_shape_reason(dim: int, hidden_dim: int, *, mxfp8: bool = False, 
     compatibility (this plugin always runs the split pair of kernels). The ops' own checks use the same words.
     """
     del split
+    checks.require_int("unsupported_shape_reason", dim=dim, hidden_dim=hidden_dim)
     if dim < 1 or hidden_dim < 1:
         return f"flash_moe needs positive dim and hidden_dim, got dim={dim}, hidden_dim={hidden_dim}"
     dim_align, hidden_align = (MXFP8_ALIGN, MXFP8_ALIGN) if mxfp8 else (DIM_ALIGN, HIDDEN_ALIGN)
@@ -274,6 +275,8 @@ def dequantize_mxfp8(data: torch.Tensor, scales: torch.Tensor, block: int = MXFP
     """quantize_mxfp8's inverse: data * 2^e per block (exact in float32; ``dtype`` casts the result)."""
     checks.require_tensors("dequantize_mxfp8", data=data, scales=scales)
     checks.require_int("dequantize_mxfp8", block=block)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dequantize_mxfp8: dtype must be a floating-point torch.dtype, got {dtype!r}")
     if scales.device != data.device:
         raise RuntimeError(f"dequantize_mxfp8: scales must be on data's device {data.device}, got {scales.device}")
     if data.dtype != torch.float8_e4m3fn or scales.dtype != torch.float8_e8m0fnu:
