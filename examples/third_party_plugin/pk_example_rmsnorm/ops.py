@@ -26,6 +26,8 @@ def unsupported_shape_reason(hidden_size: int) -> str | None:
 
     One block of BLOCK_THREADS threads strides over a row, so any positive hidden size works.
     """
+    if isinstance(hidden_size, bool) or not isinstance(hidden_size, int):
+        raise TypeError(f"residual_rmsnorm: hidden_size must be an int, got {type(hidden_size).__name__}")
     if hidden_size < 1:
         return f"residual_rmsnorm needs a positive hidden size (x's last dimension), got {hidden_size}"
     return None

@@ -194,3 +194,16 @@ def refuse_double_backward(op: str, differentiable: str) -> None:
                            f"the gradient is first-order only)")
 
     torch.library.register_autograd(f"fused_logp::{op}", backward)
+
+
+def require_ints(fn: str, **values) -> None:
+    """TypeError naming the first value that is not an int (bool excluded)."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{fn}: {name} must be an int, got {type(value).__name__} {value!r}")
+
+
+def require_needs(fn: str, needs) -> None:
+    """``needs``: three flags (grad_hidden, grad_weight, grad_bias)."""
+    if not isinstance(needs, (tuple, list)) or len(needs) != 3:
+        raise TypeError(f"{fn}: needs must be three flags (grad_hidden, grad_weight, grad_bias), got {needs!r}")

@@ -48,6 +48,9 @@ def unsupported_shape_reason(hidden_size: int, vocab_size: int, num_tokens: int 
 
     Pass the 2-D ``hidden`` [N, H] and ``weight`` [V, H] to also check their strides and data-pointer alignment.
     """
+    checks.require_ints("unsupported_shape_reason", hidden_size=hidden_size, vocab_size=vocab_size)
+    if num_tokens is not None:
+        checks.require_ints("unsupported_shape_reason", num_tokens=num_tokens)
     if hidden_size < 1:
         return f"hidden_size must be >= 1, got {hidden_size}"
     if not 1 <= vocab_size <= MAX_VOCAB_SIZE:
@@ -143,6 +146,8 @@ def _flatten(hidden, weight, labels, temperature, bias):
                          f"got {tuple(getattr(labels, 'shape', ()))}")
     if hidden.shape[-1] < 1:
         raise ValueError(f"hidden size (last dim of hidden) must be >= 1, got {hidden.shape[-1]}")
+    if weight.shape[0] < 1:
+        raise ValueError(f"weight vocab size (rows) must be >= 1, got {weight.shape[0]}")
     if weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must be [V, {hidden.shape[-1]}] (hidden size of hidden), got {tuple(weight.shape)}")
     require_device(hidden, "hidden's", {"weight": weight, "labels": labels, "temperature": temperature, "bias": bias})
@@ -200,6 +205,9 @@ def linear_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     h2, l1, temp, token_temperature = _flatten(hidden, weight, labels, temperature, bias)
     if fallback not in (None, "chunked"):
         raise ValueError(f'fallback must be None or "chunked", got {fallback!r}')
+    checks.require_ints("linear_logp_entropy", chunk_size=chunk_size)
+    if chunk_size < 1:
+        raise ValueError(f"linear_logp_entropy: chunk_size must be >= 1, got {chunk_size}")
     reason = unsupported_shape_reason(h2.shape[1], weight.shape[0], h2.shape[0], h2.dtype, device=h2.device,
                                       hidden=h2 if h2.is_cuda else None, weight=weight if weight.is_cuda else None)
     if reason is not None:
@@ -268,6 +276,7 @@ def linear_logp_entropy_backward(grad_logp, grad_entropy, hidden, weight, labels
     checks.require_tensor("linear_logp_entropy_backward", "grad_entropy", grad_entropy, optional=True)
     checks.require_tensor("linear_logp_entropy_backward", "stats", stats)
     checks.require_ignore_index("linear_logp_entropy_backward", ignore_index)
+    checks.require_needs("linear_logp_entropy_backward", needs)
     h2, l1, temp, token_temperature = _flatten(hidden, weight, labels, temperature, bias)
     ge = None if grad_entropy is None else grad_entropy.reshape(-1)
     mask = [bool(needs[0]), bool(needs[1]), bool(needs[2]) and bias is not None]

@@ -28,6 +28,7 @@ _op_backward = torch.ops.fused_logp.logp_entropy_backward
 
 def unsupported_shape_reason(vocab_size: int, num_tokens: int = 1) -> str | None:
     """None when ``logp_entropy`` handles logits of ``num_tokens`` rows of ``vocab_size``; else one sentence why not."""
+    checks.require_ints("unsupported_shape_reason", vocab_size=vocab_size, num_tokens=num_tokens)
     if vocab_size < 1:
         return f"vocab_size is {vocab_size}; fused_logp needs vocab_size >= 1"
     if vocab_size > MAX_VOCAB_SIZE:
