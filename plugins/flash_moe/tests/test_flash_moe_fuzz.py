@@ -194,10 +194,24 @@ def test_every_bad_input_gets_a_clean_result_or_an_error_naming_the_argument():
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.kernel(KERNEL, device="cpu")
+def test_a_case_that_kills_its_process_is_reported_and_the_rest_still_run():
+    first, second = all_cases()[:2]
+    records = run_in_children([first, ABORT, second], workers=1)
+    assert [r["case"] for r in records] == [first, ABORT, second]
+    assert records[1]["outcome"] == "crash" and verdict(records[1]).startswith("the process died")
+    assert verdict(records[0]) is None and verdict(records[2]) is None
+
+
+ABORT = "abort"  # a case the child answers by aborting, as a crashing kernel would
+
 if __name__ == "__main__":  # the child: one JSON line per case of stdin, flushed before the next case starts
+    import os
     import warnings
 
     warnings.filterwarnings("ignore")
     for line in sys.stdin.read().split("\n"):
+        if line == ABORT:
+            os.abort()
         if line:
             print(json.dumps(run_case(line)), flush=True)
