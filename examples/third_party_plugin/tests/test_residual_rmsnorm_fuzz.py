@@ -1,14 +1,15 @@
 """Fuzz-style sweep (issue 22): residual_rmsnorm's public functions and raw op, each argument in turn replaced by a
 bad or edge value (non-tensors, other dtypes, shapes one off, empty, non-contiguous, meta, NaN; numbers of other kinds
 and out of range). Each case must give a clean result or a TypeError / ValueError / RuntimeError whose message names
-an argument of the call; a crash, any other exception, or a result computed from a meta tensor mixed with CPU ones
-fails. The cases run in child processes (this file is the child's script), many per process; a process that dies is
+an argument of the call; a crash, any other exception, or a result for a tensor on another device
+than the others' fails. The cases run in child processes (this file is the child's script), many per process; a process that dies is
 restarted after the case that killed it, which is reported."""
 from __future__ import annotations
 
 import functools
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -16,13 +17,13 @@ import sys
 import pytest
 
 KERNEL = "residual_rmsnorm"
+FUZZ_DEVICE = "PRIME_KERNELS_FUZZ_DEVICE"  # the child's device, set by run_in_children
 ACCEPTED = ("TypeError", "ValueError", "RuntimeError", "UnsupportedShapeError")
 # What torch's dispatcher says when a raw op's only tensor argument is None: no kernel of ours runs, none can name it.
 NO_TENSOR_ARGUMENTS = "There were no tensor arguments to this function"
 
 
-@functools.cache
-def targets() -> dict:
+def cpu_targets() -> dict:
     """name -> (callable, valid keyword arguments): small CPU problems, the same in every process."""
     import torch
 
@@ -38,6 +39,19 @@ def targets() -> dict:
     }
 
 
+@functools.cache
+def targets(device: str) -> dict:
+    """cpu_targets() with every tensor (and every tensor a function makes) on ``device``."""
+    import torch
+
+    def moved(v):
+        if isinstance(v, torch.Tensor):
+            return v.to(device)
+        return (lambda: v().to(device)) if callable(v) else v
+
+    return {name: (fn, {k: moved(v) for k, v in kwargs.items()}) for name, (fn, kwargs) in cpu_targets().items()}
+
+
 def mutations(value) -> list:
     """(label, replacement) for one valid argument value; a replacement may be a function of nothing (made fresh)."""
     import numpy as np
@@ -49,6 +63,7 @@ def mutations(value) -> list:
         t = value
         found = [("None", None), ("list", t.reshape(-1)[:4].float().tolist()), ("numpy", np.zeros(tuple(t.shape))),
                  ("str", "tensor"), ("int", 3), ("0-d", torch.tensor(1.0)), ("meta", t.to("meta")),
+                 *([("cpu", t.cpu())] if t.is_cuda else []),
                  ("empty", t[:0]), ("extra dim", t[None]), ("noncontiguous", t.repeat_interleave(2, -1)[..., ::2])]
         if t.dim() >= 1:
             found += [("one dim fewer", t.select(-1, 0)), ("last dim short", t[..., : max(t.shape[-1] - 1, 0)]),
@@ -75,16 +90,16 @@ def mutations(value) -> list:
     return [("None", None), ("str", "x")]
 
 
-def all_cases() -> list[str]:
-    return [f"{name}|{param}|{i}" for name, (_, kwargs) in targets().items() for param, value in kwargs.items()
+def all_cases(device: str = "cpu") -> list[str]:
+    return [f"{name}|{param}|{i}" for name, (_, kwargs) in targets(device).items() for param, value in kwargs.items()
             for i in range(len(mutations(value)))]
 
 
-def run_case(case: str) -> dict:
+def run_case(case: str, device: str) -> dict:
     import torch
 
     name, param, index = case.split("|")
-    fn, kwargs = targets()[name]
+    fn, kwargs = targets(device)[name]
     label, bad = mutations(kwargs[param])[int(index)]
     kwargs = {k: (v() if callable(v) and not isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
     kwargs[param] = bad
@@ -94,20 +109,21 @@ def run_case(case: str) -> dict:
     except Exception as e:  # noqa: BLE001  (every exception is judged by the parent)
         record.update(outcome="raise", type=type(e).__name__, message=str(e).split("\n")[0][:400])
         return record
-    outputs = result if isinstance(result, (tuple, list)) else [result]
-    others_real = any(isinstance(v, torch.Tensor) and v.device.type != "meta" for k, v in kwargs.items() if k != param)
-    record.update(outcome="ok", meta_result=label == "meta" and others_real and any(
-        isinstance(o, torch.Tensor) and o.device.type == "meta" for o in outputs))
+    del result  # its values are the other tests' business; here only that it came back
+    moved_away = isinstance(bad, torch.Tensor) and label in ("meta", "cpu") and any(
+        isinstance(v, torch.Tensor) and v.device != bad.device for k, v in kwargs.items() if k != param)
+    record.update(outcome="ok", mixed_devices=moved_away)
     return record
 
 
-def run_in_children(cases: list[str], workers: int = 2) -> list[dict]:
-    """Runs ``cases`` in fresh processes, split among ``workers`` at once (CI has two cores); a case whose process
-    died is recorded as a crash and the rest of its share goes to a new process."""
+def run_in_children(cases: list[str], workers: int = 2, device: str = "cpu") -> list[dict]:
+    """Runs ``cases`` on ``device`` in fresh processes, split among ``workers`` at once (CI has two cores); a case
+    whose process died is recorded as a crash and the rest of its share goes to a new process."""
     records, shares = [], [cases[i::workers] for i in range(workers)]
+    env = {**os.environ, FUZZ_DEVICE: device}
     while shares:
         procs = [(share, subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True)) for share in shares]
+                                          stderr=subprocess.PIPE, text=True, env=env)) for share in shares]
         shares = []
         for share, proc in procs:
             out, err = proc.communicate("\n".join(share), timeout=600)
@@ -126,7 +142,8 @@ def verdict(record: dict) -> str | None:
     if record["outcome"] == "crash":
         return f"the process died (exit {record['returncode']}): {record['stderr']}"
     if record["outcome"] == "ok":
-        return "returned a result computed from a meta tensor mixed with CPU tensors" if record["meta_result"] else None
+        return ("returned without error for a tensor on another device than the others (meta: the fake's "
+                "uninitialised memory)" if record["mixed_devices"] else None)
     if record["type"] == "NotImplementedError" and record["message"].startswith(NO_TENSOR_ARGUMENTS):
         return None  # torch's dispatcher, before any kernel: a raw op's only tensor given as None
     if record["type"] not in ACCEPTED:
@@ -136,10 +153,11 @@ def verdict(record: dict) -> str | None:
     return None if named else f"the message names no argument: {record['type']}: {record['message']}"
 
 
-@pytest.mark.kernel(KERNEL, device="cpu")
-def test_every_bad_input_gets_a_clean_result_or_an_error_naming_the_argument():
-    cases = all_cases()
-    records = run_in_children(cases)
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.kernel(KERNEL, device="cpu")),
+                                    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.kernel(KERNEL)])])
+def test_every_bad_input_gets_a_clean_result_or_an_error_naming_the_argument(device):
+    cases = all_cases(device)
+    records = run_in_children(cases, device=device)
     assert len(records) == len(cases)
     failures = [f"{r['case']} ({r.get('label', '?')}): {why}" for r in records if (why := verdict(r)) is not None]
     print(f"{len(cases)} cases, {sum(r['outcome'] == 'ok' for r in records)} clean results, "
@@ -153,4 +171,4 @@ if __name__ == "__main__":  # the child: one JSON line per case of stdin, flushe
     warnings.filterwarnings("ignore")
     for line in sys.stdin.read().split("\n"):
         if line:
-            print(json.dumps(run_case(line)), flush=True)
+            print(json.dumps(run_case(line, os.environ.get(FUZZ_DEVICE, "cpu"))), flush=True)
