@@ -14,6 +14,7 @@ import torch
 from prime_kernels_core import manifest
 
 from . import _C  # noqa: F401  (loads the shared library; its static TORCH_LIBRARY blocks register the op)
+from . import checks
 
 # The shape contract. Constants come from the installed kernel.toml, the same table the build compiled in.
 CONSTANTS = manifest.constants("pk_example_rmsnorm", "residual_rmsnorm")
@@ -25,6 +26,8 @@ def unsupported_shape_reason(hidden_size: int) -> str | None:
 
     One block of BLOCK_THREADS threads strides over a row, so any positive hidden size works.
     """
+    if isinstance(hidden_size, bool) or not isinstance(hidden_size, int):
+        raise TypeError(f"residual_rmsnorm: hidden_size must be an int, got {type(hidden_size).__name__}")
     if hidden_size < 1:
         return f"residual_rmsnorm needs a positive hidden size (x's last dimension), got {hidden_size}"
     return None
@@ -32,8 +35,7 @@ def unsupported_shape_reason(hidden_size: int) -> str | None:
 
 @torch.library.register_fake("pk_example::residual_rmsnorm")
 def _(x, residual, weight, eps):
-    torch._check(residual.shape == x.shape, lambda: f"residual must have x's shape {tuple(x.shape)}")
-    torch._check(weight.dim() == 1 and weight.shape[0] == x.shape[-1], lambda: "weight must have shape [D]")
+    checks.check_residual_rmsnorm_args(x, residual, weight, eps)
     return x.new_empty(x.shape), x.new_empty(x.shape)  # contiguous, as the real kernels return
 
 
@@ -70,6 +72,9 @@ torch.library.register_autograd("pk_example::residual_rmsnorm", _backward, setup
 
 def residual_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6):
     """(y, new_residual) for x, residual [..., D] and weight [D], all of one dtype and device."""
+    checks.require_tensors(x=x, residual=residual, weight=weight)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"residual_rmsnorm: eps must be a float, got {type(eps).__name__}")
     return torch.ops.pk_example.residual_rmsnorm(x, residual, weight, eps)
 
 

@@ -135,6 +135,20 @@ at::Tensor slot_outputs_cpu(const char* op, const at::Tensor& x, const at::Tenso
 
 at::Tensor round_bf16(const at::Tensor& h) { return h.to(at::kBFloat16).to(at::kFloat); }
 
+// topk_weights with zero for every slot no aligned block routes: a NaN or inf weight on a slot that is not routed
+// (id -1, another rank's expert) must contribute nothing, and its weight times the slot's zero output would not.
+at::Tensor routed_weights_cpu(const char* op, const at::Tensor& topk_weights, const at::Tensor& sorted_token_ids,
+                              const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
+                              const MoeShape& s, int64_t block_m) {
+  auto routed = at::zeros({s.M, s.top_k}, topk_weights.options().dtype(at::kBool));
+  bool* r = routed.mutable_data_ptr<bool>();
+  for_each_block(op, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m,
+                 [&](int64_t, const std::vector<int64_t>& slot_list) {
+                   for (const int64_t slot : slot_list) r[slot] = true;
+                 });
+  return at::where(routed, topk_weights, at::zeros({}, topk_weights.options()));
+}
+
 // ------------------------------------------------------------------------------------------------------------------
 // mxfp8
 std::tuple<at::Tensor, at::Tensor> quantize_mxfp8_cpu(const at::Tensor& t, int64_t block) {
@@ -255,7 +269,8 @@ void fused_moe_mxfp8_cpu(const at::Tensor& x, const at::Tensor& x_scales, const 
   const auto y = mxfp8_slot_outputs_cpu(op, x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids,
                                         num_tokens_post_padded, &topk_weights, top_k, block_m, s);
   check_out(op, out, s, x);
-  out.copy_(combine_in_k_order(y, topk_weights, s));
+  out.copy_(combine_in_k_order(
+      y, routed_weights_cpu(op, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m), s));
 }
 
 at::Tensor moe_forward_mxfp8_cpu(const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& w,
@@ -263,11 +278,12 @@ at::Tensor moe_forward_mxfp8_cpu(const at::Tensor& x, const at::Tensor& x_scales
                                  const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                                  const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights,
                                  int64_t top_k, int64_t block_m, bool /*deterministic: always k order on CPU*/) {
+  const char* op = "moe_forward_mxfp8";
   MoeShape s{};
-  const auto y = mxfp8_slot_outputs_cpu("moe_forward_mxfp8", x, x_scales, w, w_scales, w2, w2_scales,
-                                        sorted_token_ids, expert_ids, num_tokens_post_padded, &topk_weights, top_k,
-                                        block_m, s);
-  return combine_in_k_order(y, topk_weights, s);
+  const auto y = mxfp8_slot_outputs_cpu(op, x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids,
+                                        num_tokens_post_padded, &topk_weights, top_k, block_m, s);
+  return combine_in_k_order(
+      y, routed_weights_cpu(op, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m), s);
 }
 
 void fused_moe_bf16_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w2,
@@ -282,7 +298,8 @@ void fused_moe_bf16_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tens
   check_out(op, out, s, x);
   const auto y = slot_outputs_cpu(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m,
                                   round_bf16);
-  out.copy_(combine_in_k_order(y, topk_weights, s));
+  out.copy_(combine_in_k_order(
+      y, routed_weights_cpu(op, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m), s));
 }
 
 // ------------------------------------------------------------------------------------------------------------------
@@ -321,7 +338,9 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(const at::Tensor& x, const at
                                     &topk_weights, top_k, block_m, "w1/w3");
   const auto y = slot_outputs_cpu(op, x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m,
                                   round_bf16);
-  return {combine_in_k_order(y, topk_weights, s),
+  return {combine_in_k_order(y, routed_weights_cpu(op, topk_weights, sorted_token_ids, expert_ids,
+                                                  num_tokens_post_padded, s, block_m),
+                             s),
           save_gate_up ? moe_gate_up_cpu(x, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_m)
                        : at::empty({0, 2 * s.hidden}, x.options())};
 }
@@ -342,8 +361,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> swiglu_backward_cpu(c
   const auto d = at::where(ok, grad_h.to(at::kFloat), zero);  // rows past the routed ones may hold anything
   const auto p = at::where(valid, row_weights, zero).unsqueeze(1);
   const auto dh = d * p;
-  const auto dg = dh * u * sig * (1 + g * (1 - sig));
-  return {dg.to(at::kBFloat16), (dh * a).to(at::kBFloat16), (h * p).to(at::kBFloat16), (d * h).sum(1)};
+  // selected, not multiplied by a zero dh: an invalid row's g | u may hold NaN or inf too
+  const auto dg = at::where(ok, dh * u * sig * (1 + g * (1 - sig)), zero);
+  const auto du = at::where(ok, dh * a, zero);
+  return {dg.to(at::kBFloat16), du.to(at::kBFloat16), (h * p).to(at::kBFloat16), (d * h).sum(1)};
 }
 
 }  // namespace

@@ -83,7 +83,8 @@ inline AlignPlan check_align_args(const at::Tensor& topk_ids, int64_t num_expert
   const int64_t local = num_local_experts < 0 ? num_experts - expert_start : num_local_experts;
   TORCH_CHECK(local >= 1 && expert_start + local <= num_experts, "moe_align: num_local_experts must be in [1, ",
               num_experts - expert_start, "] (num_experts - expert_start), got ", local);
-  TORCH_CHECK(local <= kMaxExperts, "moe_align: at most ", kMaxExperts, " local experts, got ", local);
+  TORCH_CHECK(local <= kMaxExperts, "moe_align: at most ", kMaxExperts, " local experts, got num_local_experts=",
+              local, " (num_experts - expert_start when not given)");
   TORCH_CHECK(expert_start + local - 1 <= kInt32Max, "moe_align: the local experts [expert_start, expert_start + "
               "num_local_experts) must be int32 ids, got expert_start=", expert_start, ", num_local_experts=", local);
   AlignPlan p;
@@ -132,7 +133,7 @@ inline MoeShape check_moe_args(const char* op, const at::Tensor& x, const at::Te
   s.hidden = gate.size(1);
   s.top_k = top_k;
   TORCH_CHECK(up.sizes() == gate.sizes(), op, ": the gate and up weights must have one shape (E, hidden, dim), got ",
-              gate.sizes(), " and ", up.sizes());
+              gate.sizes(), " and ", up.sizes(), " (", w_name, ")");
   TORCH_CHECK(gate.size(2) == s.dim, op, ": ", w_name, "'s last dimension must be dim=", s.dim,
               " (x's last dimension), got ", gate.size(2));
   if (w2 != nullptr) {
@@ -247,6 +248,7 @@ inline std::pair<at::Tensor, at::Tensor> split_gate_up(const char* op, const at:
 
 // The deterministic combine of per-slot expert outputs y [M * top_k, dim] (any float dtype): out[t] = sum over
 // k = 0..top_k-1 of topk_weights[t, k] * y[t * top_k + k], accumulated in fp32 in k order, rounded once to bf16.
+// The CPU ops pass the weights of the routed slots only (routed_weights_cpu: the others zero).
 inline at::Tensor combine_in_k_order(const at::Tensor& y, const at::Tensor& topk_weights, const MoeShape& s) {
   const auto slots = y.view({s.M, s.top_k, s.dim});
   auto acc = at::zeros({s.M, s.dim}, y.options().dtype(at::kFloat));
@@ -254,8 +256,11 @@ inline at::Tensor combine_in_k_order(const at::Tensor& y, const at::Tensor& topk
   return acc.to(at::kBFloat16);
 }
 
-// The same combine on CUDA in one pass (csrc/cuda/combine.cu): y bf16 on the current device.
-at::Tensor combine_in_k_order_cuda(const at::Tensor& y, const at::Tensor& topk_weights, const MoeShape& s);
+// The same combine on CUDA in one pass (csrc/cuda/combine.cu): y bf16 on the current device; only the slots the
+// alignment routes contribute (the weights of the others, which may be NaN or inf, are never read).
+at::Tensor combine_in_k_order_cuda(const at::Tensor& y, const at::Tensor& topk_weights, const at::Tensor& sorted,
+                                   const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
+                                   const MoeShape& s);
 
 inline void check_out(const char* op, const at::Tensor& out, const MoeShape& s, const at::Tensor& x) {
   TORCH_CHECK(out.scalar_type() == at::kBFloat16, op, ": out must be bfloat16, got ", out.scalar_type());
@@ -275,7 +280,7 @@ inline int64_t check_swiglu_backward_args(const at::Tensor& gate_up, const at::T
               ": gate_up must be a 2-D bfloat16 tensor (S, 2 * hidden), got ", gate_up.scalar_type(), " of shape ",
               gate_up.sizes());
   const int64_t rows = gate_up.size(0), hidden = gate_up.size(1) / 2;
-  TORCH_CHECK(rows < (int64_t{1} << 31) - 1, op, ": at most 2^31 - 2 rows, got ", rows);
+  TORCH_CHECK(rows < (int64_t{1} << 31) - 1, op, ": gate_up must have at most 2^31 - 2 rows, got ", rows);
   TORCH_CHECK(grad_h.scalar_type() == at::kBFloat16 && grad_h.dim() == 2 && grad_h.size(0) == rows &&
                   grad_h.size(1) == hidden,
               op, ": grad_h must be bfloat16 of shape (S, hidden) = (", rows, ", ", hidden, "), got ",

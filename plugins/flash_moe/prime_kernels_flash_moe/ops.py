@@ -42,6 +42,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from prime_kernels_core import manifest
 
 from . import _C  # noqa: F401  (loads the shared library; its static TORCH_LIBRARY blocks register the ops)
+from . import checks
 
 CONSTANTS = manifest.constants("prime_kernels_flash_moe", "flash_moe")
 BLOCK_M: int = CONSTANTS["BLOCK_M"]
@@ -62,6 +63,7 @@ def unsupported_shape_reason(dim: int, hidden_dim: int, *, mxfp8: bool = False, 
     compatibility (this plugin always runs the split pair of kernels). The ops' own checks use the same words.
     """
     del split
+    checks.require_int("unsupported_shape_reason", dim=dim, hidden_dim=hidden_dim)
     if dim < 1 or hidden_dim < 1:
         return f"flash_moe needs positive dim and hidden_dim, got dim={dim}, hidden_dim={hidden_dim}"
     dim_align, hidden_align = (MXFP8_ALIGN, MXFP8_ALIGN) if mxfp8 else (DIM_ALIGN, HIDDEN_ALIGN)
@@ -85,15 +87,8 @@ def max_padded(num_slots, num_local_experts: int, block_m: int = BLOCK_M, bpc: i
 # fake (meta) implementations: static output shapes, so torch.compile needs no data-dependent sizes
 @torch.library.register_fake("flash_moe::moe_align")
 def _(topk_ids, num_experts, block_m, bpc, expert_start, num_local_experts, block_align=1):
-    torch._check(topk_ids.dim() == 2, lambda: "moe_align: topk_ids must be 2-D (M, top_k)")
-    torch._check(topk_ids.dtype in (torch.int32, torch.int64),
-                 lambda: f"moe_align: topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    torch._check(block_m >= 1, lambda: f"moe_align: block_m must be positive, got {block_m}")
-    torch._check(bpc >= 1, lambda: f"moe_align: bpc (blocks per expert pad unit) must be positive, got {bpc}")
-    torch._check(block_align >= 1, lambda: f"moe_align: block_align (blocks an expert's start is aligned to) must be "
-                                           f"positive, got {block_align}")
-    local = num_experts - expert_start if num_local_experts < 0 else num_local_experts
-    n = max_padded(topk_ids.numel(), local, block_m, bpc, block_align)
+    local, n = checks.check_align_args(topk_ids, num_experts, block_m, bpc, expert_start, num_local_experts,
+                                       block_align, CONSTANTS)
     return (topk_ids.new_empty(n, dtype=torch.int32), topk_ids.new_empty(n // block_m, dtype=torch.int32),
             topk_ids.new_empty(1, dtype=torch.int32))
 
@@ -101,45 +96,47 @@ def _(topk_ids, num_experts, block_m, bpc, expert_start, num_local_experts, bloc
 @torch.library.register_fake("flash_moe::fused_moe_bf16")
 def _(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k, block_m, block_n,
       warp_n, stages, bpc, cpc, split):
-    torch._check(out.shape == x.shape, lambda: "fused_moe_bf16: out must have x's shape (M, dim)")
+    op = "fused_moe_bf16"
+    gate, up = checks.split_gate_up(op, w)
+    shape = checks.check_moe_args(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                                  topk_weights, top_k, block_m, "w", CONSTANTS)
+    checks.check_out(op, out, shape, x)
     return None
 
 
 @torch.library.register_fake("flash_moe::moe_forward")
 def _(x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k, block_m,
       deterministic, save_gate_up=False):
-    torch._check(x.dim() == 2, lambda: "moe_forward: x must be 2-D (M, dim)")
+    checks.check_moe_args("moe_forward", x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                          topk_weights, top_k, block_m, "w1/w3", CONSTANTS)
     rows = x.shape[0] * top_k if save_gate_up else 0
     return x.new_empty(x.shape), x.new_empty(rows, 2 * w1.shape[1])
 
 
 @torch.library.register_fake("flash_moe::moe_gate_up")
 def _(x, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_m):
-    torch._check(x.dim() == 2 and w1.dim() == 3, lambda: "moe_gate_up: x must be 2-D (M, dim), w1 3-D")
+    checks.check_moe_args("moe_gate_up", x, w1, w3, None, sorted_token_ids, expert_ids, num_tokens_post_padded, None,
+                          top_k, block_m, "w1/w3", CONSTANTS)
     return x.new_empty((x.shape[0] * top_k, 2 * w1.shape[1]))
 
 
 @torch.library.register_fake("flash_moe::swiglu_backward")
 def _(gate_up, grad_h, row_weights, valid):
-    torch._check(gate_up.dim() == 2, lambda: "swiglu_backward: gate_up must be 2-D (S, 2 hidden)")
+    checks.check_swiglu_backward_args(gate_up, grad_h, row_weights, valid)
     return (grad_h.new_empty(grad_h.shape), grad_h.new_empty(grad_h.shape), grad_h.new_empty(grad_h.shape),
             row_weights.new_empty(row_weights.shape))
 
 
 @torch.library.register_fake("flash_moe::quantize_mxfp8")
 def _(t, block):
-    torch._check(block >= 1, lambda: f"quantize_mxfp8: block must be positive, got {block}")
-    torch._check(t.dim() >= 1 and t.shape[-1] % block == 0,
-                 lambda: f"quantize_mxfp8: the last dimension must be a multiple of block={block}")
+    checks.check_quantize_args(t, block)
     return (t.new_empty(t.shape, dtype=torch.float8_e4m3fn),
             t.new_empty((*t.shape[:-1], t.shape[-1] // block), dtype=torch.float8_e8m0fnu))
 
 
 @torch.library.register_fake("flash_moe::share_exponents_mxfp8")
 def _(data, scales):
-    torch._check(data.dim() >= 1 and data.shape[-1] % MXFP8_ALIGN == 0,
-                 lambda: "share_exponents_mxfp8: data's last dimension must be a multiple of "
-                         f"MXFP8_ALIGN={MXFP8_ALIGN}")
+    checks.check_share_args(data, scales, CONSTANTS)
     return (data.new_empty(data.shape, dtype=torch.float8_e4m3fn),
             scales.new_empty(scales.shape, dtype=torch.float8_e8m0fnu))
 
@@ -147,14 +144,18 @@ def _(data, scales):
 @torch.library.register_fake("flash_moe::fused_moe_mxfp8")
 def _(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights,
       out, top_k, block_m, block_n, warp_n, stages, bpc, split):
-    torch._check(out.shape == x.shape, lambda: "fused_moe_mxfp8: out must have x's shape (M, dim)")
+    op = "fused_moe_mxfp8"
+    shape = checks.check_mxfp8_moe_args(op, x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids,
+                                        num_tokens_post_padded, topk_weights, top_k, block_m, CONSTANTS)
+    checks.check_out(op, out, shape, x)
     return None
 
 
 @torch.library.register_fake("flash_moe::moe_forward_mxfp8")
 def _(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights,
       top_k, block_m, deterministic):
-    torch._check(x.dim() == 2, lambda: "moe_forward_mxfp8: x must be 2-D (M, dim)")
+    checks.check_mxfp8_moe_args("moe_forward_mxfp8", x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids,
+                                expert_ids, num_tokens_post_padded, topk_weights, top_k, block_m, CONSTANTS)
     return x.new_empty(x.shape, dtype=torch.bfloat16)
 
 
@@ -195,6 +196,11 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, 
     entries, expert id -1, counted in num_tokens_post_padded). ``moe`` passes CLUSTER_BLOCKS, so the CTA pairs of the
     bf16 kernels (which share weight tiles when both run one expert) fall on one expert's blocks.
     """
+    checks.require_tensors("moe_align", topk_ids=topk_ids)
+    checks.require_int("moe_align", num_experts=num_experts, block_m=block_m, bpc=bpc, expert_start=expert_start,
+                       block_align=block_align)
+    if num_local_experts is not None:
+        checks.require_int("moe_align", num_local_experts=num_local_experts)
     return torch.ops.flash_moe.moe_align(topk_ids, num_experts, block_m, bpc, expert_start,
                                          -1 if num_local_experts is None else num_local_experts, block_align)
 
@@ -212,6 +218,10 @@ def fused_moe_bf16(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padde
     is skipped like padding, such an expert id skips its block (as other ranks' experts are skipped in expert
     parallelism, and as ``moe_align`` on CUDA skips out-of-range ``topk_ids``).
     """
+    checks.require_tensors("fused_moe_bf16", x=x, w=w, w2=w2, sorted_token_ids=sorted_token_ids,
+                           expert_ids=expert_ids, num_tokens_post_padded=num_tokens_post_padded,
+                           topk_weights=topk_weights, out=out)
+    checks.require_int("fused_moe_bf16", top_k=top_k, block_m=block_m)
     torch.ops.flash_moe.fused_moe_bf16(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights,
                                        out, top_k, block_m, block_n, warp_n, stages, bpc, cpc, split)
     return out
@@ -236,6 +246,10 @@ def quantize_mxfp8(t: torch.Tensor, block: int = MXFP8_SCALE_BLOCK, *, exponent_
     (their shared-exponent path, ~4x less promotion work); the encoding differs from per-32 scales only for elements
     below e4m3's normal range at the group's scale (|t| < 2^-6 * 2^e), which keep fewer bits.
     """
+    checks.require_tensors("quantize_mxfp8", t=t)
+    checks.require_int("quantize_mxfp8", block=block)
+    if exponent_block is not None:
+        checks.require_int("quantize_mxfp8", exponent_block=exponent_block)
     if exponent_block is None or exponent_block == block:
         return torch.ops.flash_moe.quantize_mxfp8(t, block)
     if block < 1 or exponent_block < block or exponent_block % block:
@@ -252,12 +266,19 @@ def share_exponents_mxfp8(data: torch.Tensor, scales: torch.Tensor):
     quantize_mxfp8(..., exponent_block=MXFP8_ALIGN) gives directly and the CUDA kernels' fast path needs (e.g. for
     weights quantized elsewhere). Only elements below e4m3's normal range at the shared scale change, by at most half
     its subnormal step 2^-9 * 2^e. New tensors (float8); CPU and CUDA give the same bytes."""
+    checks.require_tensors("share_exponents_mxfp8", data=data, scales=scales)
     return torch.ops.flash_moe.share_exponents_mxfp8(data, scales)
 
 
 def dequantize_mxfp8(data: torch.Tensor, scales: torch.Tensor, block: int = MXFP8_SCALE_BLOCK,
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """quantize_mxfp8's inverse: data * 2^e per block (exact in float32; ``dtype`` casts the result)."""
+    checks.require_tensors("dequantize_mxfp8", data=data, scales=scales)
+    checks.require_int("dequantize_mxfp8", block=block)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dequantize_mxfp8: dtype must be a floating-point torch.dtype, got {dtype!r}")
+    if scales.device != data.device:
+        raise RuntimeError(f"dequantize_mxfp8: scales must be on data's device {data.device}, got {scales.device}")
     if data.dtype != torch.float8_e4m3fn or scales.dtype != torch.float8_e8m0fnu:
         raise RuntimeError(f"dequantize_mxfp8: data must be float8_e4m3fn and scales float8_e8m0fnu, got data "
                            f"{data.dtype} and scales {scales.dtype}")
@@ -275,6 +296,7 @@ def pack_scales_blocked(scales: torch.Tensor) -> torch.Tensor:
     """Weight scales (E, N, K / 32) row-major -> the layout the mxfp8 kernels read, (E, K / 128, N, 4): for each
     expert and each 128-wide K step, the 4 scale bytes of every row n in turn (one coalesced 4-byte copy per row and
     pipeline stage). K must be a multiple of MXFP8_ALIGN = 128."""
+    checks.require_tensors("pack_scales_blocked", scales=scales)
     g = MXFP8_ALIGN // MXFP8_SCALE_BLOCK
     if scales.dtype not in (torch.float8_e8m0fnu, torch.uint8):
         raise RuntimeError(f"pack_scales_blocked: scales must be float8_e8m0fnu (or its uint8 bytes), got "
@@ -289,6 +311,7 @@ def pack_scales_blocked(scales: torch.Tensor) -> torch.Tensor:
 
 def unpack_scales_blocked(packed: torch.Tensor) -> torch.Tensor:
     """pack_scales_blocked's inverse: (E, K / 128, N, 4) -> (E, N, K / 32)."""
+    checks.require_tensors("unpack_scales_blocked", packed=packed)
     g = MXFP8_ALIGN // MXFP8_SCALE_BLOCK
     if packed.dtype not in (torch.float8_e8m0fnu, torch.uint8) or packed.dim() != 4 or packed.shape[-1] != g:
         raise RuntimeError(f"unpack_scales_blocked: packed must be pack_scales_blocked's layout (E, K / {MXFP8_ALIGN}, "
@@ -296,6 +319,12 @@ def unpack_scales_blocked(packed: torch.Tensor) -> torch.Tensor:
                            f"{tuple(packed.shape)}")
     E, KT, N, _ = packed.shape
     return packed.view(torch.uint8).permute(0, 2, 1, 3).reshape(E, N, KT * g).view(torch.float8_e8m0fnu)
+
+
+def _bytes_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t's uint8 bytes when it has ``dtype`` (the op reads those as ``dtype``); any other tensor unchanged, for the
+    op's check to name."""
+    return t.view(torch.uint8) if t.dtype == dtype else t
 
 
 def fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids, num_tokens_post_padded,
@@ -313,7 +342,15 @@ def fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, e
     quantize with ``exponent_block=MXFP8_ALIGN`` (as ``moe(mxfp8=True)`` does), or pass operands quantized elsewhere
     through ``share_exponents_mxfp8`` once (weights: once per version), for the fast path.
     ``block_m`` must equal BLOCK_M; the other tuning keywords are accepted and ignored.
+    The float8 operands reach the op as their uint8 bytes (a free view): under torch.compile with inductor, the
+    in-place op on float8 tensors fails ("auto_functionalized_v2 was not removed", torch 2.14); on bytes it compiles.
     """
+    checks.require_tensors("fused_moe_mxfp8", x=x, x_scales=x_scales, w=w, w_scales=w_scales, w2=w2,
+                           w2_scales=w2_scales, sorted_token_ids=sorted_token_ids, expert_ids=expert_ids,
+                           num_tokens_post_padded=num_tokens_post_padded, topk_weights=topk_weights, out=out)
+    checks.require_int("fused_moe_mxfp8", top_k=top_k, block_m=block_m)
+    x, w, w2 = (_bytes_of(t, torch.float8_e4m3fn) for t in (x, w, w2))
+    x_scales, w_scales, w2_scales = (_bytes_of(t, torch.float8_e8m0fnu) for t in (x_scales, w_scales, w2_scales))
     torch.ops.flash_moe.fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids,
                                         num_tokens_post_padded, topk_weights, out, top_k, block_m, block_n, warp_n,
                                         stages, bpc, split)
@@ -367,6 +404,30 @@ def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return torch._grouped_mm(a, b, offs=offs)
 
 
+class _FirstOrderOnly(torch.autograd.Function):
+    """Passes moe's gradients through unchanged and raises if they are differentiated: the closed-form backward is
+    first-order only. Anchored on the tensors the gradients depend on (``anchors``), so the error comes from the
+    second backward itself, not from create_graph=True alone."""
+
+    @staticmethod
+    def forward(ctx, n_grads, *tensors):
+        return tensors[:n_grads]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("moe: double backward is not supported: its closed-form backward is first-order only "
+                           "(differentiate moe's gradients elsewhere, or use a PyTorch MoE for second derivatives)")
+
+
+def _first_order_only(grads, anchors):
+    """``grads`` (tensors or None), differentiable into the error above when a second backward is being recorded."""
+    if not torch.is_grad_enabled() or not any(a.requires_grad for a in anchors):
+        return grads
+    present = [g for g in grads if g is not None]
+    wrapped = iter(_FirstOrderOnly.apply(len(present), *present, *anchors))
+    return tuple(None if g is None else next(wrapped) for g in grads)
+
+
 class _MoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w2, w3, topk_ids, topk_weights, expert_start, num_experts, deterministic,
@@ -386,9 +447,10 @@ class _MoE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, w1, w2, w3, ids, tw, *align, gate_up = ctx.saved_tensors
-        grads = _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, ctx.needs_input_grad[:6],
-                                      ctx.expert_start, ctx.tw_dtype, gate_up if ctx.saved_gate_up else None)
-        return (*grads, None, None, None, None)
+        with torch.no_grad():
+            grads = _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, ctx.needs_input_grad[:6],
+                                          ctx.expert_start, ctx.tw_dtype, gate_up if ctx.saved_gate_up else None)
+        return (*_first_order_only(grads, (grad_out, x, w1, w2, w3, tw)), None, None, None, None)
 
 
 def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert_start, tw_dtype, gate_up=None):
@@ -471,15 +533,20 @@ class _MoEMxfp8(torch.autograd.Function):
         w1 = dequantize_mxfp8(wq[:, :hidden], w_scales[:, :hidden], dtype=dt)
         w3 = dequantize_mxfp8(wq[:, hidden:], w_scales[:, hidden:], dtype=dt)
         w2 = dequantize_mxfp8(w2q, unpack_scales_blocked(w2s), dtype=dt)
-        grads = _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, ctx.needs_input_grad[:6],
-                                      ctx.expert_start, ctx.tw_dtype)
-        return (*grads, None, None, None, None, None, None, None)
+        with torch.no_grad():
+            grads = _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, ctx.needs_input_grad[:6],
+                                          ctx.expert_start, ctx.tw_dtype)
+        return (*_first_order_only(grads, (grad_out, tw)), None, None, None, None, None, None, None)
 
 
 def _check_moe_args(x, w1, w2, w3, topk_ids, topk_weights):
     """moe()'s operand contract, checked before either path runs: the mxfp8 path quantizes before any op checks, its
     bf16 backward would be the first to see a wrong dtype, and the ops see flattened tokens only (routing for fewer
     tokens than x has would leave the others' rows zero)."""
+    checks.require_tensors("moe", x=x, w1=w1, w2=w2, w3=w3, topk_ids=topk_ids, topk_weights=topk_weights)
+    for name, t in (("w1", w1), ("w2", w2), ("w3", w3), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if t.device != x.device:
+            raise RuntimeError(f"moe: {name} must be on x's device {x.device}, got {t.device}")
     for name, t in (("x", x), ("w1", w1), ("w2", w2), ("w3", w3)):
         if t.dtype != torch.bfloat16:
             raise RuntimeError(f"moe: {name} must be bfloat16, got {t.dtype}")
@@ -497,6 +564,11 @@ def _check_moe_args(x, w1, w2, w3, topk_ids, topk_weights):
     if topk_ids.dim() != x.dim() or topk_ids.shape[:-1] != x.shape[:-1]:
         raise RuntimeError(f"moe: topk_ids must have shape (..., top_k) with x's leading dimensions, got topk_ids of "
                            f"shape {tuple(topk_ids.shape)} for x of shape {tuple(x.shape)}")
+    if topk_ids.shape[-1] < 1:
+        raise RuntimeError(f"moe: topk_ids must have shape (..., top_k) with top_k >= 1, got topk_ids of shape "
+                           f"{tuple(topk_ids.shape)}")
+    if not topk_weights.is_floating_point():
+        raise RuntimeError(f"moe: topk_weights must be a floating-point tensor, got {topk_weights.dtype}")
     if topk_weights.shape != topk_ids.shape:
         raise RuntimeError(f"moe: topk_weights must have topk_ids' shape (..., top_k), got topk_weights of shape "
                            f"{tuple(topk_weights.shape)} for topk_ids of shape {tuple(topk_ids.shape)}")
@@ -540,6 +612,9 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, t
     weights on every call.
     """
     _check_moe_args(x, w1, w2, w3, topk_ids, topk_weights)
+    checks.require_int("moe", expert_start=expert_start)
+    if num_experts is not None:
+        checks.require_int("moe", num_experts=num_experts)
     lead = x.shape[:-1]
     top_k = topk_ids.shape[-1]
     if num_experts is None:

@@ -181,7 +181,7 @@ def test_moe_align_rejects():
     ids = torch.zeros(4, 2, dtype=torch.int32)
     with pytest.raises(RuntimeError, match=r"topk_ids must be in \[-1, num_experts=4\)"):
         ops.moe_align(torch.full((4, 2), 4, dtype=torch.int32), 4)
-    with pytest.raises(RuntimeError, match="at most 1024 local experts"):
+    with pytest.raises(RuntimeError, match="at most 1024 local experts, got num_local_experts="):
         ops.moe_align(ids, 2048)
     with pytest.raises(RuntimeError, match="topk_ids must be 2-D"):
         torch.ops.flash_moe.moe_align(ids.view(-1), 4, 128, 1, 0, -1)

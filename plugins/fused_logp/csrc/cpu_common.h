@@ -16,7 +16,8 @@ inline int64_t label_at(const at::Tensor& labels, int64_t i) {
 }
 
 [[noreturn]] inline void fail_bad_token_temperature(const char* op, int64_t position, float value) {
-  TORCH_CHECK(false, op, ": token_temperature[", position, "] = ", value, " must be finite and > 0");
+  TORCH_CHECK(false, op, ": token_temperature[", position, "] = ", value, " must be finite and > 0 (the temperature of "
+              "token ", position, ")");
 }
 
 // Every token that is not ignored needs a temperature that is finite and > 0 (an ignored token's is never read).

@@ -13,6 +13,7 @@ from prime_kernels_core import manifest
 from prime_kernels_core.contracts import UnsupportedShapeError
 
 from . import _C  # noqa: F401  (registers the ops)
+from . import checks
 from .ops import require_device  # the module also registers fused_logp::logp_entropy's autograd (the fallback's)
 
 _CONSTANTS = manifest.constants("prime_kernels_fused_logp", "linear_logp")
@@ -58,6 +59,9 @@ def unsupported_shape_reason(hidden_size: int, vocab_size: int, num_tokens: int 
 
     Pass the 2-D ``hidden`` [N, H] and ``weight`` [V, H] to also check their strides and data-pointer alignment.
     """
+    checks.require_ints("unsupported_shape_reason", hidden_size=hidden_size, vocab_size=vocab_size)
+    if num_tokens is not None:
+        checks.require_ints("unsupported_shape_reason", num_tokens=num_tokens)
     if hidden_size < 1:
         return f"hidden_size must be >= 1, got {hidden_size}"
     if not 1 <= vocab_size <= MAX_VOCAB_SIZE:
@@ -89,6 +93,7 @@ def unsupported_shape_reason(hidden_size: int, vocab_size: int, num_tokens: int 
 @torch.library.register_fake("fused_logp::linear_logp_entropy")
 def _linear_logp_entropy_fake(hidden, weight, labels, temperature, token_temperature, bias, ignore_index,
                               return_entropy, batch_invariant=False):
+    checks.check_linear_logp_entropy_args(hidden, weight, labels, temperature, token_temperature, bias, _CONSTANTS)
     n = hidden.shape[0]
     return (hidden.new_empty((n,), dtype=torch.float32), hidden.new_empty((n if return_entropy else 0,), dtype=torch.float32),
             hidden.new_empty((n, 2), dtype=torch.float32))
@@ -98,6 +103,8 @@ def _linear_logp_entropy_fake(hidden, weight, labels, temperature, token_tempera
 def _linear_logp_entropy_backward_fake(grad_logp, grad_entropy, hidden, weight, labels, temperature,
                                        token_temperature, bias, stats, ignore_index, output_mask, grad_weight_fp32,
                                        batch_invariant=False):
+    checks.check_linear_logp_entropy_backward_args(grad_logp, grad_entropy, hidden, weight, labels, temperature,
+                                                   token_temperature, bias, stats, _CONSTANTS)
     gh = hidden.new_empty(hidden.shape) if output_mask[0] else hidden.new_empty((0,))
     gw = (hidden.new_empty(weight.shape, dtype=torch.float32 if grad_weight_fp32 else hidden.dtype)
           if output_mask[1] else hidden.new_empty((0,)))
@@ -133,9 +140,18 @@ def _backward(ctx, grad_logp, grad_entropy, grad_stats):
 
 
 torch.library.register_autograd("fused_logp::linear_logp_entropy", _backward, setup_context=_setup_context)
+checks.refuse_double_backward("linear_logp_entropy_backward", "linear_logp_entropy")
 
 
 def _flatten(hidden, weight, labels, temperature, bias):
+    fn = "linear_logp_entropy"
+    for name, value in (("hidden", hidden), ("weight", weight), ("labels", labels)):
+        checks.require_tensor(fn, name, value)
+    checks.require_tensor(fn, "bias", bias, optional=True)
+    checks.require_temperature(fn, temperature)
+    if hidden.dtype not in CUDA_DTYPES + (torch.float32,):
+        raise TypeError(f"{fn}: hidden must be bfloat16 or float16 (float32 also on CPU and through "
+                        f"fallback=\"chunked\"), got {hidden.dtype}")
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
         raise ValueError(f"hidden must be a tensor [..., H], got {type(hidden).__name__}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -145,6 +161,8 @@ def _flatten(hidden, weight, labels, temperature, bias):
                          f"got {tuple(getattr(labels, 'shape', ()))}")
     if hidden.shape[-1] < 1:
         raise ValueError(f"hidden size (last dim of hidden) must be >= 1, got {hidden.shape[-1]}")
+    if weight.shape[0] < 1:
+        raise ValueError(f"weight vocab size (rows) must be >= 1, got {weight.shape[0]}")
     if weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must be [V, {hidden.shape[-1]}] (hidden size of hidden), got {tuple(weight.shape)}")
     require_device(hidden, "hidden's", {"weight": weight, "labels": labels, "temperature": temperature, "bias": bias})
@@ -196,6 +214,8 @@ def linear_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     modes. With a process_group: bitwise identical for a given world size and shard layout (partials gathered and
     summed in rank order). docs/notes/batch_invariance.md.
     """
+    checks.require_ignore_index("linear_logp_entropy", ignore_index)
+    checks.require_process_group("linear_logp_entropy", process_group)
     if process_group is not None:
         from .vocab_parallel import linear_logp_entropy_vocab_parallel
 
@@ -209,6 +229,9 @@ def linear_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     h2, l1, temp, token_temperature = _flatten(hidden, weight, labels, temperature, bias)
     if fallback not in (None, "chunked"):
         raise ValueError(f'fallback must be None or "chunked", got {fallback!r}')
+    checks.require_ints("linear_logp_entropy", chunk_size=chunk_size)
+    if chunk_size < 1:
+        raise ValueError(f"linear_logp_entropy: chunk_size must be >= 1, got {chunk_size}")
     reason = unsupported_shape_reason(h2.shape[1], weight.shape[0], h2.shape[0], h2.dtype, device=h2.device,
                                       hidden=h2 if h2.is_cuda else None, weight=weight if weight.is_cuda else None)
     if reason is not None:
@@ -278,6 +301,11 @@ def linear_logp_entropy_backward(grad_logp, grad_entropy, hidden, weight, labels
     same inputs (2-D hidden). Returns (grad_hidden, grad_weight, grad_bias), None where not requested. Example:
     docs/notes/linear_logp.md, "fp32 grad_weight". ``batch_invariant``: as in ``linear_logp_entropy`` (pair it with
     stats from a batch-invariant forward)."""
+    checks.require_tensor("linear_logp_entropy_backward", "grad_logp", grad_logp)
+    checks.require_tensor("linear_logp_entropy_backward", "grad_entropy", grad_entropy, optional=True)
+    checks.require_tensor("linear_logp_entropy_backward", "stats", stats)
+    checks.require_ignore_index("linear_logp_entropy_backward", ignore_index)
+    checks.require_needs("linear_logp_entropy_backward", needs)
     h2, l1, temp, token_temperature = _flatten(hidden, weight, labels, temperature, bias)
     ge = None if grad_entropy is None else grad_entropy.reshape(-1)
     mask = [bool(needs[0]), bool(needs[1]), bool(needs[2]) and bias is not None]

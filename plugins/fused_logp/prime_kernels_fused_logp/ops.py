@@ -11,6 +11,7 @@ import torch
 from prime_kernels_core.manifest import constants
 
 from . import _C  # noqa: F401  (loads the shared library; its TORCH_LIBRARY blocks register torch.ops.fused_logp.*)
+from . import checks
 
 
 CONSTANTS = constants("prime_kernels_fused_logp", "fused_logp")
@@ -28,6 +29,7 @@ _op_backward = torch.ops.fused_logp.logp_entropy_backward
 
 def unsupported_shape_reason(vocab_size: int, num_tokens: int = 1) -> str | None:
     """None when ``logp_entropy`` handles logits of ``num_tokens`` rows of ``vocab_size``; else one sentence why not."""
+    checks.require_ints("unsupported_shape_reason", vocab_size=vocab_size, num_tokens=num_tokens)
     if vocab_size < 1:
         return f"vocab_size is {vocab_size}; fused_logp needs vocab_size >= 1"
     if vocab_size > MAX_VOCAB_SIZE:
@@ -43,17 +45,8 @@ def unsupported_shape_reason(vocab_size: int, num_tokens: int = 1) -> str | None
 @torch.library.register_fake("fused_logp::logp_entropy")
 def _logp_entropy_fake(logits, labels, temperature, token_temperature, ignore_index, return_entropy, check_labels,
                        batch_invariant=False):
-    torch._check(logits.dim() == 2, lambda: f"fused_logp: logits must be 2-D [N, V], got {logits.dim()}-D")
-    torch._check(
-        logits.dtype in (torch.float32, torch.bfloat16, torch.float16),
-        lambda: f"fused_logp: logits dtype must be float32, bfloat16 or float16, got {logits.dtype}",
-    )
-    torch._check(labels.dim() == 1, lambda: f"fused_logp: labels must be 1-D [N], got {labels.dim()}-D")
-    torch._check(
-        labels.dtype in (torch.int64, torch.int32), lambda: f"fused_logp: labels dtype must be int64 or int32, got {labels.dtype}"
-    )
+    checks.check_logp_entropy_args(logits, labels, temperature, token_temperature, CONSTANTS)
     n = logits.shape[0]
-    torch._check(labels.shape[0] == n, lambda: f"fused_logp: labels must have N = {n} entries, got {labels.shape[0]}")
     logp = logits.new_empty((n,), dtype=torch.float32)
     entropy = logits.new_empty((n if return_entropy else 0,), dtype=torch.float32)
     stats = logits.new_empty((n, 2), dtype=torch.float64)
@@ -64,7 +57,8 @@ def _logp_entropy_fake(logits, labels, temperature, token_temperature, ignore_in
 def _logp_entropy_backward_fake(
     grad_logp, grad_entropy, logits, labels, temperature, token_temperature, stats, ignore_index
 ):
-    torch._check(logits.dim() == 2, lambda: f"fused_logp: logits must be 2-D [N, V], got {logits.dim()}-D")
+    checks.check_logp_entropy_backward_args(grad_logp, grad_entropy, logits, labels, temperature, token_temperature,
+                                            stats, CONSTANTS)
     return logits.new_empty(logits.shape)
 
 
@@ -97,6 +91,7 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_stats):
 
 
 torch.library.register_autograd("fused_logp::logp_entropy", _backward, setup_context=_setup_context)
+checks.refuse_double_backward("logp_entropy_backward", "logp_entropy")
 
 
 # ---- public surface -------------------------------------------------------------------------------------------------
@@ -142,6 +137,8 @@ def logp_entropy(
     vocab_start: with a process_group, this rank's first global vocab id; None derives it from the ranks' local vocab
         sizes in group-rank order.
     """
+    checks.require_ignore_index("logp_entropy", ignore_index)
+    checks.require_process_group("logp_entropy", process_group)
     if process_group is not None:
         from .vocab_parallel import logp_entropy_vocab_parallel
 
@@ -171,6 +168,9 @@ def require_device(reference: torch.Tensor, whose: str, operands: dict, prefix: 
 def _flatten(logits, labels, temperature):
     """Checks of the public surface; (logits [N, V] stride-1 rows, labels [N], scalar T, token temperatures or None,
     leading shape)."""
+    checks.require_tensor("logp_entropy", "logits", logits)
+    checks.require_tensor("logp_entropy", "labels", labels)
+    checks.require_temperature("logp_entropy", temperature)
     if logits.dim() < 1:
         raise ValueError(f"fused_logp: logits must have at least 1 dim [..., V], got a {logits.dim()}-D tensor")
     vocab = logits.shape[-1]
@@ -186,15 +186,18 @@ def _flatten(logits, labels, temperature):
     if vocab > 1 and x.stride(-1) != 1:
         x = x.contiguous()
     if isinstance(temperature, torch.Tensor):
+        if temperature.dtype != torch.float32:
+            raise TypeError(f"fused_logp: a temperature tensor must be float32, got {temperature.dtype}")
+        temperature = temperature.detach()
         if temperature.dim() == 0:
-            token_temperature = temperature.detach().expand(x.shape[0]).contiguous()
+            token_temperature = temperature.expand(x.shape[0]).contiguous()
         elif temperature.shape != lead:
             raise ValueError(
                 f"fused_logp: per-token temperature shape {tuple(temperature.shape)} must equal logits' leading shape "
                 f"{tuple(lead)} (or be 0-d)"
             )
         else:
-            token_temperature = temperature.detach().reshape(-1)
+            token_temperature = temperature.reshape(-1)
         scalar_t = 1.0
     else:
         token_temperature = None

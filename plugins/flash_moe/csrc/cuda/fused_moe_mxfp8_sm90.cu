@@ -776,7 +776,9 @@ at::Tensor moe_forward_mxfp8_cuda(const at::Tensor& x, const at::Tensor& x_scale
   const auto result = run_mx("moe_forward_mxfp8", x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids,
                              expert_ids, num_tokens_post_padded, topk_weights, top_k, block_m,
                              deterministic ? sm90::mxk::DOWN_SLOTS : sm90::mxk::DOWN_ATOMIC, s);
-  return deterministic ? combine_in_k_order_cuda(result, topk_weights, s) : result.to(at::kBFloat16);
+  return deterministic ? combine_in_k_order_cuda(result, topk_weights, sorted_token_ids, expert_ids,
+                                                num_tokens_post_padded, s)
+                       : result.to(at::kBFloat16);
 }
 
 }  // namespace

@@ -524,7 +524,10 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cuda(const at::Tensor& x, const a
   at::Tensor result, gate_up = at::empty({0, 2 * s.hidden}, x.options());
   run(op, x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, s,
       deterministic ? sm90::DOWN_SLOTS : sm90::DOWN_ATOMIC, result, save_gate_up ? &gate_up : nullptr);
-  return {deterministic ? combine_in_k_order_cuda(result, topk_weights, s) : result.to(at::kBFloat16), gate_up};
+  return {deterministic ? combine_in_k_order_cuda(result, topk_weights, sorted_token_ids, expert_ids,
+                                                 num_tokens_post_padded, s)
+                        : result.to(at::kBFloat16),
+          gate_up};
 }
 
 }  // namespace

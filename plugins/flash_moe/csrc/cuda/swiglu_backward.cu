@@ -44,8 +44,9 @@ __global__ void __launch_bounds__(kMaxThreads)
       const float d0 = ok ? d[i] : 0.f;  // rows past the routed ones may hold anything
       dot += d0 * h;
       const float dh = d0 * p;
-      du[i] = dh * a;
-      dg[i] = dh * u[i] * sig * (1.f + g[i] * (1.f - sig));
+      // selected, not multiplied by a zero dh: an invalid row's g | u may hold NaN or inf too
+      du[i] = ok ? dh * a : 0.f;
+      dg[i] = ok ? dh * u[i] * sig * (1.f + g[i] * (1.f - sig)) : 0.f;
       ph[i] = ok ? p * h : 0.f;
     }
     dg_row[v] = pack8(dg);

@@ -1,0 +1,249 @@
+"""The ops' argument checks in Python: the same conditions, in the same order and words, as csrc/flash_moe.h.
+
+The fake (meta) implementations call them, so a traced call and a call that mixes a ``meta`` tensor with real ones
+(which the dispatcher sends to the fake) fail exactly as the C++ ops do instead of returning uninitialised memory;
+the public functions call ``require_tensors`` first, so a list, an array or None is named instead of failing deep
+inside as an AttributeError.
+"""
+from __future__ import annotations
+
+import torch
+
+_INT32_MAX = 2**31 - 1
+
+
+def require(condition, message: str) -> None:
+    """RuntimeError(message) unless ``condition`` (a bool or a traced SymBool), as TORCH_CHECK."""
+    torch._check(condition, lambda: message)
+
+
+def require_tensors(op: str, **operands) -> None:
+    """TypeError naming the first operand that is not a torch.Tensor (``None`` allowed only where the name ends in
+    '?': pass ``**{"bias?": bias}``)."""
+    for name, value in operands.items():
+        optional = name.endswith("?")
+        if optional and value is None:
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{op}: {name.rstrip('?')} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def require_int(op: str, **values) -> None:
+    """TypeError naming the first value that is not an int (bool excluded)."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__} {value!r}")
+
+
+def _shape(t: torch.Tensor) -> list:
+    return list(t.shape)
+
+
+def _name(dtype: torch.dtype) -> str:
+    """The name TORCH_CHECK prints for a scalar type (c10's ScalarType names)."""
+    return {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
+            torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
+            torch.bool: "Bool", torch.float8_e4m3fn: "Float8_e4m3fn", torch.float8_e8m0fnu: "Float8_e8m0fnu",
+            torch.float8_e5m2: "Float8_e5m2"}.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def as_bits_of(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The mxfp8 ops take e4m3 / e8m0 tensors or their uint8 bytes."""
+    return t.view(dtype) if t.dtype == torch.uint8 else t
+
+
+def contract_reason(dim, hidden, constants, mxfp8: bool = False) -> str | None:
+    if dim < 1 or hidden < 1:
+        return f"flash_moe needs positive dim and hidden_dim, got dim={dim}, hidden_dim={hidden}"
+    dim_align = constants["MXFP8_ALIGN"] if mxfp8 else constants["DIM_ALIGN"]
+    hidden_align = constants["MXFP8_ALIGN"] if mxfp8 else constants["HIDDEN_ALIGN"]
+    path = " for mxfp8" if mxfp8 else ""
+    if dim % dim_align:
+        return f"flash_moe needs dim (x's last dimension) to be a multiple of {dim_align}{path}, got {dim}"
+    if hidden % hidden_align:
+        return f"flash_moe needs hidden_dim to be a multiple of {hidden_align}{path}, got {hidden}"
+    return None
+
+
+def check_align_args(topk_ids, num_experts, block_m, bpc, expert_start, num_local_experts, block_align, constants):
+    """check_align_args: returns (local experts, padded length)."""
+    op = "moe_align"
+    require(topk_ids.dtype in (torch.int32, torch.int64), f"{op}: topk_ids must be int32 or int64, got "
+                                                  f"{_name(topk_ids.dtype)}")
+    require(topk_ids.dim() == 2, f"{op}: topk_ids must be 2-D (M, top_k), got shape {_shape(topk_ids)}")
+    require(num_experts >= 1, f"{op}: num_experts must be positive, got {num_experts}")
+    require(block_m >= 1, f"{op}: block_m must be positive, got {block_m}")
+    require(bpc >= 1, f"{op}: bpc (blocks per expert pad unit) must be positive, got {bpc}")
+    require(block_align >= 1, f"{op}: block_align (blocks an expert's start is aligned to) must be positive, got "
+                              f"{block_align}")
+    require(0 <= expert_start < num_experts,
+            f"{op}: expert_start must be in [0, num_experts={num_experts}), got {expert_start}")
+    local = num_experts - expert_start if num_local_experts < 0 else num_local_experts
+    require(local >= 1 and expert_start + local <= num_experts,
+            f"{op}: num_local_experts must be in [1, {num_experts - expert_start}] (num_experts - expert_start), got "
+            f"{local}")
+    max_experts = constants["MAX_EXPERTS"]
+    require(local <= max_experts, f"{op}: at most {max_experts} local experts, got num_local_experts={local} "
+                                  f"(num_experts - expert_start when not given)")
+    require(expert_start + local - 1 <= _INT32_MAX,
+            f"{op}: the local experts [expert_start, expert_start + num_local_experts) must be int32 ids, got "
+            f"expert_start={expert_start}, num_local_experts={local}")
+    slots = topk_ids.numel()
+    require(slots < _INT32_MAX, f"{op}: M * top_k must fit in int32, got {slots}")
+    require(block_m <= _INT32_MAX // bpc,
+            f"{op}: block_m * bpc (the pad unit) must fit in int32, got block_m={block_m}, bpc={bpc}")
+    pad = block_m * bpc
+    require(block_align <= _INT32_MAX // block_m,
+            f"{op}: block_m * block_align must fit in int32, got block_m={block_m}, block_align={block_align}")
+    max_padded = (slots + local * (pad - 1) + pad - 1) // pad * pad + local * (block_align - 1) * block_m
+    require(max_padded < _INT32_MAX,
+            f"{op}: the padded length (sorted_token_ids) must fit in int32, got {max_padded} for M * top_k={slots}, "
+            f"{local} local experts, block_m * bpc={pad}, block_align={block_align}")
+    return local, max_padded
+
+
+def split_gate_up(op, w):
+    require(w.dim() == 3 and w.shape[1] % 2 == 0,
+            f"{op}: w must be 3-D (E, 2 * hidden, dim) with gate rows [0, hidden) and up rows [hidden, 2 * hidden), "
+            f"got shape {_shape(w)}")
+    hidden = w.shape[1] // 2
+    return w.narrow(1, 0, hidden), w.narrow(1, hidden, hidden)
+
+
+def check_moe_args(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k,
+                   block_m, w_name, constants, dtype=torch.bfloat16):
+    """check_moe_args: returns (M, dim, hidden, E)."""
+    mxfp8 = dtype == torch.float8_e4m3fn
+    dname = "float8_e4m3fn" if mxfp8 else "bfloat16"
+    require(x.dtype == dtype, f"{op}: x must be {dname}, got {_name(x.dtype)}")
+    require(x.dim() == 2, f"{op}: x must be 2-D (M, dim), got shape {_shape(x)}")
+    require(gate.dtype == dtype and up.dtype == dtype,
+            f"{op}: {w_name} must be {dname}, got {_name(gate.dtype)} / {_name(up.dtype)}")
+    require(gate.dim() == 3 and up.dim() == 3,
+            f"{op}: {w_name} must be 3-D expert weights, got shapes {_shape(gate)} / {_shape(up)}")
+    M, dim = x.shape
+    E, hidden = gate.shape[0], gate.shape[1]
+    require(up.shape == gate.shape, f"{op}: the gate and up weights must have one shape (E, hidden, dim), got "
+                                    f"{_shape(gate)} and {_shape(up)} ({w_name})")
+    require(gate.shape[2] == dim,
+            f"{op}: {w_name}'s last dimension must be dim={dim} (x's last dimension), got {gate.shape[2]}")
+    if w2 is not None:
+        require(w2.dtype == dtype, f"{op}: w2 must be {dname}, got {_name(w2.dtype)}")
+        require(w2.dim() == 3, f"{op}: w2 must be 3-D (E, dim, hidden), got shape {_shape(w2)}")
+        require(w2.shape[0] == E, f"{op}: w2 must have E={E} experts ({w_name}'s first dimension), got {w2.shape[0]}")
+        require(w2.shape[1] == dim and w2.shape[2] == hidden,
+                f"{op}: w2 must have shape (E, dim, hidden) = ({E}, {dim}, {hidden}), got {_shape(w2)}")
+        require(w2.device == x.device, f"{op}: w2 must be on x's device {x.device}, got {w2.device}")
+    reason = contract_reason(dim, hidden, constants, mxfp8)
+    require(reason is None, f"{op}: {reason}")
+    require(top_k >= 1, f"{op}: top_k must be positive, got {top_k}")
+    block = constants["BLOCK_M"]
+    require(block_m == block, f"{op}: block_m must be BLOCK_M={block} (the tile the kernels are compiled for; align "
+                              f"with the same block_m), got {block_m}")
+    require(sorted_token_ids.dtype == torch.int32 and sorted_token_ids.dim() == 1,
+            f"{op}: sorted_token_ids must be a 1-D int32 tensor, got {_name(sorted_token_ids.dtype)} of shape "
+            f"{_shape(sorted_token_ids)}")
+    require(sorted_token_ids.numel() % block_m == 0,
+            f"{op}: sorted_token_ids' length must be a multiple of block_m={block_m}, got {sorted_token_ids.numel()}")
+    blocks = sorted_token_ids.numel() // block_m
+    require(expert_ids.dtype == torch.int32 and expert_ids.dim() == 1 and expert_ids.numel() == blocks,
+            f"{op}: expert_ids must be a 1-D int32 tensor of {blocks} blocks (len(sorted_token_ids) / block_m), got "
+            f"{_name(expert_ids.dtype)} of shape {_shape(expert_ids)}")
+    require(num_tokens_post_padded.dtype == torch.int32 and num_tokens_post_padded.numel() == 1,
+            f"{op}: num_tokens_post_padded must be an int32 tensor of one element, got "
+            f"{_name(num_tokens_post_padded.dtype)} of shape {_shape(num_tokens_post_padded)}")
+    require(M * top_k < _INT32_MAX, f"{op}: M * top_k must fit in int32, got {M * top_k}")
+    if topk_weights is not None:
+        require(topk_weights.dtype == torch.float32, f"{op}: topk_weights must be float32, got {_name(topk_weights.dtype)}")
+        require(topk_weights.dim() == 2 and topk_weights.shape[0] == M and topk_weights.shape[1] == top_k,
+                f"{op}: topk_weights must have shape (M, top_k) = ({M}, {top_k}), got {_shape(topk_weights)}")
+    for t in (gate, up, sorted_token_ids, expert_ids, num_tokens_post_padded):
+        require(t.device == x.device, f"{op}: every tensor must be on x's device {x.device}, got one on {t.device}")
+    if topk_weights is not None:
+        require(topk_weights.device == x.device,
+                f"{op}: topk_weights must be on x's device {x.device}, got {topk_weights.device}")
+    return M, dim, hidden, E
+
+
+def check_mx_scales(op, x, x_scales, w_scales, w2_scales, shape, constants):
+    M, dim, hidden, E = shape
+    for name, t in (("x_scales", x_scales), ("w_scales", w_scales), ("w2_scales", w2_scales)):
+        require(t.dtype == torch.float8_e8m0fnu, f"{op}: {name} must be float8_e8m0fnu, got {_name(t.dtype)}")
+        require(t.device == x.device, f"{op}: {name} must be on x's device {x.device}, got {t.device}")
+    sb, align = constants["MXFP8_SCALE_BLOCK"], constants["MXFP8_ALIGN"]
+    g = align // sb
+    require(x_scales.dim() == 2 and x_scales.shape[0] == M and x_scales.shape[1] == dim // sb,
+            f"{op}: x_scales must have shape (M, dim / {sb}) = ({M}, {dim // sb}), got {_shape(x_scales)}")
+    require(list(w_scales.shape) == [E, dim // align, 2 * hidden, g],
+            f"{op}: w_scales must be pack_scales_blocked's layout (E, dim / {align}, 2 * hidden, {g}) = "
+            f"({E}, {dim // align}, {2 * hidden}, {g}), got {_shape(w_scales)}")
+    require(list(w2_scales.shape) == [E, hidden // align, dim, g],
+            f"{op}: w2_scales must be pack_scales_blocked's layout (E, hidden / {align}, dim, {g}) = "
+            f"({E}, {hidden // align}, {dim}, {g}), got {_shape(w2_scales)}")
+
+
+def check_out(op, out, shape, x):
+    M, dim = shape[0], shape[1]
+    require(out.dtype == torch.bfloat16, f"{op}: out must be bfloat16, got {_name(out.dtype)}")
+    require(out.dim() == 2 and out.shape[0] == M and out.shape[1] == dim,
+            f"{op}: out must have shape (M, dim) = ({M}, {dim}), got {_shape(out)}")
+    require(out.is_contiguous(), f"{op}: out must be contiguous (it is written in place), got strides "
+                                 f"{list(out.stride())}")
+    require(out.device == x.device, f"{op}: out must be on x's device {x.device}, got {out.device}")
+
+
+def check_mxfp8_moe_args(op, x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids,
+                         num_tokens_post_padded, topk_weights, top_k, block_m, constants):
+    """The mxfp8 ops' checks (mxfp8_slot_outputs_cpu's order): returns (M, dim, hidden, E)."""
+    x, w, w2 = (as_bits_of(t, torch.float8_e4m3fn) for t in (x, w, w2))
+    x_scales, w_scales, w2_scales = (as_bits_of(t, torch.float8_e8m0fnu) for t in (x_scales, w_scales, w2_scales))
+    gate, up = split_gate_up(op, w)
+    shape = check_moe_args(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights,
+                           top_k, block_m, "w", constants, torch.float8_e4m3fn)
+    check_mx_scales(op, x, x_scales, w_scales, w2_scales, shape, constants)
+    return shape
+
+
+def check_quantize_args(t, block):
+    op = "quantize_mxfp8"
+    require(t.dtype in (torch.float32, torch.bfloat16, torch.float16),
+            f"{op}: t must be float32, bfloat16 or float16, got {_name(t.dtype)}")
+    require(t.dim() >= 1, f"{op}: t must have at least one dimension")
+    require(block >= 1, f"{op}: block must be positive, got {block}")
+    require(t.shape[-1] % block == 0, f"{op}: the last dimension must be a multiple of block={block}, got "
+                                      f"{t.shape[-1]}")
+
+
+def check_share_args(data, scales, constants):
+    op = "share_exponents_mxfp8"
+    data, scales = as_bits_of(data, torch.float8_e4m3fn), as_bits_of(scales, torch.float8_e8m0fnu)
+    align, sb = constants["MXFP8_ALIGN"], constants["MXFP8_SCALE_BLOCK"]
+    require(data.dtype == torch.float8_e4m3fn, f"{op}: data must be float8_e4m3fn, got {_name(data.dtype)}")
+    require(scales.dtype == torch.float8_e8m0fnu, f"{op}: scales must be float8_e8m0fnu, got {_name(scales.dtype)}")
+    require(data.dim() >= 1 and data.shape[-1] % align == 0,
+            f"{op}: data's last dimension must be a multiple of MXFP8_ALIGN={align}, got shape {_shape(data)}")
+    want = [*data.shape[:-1], data.shape[-1] // sb]
+    require(list(scales.shape) == want, f"{op}: scales must have shape (..., K / {sb}) = {want}, got {_shape(scales)}")
+    require(scales.device == data.device, f"{op}: scales must be on data's device {data.device}, got {scales.device}")
+
+
+def check_swiglu_backward_args(gate_up, grad_h, row_weights, valid):
+    """check_swiglu_backward_args: returns hidden."""
+    op = "swiglu_backward"
+    require(gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0,
+            f"{op}: gate_up must be a 2-D bfloat16 tensor (S, 2 * hidden), got {_name(gate_up.dtype)} of shape "
+            f"{_shape(gate_up)}")
+    rows, hidden = gate_up.shape[0], gate_up.shape[1] // 2
+    require(rows < _INT32_MAX, f"{op}: gate_up must have at most 2^31 - 2 rows, got {rows}")
+    require(grad_h.dtype == torch.bfloat16 and grad_h.dim() == 2 and grad_h.shape[0] == rows
+            and grad_h.shape[1] == hidden,
+            f"{op}: grad_h must be bfloat16 of shape (S, hidden) = ({rows}, {hidden}), got {_name(grad_h.dtype)} of shape "
+            f"{_shape(grad_h)}")
+    require(row_weights.dtype == torch.float32 and row_weights.dim() == 1 and row_weights.shape[0] == rows,
+            f"{op}: row_weights must be float32 of shape (S,) = ({rows},), got {_name(row_weights.dtype)} of shape "
+            f"{_shape(row_weights)}")
+    require(valid.dtype == torch.bool and valid.dim() == 1 and valid.shape[0] == rows,
+            f"{op}: valid must be bool of shape (S,) = ({rows},), got {_name(valid.dtype)} of shape {_shape(valid)}")
+    for name, t in (("grad_h", grad_h), ("row_weights", row_weights), ("valid", valid)):
+        require(t.device == gate_up.device, f"{op}: {name} must be on gate_up's device {gate_up.device}, got {t.device}")
+    return hidden
