@@ -540,11 +540,13 @@ __device__ __forceinline__ float exp2_accurate(float hi, float lo) {
 // there ex2.approx's ~2-ulp error would show in 1 - p at the label and in p at a dominant logit.
 constexpr float kAccurateAbove = -1.5f;
 
-// One element's gradient: a function of its logit, the row's constants and whether it is the label only, whatever
-// path (vector body, scalar head/tail, split) computes it, so that a row's gradient never depends on its alignment or
-// the split count (batch invariance). kAccurateExp: always the accurate exp2 (fp32 logits, the label).
-template <bool kWithEnt, bool kAccurateExp, bool kIsLabel = false>
-__device__ __forceinline__ float grad_elem(const BwdRow& R, float x_in) {
+// One element's gradient; hi_out: its exponent (log2 p). kAccurateExp: always the accurate exp2 (fp32 logits, the
+// label). kPerElement: bf16/fp16 take the accurate exp2 exactly where p > ~0.35, a function of the element alone, so a
+// row's gradient never depends on its alignment (batch invariance of unaligned rows); otherwise the caller redoes
+// a whole vector accurately when one of its elements is there (fewer instructions per element: 9% faster fwd+bwd at
+// 16384 x 151936 bf16 on the H200).
+template <bool kWithEnt, bool kAccurateExp, bool kIsLabel = false, bool kPerElement = false>
+__device__ __forceinline__ float grad_elem(const BwdRow& R, float x_in, float& hi_out) {
   // A -inf logit becomes -1e30 (p = 0 exactly, every intermediate finite). NaN needs no care here: a NaN logit made
   // the row's lse NaN in the forward, so the whole row's gradient is NaN anyway.
   const float x = fmaxf(x_in, -1.0e30f);
@@ -559,8 +561,9 @@ __device__ __forceinline__ float grad_elem(const BwdRow& R, float x_in) {
   const float bv = __fsub_rn(hi, ph);
   const float err = __fadd_rn(__fsub_rn(ph, __fsub_rn(hi, bv)), __fsub_rn(-R.L_hi, bv));
   const float lo = (w - R.L_lo) + err;
+  hi_out = hi;
   float p;
-  if (kAccurateExp || hi > kAccurateAbove) {
+  if (kAccurateExp || (kPerElement && hi > kAccurateAbove)) {
     p = exp2_accurate(hi, lo);
   } else {
     const float p0 = ex2(hi);
@@ -575,7 +578,7 @@ __device__ __forceinline__ float grad_elem(const BwdRow& R, float x_in) {
   return -fmaf(R.k2, p * b, R.k1 * p);
 }
 
-template <typename scalar_t, typename label_t, bool kWithEnt>
+template <typename scalar_t, typename label_t, bool kWithEnt, bool kPerElement>
 __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParams<label_t> p) {
   using E = Elem<scalar_t>;
   constexpr int kVec = E::kVec;
@@ -605,10 +608,13 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
     R.k1 = static_cast<float>(bad ? nan : static_cast<double>(p.grad_logp[row]) / T);
     R.k2 = kWithEnt ? static_cast<float>(static_cast<double>(p.grad_entropy[row]) * kLn2 / T) : 0.f;
   }
-  // fp32 logits always take the accurate exp2; bf16/fp16 ex2.approx except where p > ~0.35 (grad_elem).
+  // fp32 logits always take the accurate exp2; bf16/fp16 ex2.approx except near p > ~0.35 (grad_elem).
   constexpr bool kAlwaysAccurate = std::is_same<scalar_t, float>::value;
+  // The scalar head/tail: per element as the vector body when kPerElement, else always accurate (a few elements).
   auto one = [&](int j, float xv) -> float {
-    return j == y ? grad_elem<kWithEnt, true, true>(R, xv) : grad_elem<kWithEnt, kAlwaysAccurate>(R, xv);
+    float hi;
+    return j == y ? grad_elem<kWithEnt, true, true>(R, xv, hi)
+                  : grad_elem<kWithEnt, kPerElement ? kAlwaysAccurate : true, false, kPerElement>(R, xv, hi);
   };
 
   const int head = head_elems(x, V);
@@ -637,16 +643,31 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
   auto process = [&](int v, const uint4& r) {
     float f[kVec];
     E::unpack(r, f);
+    float hmax = -3.0e38f;
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) f[k] = grad_elem<kWithEnt, kAlwaysAccurate>(R, f[k]);
+    for (int k = 0; k < kVec; ++k) {
+      float hi;
+      f[k] = grad_elem<kWithEnt, kAlwaysAccurate, false, kPerElement>(R, f[k], hi);
+      hmax = fmaxf(hmax, hi);
+    }
+    // Without kPerElement, bf16/fp16 redo accurately the (at most one per row) vector holding a probability above
+    // ~0.35, where ex2.approx's ~2-ulp error would show in 1 - p at the label and in p at a dominant logit.
+    if (!kPerElement && !kAlwaysAccurate && hmax > kAccurateAbove) {
+      E::unpack(r, f);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        float hi;
+        f[k] = grad_elem<kWithEnt, true>(R, f[k], hi);
+      }
+    }
     const int j0 = head + v * kVec;
     if (static_cast<unsigned>(y - j0) < static_cast<unsigned>(kVec)) {
 #pragma unroll
       for (int k = 0; k < kVec; ++k)
         if (j0 + k == y) {
-          float xk[kVec];
+          float xk[kVec], hi;
           E::unpack(r, xk);
-          f[k] = grad_elem<kWithEnt, true, true>(R, xk[k]);
+          f[k] = grad_elem<kWithEnt, true, true>(R, xk[k], hi);
         }
     }
     __stcs(gv + v, E::pack(f));
@@ -823,10 +844,18 @@ at::Tensor logp_entropy_backward_cuda(const at::Tensor& grad_logp_in, const std:
       p.grad_entropy = ge.defined() ? ge.data_ptr<float>() : nullptr;
       p.stats = stats.data_ptr<double>();
       const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>(splits));
+      // Rows all 16-byte aligned (the usual contiguous logits, V a multiple of the vector): every row splits into the
+      // same vectors, so the per-vector rule is position-independent and the faster kernel is batch-invariant too.
+      const bool aligned = V % kVec == 0 && p.row_stride % kVec == 0 &&
+                           reinterpret_cast<uintptr_t>(p.logits) % 16 == 0 && reinterpret_cast<uintptr_t>(p.grad) % 16 == 0;
+      auto launch = [&](auto with_entropy, auto per_element) {
+        fused_logp_bwd_kernel<scalar_t, label_t, decltype(with_entropy)::value, decltype(per_element)::value>
+            <<<grid, kThreads, 0, stream>>>(p);
+      };
       if (ge.defined())
-        fused_logp_bwd_kernel<scalar_t, label_t, true><<<grid, kThreads, 0, stream>>>(p);
+        aligned ? launch(std::true_type{}, std::false_type{}) : launch(std::true_type{}, std::true_type{});
       else
-        fused_logp_bwd_kernel<scalar_t, label_t, false><<<grid, kThreads, 0, stream>>>(p);
+        aligned ? launch(std::false_type{}, std::false_type{}) : launch(std::false_type{}, std::true_type{});
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
