@@ -615,6 +615,9 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, t
     checks.require_int("moe", expert_start=expert_start)
     if num_experts is not None:
         checks.require_int("moe", num_experts=num_experts)
+        if not 1 <= num_experts <= _INT32_MAX:
+            raise ValueError(f"moe: num_experts must be in [1, {_INT32_MAX}] (expert ids are int32 in the kernels), "
+                             f"got {num_experts}")
     lead = x.shape[:-1]
     top_k = topk_ids.shape[-1]
     if num_experts is None:

@@ -162,8 +162,9 @@ def check_unrouted_weights_contribute_nothing(device, deterministic):
         assert outs[0].isfinite().all(), f"mxfp8={mxfp8}: NaN / inf on unrouted slots reached the output"
         if deterministic:
             torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
-        else:  # fp32 atomics on CUDA: the order varies run to run
-            torch.testing.assert_close(outs[0], outs[1])
+        else:  # fp32 atomics on CUDA: the order varies run to run, and a bf16 output may round one ulp either way
+            scale = outs[1].float().abs().max().item()
+            torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=2**-7, atol=2**-8 * scale)
         for g_bad, g_clean in zip(*grads):
             assert g_bad.isfinite().all()
             torch.testing.assert_close(g_bad, g_clean, **({} if device == "cuda" else dict(rtol=0, atol=0)))

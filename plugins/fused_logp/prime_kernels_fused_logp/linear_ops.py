@@ -253,6 +253,10 @@ def _chunked(h2, weight, l1, temperature, token_temperature, bias, ignore_index,
     A label outside [0, V) that is not ignore_index gives NaN logp and entropy, as the CUDA kernel (no sync)."""
     from torch.utils.checkpoint import checkpoint
 
+    if weight.dtype != h2.dtype or weight.device != h2.device:
+        raise TypeError(f"linear_logp_entropy(fallback=\"chunked\"): weight must have hidden's dtype and device "
+                        f"({h2.dtype} on {h2.device}), got {weight.dtype} on {weight.device}")
+
     n, V = h2.shape[0], weight.shape[0]
     labels = l1.to(torch.int64)
     ignored = labels == ignore_index
