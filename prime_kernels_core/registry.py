@@ -111,24 +111,53 @@ def _failed(dist_name: str, version: str, ep, error: str) -> list[Entry]:
     return [Entry(name, dist_name, version, error=error) for name in _manifest_kernel_names(ep)]
 
 
+class _HookManager(pluggy.PluginManager):
+    """pluggy's manager, also taking a plugin's unmarked ``prime_kernels_*`` functions as hook implementations: an
+    author who forgot ``@hookimpl`` gets the hook called, not a plugin that seems to declare nothing."""
+
+    def parse_hookimpl_opts(self, plugin, name):
+        opts = super().parse_hookimpl_opts(plugin, name)
+        if opts is None and name.startswith(ENTRY_POINT_GROUP + "_") and callable(getattr(plugin, name, None)):
+            return {}
+        return opts
+
+
+def _plugin_failure(exc: BaseException, package: str) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    if f"{package}.{manifest.EXTENSION_MODULE}" in sys.modules or (isinstance(exc, ImportError) and ".so" in str(exc)):
+        text += (f" (its hooks' import loaded compiled code: discovery imports only the entry point's module, so "
+                 f"import {package}.{manifest.EXTENSION_MODULE} in the kernel module, not in the package or plugin.py)")
+    return text
+
+
 def _declare(dist_name: str, version: str, ep, unreadable: str | None) -> list[Entry]:
     """Import one plugin's hook module in its own PluginManager, so one plugin's failure touches no other."""
     if unreadable:
         return _failed(dist_name, version, ep, unreadable)
+    package = ep.module.split(".")[0]
     try:
-        manager = pluggy.PluginManager(ENTRY_POINT_GROUP)
+        manager = _HookManager(ENTRY_POINT_GROUP)
         manager.add_hookspecs(hookspecs)
         manager.register(ep.load(), name=f"{dist_name}:{ep.name}")
         manager.check_pending()
-        specs = [s for result in manager.hook.prime_kernels_declare() for s in result]
+        results = manager.hook.prime_kernels_declare()
+        if not results:
+            raise ValueError(f"the entry point {ep.value} has no prime_kernels_declare hook")
+        specs = [s for result in results for s in result]
+        strays = [s for s in specs if not isinstance(s, KernelSpec)]
+        if strays:
+            raise TypeError(f"its prime_kernels_declare hook returned {strays[0]!r}, not a KernelSpec "
+                            "(return prime_kernels_core.manifest.declare(__file__))")
         if not specs:
             raise ValueError("its prime_kernels_declare hook declared no kernel")
         return [
             Entry(s.name, dist_name, version, dataclasses.replace(s, distribution=dist_name, version=version), None, manager)
             for s in specs
         ]
-    except (Exception, SystemExit) as exc:  # a broken plugin is a row, never an abort (sys.exit() included)
-        return _failed(dist_name, version, ep, f"{type(exc).__name__}: {exc}")
+    except BaseException as exc:  # a broken plugin is a row, never an abort (sys.exit(), odd BaseExceptions included)
+        if isinstance(exc, (KeyboardInterrupt, GeneratorExit)):
+            raise
+        return _failed(dist_name, version, ep, _plugin_failure(exc, package))
 
 
 def namespaces(spec: KernelSpec) -> set[str]:
@@ -303,7 +332,9 @@ def _import_module(module: str):
     """(module, None) or (None, reason), imported once per process."""
     try:
         return importlib.import_module(module), None
-    except (Exception, SystemExit) as exc:
+    except BaseException as exc:  # noqa: B036  (a plugin's odd BaseException is a reason, an interrupt is not)
+        if isinstance(exc, (KeyboardInterrupt, GeneratorExit)):
+            raise
         text = f"{type(exc).__name__}: {exc}"
         symbol = re.search(r"undefined symbol: (\S+)", text)
         if symbol:
@@ -314,6 +345,18 @@ def _import_module(module: str):
                 f"match the running torch {torch.__version__}; rebuild it against this torch"
             )
         return None, f"importing {module} failed: {text}"
+
+
+def _unbuilt_reason(spec: KernelSpec) -> str:
+    text = f"{spec.name} is not compiled: {spec.distribution} has no build record (was it built with prime_kernels_core.build?)"
+    try:
+        folder = manifest.package_dir(spec.extension.rsplit(".", 1)[0])
+    except Exception:
+        return text
+    if (folder.parent / "setup.py").exists() and not list(folder.glob(f"{manifest.EXTENSION_MODULE}*.so")):
+        text += (f"; {folder} is a source tree with no build, found ahead of any installed copy on sys.path (pytest "
+                 "run from the plugin's own folder puts it first): run from another folder, or pip install -e it")
+    return text
 
 
 def _kernel_build(spec: KernelSpec) -> dict | str:
@@ -416,7 +459,7 @@ def _reason(name: str, device) -> str | None:
         return foreign
     target = resolve_target(device)
     if spec.build is None:  # rule 4
-        return f"{spec.name} is not compiled: {spec.distribution} has no build record (was it built with prime_kernels_core.build?)"
+        return _unbuilt_reason(spec)
     kernel = _kernel_build(spec)
     if isinstance(kernel, str):
         return kernel

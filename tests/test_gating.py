@@ -387,3 +387,35 @@ def test_a_namespace_the_build_record_says_is_registered_clashes_before_any_impo
 def test_a_record_without_registered_ops_is_a_reason(plugin_dir, api, record):
     plugin_dir("pk-noregistered", record=record({"demo": ["9.0a"]}, registered_ops=None))
     assert "does not list the ops its _C registers" in api.unavailable_reason("demo", "cpu")
+
+
+def test_hooks_without_the_hookimpl_marker_are_still_called(plugin_dir, api):
+    plugin_dir("pk-unmarked", plugin_source=(
+        "from prime_kernels_core import manifest\n\n"
+        "def prime_kernels_declare():\n    return manifest.declare(__file__)\n"))
+    assert api.unavailable_reason("demo", "cpu") is None
+
+
+@pytest.mark.parametrize("source,expected", [
+    ("class Odd(BaseException):\n    pass\n\nraise Odd('at import')\n", "failed to load: Odd: at import"),
+    ("from prime_kernels_core import hookimpl\n\n@hookimpl\ndef prime_kernels_declare():\n    return ['fused_logp']\n",
+     "returned 'fused_logp', not a KernelSpec"),
+    ("import PACKAGE._C\n", "discovery imports only the entry point's module"),
+])
+def test_a_plugin_misbehaving_at_discovery_is_a_row_with_a_sentence(plugin_dir, api, tmp_path, source, expected):
+    package = plugin_dir(f"pk-misbehaving-{abs(hash(expected))}", plugin_source=source)
+    if "_C" in source:
+        (tmp_path / package / "_C.cpython-311-x86_64-linux-gnu.so").write_text("not an ELF file")
+    status = api.status("cpu")
+    assert expected in status["demo"], status
+    with pytest.raises(api.KernelUnavailableError, match="failed to load"):
+        api.load("demo", "cpu")
+
+
+def test_a_source_tree_ahead_of_the_installed_wheel_is_named(plugin_dir, api, tmp_path):
+    package = plugin_dir("pk-sourcetree", record=None)
+    (tmp_path / "setup.py").write_text("")
+    reason = api.unavailable_reason("demo", "cpu")
+    assert reason.endswith("is a source tree with no build, found ahead of any installed copy on sys.path (pytest run "
+                           "from the plugin's own folder puts it first): run from another folder, or pip install -e it")
+    assert str(tmp_path / package) in reason
