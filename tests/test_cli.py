@@ -214,3 +214,22 @@ def test_empty_table_has_a_hint(monkeypatch):
     finally:
         monkeypatch.undo()
         registry.refresh()
+
+
+def test_arch_table_and_require_answer_for_a_gpu_that_is_not_here(plugin_dir, tmp_path):
+    """A login node checking a wheel for the cluster's GPUs: --arch sm_100 / sm_120 against kernels built for 8.0 and
+    12.0 (generic) and for 9.0a only."""
+    plugin_dir("pk-cli-generic", kernel="generic", archs=("8.0", "12.0"))
+    plugin_dir("pk-cli-hopper", kernel="hopper", archs=("9.0a",))
+    allow = "pk-cli-generic,pk-cli-hopper"
+    doc = json.loads(_run(tmp_path, "--json", "--arch", "sm_120", allow=allow).stdout)
+    state = {k["kernel"]: k["cuda"] for k in doc["kernels"]}
+    assert state["generic"] == {"available": True, "reason": None}
+    assert state["hopper"]["reason"] == ("hopper has no CUDA build for sm_120: it supports 9.0a only (this install has "
+                                         "it for 9.0a)")
+    assert _run(tmp_path, "--require", "generic", "--arch", "sm_121", allow=allow).returncode == 0
+    assert _run(tmp_path, "--require", "hopper", "--arch", "sm_90", allow=allow).returncode == 0
+    done = _run(tmp_path, "--require", "hopper", "--arch", "sm_100", allow=allow)
+    assert done.returncode == 1 and "hopper has no CUDA build for sm_100" in done.stderr
+    text = _run(tmp_path, "--arch", "sm_100", allow=allow, columns=120).stdout
+    assert "sm_100" in text and all(len(line) <= 120 for line in text.splitlines())
