@@ -23,11 +23,13 @@
 //     batch_invariant: every token's outputs (and stats) are bitwise identical whatever the other rows, their number
 //     and the row's address. The CPU implementation always is (one sequential double pass per row); CUDA then takes
 //     its split-vocab count from V alone and groups a row's elements from its first element even when the row is not
-//     16-byte aligned. The backward is batch-invariant in every mode (each element's gradient is one function of its
-//     logit and the row's stats).
+//     16-byte aligned.
 //
 //   logp_entropy_backward(Tensor grad_logp, Tensor? grad_entropy, Tensor logits, Tensor labels, float temperature,
-//                         Tensor? token_temperature, Tensor stats, int ignore_index) -> Tensor grad_logits
+//                         Tensor? token_temperature, Tensor stats, int ignore_index, bool batch_invariant=False)
+//                         -> Tensor grad_logits
+//     batch_invariant: each element's gradient one function of its logit and the row's stats, whatever the row's
+//     alignment (CUDA; the default redoes the vector holding a dominant logit accurately, 9% faster on the H200).
 //     grad_logits [N, V] contiguous, logits' dtype:
 //       p = exp(z - lse);  grad = (g_logp * (onehot(y) - p) - g_ent * p * (z - sum_pz)) / T
 //     zero for ignored tokens. Reads logits once, writes the gradient once; never writes logits.
@@ -262,7 +264,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cpu(const at::Tensor
 at::Tensor logp_entropy_backward_cpu(const at::Tensor& grad_logp_in, const std::optional<at::Tensor>& grad_entropy_in,
                                      const at::Tensor& logits_in, const at::Tensor& labels_in, double temperature,
                                      const std::optional<at::Tensor>& token_temperature, const at::Tensor& stats_in,
-                                     int64_t ignore_index) {
+                                     int64_t ignore_index, bool /*batch_invariant: the CPU backward is elementwise*/) {
   check_backward_args(grad_logp_in, grad_entropy_in, logits_in, labels_in, temperature, token_temperature, stats_in);
   TORCH_CHECK(logits_in.device().is_cpu(), "fused_logp: CPU implementation got logits on ", logits_in.device());
   const int64_t N = logits_in.size(0), V = logits_in.size(1);
@@ -325,7 +327,7 @@ TORCH_LIBRARY(fused_logp, m) {
       "Tensor stats)");
   m.def(
       "logp_entropy_backward(Tensor grad_logp, Tensor? grad_entropy, Tensor logits, Tensor labels, float temperature, "
-      "Tensor? token_temperature, Tensor stats, int ignore_index) -> Tensor");
+      "Tensor? token_temperature, Tensor stats, int ignore_index, bool batch_invariant=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fused_logp, CPU, m) {

@@ -55,7 +55,7 @@ def _logp_entropy_fake(logits, labels, temperature, token_temperature, ignore_in
 
 @torch.library.register_fake("fused_logp::logp_entropy_backward")
 def _logp_entropy_backward_fake(
-    grad_logp, grad_entropy, logits, labels, temperature, token_temperature, stats, ignore_index
+    grad_logp, grad_entropy, logits, labels, temperature, token_temperature, stats, ignore_index, batch_invariant=False
 ):
     checks.check_logp_entropy_backward_args(grad_logp, grad_entropy, logits, labels, temperature, token_temperature,
                                             stats, CONSTANTS)
@@ -69,6 +69,7 @@ def _setup_context(ctx, inputs, output):
     ctx.temperature = temperature
     ctx.ignore_index = ignore_index
     ctx.return_entropy = return_entropy
+    ctx.batch_invariant = bool(inputs[7]) if len(inputs) > 7 else False
 
 
 def _backward(ctx, grad_logp, grad_entropy, _grad_stats):
@@ -84,9 +85,9 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_stats):
             token_temperature,
             stats,
             ctx.ignore_index,
+            ctx.batch_invariant,
         )
-    # No gradient for labels, temperatures (the per-token temperature is treated as a constant) or the flags. (The
-    # backward op is batch-invariant in every mode: it needs no flag.)
+    # No gradient for labels, temperatures (the per-token temperature is treated as a constant) or the flags.
     return grad_logits, None, None, None, None, None, None, None
 
 

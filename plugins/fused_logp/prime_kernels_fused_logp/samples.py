@@ -22,6 +22,7 @@ def _logits_op_samples(device):
         ("logp_entropy", (logits, labels, 0.7, token_t, -100, True, False, True), {}),
         ("logp_entropy_backward", (grad, torch.randn_like(entropy), logits.detach(), labels, 0.7, None, stats, -100), {}),
         ("logp_entropy_backward", (grad, None, logits.detach(), labels, 0.7, None, stats, -100), {}),
+        ("logp_entropy_backward", (grad, None, logits.detach(), labels, 0.7, None, stats, -100, True), {}),
     ]
 
 

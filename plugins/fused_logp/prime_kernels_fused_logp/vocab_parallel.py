@@ -241,6 +241,7 @@ class _LogitsFn(torch.autograd.Function):
         ctx.save_for_backward(logits, local_labels, nonowned, token_temperature, torch.stack([lse, spz], 1), tvec)
         ctx.temperature = temperature
         ctx.return_entropy = return_entropy
+        ctx.batch_invariant = batch_invariant
         if not return_entropy:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -253,7 +254,7 @@ class _LogitsFn(torch.autograd.Function):
         g = grad_logp.float().contiguous()
         ge = grad_entropy.float().contiguous() if ctx.return_entropy else None
         grad = _ops.logp_entropy_backward(g, ge, logits, local_labels, ctx.temperature, token_temperature, stats,
-                                          _LOCAL_IGNORE)
+                                          _LOCAL_IGNORE, ctx.batch_invariant)
         # Rows whose label another rank owns: the op added g/T at the dummy column. Overwrite that one element with
         # the value without the onehot term, -p (g + g_ent (z - sum_pz)) / T, recomputed in float64 and rounded as
         # the op rounds (subtracting g/T after rounding would lose the small -p g/T to cancellation).

@@ -805,7 +805,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cuda(const at::Tenso
 at::Tensor logp_entropy_backward_cuda(const at::Tensor& grad_logp_in, const std::optional<at::Tensor>& grad_entropy_in,
                                       const at::Tensor& logits_in, const at::Tensor& labels_in, double temperature,
                                       const std::optional<at::Tensor>& token_temperature, const at::Tensor& stats_in,
-                                      int64_t ignore_index) {
+                                      int64_t ignore_index, bool batch_invariant) {
   fused_logp_detail::check_backward_args(grad_logp_in, grad_entropy_in, logits_in, labels_in, temperature,
                                          token_temperature, stats_in);
   TORCH_CHECK(logits_in.is_cuda(), "fused_logp: CUDA implementation got logits on ", logits_in.device());
@@ -844,18 +844,14 @@ at::Tensor logp_entropy_backward_cuda(const at::Tensor& grad_logp_in, const std:
       p.grad_entropy = ge.defined() ? ge.data_ptr<float>() : nullptr;
       p.stats = stats.data_ptr<double>();
       const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>(splits));
-      // Rows all 16-byte aligned (the usual contiguous logits, V a multiple of the vector): every row splits into the
-      // same vectors, so the per-vector rule is position-independent and the faster kernel is batch-invariant too.
-      const bool aligned = V % kVec == 0 && p.row_stride % kVec == 0 &&
-                           reinterpret_cast<uintptr_t>(p.logits) % 16 == 0 && reinterpret_cast<uintptr_t>(p.grad) % 16 == 0;
       auto launch = [&](auto with_entropy, auto per_element) {
         fused_logp_bwd_kernel<scalar_t, label_t, decltype(with_entropy)::value, decltype(per_element)::value>
             <<<grid, kThreads, 0, stream>>>(p);
       };
       if (ge.defined())
-        aligned ? launch(std::true_type{}, std::false_type{}) : launch(std::true_type{}, std::true_type{});
+        batch_invariant ? launch(std::true_type{}, std::true_type{}) : launch(std::true_type{}, std::false_type{});
       else
-        aligned ? launch(std::false_type{}, std::false_type{}) : launch(std::false_type{}, std::true_type{});
+        batch_invariant ? launch(std::false_type{}, std::true_type{}) : launch(std::false_type{}, std::false_type{});
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
