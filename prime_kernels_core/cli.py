@@ -267,7 +267,7 @@ def _table_lines(doc: dict, width: int) -> list[str]:
     header = ["kernel", "plugin", "archs built", *(labels[k] for k in keys)]
     body = []
     for k in kernels:
-        archs = "-" if k["archs_built"] is None else ",".join(k["archs_built"]) or "none"
+        archs = "-" if k["archs_built"] is None else ", ".join(k["archs_built"]) or "none"
         states = ["available" if k[key]["available"] else "unavailable" for key in keys]
         body.append(([k["kernel"], f"{k['distribution']} {k['distribution_version']}", archs, *states], k))
     columns = list(zip(header, *(cells for cells, _ in body)))
