@@ -64,15 +64,7 @@ def unsupported_shape_reason(dim: int, hidden_dim: int, *, mxfp8: bool = False, 
     """
     del split
     checks.require_int("unsupported_shape_reason", dim=dim, hidden_dim=hidden_dim)
-    if dim < 1 or hidden_dim < 1:
-        return f"flash_moe needs positive dim and hidden_dim, got dim={dim}, hidden_dim={hidden_dim}"
-    dim_align, hidden_align = (MXFP8_ALIGN, MXFP8_ALIGN) if mxfp8 else (DIM_ALIGN, HIDDEN_ALIGN)
-    path = " for mxfp8" if mxfp8 else ""
-    if dim % dim_align:
-        return f"flash_moe needs dim (x's last dimension) to be a multiple of {dim_align}{path}, got {dim}"
-    if hidden_dim % hidden_align:
-        return f"flash_moe needs hidden_dim to be a multiple of {hidden_align}{path}, got {hidden_dim}"
-    return None
+    return checks.contract_reason(dim, hidden_dim, CONSTANTS, mxfp8)
 
 
 def max_padded(num_slots, num_local_experts: int, block_m: int = BLOCK_M, bpc: int = 1, block_align: int = 1):

@@ -28,6 +28,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 # ---- fused_logp::logp_entropy / logp_entropy_backward (check_forward_args / check_backward_args) --------------------
+def _check_token_temperature_form(p: str, tt, N: int) -> None:
+    _require(tt.dtype == torch.float32, f"{p}: token_temperature dtype must be float32, got {_dtype_name(tt.dtype)}")
+    _require(tt.dim() == 1 and tt.shape[0] == N,
+             f"{p}: token_temperature must have shape [{N}] (one per token), got {list(tt.shape)}")
+
+
 def check_logp_entropy_args(logits, labels, temperature, token_temperature, constants) -> None:
     p = "fused_logp"
     _require(logits.dim() == 2, f"{p}: logits must be 2-D [N, V], got {logits.dim()}-D with shape {list(logits.shape)}")
@@ -47,10 +53,7 @@ def check_logp_entropy_args(logits, labels, temperature, token_temperature, cons
              f"{p}: temperature must be finite and > 0, got {temperature}")
     if token_temperature is not None:
         tt = token_temperature
-        _require(tt.dtype == torch.float32,
-                 f"{p}: token_temperature dtype must be float32, got {_dtype_name(tt.dtype)}")
-        _require(tt.dim() == 1 and tt.shape[0] == N,
-                 f"{p}: token_temperature must have shape [{N}] (one per token), got {list(tt.shape)}")
+        _check_token_temperature_form(p, tt, N)
         _require(tt.device == logits.device,
                  f"{p}: token_temperature must be on logits' device {logits.device}, got {tt.device}")
 
@@ -113,10 +116,7 @@ def check_linear_logp_entropy_args(hidden, weight, labels, temperature, token_te
              f"{p}: temperature must be a normal float32, in [{_FLOAT32_MIN}, {_FLOAT32_MAX}], got {temperature}")
     if token_temperature is not None:
         tt = token_temperature
-        _require(tt.dtype == torch.float32,
-                 f"{p}: token_temperature dtype must be float32, got {_dtype_name(tt.dtype)}")
-        _require(tt.dim() == 1 and tt.shape[0] == N,
-                 f"{p}: token_temperature must have shape [{N}] (one per token), got {list(tt.shape)}")
+        _check_token_temperature_form(p, tt, N)
         _same_device(tt, hidden, "token_temperature")
     if bias is not None:
         _require(bias.is_floating_point(), f"{p}: bias must be floating point, got {_dtype_name(bias.dtype)}")
