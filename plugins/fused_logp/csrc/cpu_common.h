@@ -6,6 +6,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <optional>
 
 namespace fused_logp_cpu {
 
@@ -29,5 +31,49 @@ inline void check_token_temperatures(const char* op, const at::Tensor& labels, c
     if (label_at(labels, i) != ignore_index && !(std::isfinite(t) && t > 0.f)) fail_bad_token_temperature(op, i, t);
   }
 }
+
+// The logit transforms (both ops, CPU and CUDA): z = softcap * tanh(logit_scale * x / softcap) / T, or
+// logit_scale * x / T without a softcap. Both must be positive normal float32 values: the CUDA kernels take them as
+// float32, and a scale <= 0 would flip (or erase) the softmax's order, which no model does (Cohere's logit_scale and
+// Granite's 1 / logits_scaling are positive).
+inline void check_logit_transform(const char* op, const std::optional<double>& softcap, double logit_scale) {
+  constexpr double kMin = std::numeric_limits<float>::min(), kMax = std::numeric_limits<float>::max();
+  TORCH_CHECK(logit_scale >= kMin && logit_scale <= kMax, op, ": logit_scale must be finite and > 0 (a normal float32, "
+              "in [", kMin, ", ", kMax, "]), got ", logit_scale);
+  if (softcap.has_value())
+    TORCH_CHECK(*softcap >= kMin && *softcap <= kMax, op, ": softcap must be None or finite and > 0 (a normal float32, "
+                "in [", kMin, ", ", kMax, "]), got ", *softcap);
+}
+
+// The transform's weight w: z = v(x) * w / T with v(x) = tanh(x * logit_scale / softcap) (softcap) or x (none). The
+// kernels fold w into the temperature (T / w), so that a logit_scale alone costs nothing per element.
+inline double logit_weight(const std::optional<double>& softcap, double logit_scale) {
+  return softcap.has_value() ? *softcap : logit_scale;
+}
+
+// The linear op's CUDA kernels take the effective temperature T / w as one float32 (w: logit_weight): it must stay a
+// normal float32 (checked on every device, so that CPU and CUDA accept the same calls).
+inline void check_effective_temperature(const char* op, double temperature, const std::optional<double>& softcap,
+                                        double logit_scale) {
+  constexpr double kMin = std::numeric_limits<float>::min(), kMax = std::numeric_limits<float>::max();
+  const double t = temperature / logit_weight(softcap, logit_scale);
+  TORCH_CHECK(t >= kMin && t <= kMax, op, ": temperature / ", softcap.has_value() ? "softcap" : "logit_scale", " = ",
+              t, " must be a normal float32, in [", kMin, ", ", kMax, "] (the kernels' effective temperature; "
+              "temperature = ", temperature, ")");
+}
+
+// g(x) = softcap * tanh(logit_scale * x / softcap), or logit_scale * x; and dg/dx. In double (the CPU paths).
+struct LogitTransform {
+  double scale = 1.0, cap = 0.0;  // cap 0: no softcap
+  LogitTransform(const std::optional<double>& softcap, double logit_scale)
+      : scale(logit_scale), cap(softcap.value_or(0.0)) {}
+  double value(double x) const { return cap != 0.0 ? cap * std::tanh(x * scale / cap) : x * scale; }
+  // 1 / cosh^2 rather than 1 - tanh^2: exact to a few ulps also where tanh saturates (cosh overflows to inf: 0).
+  double slope(double x) const {
+    if (cap == 0.0) return scale;
+    const double ch = std::cosh(x * scale / cap);
+    return scale / (ch * ch);
+  }
+};
 
 }  // namespace fused_logp_cpu

@@ -1,0 +1,33 @@
+// The softcap logit transform on the device, shared by the logits op (fused_logp.cu) and the lm_head op
+// (linear_logp.cuh) so that both form z = tanh(x * k) * softcap / T with the same instructions, forward and backward.
+// k = logit_scale / softcap, passed as an unevaluated float pair (k_hi + k_lo): a single rounded float would scale every
+// logit by the same relative error, a systematic shift of the temperature.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace fused_logp_softcap {
+
+// tanh(x * k); +-inf logits give +-1 (x clamped first: inf * k_lo with k_lo = 0 would be NaN), NaN stays NaN.
+__device__ __forceinline__ float tanh_of(float x, float k_hi, float k_lo) {
+  const float xc = fminf(fmaxf(x, -1e30f), 1e30f);
+  return tanhf(fmaf(xc, k_hi, xc * k_lo));
+}
+
+// d tanh(x k) / dx / k = 1 / cosh^2(x k) = 4 E / (1 + E)^2 with E = exp(-2 |x k|): a few ulps where tanh saturates
+// too (1 - tanh^2 would cancel there), 0 once E underflows.
+__device__ __forceinline__ float slope_of(float x, float k_hi, float k_lo) {
+  const float xc = fminf(fmaxf(x, -1e30f), 1e30f);
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(-2.8853900817779268f * fabsf(fmaf(xc, k_hi, xc * k_lo))));
+  const float r = 1.f / (1.f + e);
+  return 4.f * e * r * r;
+}
+
+// The float pair of k (host side).
+inline void split(double k, float& k_hi, float& k_lo) {
+  k_hi = static_cast<float>(k);
+  k_lo = static_cast<float>(k - static_cast<double>(k_hi));
+}
+
+}  // namespace fused_logp_softcap
