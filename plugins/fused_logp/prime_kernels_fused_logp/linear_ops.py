@@ -14,7 +14,7 @@ from prime_kernels_core import manifest
 from prime_kernels_core.contracts import UnsupportedShapeError
 
 from . import _C  # noqa: F401  (registers the ops)
-from . import checks
+from . import checks, reference
 from .ops import require_device  # the module also registers fused_logp::logp_entropy's autograd (the fallback's)
 
 _CONSTANTS = manifest.constants("prime_kernels_fused_logp", "linear_logp")
@@ -296,7 +296,7 @@ def _chunked(h2, weight, l1, temperature, token_temperature, bias, ignore_index,
         dead = (logits.amax(1) == float("-inf")) & (softcap is None)
         lp, ent, _ = _ops.logp_entropy(logits, torch.where(dead, -1, local), temperature, token_temperature, -1, True,
                                        False, False, softcap, logit_scale)
-        zsel = transform_logits(logits.gather(1, local[:, None]).squeeze(1).float(), softcap, logit_scale) / tvec
+        zsel = reference.transform(logits.gather(1, local[:, None]).squeeze(1).float(), softcap, logit_scale) / tvec
         lse = zsel - lp
         return lse, torch.where(dead, 0.0, lse - ent), zsel  # logsumexp, sum p z, the selected logit
 
@@ -318,16 +318,6 @@ def _chunked(h2, weight, l1, temperature, token_temperature, bias, ignore_index,
     zero = torch.zeros_like(lse)
     logp, entropy = torch.where(ignored, zero, zy - lse), torch.where(ignored, zero, lse - spz)
     return torch.where(out_of_range, float("nan"), logp), torch.where(out_of_range, float("nan"), entropy)
-
-
-def transform_logits(x: torch.Tensor, softcap: float | None = None, logit_scale: float = 1.0) -> torch.Tensor:
-    """The logit transform in PyTorch ops (differentiable, in x's dtype): logit_scale * x, then
-    softcap * tanh(. / softcap) when softcap is given."""
-    if logit_scale != 1.0:
-        x = x * logit_scale
-    if softcap is not None:
-        x = softcap * torch.tanh(x / softcap)
-    return x
 
 
 def linear_logp_entropy_backward(grad_logp, grad_entropy, hidden, weight, labels, temperature=1.0, *, bias=None,

@@ -27,6 +27,8 @@ import struct
 import torch
 import torch.distributed as dist
 
+from . import reference
+
 _ops = torch.ops.fused_logp
 _LOCAL_IGNORE = -1  # local label of ignored tokens; every other local label is in [0, V_local)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -238,15 +240,6 @@ def _round_like_op(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 # ---- logits version --------------------------------------------------------------------------------------------------
-def _transform_f64(x: torch.Tensor, softcap, logit_scale) -> tuple[torch.Tensor, torch.Tensor]:
-    """(g(x), g'(x)) of the logit transform in float64, from the logits as the ops read them (float -> double)."""
-    x = x.double()
-    if softcap is None:
-        return x * logit_scale, torch.full_like(x, logit_scale)
-    u = x * (logit_scale / softcap)
-    return softcap * torch.tanh(u), logit_scale / torch.cosh(u) ** 2
-
-
 class _LogitsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, local_labels, owned, nonowned, valid, temperature, token_temperature, return_entropy,
@@ -257,7 +250,8 @@ class _LogitsFn(torch.autograd.Function):
         n = logits.shape[0]
         tvec = _token_temperature(temperature, token_temperature, n, logits.device)
         col = local_labels.clamp_min(0)[:, None]
-        zy = _transform_f64(logits.gather(1, col).squeeze(1), softcap, logit_scale)[0] / tvec  # the op's z_y
+        x = logits.gather(1, col).squeeze(1).double()  # the logits as the op reads them (float -> double)
+        zy = reference.transform(x, softcap, logit_scale) / tvec  # the op's z_y
         lse, spz, logp, entropy = _combine(stats[:, 0], stats[:, 1], zy, owned, valid, return_entropy, group,
                                            batch_invariant)
         ctx.save_for_backward(logits, local_labels, nonowned, token_temperature, torch.stack([lse, spz], 1), tvec)
@@ -282,8 +276,9 @@ class _LogitsFn(torch.autograd.Function):
         # with the value without the onehot term, -p (g + g_ent (z - sum_pz)) g'(x) / T, recomputed in float64 and
         # rounded as the op rounds (subtracting after rounding would lose the small -p g/T to cancellation).
         col = local_labels.clamp_min(0)[:, None]
-        gx, slope = _transform_f64(logits.gather(1, col).squeeze(1), ctx.softcap, ctx.logit_scale)
-        z = gx / tvec
+        x = logits.gather(1, col).squeeze(1).double()
+        z = reference.transform(x, ctx.softcap, ctx.logit_scale) / tvec
+        slope = reference.transform_slope(x, ctx.softcap, ctx.logit_scale)
         p = torch.exp(z - stats[:, 0])
         value = -(g.double() / tvec) * p
         if ge is not None:
