@@ -84,20 +84,20 @@ def check_logp_entropy_backward_args(grad_logp, grad_entropy, logits, labels, te
 
 # ---- the logit transforms (cpu_common.h: check_logit_transform, check_effective_temperature) ------------------------
 def check_logit_transform(p: str, softcap, logit_scale) -> None:
+    lo, hi = f"{_FLOAT32_MIN:g}", f"{_FLOAT32_MAX:g}"  # numbers as TORCH_CHECK prints doubles
     _require(_FLOAT32_MIN <= logit_scale <= _FLOAT32_MAX,
-             f"{p}: logit_scale must be finite and > 0 (a normal float32, in [{_FLOAT32_MIN}, {_FLOAT32_MAX}]), got "
-             f"{logit_scale}")
+             f"{p}: logit_scale must be finite and > 0 (a normal float32, in [{lo}, {hi}]), got {logit_scale:g}")
     if softcap is not None:
         _require(_FLOAT32_MIN <= softcap <= _FLOAT32_MAX,
-                 f"{p}: softcap must be None or finite and > 0 (a normal float32, in [{_FLOAT32_MIN}, "
-                 f"{_FLOAT32_MAX}]), got {softcap}")
+                 f"{p}: softcap must be None or finite and > 0 (a normal float32, in [{lo}, {hi}]), got {softcap:g}")
 
 
 def check_effective_temperature(p: str, temperature, softcap, logit_scale) -> None:
     t = temperature / (softcap if softcap is not None else logit_scale)
     _require(_FLOAT32_MIN <= t <= _FLOAT32_MAX,
-             f"{p}: temperature / {'softcap' if softcap is not None else 'logit_scale'} = {t} must be a normal float32, "
-             f"in [{_FLOAT32_MIN}, {_FLOAT32_MAX}] (the kernels' effective temperature; temperature = {temperature})")
+             f"{p}: temperature / {'softcap' if softcap is not None else 'logit_scale'} = {t:g} must be a normal "
+             f"float32, in [{_FLOAT32_MIN:g}, {_FLOAT32_MAX:g}] (the kernels' effective temperature; temperature = "
+             f"{temperature:g})")
 
 
 # ---- fused_logp::linear_logp_entropy / linear_logp_entropy_backward ------------------------------------------------
