@@ -224,8 +224,10 @@ using TransformOf = std::conditional_t<kSoftcap, Softcap, NoTransform>;
 
 // The label's transformed logit in double (once per row; exact to double where the sums use float): the forward's
 // z_y * T.
+template <bool kSoftcap>
 __device__ __forceinline__ double label_logit(float x, double softcap_k) {
-  return softcap_k != 0.0 ? tanh(static_cast<double>(x) * softcap_k) : static_cast<double>(x);
+  if constexpr (kSoftcap) return tanh(static_cast<double>(x) * softcap_k);
+  return static_cast<double>(x);
 }
 
 // ---- forward ----------------------------------------------------------------------------------------------------
@@ -340,13 +342,13 @@ struct FwdParams {
   const label_t* labels;
   const float* token_temperature;  // nullable
   double temperature;  // T / w (the transform's weight: see the top)
-  double softcap_k;    // logit_scale / softcap, 0 without a softcap
   int64_t ignore_index;
   float* logp;
   float* entropy;  // nullable
   double* stats;   // [N, 2]
   double* partial; // [N, splits, 3] when splits > 1
   unsigned long long* bad;  // nullable: smallest row with an out-of-range label or temperature
+  double softcap_k;  // logit_scale / softcap, 0 without a softcap
 };
 
 __device__ __forceinline__ double row_temperature(double temperature, const float* tt, int64_t row) {
@@ -354,7 +356,7 @@ __device__ __forceinline__ double row_temperature(double temperature, const floa
 }
 
 // Final per-row outputs from (M, s, t) relative to M.
-template <typename scalar_t, typename label_t>
+template <typename scalar_t, typename label_t, bool kSoftcap>
 __device__ void finalize_row(const FwdParams<label_t>& p, int64_t row, int64_t y, double M, double s, double t,
                              double T) {
   const double nan = __longlong_as_double(0x7ff8000000000000ll);
@@ -383,7 +385,7 @@ __device__ void finalize_row(const FwdParams<label_t>& p, int64_t row, int64_t y
     ent = ls - mean;
   }
   const scalar_t* x = reinterpret_cast<const scalar_t*>(p.logits) + row * p.row_stride;
-  const double zy = label_logit(Elem<scalar_t>::load(x + y), p.softcap_k) / T;
+  const double zy = label_logit<kSoftcap>(Elem<scalar_t>::load(x + y), p.softcap_k) / T;
   p.logp[row] = static_cast<float>(zy - lse);
   if (p.entropy) p.entropy[row] = static_cast<float>(ent);
   p.stats[2 * row] = lse;
@@ -492,7 +494,7 @@ __global__ void __launch_bounds__(kThreads) fused_logp_fwd_kernel(const FwdParam
       t += sh_t[w];
     }
     if (p.splits == 1) {
-      finalize_row<scalar_t>(p, row, y, static_cast<double>(M), s, t, T);
+      finalize_row<scalar_t, label_t, kSoftcap>(p, row, y, static_cast<double>(M), s, t, T);
     } else {
       double* q = p.partial + (row * p.splits + split) * 3;
       q[0] = static_cast<double>(M);
@@ -503,7 +505,7 @@ __global__ void __launch_bounds__(kThreads) fused_logp_fwd_kernel(const FwdParam
 }
 
 // Split-vocab combine: one thread per row merges the row's partial (M, s, t).
-template <typename scalar_t, typename label_t, bool kWithT>
+template <typename scalar_t, typename label_t, bool kWithT, bool kSoftcap = false>
 __global__ void __launch_bounds__(128) fused_logp_combine_kernel(const FwdParams<label_t> p, int64_t N) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (row >= N) return;
@@ -531,7 +533,7 @@ __global__ void __launch_bounds__(128) fused_logp_combine_kernel(const FwdParams
       if (kWithT) t += r * (q[3 * k + 2] + da * q[3 * k + 1]);
     }
   }
-  finalize_row<scalar_t>(p, row, y, M, s, t, T);
+  finalize_row<scalar_t, label_t, kSoftcap>(p, row, y, M, s, t, T);
 }
 
 // ---- backward ---------------------------------------------------------------------------------------------------
@@ -546,11 +548,11 @@ struct BwdParams {
   const label_t* labels;
   const float* token_temperature;
   double temperature;  // T / w, as the forward's
-  double softcap_k;    // as the forward's
   int64_t ignore_index;
   const float* grad_logp;
   const float* grad_entropy;  // nullable
   const double* stats;
+  double softcap_k;  // as the forward's
 };
 
 // Per-row constants of the backward, all in fp32 pairs: exponent of p is x * c - L, with c = c_hi + c_lo and
@@ -833,7 +835,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cuda(const at::Tenso
         fused_logp_fwd_kernel<scalar_t, label_t, with_t(), gather(), softcap_tag()><<<grid, kThreads, 0, stream>>>(p);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         if (splits > 1) {
-          fused_logp_combine_kernel<scalar_t, label_t, with_t()>
+          fused_logp_combine_kernel<scalar_t, label_t, with_t(), softcap_tag()>
               <<<static_cast<unsigned>((N + 127) / 128), 128, 0, stream>>>(p, N);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }

@@ -94,7 +94,6 @@ struct Params {
   const float* token_temperature;  // nullable
   const float* bias;               // nullable, fp32 [V]
   float temperature;  // the effective temperature: T / softcap, or T / logit_scale without a softcap
-  float softcap_k_hi, softcap_k_lo;  // kSoftcap: logit_scale / softcap as an unevaluated float pair
   int64_t ignore_index;
   // forward outputs: partials [S, n_rows] (log2 units) and the label logit (log2 units) [n_rows]
   float* part_m;
@@ -107,6 +106,7 @@ struct Params {
   const float* grad_ent;    // [N] fp32, nullable
   void* dz;                 // [n_rows, ldz] of the input dtype; column c holds vocab vt_begin * BV + c
   int64_t ldz;
+  float softcap_k_hi, softcap_k_lo;  // kSoftcap: logit_scale / softcap as an unevaluated float pair
 };
 
 // ---------------------------------------------------------------------------------------------------------------
