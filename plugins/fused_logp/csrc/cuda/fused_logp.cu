@@ -652,14 +652,10 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
     R.S_hi = static_cast<float>(S);
     R.S_lo = static_cast<float>(S - static_cast<double>(R.S_hi));
     const double nan = __longlong_as_double(0x7ff8000000000000ll);
-    double k1 = bad ? nan : static_cast<double>(p.grad_logp[row]) / T;
-    double k2 = kWithEnt ? static_cast<double>(p.grad_entropy[row]) * kLn2 / T : 0.0;
-    if constexpr (kSoftcap) {  // dv/dx = k / cosh^2(x k): k here
-      k1 *= p.softcap_k;
-      k2 *= p.softcap_k;
-    }
-    R.k1 = static_cast<float>(k1);
-    R.k2 = static_cast<float>(k2);
+    // With a softcap, dv/dx = k / cosh^2(x k): the factor k here (Softcap::grad multiplies the rest).
+    const double k = kSoftcap ? p.softcap_k : 1.0;
+    R.k1 = static_cast<float>(bad ? nan : static_cast<double>(p.grad_logp[row]) / T * k);
+    R.k2 = kWithEnt ? static_cast<float>(static_cast<double>(p.grad_entropy[row]) * kLn2 / T * k) : 0.f;
   }
   // fp32 logits always take the accurate exp2; bf16/fp16 ex2.approx except near p > ~0.35 (grad_elem).
   constexpr bool kAlwaysAccurate = std::is_same<scalar_t, float>::value;
