@@ -372,15 +372,17 @@ def test_shape_contract():
     assert isinstance(linear_ops, ShapeContract)
 
 
-def test_chunked_fallback_matches():
+@pytest.mark.parametrize("tf", [{}, dict(softcap=4.0, logit_scale=0.5)], ids=["plain", "softcap+scale"])
+def test_chunked_fallback_matches(tf):
     pytest.importorskip("prime_kernels_fused_logp.ops")
     hid, w, y = _inputs(10, 16, 300, torch.bfloat16, "cpu", ignore=0.2)
     b = torch.randn(300)
     a = [t.clone().requires_grad_() for t in (hid, w, b)]
     c = [t.clone().requires_grad_() for t in (hid, w, b)]
-    lp, ent = linear_logp_entropy(a[0], a[1], y, 0.7, bias=a[2])
+    lp, ent = linear_logp_entropy(a[0], a[1], y, 0.7, bias=a[2], **tf)
     h2, l1, temp, tt = linear_ops._flatten(c[0], c[1], y, 0.7, c[2])
-    lpc, entc = linear_ops._chunked(h2, c[1], l1, temp, tt, c[2], -100, 128)
+    lpc, entc = linear_ops._chunked(h2, c[1], l1, temp, tt, c[2], -100, 128, tf.get("softcap"),
+                                    tf.get("logit_scale", 1.0))
     torch.testing.assert_close(lpc, lp, rtol=2e-2, atol=2e-2)  # chunked rounds logits to bf16
     torch.testing.assert_close(entc, ent, rtol=2e-2, atol=2e-2)
     (lp + ent).sum().backward()
