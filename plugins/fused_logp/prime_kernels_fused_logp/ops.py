@@ -120,10 +120,10 @@ def logp_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probability of each label and entropy of each token's distribution, at a sampling temperature.
 
-    With z = g(logits) / temperature: ``logp = z[label] - logsumexp(z)`` and
-    ``entropy = logsumexp(z) - sum softmax(z) z``,
-    both float32 with logits' leading shape (entropy is None when ``return_entropy`` is false). Differentiable w.r.t.
-    logits (the gradient has logits' dtype); the backward re-reads logits instead of saving probabilities.
+    With z = g(logits) / temperature (g: the logit transform, identity by default; see softcap, logit_scale):
+    ``logp = z[label] - logsumexp(z)`` and ``entropy = logsumexp(z) - sum softmax(z) z``, both float32 with logits'
+    leading shape (entropy is None when ``return_entropy`` is false). Differentiable w.r.t. logits (the gradient has
+    logits' dtype); the backward re-reads logits instead of saving probabilities.
 
     logits: [..., V] float32/bfloat16/float16 (a last dim that is not stride-1 is made contiguous).
     labels: int64/int32 with logits' leading shape. Tokens whose label is ``ignore_index`` get logp 0, entropy 0 and a
