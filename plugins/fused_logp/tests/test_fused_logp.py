@@ -119,6 +119,17 @@ def test_cpu_logit_transform_defaults_are_bitwise_the_plain_op():
     torch.testing.assert_close(scaled[0], halved[0], rtol=1e-6, atol=1e-6)
 
 
+def test_cpu_softcap_keeps_nan():
+    logits, labels = make_logits(6, 40, torch.bfloat16), make_labels(6, 40, ignore_frac=0.0)
+    logits[2, 7] = float("nan")
+    x = logits.clone().requires_grad_()
+    lp, ent = logp_entropy(x, labels, softcap=5.0)
+    (lp.sum() + ent.sum()).backward()
+    assert torch.isnan(lp[2]) and torch.isnan(ent[2]) and torch.isnan(x.grad[2]).all()
+    others = [0, 1, 3, 4, 5]
+    assert torch.isfinite(lp[others]).all() and torch.isfinite(x.grad[others]).all()
+
+
 def test_cpu_softcap_maps_neg_inf_to_minus_cap():
     """softcap * tanh(-inf / softcap) = -softcap: a -inf logit is an ordinary (small) one after the cap."""
     logits = make_logits(8, 33, torch.float32)
@@ -479,7 +490,10 @@ class TestCUDA:
     # v = 1031: rows of single vectors per thread; 40000: rows long enough for the forward's grouped path
     # (VEC_UNROLL vectors per max test), whose -inf / NaN fallback is then exercised too.
     @pytest.mark.parametrize("v", [1031, 40000])
-    def test_matches_cpu_and_edge_cases(self, v):
+    @pytest.mark.parametrize("tf", [{}, dict(softcap=5.0, logit_scale=0.5)], ids=["plain", "softcap"])
+    def test_matches_cpu_and_edge_cases(self, v, tf):
+        """NaN (that token NaN), all -inf, half -inf and +inf rows, int32 labels; with a softcap, -inf / +inf logits are
+        -softcap / +softcap (finite results) and a NaN logit still makes its token NaN."""
         n = 64
         logits = make_logits(n, v, torch.bfloat16)
         labels = make_labels(n, v, dtype=torch.int32)
@@ -488,17 +502,20 @@ class TestCUDA:
         logits[6, ::2] = float("-inf")
         labels[6] = 1
         logits[7] = float("inf")
-        cpu = logp_entropy(logits, labels, 1.3)
-        cuda = logp_entropy(logits.cuda(), labels.cuda(), 1.3)
+        cpu = logp_entropy(logits, labels, 1.3, **tf)
+        cuda = logp_entropy(logits.cuda(), labels.cuda(), 1.3, **tf)
         for a, b in zip(cpu, cuda):
             torch.testing.assert_close(b.cpu(), a, equal_nan=True, rtol=2e-6, atol=2e-6)
         x_c = logits.clone().requires_grad_()
         x_g = logits.cuda().requires_grad_()
         g = torch.randn(n), torch.randn(n)
-        torch.autograd.backward(logp_entropy(x_c, labels, 1.3), g)
-        torch.autograd.backward(logp_entropy(x_g, labels.cuda(), 1.3), tuple(t.cuda() for t in g))
+        torch.autograd.backward(logp_entropy(x_c, labels, 1.3, **tf), g)
+        torch.autograd.backward(logp_entropy(x_g, labels.cuda(), 1.3, **tf), tuple(t.cuda() for t in g))
         torch.testing.assert_close(x_g.grad.cpu(), x_c.grad, equal_nan=True, rtol=1e-2, atol=1e-6)
         assert torch.isfinite(cuda[0][[0, 1, 2, 4, 6]]).all()
+        assert torch.isnan(cuda[0][3]) and torch.isnan(cuda[1][3])
+        if tf:
+            assert torch.isfinite(cuda[0][[5, 7]]).all() and torch.isfinite(x_g.grad[[5, 7]]).all()
 
     def test_misaligned_rows_and_splits(self):
         for n, v, offset in [(3, 151936, 1), (5, 100003, 3), (1, 40000, 0), (300, 1001, 5)]:

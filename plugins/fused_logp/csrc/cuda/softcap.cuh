@@ -8,16 +8,25 @@
 
 namespace fused_logp_softcap {
 
-// tanh(x * k); +-inf logits give +-1 (x clamped first: inf * k_lo with k_lo = 0 would be NaN), NaN stays NaN.
+// x clamped to [-1e30, 1e30], NaN kept (fminf / fmaxf would turn a NaN logit into a bound: a silent finite result).
+__device__ __forceinline__ float clamp_keep_nan(float x) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(-1e30f));
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(r), "f"(1e30f));
+  return r;
+}
+
+// tanh(x * k); +-inf logits give +-1 (x clamped first: inf * k_lo would be NaN for k_lo = 0, or inf - inf), NaN stays
+// NaN.
 __device__ __forceinline__ float tanh_of(float x, float k_hi, float k_lo) {
-  const float xc = fminf(fmaxf(x, -1e30f), 1e30f);
+  const float xc = clamp_keep_nan(x);
   return tanhf(fmaf(xc, k_hi, xc * k_lo));
 }
 
 // d tanh(x k) / dx / k = 1 / cosh^2(x k) = 4 E / (1 + E)^2 with E = exp(-2 |x k|): a few ulps where tanh saturates
 // too (1 - tanh^2 would cancel there), 0 once E underflows.
 __device__ __forceinline__ float slope_of(float x, float k_hi, float k_lo) {
-  const float xc = fminf(fmaxf(x, -1e30f), 1e30f);
+  const float xc = clamp_keep_nan(x);
   float e;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(-2.8853900817779268f * fabsf(fmaf(xc, k_hi, xc * k_lo))));
   const float r = 1.f / (1.f + e);
