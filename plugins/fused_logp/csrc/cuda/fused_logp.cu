@@ -216,7 +216,8 @@ struct Softcap {
   __device__ __forceinline__ float operator()(float x) const { return fused_logp_softcap::tanh_of(x, k_hi, k_lo); }
   template <class G>
   __device__ __forceinline__ float grad(float x, G&& grad_at) const {
-    return grad_at((*this)(x)) * fused_logp_softcap::slope_of(x, k_hi, k_lo);
+    const float v = (*this)(x);
+    return grad_at(v) * fused_logp_softcap::slope_of(x, v, k_hi, k_lo);
   }
 };
 template <bool kSoftcap>
