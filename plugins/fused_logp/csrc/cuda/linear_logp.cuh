@@ -407,14 +407,16 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
           float g[2];
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float x = acc[4 * j + 2 * h + e];
-            const float v = kSoftcap ? fused_logp_softcap::tanh_of(x, p.softcap_k_hi, p.softcap_k_lo) : x;
-            const float z = kSoftcap ? v * c[h] : x;
+            float z = acc[4 * j + 2 * h + e], slope = 1.f;
+            if constexpr (kSoftcap) {  // z held the logit x: its tanh and slope now (x dead after this)
+              slope = fused_logp_softcap::sech2_of(z, p.softcap_k_hi, p.softcap_k_lo);  // dZ is 16-bit
+              z = fused_logp_softcap::tanh_of(z, p.softcap_k_hi, p.softcap_k_lo) * c[h];
+            }
             const float pr = ex2(z - lse2[h]);
             const float t = fmaxf(z - spz2[h], -1e30f);
             g[e] = -pr * fmaf(k2[h], t, k1[h]);
             if (col + e == ly) g[e] += k1[h];
-            if constexpr (kSoftcap) g[e] *= fused_logp_softcap::slope_of(x, v, p.softcap_k_hi, p.softcap_k_lo);
+            if constexpr (kSoftcap) g[e] *= slope;
           }
           if (!partial) {
             *reinterpret_cast<uint32_t*>(out + 2 * col) = Mma<T>::pack(g[0], g[1]);
