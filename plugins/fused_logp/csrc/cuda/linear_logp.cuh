@@ -106,7 +106,7 @@ struct Params {
   const float* grad_ent;    // [N] fp32, nullable
   void* dz;                 // [n_rows, ldz] of the input dtype; column c holds vocab vt_begin * BV + c
   int64_t ldz;
-  float softcap_k_hi, softcap_k_lo;  // kSoftcap: logit_scale / softcap as an unevaluated float pair
+  float softcap_k;  // kSoftcap: logit_scale / softcap
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -282,9 +282,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
         spz2[h] = p.grad_ent ? static_cast<float>(p.stats[2 * rr + 1] * kLog2eD) : 0.f;
         k2[h] = p.grad_ent ? p.grad_ent[rr] * (LN2 / temp) : 0.f;
         if constexpr (kSoftcap) {  // dz/dx = k / cosh^2(x k) * softcap / T: k here, 1 / cosh^2 per element
-          const float k = p.softcap_k_hi + p.softcap_k_lo;
-          k1[h] *= k;
-          k2[h] *= k;
+          k1[h] *= p.softcap_k;
+          k2[h] *= p.softcap_k;
         }
       }
     }
@@ -345,7 +344,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
         auto logit2 = [&](float x) {
           if constexpr (!kSoftcap) return x * c[h];
           else if constexpr (BWD) return x;
-          else return fused_logp_softcap::tanh_of(x, p.softcap_k_hi, p.softcap_k_lo) * c[h];
+          else return fused_logp_softcap::fast_tanh_of(x, p.softcap_k) * c[h];
         };
         float z0 = logit2(acc[4 * j + 2 * h] + b0);
         float z1 = logit2(acc[4 * j + 2 * h + 1] + b1);
@@ -409,8 +408,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
           for (int e = 0; e < 2; ++e) {
             float z = acc[4 * j + 2 * h + e], slope = 1.f;
             if constexpr (kSoftcap) {  // z held the logit x: its tanh and slope now (x dead after this)
-              slope = fused_logp_softcap::sech2_of(z, p.softcap_k_hi, p.softcap_k_lo);  // dZ is 16-bit
-              z = fused_logp_softcap::tanh_of(z, p.softcap_k_hi, p.softcap_k_lo) * c[h];
+              z = fused_logp_softcap::fast_tanh_of(z, p.softcap_k, &slope) * c[h];
             }
             const float pr = ex2(z - lse2[h]);
             const float t = fmaxf(z - spz2[h], -1e30f);
@@ -494,7 +492,7 @@ void launch_for(bool bf16, bool softcap, const CUtensorMap& tm_h, const CUtensor
 // float pair (the kernels' arguments were checked by check_logit_transform / check_effective_temperature).
 inline void set_transform(Params& p, double temperature, const std::optional<double>& softcap, double logit_scale) {
   p.temperature = static_cast<float>(temperature / (softcap.has_value() ? *softcap : logit_scale));
-  fused_logp_softcap::split(softcap.has_value() ? logit_scale / *softcap : 0.0, p.softcap_k_hi, p.softcap_k_lo);
+  p.softcap_k = static_cast<float>(softcap.has_value() ? logit_scale / *softcap : 0.0);
 }
 
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
