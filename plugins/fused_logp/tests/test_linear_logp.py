@@ -463,6 +463,32 @@ def test_gpu_logit_transforms(softcap, logit_scale, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_softcap_nan_and_inf_match_cpu():
+    """A NaN hidden row makes its token NaN (the epilogue's tanh keeps NaN); -inf / +inf bias entries are -softcap /
+    +softcap, finite, as on CPU."""
+    hid, w, y = _inputs(40, 64, 700, torch.bfloat16, "cpu", ignore=0.1)
+    hid[3, 5] = float("nan")
+    b = torch.randn(700)
+    b[::7] = float("-inf")
+    b[3::11] = float("inf")
+    T = torch.rand(40) + 0.5
+    outs = []
+    for dev in ("cpu", "cuda"):
+        h = hid.to(dev).requires_grad_()
+        lp, ent = linear_logp_entropy(h, w.to(dev), y.to(dev), T.to(dev), bias=b.to(dev), softcap=5.0)
+        (lp.nan_to_num() + ent.nan_to_num()).sum().backward()
+        outs.append((lp.detach().cpu(), ent.detach().cpu(), h.grad.cpu()))
+    (lp_c, ent_c, g_c), (lp_g, ent_g, g_g) = outs
+    assert torch.isnan(lp_g[3]) and torch.isnan(ent_g[3])
+    others = torch.arange(40) != 3
+    assert torch.isfinite(lp_g[others]).all() and torch.isfinite(g_g[others]).all()
+    torch.testing.assert_close(lp_g, lp_c, rtol=1e-3, atol=1e-3, equal_nan=True)
+    torch.testing.assert_close(ent_g, ent_c, rtol=1e-3, atol=1e-3, equal_nan=True)
+    torch.testing.assert_close(g_g[others], g_c[others], rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("n", [256, 300])
 @pytest.mark.parametrize("inv", [False, True], ids=["default", "batch_invariant"])
 def test_gpu_qwen_vocab(n, inv):
