@@ -1,6 +1,6 @@
 // fused_logp CUDA implementations (schemas and semantics: ../fused_logp.cpp).
 //
-// Forward: one pass over each row of logits, 16-byte vector loads (rows that are not 16-byte aligned gathered into the
+// Forward: one pass over each row of logits, 16-byte vector loads (rows that are not 16-byte aligned shifted into the
 // same vectors), online max m, s = sum 2^a, t = sum 2^a * a with a = (x - m) * log2(e) / T per thread; per-element exp
 // in fp32 (ex2.approx), per-vector partial sums in fp32, running sums in double; reductions across threads in double;
 // lse, sum p*z, entropy and logp = x_y / T - lse are formed in double. Batch-invariant by construction: a row is
@@ -176,22 +176,39 @@ __device__ __forceinline__ int head_elems(const T* row, int V) {
   return h < V ? h : V;
 }
 
-// Vector v of a row (elements v * kVec ... v * kVec + kVec - 1). An aligned row loads it in one 16-byte __ldg; a row
-// that is not 16-byte aligned (odd V, strided rows) is gathered element by element into the same register layout,
-// so that a batch-invariant forward adds every element in the same vector, chain and order wherever the row sits.
-template <typename T, int kVec>
-__device__ __forceinline__ uint4 load_vec(const T* x, const uint4* xv, int v, bool gather) {
-  if (!gather) return __ldg(xv + v);
-  using U = std::conditional_t<sizeof(T) == 4, unsigned int, unsigned short>;
-  static_assert(sizeof(T) * kVec == 16, "a vector is 16 bytes");
-  U u[kVec];
-  const U* src = reinterpret_cast<const U*>(x) + static_cast<int64_t>(v) * kVec;
+// The 16 bytes at byte offset mis (1 ... 15) of the 32 in lo, hi.
+__device__ __forceinline__ uint4 shift_bytes(const uint4& lo, const uint4& hi, int mis) {
+  const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  const int q = mis >> 2, sh = (mis & 3) * 8;  // whole 4-byte words, then bits
+  uint32_t s[5];
 #pragma unroll
-  for (int k = 0; k < kVec; ++k) u[k] = __ldg(src + k);
-  uint4 r;
-  memcpy(&r, u, 16);
-  return r;
+  for (int j = 0; j < 5; ++j) s[j] = (q & 2) ? ((q & 1) ? w[j + 3] : w[j + 2]) : ((q & 1) ? w[j + 1] : w[j]);
+  return make_uint4(__funnelshift_r(s[0], s[1], sh), __funnelshift_r(s[1], s[2], sh),
+                    __funnelshift_r(s[2], s[3], sh), __funnelshift_r(s[3], s[4], sh));
 }
+
+// Vectors v, v + kThreads, ... (kNV of them) of a row (vector v: elements v * kVec ... v * kVec + kVec - 1); xa: the
+// row's address rounded down to 16 bytes, mis: the bytes it was rounded by. An aligned row (mis == 0): one 16-byte
+// __ldg per vector. A row that is not 16-byte aligned (odd V, strided rows): the two aligned 16-byte words holding
+// each vector (the second mostly an L1 hit), all loads issued before any is used (kNV vectors in flight, as for an
+// aligned row), then shifted into the same register layout. The second word stays inside the row for every vector
+// but the row's last whole one, which the forward therefore reads as scalar tail elements (body_vecs). Either way the
+// forward adds every element in the same vector, chain and order wherever the row sits.
+template <int kNV>
+__device__ __forceinline__ void load_vecs(uint4 (&r)[kNV], const uint4* xa, int v, int mis) {
+#pragma unroll
+  for (int u = 0; u < kNV; ++u) r[u] = __ldg(xa + v + u * kThreads);
+  if (mis == 0) return;
+  uint4 hi[kNV];
+#pragma unroll
+  for (int u = 0; u < kNV; ++u) hi[u] = __ldg(xa + v + u * kThreads + 1);
+#pragma unroll
+  for (int u = 0; u < kNV; ++u) r[u] = shift_bytes(r[u], hi[u], mis);
+}
+
+// The forward's vectors of a row: all whole vectors but the last (see load_vecs), in every row whatever its alignment;
+// the rest, kVec ... 2 kVec - 1 elements (all V when V < 2 kVec), are the row's scalar tail.
+__host__ __device__ constexpr int body_vecs(int V, int vec) { return V / vec > 1 ? V / vec - 1 : 0; }
 
 // ---- forward ----------------------------------------------------------------------------------------------------
 // Per-thread online state: m the running max (raw logit units), s = sum 2^a, t = sum 2^a * a, a = (x - m) * c,
@@ -440,9 +457,9 @@ static_assert(fwd_smem_bytes(FUSED_LOGP_MAX_SEGMENTS, true) <= 48 * 1024,
               "without opting in");
 
 // One block per (row, group of segs_per_block consecutive segments). Rows that are not 16-byte aligned (kGather: some
-// row of the launch is not) are gathered element-wise into the same vector layout (load_vec): vectors start at row
-// offset 0 wherever the row sits, so its sums never depend on its address. The < kVec elements after the last whole
-// vector go to lanes 0, 1, ... of the last segment, before its vectors.
+// row of the launch is not) are shifted into the same vector layout (load_vecs): vectors start at row offset 0
+// wherever the row sits, so its sums never depend on its address. The scalar tail (< 2 kVec elements, body_vecs) goes
+// to lanes 0, 1, ... of the last segment, before its vectors.
 template <typename scalar_t, typename label_t, bool kWithT, bool kGather>
 __global__ void __launch_bounds__(kThreads) fused_logp_fwd_kernel(const FwdParams<label_t> p) {
   using E = Elem<scalar_t>;
@@ -461,9 +478,9 @@ __global__ void __launch_bounds__(kThreads) fused_logp_fwd_kernel(const FwdParam
   const float c_lo = static_cast<float>(c - static_cast<double>(c_hi));
   const int V = p.V;
   const scalar_t* x = reinterpret_cast<const scalar_t*>(p.logits) + row * p.row_stride;
-  const bool gather = kGather && (reinterpret_cast<uintptr_t>(x) & 15u) != 0;
-  const uint4* xv = reinterpret_cast<const uint4*>(x);  // dereferenced only when the row is aligned
-  const int nvec = V / kVec;
+  const int mis = kGather ? static_cast<int>(reinterpret_cast<uintptr_t>(x) & 15u) : 0;
+  const uint4* xa = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(x) - mis);
+  const int nvec = body_vecs(V, kVec);
   const int tail0 = nvec * kVec;
   const int seg0 = blockIdx.y * p.segs_per_block;
   const int nseg = min(p.segs_per_block, p.segments - seg0);
@@ -486,12 +503,12 @@ __global__ void __launch_bounds__(kThreads) fused_logp_fwd_kernel(const FwdParam
     int v = seg * p.seg_vecs + tid;
     for (; v + (kUnroll - 1) * kThreads < ve; v += kUnroll * kThreads) {
       uint4 r[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) r[u] = load_vec<scalar_t, kVec>(x, xv, v + u * kThreads, gather);
+      load_vecs(r, xa, v, mis);
       acc_update<E, kUnroll, kWithT>(A, r, c_hi, c_lo);
     }
     for (; v < ve; v += kThreads) {
-      const uint4 r[1] = {load_vec<scalar_t, kVec>(x, xv, v, gather)};
+      uint4 r[1];
+      load_vecs(r, xa, v, mis);
       acc_update<E, 1, kWithT>(A, r, c_hi, c_lo);
     }
     // Parked until the whole walk is done: no reduction (and no wait) between segments, loads keep streaming.
@@ -772,7 +789,7 @@ struct FwdPlan {
 };
 FwdPlan plan_forward(int64_t N, int64_t V, int vec) {
   constexpr int64_t unit = static_cast<int64_t>(kUnroll) * kThreads;
-  const int64_t nvec = V / vec;
+  const int64_t nvec = body_vecs(static_cast<int>(V), vec);
   const int64_t want = std::clamp<int64_t>(V / FUSED_LOGP_SEGMENT_ELEMS, 1, FUSED_LOGP_MAX_SEGMENTS);
   const int64_t seg_vecs = std::max<int64_t>(unit, ceil_div(ceil_div(nvec, want), unit) * unit);
   const int64_t segments = std::max<int64_t>(1, ceil_div(nvec, seg_vecs));
