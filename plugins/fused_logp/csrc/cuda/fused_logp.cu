@@ -783,7 +783,8 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // The forward's segments: about SEGMENT_ELEMS logits each, at most MAX_SEGMENTS, each but the last a whole number of
 // unrolled block iterations (kUnroll x kThreads vectors: a lane's vectors group the same way in every segment, and
 // only the last segment has a remainder), all from V and the vector width alone. Then the execution: consecutive
-// segments per block, all of them (one block per row) when the rows fill the GPU, else as few as make enough blocks.
+// segments per block: all of them (one block per row) when the rows fill the GPU, else fewer, so that the blocks fill
+// it (down to one segment per block).
 struct FwdPlan {
   int segments, seg_vecs, segs_per_block, blocks_per_row;
 };
