@@ -4,12 +4,13 @@ memory floor from the copy bandwidth measured in the same run, and peers where i
     python bench/bench_fused_logp.py [--json PATH] [--quick] [--no-compile]
     python bench/bench_fused_logp.py --invariant-ab [--json PATH]
 
---invariant-ab: default vs batch_invariant=True at the issue-25 shapes (N = 16384 and 1024, V = 151936 and 32000; and
-N = 16384, V = 32001, whose rows are not 16-byte aligned), alternating rounds in one run, medians, ratios invariant /
-default and the floors; plus whether 5 probe tokens keep their bits between a batch of 5 and the benchmark batch in
-each mode (informational; the tests assert it). The forward is one kernel in both modes, so its cost against the
-previous default needs another build in the same call: ``bench/ab.py --variant main=SITE -- bench/bench_fused_logp.py
---invariant-ab`` (rows are labelled by shape, timings ``default_fwd_ms`` etc.).
+--invariant-ab: default vs batch_invariant=True at the issue-25 shapes (N = 16384 and 1024, V = 151936 and 32000; and N
+= 16384, V = 32001, whose rows are not 16-byte aligned; N = 5: latency, data in L2, the floor meaningless), alternating
+rounds in one run, medians, ratios invariant / default and the floors; plus whether 5 probe tokens keep their bits
+between a batch of 5 and the benchmark batch in each mode (informational; the tests assert it). The forward is one
+kernel in both modes, so its cost against the previous default needs another build in the same call: ``bench/ab.py
+--variant main=SITE -- bench/bench_fused_logp.py --invariant-ab`` (rows are labelled by shape, timings
+``default_fwd_ms`` etc.).
 
 Timing: triton.testing.do_bench median; data larger than L2; fresh randn*3 bf16 logits per shape.
 Floor: fwd reads logits once; fwd+bwd reads them twice and writes the gradient once (bytes / copy bandwidth).
@@ -152,7 +153,7 @@ def bench_shape(n, v, bw, peers, results):
     free()
 
 
-INVARIANT_AB_SHAPES = [(16384, 151936), (1024, 151936), (16384, 32000), (1024, 32000), (16384, 32001)]
+INVARIANT_AB_SHAPES = [(16384, 151936), (1024, 151936), (16384, 32000), (1024, 32000), (16384, 32001), (5, 151936)]
 AB_ROUNDS = 3
 
 
