@@ -155,14 +155,15 @@ def test_gpu_logits_unaligned_rows(v, pad, dtype):
     check_logits_invariance(v, dtype, "cuda", (1, 7, 64, 1500, 16384), row_pad=pad)
 
 
-@pytest.mark.parametrize("v", [32000, 151936])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("v, dtype", [(151936, torch.bfloat16), (151936, torch.float32), (32000, torch.bfloat16)],
+                         ids=str)
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device; none is visible")
 def test_gpu_logits_default_mode(v, dtype):
-    """The default mode: the forward is invariant (every execution, one block per row or per segment, reduces a row by
-    the same tree), and so is the default backward on aligned rows."""
-    assert check_logits_invariance(v, dtype, "cuda", GPU_BATCHES, invariant=False) > 0
+    """The default mode: the forward is invariant (every execution, one block per segment, two segments per block, one
+    block per row, reduces a row by the same tree), and so is the default backward on aligned rows. Up to 16384 rows
+    (one block per row from 2 waves on: 65536 adds time, not a case)."""
+    assert check_logits_invariance(v, dtype, "cuda", GPU_BATCHES[:-1], invariant=False) > 0
 
 
 @pytest.mark.gpu
