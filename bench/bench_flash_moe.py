@@ -2,10 +2,12 @@
 ``prime_kernels_flash_moe.ops.moe``, against the grouped-mm expert path (argsort permute -> torch._grouped_mm gate/up
 -> silu * up -> grouped_mm down -> weighted index_add) and the bf16 matmul ceiling, all measured in the same run.
 
-    python bench/bench_flash_moe.py [--json PATH] [--quick] [--mxfp8-only]
+    python bench/bench_flash_moe.py [--json PATH] [--quick] [--mxfp8-only] [--no-mxfp8] [--shapes NAME,NAME]
 
 Timing: triton.testing.do_bench median. FLOPs = 2 T k dim 2 hidden + 2 T k hidden dim (forward); forward+backward
-counts 3x that plus the recomputed gate/up (2 T k dim 2 hidden). Routing: uniform random top-k ids, softmax weights.
+counts 3x that plus the recomputed gate/up (2 T k dim 2 hidden). The backward alone (autograd.grad on a kept graph,
+both paths) is reported in model FLOPs (2x the forward's: the recomputation not counted, so the TFLOP/s of both paths
+compare). Routing: uniform random top-k ids, softmax weights. ``sonicmoe-7b``: SonicMoE's fine-grained 7B shape.
 
 mxfp8 rows (DeepSeek-V3 and Qwen3-30B-A3B): ``moe(mxfp8=True)`` forward (x quantized per call, weights cached;
 both with one exponent per 128 of K), the ``fused_moe_mxfp8`` op on pre-quantized operands with those shared
@@ -28,6 +30,7 @@ SHAPES = [
     ("mixtral", 8192, 8, 2, 4096, 14336),
     ("qwen3-30b-a3b T=1024", 1024, 128, 8, 2048, 768),
     ("qwen3-30b-a3b T=65536", 65536, 128, 8, 2048, 768),
+    ("sonicmoe-7b", 24576, 128, 8, 1536, 256),
 ]
 TARGETS = {"qwen3-30b-a3b": 2.0, "deepseek-v3": 1.6, "mixtral": 1.3}
 MXFP8_SHAPES = [
@@ -106,6 +109,8 @@ def main():
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true", help="the three main shapes, forward only at T=65536")
     parser.add_argument("--mxfp8-only", action="store_true", help="only the mxfp8 rows (and both ceilings)")
+    parser.add_argument("--no-mxfp8", action="store_true", help="skip the mxfp8 rows")
+    parser.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
     args = parser.parse_args()
     import prime_kernels
     from prime_kernels_flash_moe.reference import moe_grouped_mm
@@ -113,11 +118,15 @@ def main():
     ops = prime_kernels.load("flash_moe")
     ceiling = matmul_ceiling()
     print(f"bf16 matmul ceiling 8192^3: {ceiling / 1e12:.0f} TFLOP/s")
-    fp8_peak = fp8_ceiling()
-    print(f"fp8 (e4m3 torch._scaled_mm) ceiling 8192^3: {fp8_peak / 1e12:.0f} TFLOP/s")
+    fp8_peak = None if args.no_mxfp8 else fp8_ceiling()
+    if fp8_peak is not None:
+        print(f"fp8 (e4m3 torch._scaled_mm) ceiling 8192^3: {fp8_peak / 1e12:.0f} TFLOP/s")
     summary = []
-    mxfp8_rows = bench_mxfp8(ops, fp8_peak, ceiling)
-    for name, T, E, k, dim, hidden in [] if args.mxfp8_only else SHAPES[:3] if args.quick else SHAPES:
+    mxfp8_rows = [] if args.no_mxfp8 else bench_mxfp8(ops, fp8_peak, ceiling)
+    shapes = [] if args.mxfp8_only else SHAPES[:3] if args.quick else SHAPES
+    if args.shapes:
+        shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
+    for name, T, E, k, dim, hidden in shapes:
         flops = 2 * T * k * dim * 2 * hidden + 2 * T * k * hidden * dim
         row = {"shape": name, "T": T, "E": E, "top_k": k, "dim": dim, "hidden": hidden}
         with torch.no_grad():
@@ -142,9 +151,15 @@ def main():
             fb = do_bench(lambda: ops.moe(*p).backward(go), grad_to_none=leaves)
             fb_saved = do_bench(lambda: ops.moe(*p, recompute_gate_up=False).backward(go), grad_to_none=leaves)
             fb_peer = do_bench(lambda: moe_grouped_mm(*p).backward(go), grad_to_none=leaves)
+            out, out_peer = ops.moe(*p), moe_grouped_mm(*p)
+            bwd = do_bench(lambda: torch.autograd.grad(out, leaves, go, retain_graph=True))
+            bwd_peer = do_bench(lambda: torch.autograd.grad(out_peer, leaves, go, retain_graph=True))
+            del out, out_peer
             row.update(fwd_bwd_ms=fb, fwd_bwd_saved_ms=fb_saved, peer_fwd_bwd_ms=fb_peer, fwd_bwd_speedup=fb_peer / fb,
                        fwd_bwd_saved_speedup=fb_peer / fb_saved,
-                       fwd_bwd_tflops=(3 * flops + 2 * T * k * dim * 2 * hidden) / fb / 1e9)
+                       fwd_bwd_tflops=(3 * flops + 2 * T * k * dim * 2 * hidden) / fb / 1e9,
+                       bwd_ms=bwd, peer_bwd_ms=bwd_peer, bwd_speedup=bwd_peer / bwd, bwd_tflops=2 * flops / bwd / 1e9,
+                       peer_bwd_tflops=2 * flops / bwd_peer / 1e9, floor_bwd_ms=2 * flops / ceiling * 1e3)
             del p, go, leaves
             free()
         row["ceiling_tflops"] = ceiling / 1e12
@@ -153,10 +168,14 @@ def main():
               f" align {align:6.3f}) | grouped-mm {peer:7.3f} ms ({row['peer_fwd_tflops']:5.0f}) | x{row['fwd_speedup']:.2f}"
               f" (target {row['target']})" + (f" | fwd+bwd {row['fwd_bwd_ms']:7.3f} vs {row['peer_fwd_bwd_ms']:7.3f} ms"
                                                f" x{row['fwd_bwd_speedup']:.2f}; saved g|u {row['fwd_bwd_saved_ms']:7.3f}"
-                                               f" x{row['fwd_bwd_saved_speedup']:.2f}" if "fwd_bwd_ms" in row else ""))
+                                               f" x{row['fwd_bwd_saved_speedup']:.2f} | bwd {row['bwd_ms']:7.3f} "
+                                               f"({row['bwd_tflops']:5.0f} TFLOP/s) vs {row['peer_bwd_ms']:7.3f} ms "
+                                               f"({row['peer_bwd_tflops']:5.0f}) x{row['bwd_speedup']:.2f}, floor "
+                                               f"{row['floor_bwd_ms']:.3f} ms at the {ceiling / 1e12:.0f} TFLOP/s "
+                                               f"ceiling" if "fwd_bwd_ms" in row else ""))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"ceiling_tflops": ceiling / 1e12, "fp8_ceiling_tflops": fp8_peak / 1e12, "summary": summary,
+            json.dump({"ceiling_tflops": ceiling / 1e12, "fp8_ceiling_tflops": fp8_peak and fp8_peak / 1e12, "summary": summary,
                        "mxfp8": mxfp8_rows}, f, indent=2)
 
 

@@ -271,6 +271,32 @@ inline void check_out(const char* op, const at::Tensor& out, const MoeShape& s, 
   TORCH_CHECK(out.device() == x.device(), op, ": out must be on x's device ", x.device(), ", got ", out.device());
 }
 
+// moe_grad_gate_up: grad_out (M, dim) bf16, w2 (E, dim, hidden) bf16, gate_up (M * top_k, 2 hidden) bf16 (what
+// moe_gate_up returns), the alignment, topk_weights (M, top_k) float32, all on grad_out's device.
+inline MoeShape check_grad_gate_up_args(const char* op, const at::Tensor& grad_out, const at::Tensor& w2,
+                                        const at::Tensor& gate_up, const at::Tensor& sorted_token_ids,
+                                        const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
+                                        const at::Tensor& topk_weights, int64_t top_k, int64_t block_m) {
+  TORCH_CHECK(w2.scalar_type() == at::kBFloat16, op, ": w2 must be bfloat16, got ", w2.scalar_type());
+  TORCH_CHECK(w2.dim() == 3, op, ": w2 must be 3-D (E, dim, hidden), got shape ", w2.sizes());
+  TORCH_CHECK(grad_out.scalar_type() == at::kBFloat16, op, ": grad_out must be bfloat16, got ",
+              grad_out.scalar_type());
+  TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(1) == w2.size(1), op,
+              ": grad_out must be 2-D (M, dim) with dim = w2's second dimension ", w2.size(1), ", got shape ",
+              grad_out.sizes());
+  // the gate/up argument checks on w2's (E, hidden, dim) view: grad_out plays x's part
+  const auto w2_t = w2.transpose(1, 2);
+  const MoeShape s = check_moe_args(op, grad_out, w2_t, w2_t, &w2, sorted_token_ids, expert_ids,
+                                    num_tokens_post_padded, &topk_weights, top_k, block_m, "w2 (as (E, hidden, dim))");
+  TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16 && gate_up.dim() == 2 && gate_up.size(0) == s.M * top_k &&
+                  gate_up.size(1) == 2 * s.hidden,
+              op, ": gate_up must be bfloat16 of shape (M * top_k, 2 * hidden) = (", s.M * top_k, ", ", 2 * s.hidden,
+              "), got ", gate_up.scalar_type(), " of shape ", gate_up.sizes());
+  TORCH_CHECK(gate_up.device() == grad_out.device(), op, ": gate_up must be on grad_out's device ", grad_out.device(),
+              ", got ", gate_up.device());
+  return s;
+}
+
 // swiglu_backward: gate_up (S, 2 hidden) bf16, grad_h (S, hidden) bf16, row_weights (S) float32, valid (S) bool, all
 // on one device; returns hidden.
 inline int64_t check_swiglu_backward_args(const at::Tensor& gate_up, const at::Tensor& grad_h,

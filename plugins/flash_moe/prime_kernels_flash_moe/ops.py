@@ -119,6 +119,15 @@ def _(gate_up, grad_h, row_weights, valid):
             row_weights.new_empty(row_weights.shape))
 
 
+@torch.library.register_fake("flash_moe::moe_grad_gate_up")
+def _(grad_out, w2, gate_up, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k, block_m):
+    M, _, hidden, _ = checks.check_grad_gate_up_args("moe_grad_gate_up", grad_out, w2, gate_up, sorted_token_ids,
+                                                     expert_ids, num_tokens_post_padded, topk_weights, top_k,
+                                                     block_m, CONSTANTS)
+    rows = grad_out.new_empty((M * top_k, hidden))
+    return rows, rows.new_empty(rows.shape), rows.new_empty(rows.shape), topk_weights.new_empty((M, top_k))
+
+
 @torch.library.register_fake("flash_moe::quantize_mxfp8")
 def _(t, block):
     checks.check_quantize_args(t, block)
@@ -165,7 +174,7 @@ def _forward_only(op_name: str, use_instead: str) -> None:
 for _op_name in ("moe_forward", "moe_forward_mxfp8"):
     _forward_only(_op_name, "for gradients call prime_kernels_flash_moe.ops.moe (the same forward, with a closed-form "
                             "backward)")
-for _op_name in ("moe_gate_up", "swiglu_backward"):
+for _op_name in ("moe_gate_up", "swiglu_backward", "moe_grad_gate_up"):
     _forward_only(_op_name, "it is a piece of prime_kernels_flash_moe.ops.moe's closed-form backward, which is "
                             "first-order only (no double backward)")
 _forward_only("quantize_mxfp8", "rounding to mxfp8 has none; prime_kernels_flash_moe.ops.moe(mxfp8=True) passes "
@@ -449,10 +458,11 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     """(grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw): the gradients of (x, w1, w2, w3, topk_ids, topk_weights).
 
     Per routed slot s (token t, expert e, weight p): g | u = x_t [W1; W3]^T recomputed by the fused gate/up kernel
-    (``moe_gate_up``) unless the forward kept it (``gate_up``), grad_h = grad_out_t W2[e] (unweighted), then ``swiglu_backward`` gives dg, du, p h and
-    dL/dp = grad_h . h in one pass; the weight and input gradients are grouped GEMMs over the slots sorted by expert.
-    When w2's gradient alone is needed, the grad_h GEMM is skipped (dW2 takes p h only). dx is summed over a token's
-    top_k slots in k order in fp32 (deterministic in both modes).
+    (``moe_gate_up``) unless the forward kept it (``gate_up``); ``moe_grad_gate_up`` (one GEMM kernel on CUDA) forms
+    grad_h = grad_out_t W2[e] (unweighted, fp32, never stored) and from it dg, du, p h and dL/dp = grad_h . h; the
+    weight and input gradients are grouped GEMMs over the slots sorted by expert. When w2's gradient alone is needed,
+    the grad_h GEMM is skipped (``swiglu_backward`` on zeros gives p h). dx is summed over a token's top_k slots in k
+    order in fp32 (deterministic in both modes).
     """
     need_x, need_w1, need_w2, need_w3, _, need_tw = needs
     T, dim = x.shape
@@ -471,19 +481,18 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
 
     if gate_up is None:
         gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, BLOCK_M)
-    go = grad_out.to(x.dtype)[tok]
-    if need_x or need_w1 or need_w3 or need_tw:
-        grad_h = _gmm(go, w2, offs)  # rows past offs[-1] are not written: swiglu_backward masks them with `ok`
-    else:  # w2's gradient alone takes only p h, which swiglu_backward computes without reading grad_h
-        grad_h = go.new_zeros(S, w2.shape[2])
-    grad_gate, grad_up, weighted_h, grad_p = torch.ops.flash_moe.swiglu_backward(gate_up, grad_h,
-                                                                                 tw.reshape(-1)[order], ok)
     grad_tw = grad_x = grad_w1 = grad_w2 = grad_w3 = None
-    if need_tw:
-        grad_tw = torch.zeros(S, dtype=torch.float32, device=x.device).index_copy_(0, order, grad_p)
-        grad_tw = grad_tw.view(T, top_k).to(tw_dtype)
+    go = grad_out.to(x.dtype)
+    if need_x or need_w1 or need_w3 or need_tw:
+        grad_gate, grad_up, weighted_h, grad_p = torch.ops.flash_moe.moe_grad_gate_up(go, w2, gate_up, *align, tw,
+                                                                                      top_k, BLOCK_M)
+        if need_tw:
+            grad_tw = grad_p.to(tw_dtype)
+    else:  # w2's gradient alone takes only p h, which swiglu_backward computes without reading grad_h
+        _, _, weighted_h, _ = torch.ops.flash_moe.swiglu_backward(gate_up, go.new_zeros(S, w2.shape[2]),
+                                                                  tw.reshape(-1)[order], ok)
     if need_w2:
-        grad_w2 = _gmm(go.t(), weighted_h, offs)
+        grad_w2 = _gmm(go[tok].t(), weighted_h, offs)
     if need_w1 or need_w3:
         xs = x[tok]
         grad_w1 = _gmm(grad_gate.t(), xs, offs) if need_w1 else None
