@@ -91,6 +91,45 @@ def bench_mxfp8(ops, fp8_peak, bf16_peak):
     return rows
 
 
+def bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling):
+    """Each piece of moe()'s backward alone (same inputs, default recompute mode), beside what it replaced: grad_h by
+    torch._grouped_mm + swiglu_backward, dx by two grouped GEMMs + the slot sum. TFLOP/s in each piece's own FLOPs."""
+    from prime_kernels_flash_moe.ops import _gmm
+
+    x, w1, w2, w3, ids, tw = problem(T, E, k, dim, hidden)
+    go = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
+    align = ops.moe_align(ids, E, block_align=ops.CONSTANTS["CLUSTER_BLOCKS"])
+    S = T * k
+    order = torch.sort(ids.reshape(-1).long(), stable=True).indices
+    offs = torch.cumsum(torch.bincount(ids.reshape(-1).long(), minlength=E), 0).to(torch.int32)
+    tok = order // k
+    with torch.no_grad():
+        gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, k, ops.BLOCK_M)
+        dg, du, ph, _ = torch.ops.flash_moe.moe_grad_gate_up(go, w2, gate_up, *align, tw, k, ops.BLOCK_M)
+        ok = torch.ones(S, dtype=torch.bool, device="cuda")
+        parts = {
+            "recompute gate_up": (lambda: torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, k, ops.BLOCK_M), 2),
+            "dH+swiglu (fused)": (lambda: torch.ops.flash_moe.moe_grad_gate_up(go, w2, gate_up, *align, tw, k,
+                                                                            ops.BLOCK_M), 1),
+            "dH+swiglu (gmm+pass)": (lambda: torch.ops.flash_moe.swiglu_backward(
+                gate_up, _gmm(go[tok], w2, offs), tw.reshape(-1)[order], ok), 1),
+            "dX atomic (fused)": (lambda: torch.ops.flash_moe.moe_grad_x(dg, du, w1, w3, *align, k, ops.BLOCK_M,
+                                                                       False), 2),
+            "dX k-order (fused)": (lambda: torch.ops.flash_moe.moe_grad_x(dg, du, w1, w3, *align, k, ops.BLOCK_M,
+                                                                        True), 2),
+            "dX (2 gmm + sum)": (lambda: dg.new_empty(S, dim).index_copy_(
+                0, order, _gmm(dg, w1, offs) + _gmm(du, w3, offs)).view(T, k, dim).sum(1, dtype=torch.float32), 2),
+            "dW1+dW3 (gather+2 gmm)": (lambda: (_gmm(dg.t(), x[tok], offs), _gmm(du.t(), x[tok], offs)), 2),
+            "dW2 (gather+gmm)": (lambda: _gmm(go[tok].t(), ph, offs), 1),
+        }
+        for part, (fn, units) in parts.items():
+            ms = do_bench(fn)
+            tflops = 2 * S * dim * hidden * units / ms / 1e9
+            print(f"  {name:22s} {part:24s} {ms:7.3f} ms {tflops:5.0f} TFLOP/s (ceiling {ceiling / 1e12:.0f})")
+    del x, w1, w2, w3, gate_up, dg, du, ph
+    free()
+
+
 def problem(T, E, k, dim, hidden, grad=False):
     x = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
     w1 = torch.randn(E, hidden, dim, device="cuda", dtype=torch.bfloat16) / dim**0.5
@@ -111,6 +150,7 @@ def main():
     parser.add_argument("--mxfp8-only", action="store_true", help="only the mxfp8 rows (and both ceilings)")
     parser.add_argument("--no-mxfp8", action="store_true", help="skip the mxfp8 rows")
     parser.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
+    parser.add_argument("--parts", action="store_true", help="time each piece of the backward alone first")
     args = parser.parse_args()
     import prime_kernels
     from prime_kernels_flash_moe.reference import moe_grouped_mm
@@ -126,6 +166,8 @@ def main():
     shapes = [] if args.mxfp8_only else SHAPES[:3] if args.quick else SHAPES
     if args.shapes:
         shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
+    for name, T, E, k, dim, hidden in shapes if args.parts else []:
+        bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling)
     for name, T, E, k, dim, hidden in shapes:
         flops = 2 * T * k * dim * 2 * hidden + 2 * T * k * hidden * dim
         row = {"shape": name, "T": T, "E": E, "top_k": k, "dim": dim, "hidden": hidden}

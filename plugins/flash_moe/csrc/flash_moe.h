@@ -297,6 +297,29 @@ inline MoeShape check_grad_gate_up_args(const char* op, const at::Tensor& grad_o
   return s;
 }
 
+// moe_grad_x: grad_gate, grad_up (M * top_k, hidden) bf16 (what moe_grad_gate_up returns), w1 / w3 (E, hidden, dim)
+// bf16, the alignment, all on grad_gate's device. M = rows / top_k.
+inline MoeShape check_grad_x_args(const char* op, const at::Tensor& grad_gate, const at::Tensor& grad_up,
+                                  const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& sorted_token_ids,
+                                  const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
+                                  int64_t top_k, int64_t block_m) {
+  TORCH_CHECK(top_k >= 1, op, ": top_k must be positive, got ", top_k);
+  TORCH_CHECK(w1.dim() == 3, op, ": w1/w3 must be 3-D expert weights (E, hidden, dim), got shape ", w1.sizes());
+  TORCH_CHECK(grad_gate.scalar_type() == at::kBFloat16 && grad_gate.dim() == 2 && grad_gate.size(0) % top_k == 0 &&
+                  grad_gate.size(1) == w1.size(1),
+              op, ": grad_gate must be bfloat16 of shape (M * top_k, hidden) with hidden = w1's second dimension ",
+              w1.size(1), ", got ", grad_gate.scalar_type(), " of shape ", grad_gate.sizes());
+  TORCH_CHECK(grad_up.scalar_type() == at::kBFloat16 && grad_up.sizes() == grad_gate.sizes(), op,
+              ": grad_up must be bfloat16 of grad_gate's shape ", grad_gate.sizes(), ", got ", grad_up.scalar_type(),
+              " of shape ", grad_up.sizes());
+  TORCH_CHECK(grad_up.device() == grad_gate.device(), op, ": grad_up must be on grad_gate's device ",
+              grad_gate.device(), ", got ", grad_up.device());
+  // the gate/up argument checks with a stand-in for x (M, dim) on grad_gate's device: no memory behind it
+  const auto x = at::empty({1, 1}, grad_gate.options()).expand({grad_gate.size(0) / top_k, w1.size(2)});
+  return check_moe_args(op, x, w1, w3, nullptr, sorted_token_ids, expert_ids, num_tokens_post_padded, nullptr, top_k,
+                        block_m, "w1/w3");
+}
+
 // swiglu_backward: gate_up (S, 2 hidden) bf16, grad_h (S, hidden) bf16, row_weights (S) float32, valid (S) bool, all
 // on one device; returns hidden.
 inline int64_t check_swiglu_backward_args(const at::Tensor& gate_up, const at::Tensor& grad_h,

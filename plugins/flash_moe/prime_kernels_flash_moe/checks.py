@@ -269,3 +269,22 @@ def check_grad_gate_up_args(op, grad_out, w2, gate_up, sorted_token_ids, expert_
     require(gate_up.device == grad_out.device,
             f"{op}: gate_up must be on grad_out's device {grad_out.device}, got {gate_up.device}")
     return shape
+
+
+def check_grad_x_args(op, grad_gate, grad_up, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
+                      block_m, constants):
+    """check_grad_x_args: returns (M, dim, hidden, E)."""
+    require(top_k >= 1, f"{op}: top_k must be positive, got {top_k}")
+    require(w1.dim() == 3, f"{op}: w1/w3 must be 3-D expert weights (E, hidden, dim), got shape {_shape(w1)}")
+    require(grad_gate.dtype == torch.bfloat16 and grad_gate.dim() == 2 and grad_gate.shape[0] % top_k == 0
+            and grad_gate.shape[1] == w1.shape[1],
+            f"{op}: grad_gate must be bfloat16 of shape (M * top_k, hidden) with hidden = w1's second dimension "
+            f"{w1.shape[1]}, got {_name(grad_gate.dtype)} of shape {_shape(grad_gate)}")
+    require(grad_up.dtype == torch.bfloat16 and grad_up.shape == grad_gate.shape,
+            f"{op}: grad_up must be bfloat16 of grad_gate's shape {_shape(grad_gate)}, got {_name(grad_up.dtype)} of "
+            f"shape {_shape(grad_up)}")
+    require(grad_up.device == grad_gate.device,
+            f"{op}: grad_up must be on grad_gate's device {grad_gate.device}, got {grad_up.device}")
+    x = grad_gate.new_empty(1, 1).expand(grad_gate.shape[0] // top_k, w1.shape[2])
+    return check_moe_args(op, x, w1, w3, None, sorted_token_ids, expert_ids, num_tokens_post_padded, None, top_k,
+                          block_m, "w1/w3", constants)

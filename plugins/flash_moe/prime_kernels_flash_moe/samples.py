@@ -61,9 +61,13 @@ def op_samples(kernel, device):
 
 
 def grad_gate_up_samples(ops, x, w1, w2, w3, tw, align, top_k):
+    """The backward's dH op, and dx from its d(gate|up) rows (both combine orders)."""
     gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, ops.BLOCK_M)
     grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(8)).to(x.dtype).to(x.device)
-    return [("moe_grad_gate_up", (grad_out, w2, gate_up, *align, tw, top_k, ops.BLOCK_M), {})]
+    dg, du, _, _ = torch.ops.flash_moe.moe_grad_gate_up(grad_out, w2, gate_up, *align, tw, top_k, ops.BLOCK_M)
+    return [("moe_grad_gate_up", (grad_out, w2, gate_up, *align, tw, top_k, ops.BLOCK_M), {}),
+            ("moe_grad_x", (dg, du, w1, w3, *align, top_k, ops.BLOCK_M, False), {}),
+            ("moe_grad_x", (dg, du, w1, w3, *align, top_k, ops.BLOCK_M, True), {})]
 
 
 def swiglu_backward_samples(device, rows=7, hidden=64):

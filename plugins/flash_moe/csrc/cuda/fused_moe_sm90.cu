@@ -22,6 +22,10 @@
 //   boxes; wgmma's transposed-B form); the epilogue takes g | u of the slot's compact row and writes the SwiGLU
 //   derivative (dg, du, p h) and each slot's partial <grad_h, h> over the tile's columns (summed over the column
 //   tiles afterwards in a fixed order: deterministic). grad_h itself never reaches memory.
+// Kernel 4 (the backward's dX, moe_grad_x): persistent like down; A = the block's rows of dg, then of du (compact rows
+//   through dst_rows, K = 2 hidden), B = w1[e], then w3[e], N-major as in kernel 3 (they are (hidden, dim): K =
+//   hidden, N = dim); the epilogue adds the fp32 result into dx [M, dim] with float2 atomics (DX_ATOMIC) or stores
+//   it as bf16 per slot (DX_SLOTS: summed over a token's slots in k order afterwards, bitwise reproducible).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -85,7 +89,15 @@ constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + 2
 // dst_rows[padded row] of a compact [routed slots, 2 hidden] tensor instead of h.
 // GATE_UP_SAVE: the backward's recomputation; GATE_UP_AND_SAVE: the forward keeping g | u for the backward.
 // DH_SWIGLU: the backward's grad_h = grad_out W2 with the SwiGLU derivative in the epilogue (kernel 3 above).
-enum Mode : int { GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2, GATE_UP_SAVE = 3, GATE_UP_AND_SAVE = 4, DH_SWIGLU = 5 };
+// DX_ATOMIC, DX_SLOTS: the backward's dx (kernel 4 above).
+enum Mode : int {
+  GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2, GATE_UP_SAVE = 3, GATE_UP_AND_SAVE = 4, DH_SWIGLU = 5, DX_ATOMIC = 6,
+  DX_SLOTS = 7
+};
+// The GEMMs whose K is the hidden size run persistent (one CTA per SM walking claimed tiles): see moe_gemm_kernel.
+constexpr bool persistent_mode(int mode) {
+  return mode == DOWN_ATOMIC || mode == DOWN_SLOTS || mode == DX_ATOMIC || mode == DX_SLOTS;
+}
 // DH_SWIGLU's B tile: N-major atoms of 64 columns (128 bytes of bf16, the 128-byte swizzle's row), one TMA box each.
 constexpr int MN_ATOM = 64;
 constexpr int MN_ATOMS = BN / MN_ATOM;
@@ -128,6 +140,9 @@ struct Params {
   __nv_bfloat16* grad_up;
   __nv_bfloat16* weighted_h;
   float* dot_partials;
+  // DX_*: A's second half (du rows; `a` holds dg's), K tiles per half; tm_b0 / tm_b1 map w1 / w3
+  const __nv_bfloat16* a2;
+  int k_half;
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -176,13 +191,16 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   constexpr bool kGateUp = MODE == GATE_UP || MODE == GATE_UP_SAVE || MODE == GATE_UP_AND_SAVE;
   constexpr bool kDh = MODE == DH_SWIGLU;
   constexpr bool kGather = kGateUp || kDh;  // A rows gathered from a [tokens, dim] tensor, K = dim
+  constexpr bool kDx = MODE == DX_ATOMIC || MODE == DX_SLOTS;
+  constexpr bool kMajorN = kDh || kDx;  // B read N-major (wgmma's transposed B)
   // The down GEMMs run persistent: one CTA per SM, its producer filling the ring with the next tile while the
   // consumers finish the last: their K (hidden: 12 k tiles at Qwen3, 32 at DeepSeek-V3) is too short to hide a CTA's
   // launch, ring fill and epilogue. A CTA's first tile is blockIdx.x, the next ones are claimed from a counter, so the
   // tiles in flight stay close in raster order (the L2 reuse of the experts' weight tiles) and a CTA that drew cheap
   // tiles (padding) takes more: with a fixed stride, DeepSeek-V3's down GEMM took 6.7 ms instead of 4.5. The gate/up
   // GEMMs (K = dim) run one CTA per tile, in CTA pairs that share weight tiles; so does the backward's dH (K = dim).
-  constexpr bool kPersistent = !kGather;
+  constexpr bool kPersistent = persistent_mode(MODE);
+  static_assert(kPersistent == !kGather, "the gathering GEMMs (K = dim) run in CTA pairs, the others persistent");
   const int ntpp = __ldg(p.ntpp);
   // Persistent: the tiles of the live blocks (block * BM < num_tokens_post_padded, read here: no host sync) in raster
   // order; 32-bit tile numbers (the host keeps blocks x n_tiles below 2^31, so t + p.ctas cannot wrap).
@@ -274,34 +292,46 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       int block = 0, n_tile = 0;
       if (t >= 0) {
         raster(t, p.n_tiles, live, block, n_tile);
-        routing_row<BM, kGather>(p, block, threadIdx.x, a_rows + buf * BM, slot_rows + buf * BM);
+        if constexpr (kDx) {  // A's row: the slot's compact row of dg / du, -1 (zero-filled) for padding
+          const int row = block * BM + threadIdx.x;
+          const int slot = routed_slot(p, row);
+          const int compact = slot >= 0 ? p.dst_rows[row] : -1;
+          slot_rows[buf * BM + threadIdx.x] = slot;
+          a_rows[buf * BM + threadIdx.x] =
+              compact >= 0 && compact < p.dst_limit ? static_cast<int64_t>(compact) * p.lda : -1;
+        } else {
+          routing_row<BM, kGather>(p, block, threadIdx.x, a_rows + buf * BM, slot_rows + buf * BM);
+        }
       }
       mbar_arrive(rows_ready_bar(buf));  // the consumers read this thread's row (and the tile number) after it
       if (t < 0) break;                  // the consumers stop at the -1
       asm volatile("bar.sync 1, 128;\n" ::: "memory");  // each producer thread reads the others' rows below
       const int64_t* const a_row = a_rows + buf * BM;
       const int expert = __ldg(p.expert_ids + block);
-      // DH_SWIGLU: the expert's first w2 row (the k tile adds its rows); else its first row of this column tile
-      const int b_row = expert * p.b_rows_per_expert + (kDh ? 0 : n_tile * (kGateUp ? BN_GU : BN_DOWN));
+      // N-major B: the expert's first weight row (the k tile adds its rows); else its first row of this column tile
+      const int b_row = expert * p.b_rows_per_expert + (kMajorN ? 0 : n_tile * (kGateUp ? BN_GU : BN_DOWN));
       for (int kt = 0; kt < p.k_tiles; ++kt) {
         const uint32_t k = ks + kt;
         const int stage = acquire_stage<STAGES>(bars, k);
         const uint32_t st = base + stage * STAGE_BYTES;
-        const int kofs = kt * BK;
-        if (kDh && threadIdx.x == 0) {  // the B tile: MN_ATOMS boxes of w2 rows kofs.., 64 hidden columns each
+        // DX: the first k_half tiles read dg and w1, the others du and w3, each from its own K offset 0
+        const bool second = kDx && kt >= p.k_half;
+        const int kofs = (second ? kt - p.k_half : kt) * BK;
+        const __nv_bfloat16* const a_src = second ? p.a2 : p.a;
+        if (kMajorN && threadIdx.x == 0) {  // the B tile: MN_ATOMS boxes of weight rows kofs.., 64 columns each
           mbar_expect_tx(full_bar(stage), B_BYTES);  // paired: half the atoms from this CTA's copies, half the peer's
+          const CUtensorMap* map = second ? &p.tm_b1 : &p.tm_b0;
           constexpr int per_cta = MN_ATOMS / kPairCtas;
           for (int q = paired ? rank * per_cta : 0; q < (paired ? (rank + 1) * per_cta : MN_ATOMS); ++q) {
             const uint32_t dst = st + A_BYTES + q * (B_BYTES / MN_ATOMS);
             if (paired) {
-              tma_load_2d_multicast(dst, &p.tm_b0, full_bar(stage), n_tile * BN + q * MN_ATOM, b_row + kofs,
-                                    kPairMask);
+              tma_load_2d_multicast(dst, map, full_bar(stage), n_tile * BN + q * MN_ATOM, b_row + kofs, kPairMask);
             } else {
-              tma_load_2d(dst, &p.tm_b0, full_bar(stage), n_tile * BN + q * MN_ATOM, b_row + kofs);
+              tma_load_2d(dst, map, full_bar(stage), n_tile * BN + q * MN_ATOM, b_row + kofs);
             }
           }
         }
-        if (!kDh && threadIdx.x == 0) {  // the B tile: two TMA boxes (GATE_UP: gate rows, then the same up rows)
+        if (!kMajorN && threadIdx.x == 0) {  // the B tile: two TMA boxes (GATE_UP: gate rows, then the same up rows)
           mbar_expect_tx(full_bar(stage), B_BYTES);  // paired: half from this CTA's copy, half from the peer's
           const CUtensorMap* box1 = kGateUp ? &p.tm_b1 : &p.tm_b0;
           const int row1 = kGateUp ? b_row : b_row + B_BOX_ROWS;
@@ -316,7 +346,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
 #pragma unroll
         for (int r = 0; r < BM / 16; ++r) {
           const int64_t off = a_row[r0 + 16 * r];
-          cp_async_16(st + swz(r0 + 16 * r, c), p.a + (off >= 0 ? off + kofs + c * 8 : 0), off >= 0 ? 16u : 0u);
+          cp_async_16(st + swz(r0 + 16 * r, c), a_src + (off >= 0 ? off + kofs + c * 8 : 0), off >= 0 ? 16u : 0u);
         }
         cp_async_mbar_arrive_noinc(full_bar(stage));  // fires when this thread's copies of the stage have landed
       }
@@ -361,12 +391,12 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         const uint32_t st = base + ring.stage * STAGE_BYTES;
         // K-major tiles advance 16 K (32 bytes) per wgmma; DH_SWIGLU's N-major B 16 K rows (2048 bytes)
         const uint64_t da = smem_desc(st + a_off);
-        const uint64_t db = kDh ? smem_desc_mn(st + A_BYTES, B_BYTES / MN_ATOMS) : smem_desc(st + A_BYTES);
+        const uint64_t db = kMajorN ? smem_desc_mn(st + A_BYTES, B_BYTES / MN_ATOMS) : smem_desc(st + A_BYTES);
         fence_acc(acc);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
-          if constexpr (kDh) {
+          if constexpr (kMajorN) {
             wgmma_m64n256k16_bf16_bn(acc, da + 2 * kk, db + kk * (16 * 128 >> 4), (kt > 0 || kk > 0) ? 1 : 0);
           } else {
             wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
@@ -430,7 +460,11 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         if constexpr (!kGather) {
           const int slot = slot_of[lr];
           if (slot < 0) continue;
-          store_down_row<BN_DOWN, MODE == DOWN_ATOMIC>(p, acc, h, quad, slot, n_tile * BN_DOWN);
+          if constexpr (kDx) {  // dx: unweighted (dg and du carry the slot weight)
+            store_down_row<BN_DOWN, MODE == DX_ATOMIC, false>(p, acc, h, quad, slot, n_tile * BN_DOWN);
+          } else {
+            store_down_row<BN_DOWN, MODE == DOWN_ATOMIC>(p, acc, h, quad, slot, n_tile * BN_DOWN);
+          }
         }
       }
     }
@@ -444,7 +478,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
 }
 template <int MODE>
 void launch(const Params& p, int n_tiles, int64_t blocks, cudaStream_t stream) {
-  constexpr bool kPersistent = MODE == DOWN_ATOMIC || MODE == DOWN_SLOTS;  // as the kernel decides
+  constexpr bool kPersistent = persistent_mode(MODE);
   launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, SMEM_BYTES, kPersistent ? 1 : CLUSTER_BLOCKS, kPersistent>(
       p, n_tiles, blocks, stream);
 }
@@ -658,6 +692,68 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda
   return {grad_gate, grad_up, weighted_h, partials.sum(0).view({s.M, s.top_k})};
 }
 
+at::Tensor moe_grad_x_cuda(const at::Tensor& grad_gate, const at::Tensor& grad_up, const at::Tensor& w1_in,
+                           const at::Tensor& w3_in, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                           const at::Tensor& num_tokens_post_padded, int64_t top_k, int64_t block_m,
+                           bool deterministic) {
+  const char* op = "moe_grad_x";
+  const MoeShape s = check_grad_x_args(op, grad_gate, grad_up, w1_in, w3_in, sorted_token_ids, expert_ids,
+                                       num_tokens_post_padded, top_k, block_m);
+  const c10::cuda::CUDAGuard guard(grad_gate.device());
+  sm90::check_sm90(op, grad_gate);
+  const auto dg = grad_gate.contiguous(), du = grad_up.contiguous();
+  auto w1 = w1_in, w3 = w3_in;  // read in place when TMA can (whole 16-byte rows, whole rows between experts)
+  if (w1.stride(2) != 1 || w3.strides() != w1.strides() || w1.stride(1) % 8 != 0 || w1.stride(0) % w1.stride(1) != 0) {
+    w1 = w1.contiguous();
+    w3 = w3.contiguous();
+  }
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"grad_gate", &dg}, {"grad_up", &du},
+                         {"w1", &w1}, {"w3", &w3}}) {
+    check_cuda_operand(op, name, *t);
+  }
+  const auto sorted = sorted_token_ids.contiguous(), eids = expert_ids.contiguous();
+  at::Tensor result = deterministic ? at::zeros({s.M * s.top_k, s.dim}, dg.options())
+                                    : at::zeros({s.M, s.dim}, dg.options().dtype(at::kFloat));
+  sm90::Params p{};
+  const at::Tensor rows = compact_rows(p, sorted, s);
+  const auto tile_counter = at::zeros({1}, sorted.options().dtype(at::kInt));
+  if (s.blocks > 0 && s.M > 0) {
+    p.top_k = static_cast<int>(s.top_k);
+    p.num_experts = static_cast<int>(s.E);
+    p.num_slots = static_cast<int>(s.M * s.top_k);
+    p.sorted = sorted.const_data_ptr<int>();
+    p.expert_ids = eids.const_data_ptr<int>();
+    p.ntpp = num_tokens_post_padded.const_data_ptr<int>();
+    p.a = reinterpret_cast<const __nv_bfloat16*>(dg.const_data_ptr());
+    p.a2 = reinterpret_cast<const __nv_bfloat16*>(du.const_data_ptr());
+    p.lda = s.hidden;
+    p.b_rows_per_expert = static_cast<int>(w1.stride(0) / w1.stride(1));
+    // boxes of BK weight rows (K = hidden) x MN_ATOM dim columns (N, contiguous); columns past dim read as zeros
+    sm90::expert_weight_map(op, "w1", &p.tm_b0, w1, s.hidden, s.dim, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, sm90::BK,
+                            sm90::MN_ATOM);
+    sm90::expert_weight_map(op, "w3", &p.tm_b1, w3, s.hidden, s.dim, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, sm90::BK,
+                            sm90::MN_ATOM);
+    p.k_half = static_cast<int>(s.hidden / sm90::BK);
+    p.k_tiles = 2 * p.k_half;
+    p.n_total = static_cast<int>(s.dim);
+    p.ld_out = s.dim;
+    p.tile_counter = tile_counter.mutable_data_ptr<int>();
+    const int n_tiles = static_cast<int>((s.dim + sm90::BN_DOWN - 1) / sm90::BN_DOWN);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    if (deterministic) {
+      p.yslots = reinterpret_cast<__nv_bfloat16*>(result.mutable_data_ptr());
+      sm90::launch<sm90::DX_SLOTS>(p, n_tiles, s.blocks, stream);
+    } else {
+      p.acc32 = result.mutable_data_ptr<float>();
+      sm90::launch<sm90::DX_ATOMIC>(p, n_tiles, s.blocks, stream);
+    }
+  }
+  if (!deterministic) return result.to(at::kBFloat16);
+  // a token's slots summed in k order (fp32), the routed ones only
+  const auto ones = at::ones({s.M, s.top_k}, dg.options().dtype(at::kFloat));
+  return combine_in_k_order_cuda(result, ones, sorted, eids, num_tokens_post_padded, s);
+}
+
 void fused_moe_bf16_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w2,
                          const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                          const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, at::Tensor out,
@@ -702,4 +798,5 @@ TORCH_LIBRARY_IMPL(flash_moe, CUDA, m) {
   m.impl("moe_forward", &flash_moe::moe_forward_cuda);
   m.impl("moe_gate_up", &flash_moe::moe_gate_up_cuda);
   m.impl("moe_grad_gate_up", &flash_moe::moe_grad_gate_up_cuda);
+  m.impl("moe_grad_x", &flash_moe::moe_grad_x_cuda);
 }

@@ -172,12 +172,12 @@ __device__ __forceinline__ void fence_mbarrier_init() {
 }
 
 // The down GEMMs' epilogue for accumulator row h (0 or 1) of a consumer thread holding COLS columns of slot `slot`
-// (register 4 j + 2 h + e is column 8 j + 2 quad + e, from column n0): kAtomic adds topk_weight * y into the fp32
-// [M, dim] buffer with float2 reductions, else y is stored as bf16 to the slot's row.
-template <int COLS, bool kAtomic, class Params>
+// (register 4 j + 2 h + e is column 8 j + 2 quad + e, from column n0): kAtomic adds topk_weight * y (kWeighted; else
+// y) into the fp32 [M, dim] buffer with float2 reductions, else y is stored as bf16 to the slot's row.
+template <int COLS, bool kAtomic, bool kWeighted = true, class Params>
 __device__ __forceinline__ void store_down_row(const Params& p, const float* acc, int h, int quad, int slot, int n0) {
   if constexpr (kAtomic) {
-    const float w = __ldg(p.topk_weights + slot);
+    const float w = kWeighted ? __ldg(p.topk_weights + slot) : 1.f;
     float* dst = p.acc32 + static_cast<int64_t>(slot / p.top_k) * p.ld_out + n0;
 #pragma unroll
     for (int j = 0; j < COLS / 8; ++j) {
