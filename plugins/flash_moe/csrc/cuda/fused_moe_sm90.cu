@@ -35,6 +35,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <vector>
 
 #include "../flash_moe.h"
@@ -92,11 +93,12 @@ constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + 2
 // DX_ATOMIC, DX_SLOTS: the backward's dx (kernel 4 above).
 enum Mode : int {
   GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2, GATE_UP_SAVE = 3, GATE_UP_AND_SAVE = 4, DH_SWIGLU = 5, DX_ATOMIC = 6,
-  DX_SLOTS = 7
+  DX_SLOTS = 7, DH_SWIGLU_PERSISTENT = 8
 };
 // The GEMMs whose K is the hidden size run persistent (one CTA per SM walking claimed tiles): see moe_gemm_kernel.
 constexpr bool persistent_mode(int mode) {
-  return mode == DOWN_ATOMIC || mode == DOWN_SLOTS || mode == DX_ATOMIC || mode == DX_SLOTS;
+  return mode == DOWN_ATOMIC || mode == DOWN_SLOTS || mode == DX_ATOMIC || mode == DX_SLOTS ||
+         mode == DH_SWIGLU_PERSISTENT;
 }
 // DH_SWIGLU's B tile: N-major atoms of 64 columns (128 bytes of bf16, the 128-byte swizzle's row), one TMA box each.
 constexpr int MN_ATOM = 64;
@@ -143,6 +145,7 @@ struct Params {
   // DX_*: A's second half (du rows; `a` holds dg's), K tiles per half; tm_b0 / tm_b1 map w1 / w3
   const __nv_bfloat16* a2;
   int k_half;
+  int prefetch_gate_up;  // DH: the producer prefetches the tile's g | u rows into L2 before its k loop
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -189,7 +192,7 @@ template <int MODE>
 __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kGateUp = MODE == GATE_UP || MODE == GATE_UP_SAVE || MODE == GATE_UP_AND_SAVE;
-  constexpr bool kDh = MODE == DH_SWIGLU;
+  constexpr bool kDh = MODE == DH_SWIGLU || MODE == DH_SWIGLU_PERSISTENT;
   constexpr bool kGather = kGateUp || kDh;  // A rows gathered from a [tokens, dim] tensor, K = dim
   constexpr bool kDx = MODE == DX_ATOMIC || MODE == DX_SLOTS;
   constexpr bool kMajorN = kDh || kDx;  // B read N-major (wgmma's transposed B)
@@ -200,7 +203,6 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   // tiles (padding) takes more: with a fixed stride, DeepSeek-V3's down GEMM took 6.7 ms instead of 4.5. The gate/up
   // GEMMs (K = dim) run one CTA per tile, in CTA pairs that share weight tiles; so does the backward's dH (K = dim).
   constexpr bool kPersistent = persistent_mode(MODE);
-  static_assert(kPersistent == !kGather, "the gathering GEMMs (K = dim) run in CTA pairs, the others persistent");
   const int ntpp = __ldg(p.ntpp);
   // Persistent: the tiles of the live blocks (block * BM < num_tokens_post_padded, read here: no host sync) in raster
   // order; 32-bit tile numbers (the host keeps blocks x n_tiles below 2^31, so t + p.ctas cannot wrap).
@@ -308,6 +310,17 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       asm volatile("bar.sync 1, 128;\n" ::: "memory");  // each producer thread reads the others' rows below
       const int64_t* const a_row = a_rows + buf * BM;
       const int expert = __ldg(p.expert_ids + block);
+      if (kDh && p.prefetch_gate_up) {  // this thread's row of g | u, read by the epilogue after the k loop
+        const int slot = slot_rows[buf * BM + threadIdx.x];
+        const int row = slot >= 0 ? p.dst_rows[block * BM + threadIdx.x] : -1;
+        if (row >= 0 && row < p.dst_limit) {
+          const int n0 = n_tile * BN;
+          const uint32_t bytes = 2u * min(BN, p.n_total - n0);
+          const __nv_bfloat16* g = p.saved + static_cast<int64_t>(row) * p.ld_saved + n0;
+          prefetch_l2(g, bytes);
+          prefetch_l2(g + p.n_total, bytes);
+        }
+      }
       // N-major B: the expert's first weight row (the k tile adds its rows); else its first row of this column tile
       const int b_row = expert * p.b_rows_per_expert + (kMajorN ? 0 : n_tile * (kGateUp ? BN_GU : BN_DOWN));
       for (int kt = 0; kt < p.k_tiles; ++kt) {
@@ -652,6 +665,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda
   auto grad_up = at::empty_like(grad_gate), weighted_h = at::empty_like(grad_gate);
   const int n_tiles = static_cast<int>((s.hidden + sm90::BN - 1) / sm90::BN);
   auto partials = at::zeros({n_tiles, slots}, go.options().dtype(at::kFloat));
+  const auto tile_counter = at::zeros({1}, sorted_token_ids.options().dtype(at::kInt));
   sm90::Params p{};
   const at::Tensor rows = compact_rows(p, sorted, s);
   p.saved = const_cast<__nv_bfloat16*>(reinterpret_cast<const __nv_bfloat16*>(gu.const_data_ptr()));
@@ -686,7 +700,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda
     p.grad_up = reinterpret_cast<__nv_bfloat16*>(grad_up.mutable_data_ptr());
     p.weighted_h = reinterpret_cast<__nv_bfloat16*>(weighted_h.mutable_data_ptr());
     p.dot_partials = partials.mutable_data_ptr<float>();
-    sm90::launch<sm90::DH_SWIGLU>(p, n_tiles, s.blocks, stream);
+    // TEMPORARY measurement knobs (session 12 A/B, to be removed with the losing variant): the persistent form of the
+    // kernel, and the L2 prefetch of g | u
+    const char* persistent_env = std::getenv("FLASH_MOE_DH_PERSISTENT");
+    const char* prefetch_env = std::getenv("FLASH_MOE_DH_PREFETCH");
+    p.prefetch_gate_up = prefetch_env != nullptr && prefetch_env[0] == '1';
+    if (persistent_env != nullptr && persistent_env[0] == '1') {
+      p.tile_counter = tile_counter.mutable_data_ptr<int>();
+      sm90::launch<sm90::DH_SWIGLU_PERSISTENT>(p, n_tiles, s.blocks, stream);
+    } else {
+      sm90::launch<sm90::DH_SWIGLU>(p, n_tiles, s.blocks, stream);
+    }
   }
   // the column tiles' partial sums in tile order: the same bits on every run
   return {grad_gate, grad_up, weighted_h, partials.sum(0).view({s.M, s.top_k})};
@@ -712,7 +736,8 @@ at::Tensor moe_grad_x_cuda(const at::Tensor& grad_gate, const at::Tensor& grad_u
     check_cuda_operand(op, name, *t);
   }
   const auto sorted = sorted_token_ids.contiguous(), eids = expert_ids.contiguous();
-  at::Tensor result = deterministic ? at::zeros({s.M * s.top_k, s.dim}, dg.options())
+  // per slot: the combine reads the routed slots' rows only, all of which the kernel writes
+  at::Tensor result = deterministic ? at::empty({s.M * s.top_k, s.dim}, dg.options())
                                     : at::zeros({s.M, s.dim}, dg.options().dtype(at::kFloat));
   sm90::Params p{};
   const at::Tensor rows = compact_rows(p, sorted, s);
