@@ -217,7 +217,8 @@ def main():
                                                f"ceiling" if "fwd_bwd_ms" in row else ""))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"ceiling_tflops": ceiling / 1e12, "fp8_ceiling_tflops": fp8_peak and fp8_peak / 1e12, "summary": summary,
+            json.dump({"ceiling_tflops": ceiling / 1e12, "fp8_ceiling_tflops": fp8_peak and fp8_peak / 1e12,
+                       "summary": summary,
                        "mxfp8": mxfp8_rows}, f, indent=2)
 
 

@@ -477,7 +477,7 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     (``swiglu_backward`` on zeros gives p h).
     """
     need_x, need_w1, need_w2, need_w3, _, need_tw = needs
-    T, dim = x.shape
+    T = x.shape[0]
     top_k = ids.shape[1]
     E = w1.shape[0]
     S = T * top_k

@@ -1,8 +1,8 @@
 // flash_moe on CUDA sm_90a: the fused expert GEMMs (hand-written wgmma; see docs/notes/flash_moe.md).
 //
-// Two launches of one kernel template over tiles of one aligned block of BLOCK_M = 128 routed slots (one expert) x one
-// 256-wide column tile, 384 threads per CTA (gate/up: one CTA per tile, in CTA pairs; down: persistent, one CTA per SM
-// walking tiles, its ring and routing rows running on from tile to tile):
+// One kernel template over tiles of one aligned block of BLOCK_M = 128 routed slots (one expert) x one 256-wide column
+// tile, 384 threads per CTA (gate/up: one CTA per tile, in CTA pairs; down and the backward's: persistent, one CTA per
+// SM walking tiles, its ring and routing rows running on from tile to tile):
 //   warpgroup 0  producer: cp.async 16-byte copies into a STAGES-deep ring of 128-byte-swizzled shared memory. The A
 //                rows are gathered: row r of the block reads x[sorted_token_ids[r] / top_k] (zero-filled for -1
 //                padding), so the token permutation never touches global memory. B rows are the expert's weight
@@ -17,11 +17,11 @@
 // Kernel 2 (down): A = intermediate rows of the block, B = w2[e] rows; the epilogue either adds
 //   topk_weight * y (fp32) into an fp32 [M, dim] buffer with float2 atomics (fused_moe_bf16 / moe_forward), or
 //   stores y as bf16 per slot (moe_forward deterministic; the top_k slots of a token are then summed in k order).
-// Kernel 3 (the backward's dH, moe_grad_gate_up): A = grad_out rows gathered like x's, B = w2[e] read N-major (w2 is
-//   (dim, hidden): for grad_h = grad_out W2 the K dimension is dim, and 256 hidden columns are four 64-column TMA
-//   boxes; wgmma's transposed-B form); the epilogue takes g | u of the slot's compact row and writes the SwiGLU
-//   derivative (dg, du, p h) and each slot's partial <grad_h, h> over the tile's columns (summed over the column
-//   tiles afterwards in a fixed order: deterministic). grad_h itself never reaches memory.
+// Kernel 3 (the backward's dH, moe_grad_gate_up; persistent like down): A = grad_out rows gathered like x's, B =
+//   w2[e] read N-major (w2 is (dim, hidden): for grad_h = grad_out W2 the K dimension is dim, and 256 hidden columns
+//   are four 64-column TMA boxes; wgmma's transposed-B form); the epilogue takes g | u of the slot's compact row and
+//   writes the SwiGLU derivative (dg, du, p h) and each slot's partial <grad_h, h> over the tile's columns (summed
+//   over the column tiles afterwards in a fixed order: deterministic). grad_h itself never reaches memory.
 // Kernel 4 (the backward's dX, moe_grad_x): persistent like down; A = the block's rows of dg, then of du (compact rows
 //   through dst_rows, K = 2 hidden), B = w1[e], then w3[e], N-major as in kernel 3 (they are (hidden, dim): K =
 //   hidden, N = dim); the epilogue adds the fp32 result into dx [M, dim] with float2 atomics (DX_ATOMIC) or stores
@@ -35,7 +35,6 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <vector>
 
 #include "../flash_moe.h"
@@ -93,17 +92,16 @@ constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + 2
 // DX_ATOMIC, DX_SLOTS: the backward's dx (kernel 4 above).
 enum Mode : int {
   GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2, GATE_UP_SAVE = 3, GATE_UP_AND_SAVE = 4, DH_SWIGLU = 5, DX_ATOMIC = 6,
-  DX_SLOTS = 7, DH_SWIGLU_PERSISTENT = 8
+  DX_SLOTS = 7
 };
-// The GEMMs whose K is the hidden size run persistent (one CTA per SM walking claimed tiles): see moe_gemm_kernel.
+// The GEMMs that run persistent (one CTA per SM walking claimed tiles; see moe_gemm_kernel); the forward's gate/up
+// GEMMs run one CTA per tile in CTA pairs.
 constexpr bool persistent_mode(int mode) {
-  return mode == DOWN_ATOMIC || mode == DOWN_SLOTS || mode == DX_ATOMIC || mode == DX_SLOTS ||
-         mode == DH_SWIGLU_PERSISTENT;
+  return mode == DOWN_ATOMIC || mode == DOWN_SLOTS || mode == DX_ATOMIC || mode == DX_SLOTS || mode == DH_SWIGLU;
 }
-// DH_SWIGLU's B tile: N-major atoms of 64 columns (128 bytes of bf16, the 128-byte swizzle's row), one TMA box each.
+// The backward's N-major B tiles: atoms of 64 columns (128 bytes of bf16, the 128-byte swizzle's row), a TMA box each.
 constexpr int MN_ATOM = 64;
 constexpr int MN_ATOMS = BN / MN_ATOM;
-static_assert(MN_ATOMS % kPairCtas == 0, "a CTA pair splits the N-major atoms evenly");
 
 struct Params {
   // B tiles by TMA: 2-D maps over the weight rows (boxes of B_BOX_ROWS x BK); expert e's row n is map row
@@ -145,7 +143,6 @@ struct Params {
   // DX_*: A's second half (du rows; `a` holds dg's), K tiles per half; tm_b0 / tm_b1 map w1 / w3
   const __nv_bfloat16* a2;
   int k_half;
-  int prefetch_gate_up;  // DH: the producer prefetches the tile's g | u rows into L2 before its k loop
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -192,7 +189,7 @@ template <int MODE>
 __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kGateUp = MODE == GATE_UP || MODE == GATE_UP_SAVE || MODE == GATE_UP_AND_SAVE;
-  constexpr bool kDh = MODE == DH_SWIGLU || MODE == DH_SWIGLU_PERSISTENT;
+  constexpr bool kDh = MODE == DH_SWIGLU;
   constexpr bool kGather = kGateUp || kDh;  // A rows gathered from a [tokens, dim] tensor, K = dim
   constexpr bool kDx = MODE == DX_ATOMIC || MODE == DX_SLOTS;
   constexpr bool kMajorN = kDh || kDx;  // B read N-major (wgmma's transposed B)
@@ -201,7 +198,9 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   // launch, ring fill and epilogue. A CTA's first tile is blockIdx.x, the next ones are claimed from a counter, so the
   // tiles in flight stay close in raster order (the L2 reuse of the experts' weight tiles) and a CTA that drew cheap
   // tiles (padding) takes more: with a fixed stride, DeepSeek-V3's down GEMM took 6.7 ms instead of 4.5. The gate/up
-  // GEMMs (K = dim) run one CTA per tile, in CTA pairs that share weight tiles; so does the backward's dH (K = dim).
+  // GEMMs (K = dim) run one CTA per tile, in CTA pairs that share weight tiles. The backward's dH (K = dim too) runs
+  // persistent: 3-18% faster than in CTA pairs at 5 of 6 benchmark shapes (4.6% slower at DeepSeek-V3; its epilogue
+  // moves 10 bytes per element, which pairs do not overlap with anything).
   constexpr bool kPersistent = persistent_mode(MODE);
   const int ntpp = __ldg(p.ntpp);
   // Persistent: the tiles of the live blocks (block * BM < num_tokens_post_padded, read here: no host sync) in raster
@@ -310,17 +309,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       asm volatile("bar.sync 1, 128;\n" ::: "memory");  // each producer thread reads the others' rows below
       const int64_t* const a_row = a_rows + buf * BM;
       const int expert = __ldg(p.expert_ids + block);
-      if (kDh && p.prefetch_gate_up) {  // this thread's row of g | u, read by the epilogue after the k loop
-        const int slot = slot_rows[buf * BM + threadIdx.x];
-        const int row = slot >= 0 ? p.dst_rows[block * BM + threadIdx.x] : -1;
-        if (row >= 0 && row < p.dst_limit) {
-          const int n0 = n_tile * BN;
-          const uint32_t bytes = 2u * min(BN, p.n_total - n0);
-          const __nv_bfloat16* g = p.saved + static_cast<int64_t>(row) * p.ld_saved + n0;
-          prefetch_l2(g, bytes);
-          prefetch_l2(g + p.n_total, bytes);
-        }
-      }
+
       // N-major B: the expert's first weight row (the k tile adds its rows); else its first row of this column tile
       const int b_row = expert * p.b_rows_per_expert + (kMajorN ? 0 : n_tile * (kGateUp ? BN_GU : BN_DOWN));
       for (int kt = 0; kt < p.k_tiles; ++kt) {
@@ -332,16 +321,13 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         const int kofs = (second ? kt - p.k_half : kt) * BK;
         const __nv_bfloat16* const a_src = second ? p.a2 : p.a;
         if (kMajorN && threadIdx.x == 0) {  // the B tile: MN_ATOMS boxes of weight rows kofs.., 64 columns each
-          mbar_expect_tx(full_bar(stage), B_BYTES);  // paired: half the atoms from this CTA's copies, half the peer's
+          static_assert(!kMajorN || kPersistent, "N-major B tiles are loaded per CTA (no CTA-pair multicast)");
+          mbar_expect_tx(full_bar(stage), B_BYTES);
           const CUtensorMap* map = second ? &p.tm_b1 : &p.tm_b0;
-          constexpr int per_cta = MN_ATOMS / kPairCtas;
-          for (int q = paired ? rank * per_cta : 0; q < (paired ? (rank + 1) * per_cta : MN_ATOMS); ++q) {
-            const uint32_t dst = st + A_BYTES + q * (B_BYTES / MN_ATOMS);
-            if (paired) {
-              tma_load_2d_multicast(dst, map, full_bar(stage), n_tile * BN + q * MN_ATOM, b_row + kofs, kPairMask);
-            } else {
-              tma_load_2d(dst, map, full_bar(stage), n_tile * BN + q * MN_ATOM, b_row + kofs);
-            }
+#pragma unroll
+          for (int q = 0; q < MN_ATOMS; ++q) {
+            tma_load_2d(st + A_BYTES + q * (B_BYTES / MN_ATOMS), map, full_bar(stage), n_tile * BN + q * MN_ATOM,
+                        b_row + kofs);
           }
         }
         if (!kMajorN && threadIdx.x == 0) {  // the B tile: two TMA boxes (GATE_UP: gate rows, then the same up rows)
@@ -700,17 +686,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda
     p.grad_up = reinterpret_cast<__nv_bfloat16*>(grad_up.mutable_data_ptr());
     p.weighted_h = reinterpret_cast<__nv_bfloat16*>(weighted_h.mutable_data_ptr());
     p.dot_partials = partials.mutable_data_ptr<float>();
-    // TEMPORARY measurement knobs (session 12 A/B, to be removed with the losing variant): the persistent form of the
-    // kernel, and the L2 prefetch of g | u
-    const char* persistent_env = std::getenv("FLASH_MOE_DH_PERSISTENT");
-    const char* prefetch_env = std::getenv("FLASH_MOE_DH_PREFETCH");
-    p.prefetch_gate_up = prefetch_env != nullptr && prefetch_env[0] == '1';
-    if (persistent_env != nullptr && persistent_env[0] == '1') {
-      p.tile_counter = tile_counter.mutable_data_ptr<int>();
-      sm90::launch<sm90::DH_SWIGLU_PERSISTENT>(p, n_tiles, s.blocks, stream);
-    } else {
-      sm90::launch<sm90::DH_SWIGLU>(p, n_tiles, s.blocks, stream);
-    }
+    p.tile_counter = tile_counter.mutable_data_ptr<int>();
+    sm90::launch<sm90::DH_SWIGLU>(p, n_tiles, s.blocks, stream);
   }
   // the column tiles' partial sums in tile order: the same bits on every run
   return {grad_gate, grad_up, weighted_h, partials.sum(0).view({s.M, s.top_k})};

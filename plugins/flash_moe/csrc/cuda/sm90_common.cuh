@@ -113,11 +113,6 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16_bn(float* d, uint64_t da, 
       : "l"(da), "l"(db), "r"(scale_d));
 }
 
-// Brings `bytes` (a multiple of 16, from a 16-byte aligned address) of global memory into L2 without waiting.
-__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-}
-
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
 
 // sorted_token_ids[row], or padding (-1) for an entry outside [0, p.num_slots): such an entry would gather past x and
