@@ -7,7 +7,8 @@
 Timing: triton.testing.do_bench median. FLOPs = 2 T k dim 2 hidden + 2 T k hidden dim (forward); forward+backward
 counts 3x that plus the recomputed gate/up (2 T k dim 2 hidden). The backward alone (autograd.grad on a kept graph,
 both paths) is reported in model FLOPs (2x the forward's: the recomputation not counted, so the TFLOP/s of both paths
-compare). Routing: uniform random top-k ids, softmax weights. ``sonicmoe-7b``: SonicMoE's fine-grained 7B shape.
+compare). Peak memory: allocated at the peak of one forward+backward above the inputs (gradients included).
+Routing: uniform random top-k ids, softmax weights. ``sonicmoe-7b``: SonicMoE's fine-grained 7B shape.
 
 mxfp8 rows (DeepSeek-V3 and Qwen3-30B-A3B): ``moe(mxfp8=True)`` forward (x quantized per call, weights cached;
 both with one exponent per 128 of K), the ``fused_moe_mxfp8`` op on pre-quantized operands with those shared
@@ -21,7 +22,7 @@ import argparse
 import json
 
 import torch
-from common import CEILING_WARMUP_MS, do_bench, free, matmul_ceiling
+from common import CEILING_WARMUP_MS, do_bench, free, matmul_ceiling, peak_extra
 
 # (name, T, E, top_k, dim, hidden)
 SHAPES = [
@@ -197,6 +198,17 @@ def main():
             bwd = do_bench(lambda: torch.autograd.grad(out, leaves, go, retain_graph=True))
             bwd_peer = do_bench(lambda: torch.autograd.grad(out_peer, leaves, go, retain_graph=True))
             del out, out_peer
+            # peak memory of one forward+backward above the inputs (activations saved for backward, temporaries and
+            # the gradients, which start as None each time)
+            mem = {}
+            for label, fn in (("ours", ops.moe), ("saved", lambda *a: ops.moe(*a, recompute_gate_up=False)),
+                              ("peer", moe_grouped_mm)):
+                for t in leaves:
+                    t.grad = None
+                mem[label] = peak_extra(lambda: fn(*p).backward(go)) / 2**30
+            for t in leaves:
+                t.grad = None
+            row.update(peak_gib=mem["ours"], peak_saved_gib=mem["saved"], peer_peak_gib=mem["peer"])
             row.update(fwd_bwd_ms=fb, fwd_bwd_saved_ms=fb_saved, peer_fwd_bwd_ms=fb_peer, fwd_bwd_speedup=fb_peer / fb,
                        fwd_bwd_saved_speedup=fb_peer / fb_saved,
                        fwd_bwd_tflops=(3 * flops + 2 * T * k * dim * 2 * hidden) / fb / 1e9,
@@ -214,7 +226,9 @@ def main():
                                                f"({row['bwd_tflops']:5.0f} TFLOP/s) vs {row['peer_bwd_ms']:7.3f} ms "
                                                f"({row['peer_bwd_tflops']:5.0f}) x{row['bwd_speedup']:.2f}, floor "
                                                f"{row['floor_bwd_ms']:.3f} ms at the {ceiling / 1e12:.0f} TFLOP/s "
-                                               f"ceiling" if "fwd_bwd_ms" in row else ""))
+                                               f"ceiling | peak fwd+bwd memory {row['peak_gib']:.2f} GiB (saved g|u "
+                                               f"{row['peak_saved_gib']:.2f}) vs {row['peer_peak_gib']:.2f}"
+                                               if "fwd_bwd_ms" in row else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ceiling_tflops": ceiling / 1e12, "fp8_ceiling_tflops": fp8_peak and fp8_peak / 1e12,
