@@ -151,6 +151,10 @@ __device__ __forceinline__ void fence_acc(float* d) { fence_regs<128>(d); }
 // DH_SWIGLU's epilogue for accumulator row h of a consumer thread: grad_h (unweighted, fp32) of slot `slot` over the
 // columns n0 + 8 j + 2 quad + e, g | u from compact row `row`; writes dg, du, p h there (as swiglu_backward does:
 // dh = p grad_h, du = dh silu(g), dg = dh u sig (1 + g (1 - sig))) and returns this thread's part of <grad_h, h>.
+// The g | u loads of kChunk column groups are issued before any of their stores: the compiler cannot prove the
+// outputs do not alias g | u, so a load after a store waits for it (SASS of the first version: one load pair, the
+// math and three stores per column group, 64 DRAM round trips in a row per thread and tile).
+constexpr int kChunk = 16;
 __device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* acc, int h, int quad, int slot, int row,
                                                  int n0) {
   const float w = __ldg(p.topk_weights + slot);
@@ -158,25 +162,36 @@ __device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* a
   const __nv_bfloat16* gate = p.saved + static_cast<int64_t>(row) * p.ld_saved + n0;
   float dot = 0.f;
 #pragma unroll
-  for (int j = 0; j < BN / 8; ++j) {
-    const int col = 8 * j + 2 * quad;
-    if (n0 + col < p.n_total) {  // n_total is even: col + 1 is valid too
-      const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(gate + col));
-      const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(gate + p.n_total + col));
-      float dg[2], du[2], ph[2];
+  for (int j0 = 0; j0 < BN / 8; j0 += kChunk) {
+    __nv_bfloat162 g2[kChunk], u2[kChunk];
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float gv = e ? g.y : g.x, uv = e ? u.y : u.x, gh = acc[4 * j + 2 * h + e];
-        const float sig = 1.f / (1.f + __expf(-gv));
-        const float a = gv * sig, hv = a * uv, dh = gh * w;
-        dot += gh * hv;
-        du[e] = dh * a;
-        dg[e] = dh * uv * sig * (1.f + gv * (1.f - sig));
-        ph[e] = w * hv;
+    for (int jj = 0; jj < kChunk; ++jj) {
+      const int col = 8 * (j0 + jj) + 2 * quad;
+      if (n0 + col < p.n_total) {  // n_total is even: col + 1 is valid too
+        g2[jj] = *reinterpret_cast<const __nv_bfloat162*>(gate + col);
+        u2[jj] = *reinterpret_cast<const __nv_bfloat162*>(gate + p.n_total + col);
       }
-      *reinterpret_cast<__nv_bfloat162*>(p.grad_gate + base + col) = __floats2bfloat162_rn(dg[0], dg[1]);
-      *reinterpret_cast<__nv_bfloat162*>(p.grad_up + base + col) = __floats2bfloat162_rn(du[0], du[1]);
-      *reinterpret_cast<__nv_bfloat162*>(p.weighted_h + base + col) = __floats2bfloat162_rn(ph[0], ph[1]);
+    }
+#pragma unroll
+    for (int jj = 0; jj < kChunk; ++jj) {
+      const int j = j0 + jj, col = 8 * j + 2 * quad;
+      if (n0 + col < p.n_total) {
+        const float2 g = __bfloat1622float2(g2[jj]), u = __bfloat1622float2(u2[jj]);
+        float dg[2], du[2], ph[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float gv = e ? g.y : g.x, uv = e ? u.y : u.x, gh = acc[4 * j + 2 * h + e];
+          const float sig = 1.f / (1.f + __expf(-gv));
+          const float a = gv * sig, hv = a * uv, dh = gh * w;
+          dot += gh * hv;
+          du[e] = dh * a;
+          dg[e] = dh * uv * sig * (1.f + gv * (1.f - sig));
+          ph[e] = w * hv;
+        }
+        *reinterpret_cast<__nv_bfloat162*>(p.grad_gate + base + col) = __floats2bfloat162_rn(dg[0], dg[1]);
+        *reinterpret_cast<__nv_bfloat162*>(p.grad_up + base + col) = __floats2bfloat162_rn(du[0], du[1]);
+        *reinterpret_cast<__nv_bfloat162*>(p.weighted_h + base + col) = __floats2bfloat162_rn(ph[0], ph[1]);
+      }
     }
   }
   return dot;
