@@ -20,7 +20,8 @@ Surface (compatible with the original Blackwell flash_moe, namespace ``prime_moe
   it).
 
 The ``torch.ops.flash_moe`` ops are forward-only: a backward through ``moe_forward``, ``moe_forward_mxfp8``,
-``moe_gate_up``, ``swiglu_backward`` or ``quantize_mxfp8`` raises; ``moe`` is the differentiable entry point.
+``moe_gate_up``, ``moe_grad_gate_up``, ``moe_grad_x``, ``swiglu_backward`` or ``quantize_mxfp8`` raises; ``moe`` is the
+differentiable entry point.
 
 Tuning keywords of the original: ``block_m`` must equal BLOCK_M (the compiled tile; checked); ``bpc`` is honoured by
 ``moe_align`` (experts padded to block_m * bpc) and ignored by the GEMM (blocks are independent); ``block_n``,
