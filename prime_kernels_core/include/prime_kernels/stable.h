@@ -1,0 +1,88 @@
+// What a stable-ABI kernel (kernel.toml: stable_abi = "X.Y") needs beyond torch/csrc/stable and torch/headeronly to
+// keep the exact-ABI build's behaviour: argument checks whose messages read word for word as TORCH_CHECK's (torch's
+// STD_TORCH_CHECK prefixes the function, file and line), tensors' shapes and devices printed as c10 prints them, and
+// the current CUDA stream, and at::opmath_type (which headeronly lacks). Header-only on the stable C shim: nothing here
+// binds the module to one torch.
+#pragma once
+
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
+
+#include <cstdint>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace prime_kernels::stable {
+
+// "[2, 3, 64]", as c10 prints an IntArrayRef.
+inline std::string shape(const torch::stable::Tensor& t) {
+  std::ostringstream out;
+  out << "[";
+  for (int64_t d = 0; d < t.dim(); ++d) out << (d ? ", " : "") << t.size(d);
+  out << "]";
+  return out.str();
+}
+
+// "cpu", "cuda:0", "meta", as c10 prints a tensor's device.
+inline std::string device(const torch::stable::Tensor& t) {
+  const auto where = t.device();
+  std::string type;
+  switch (where.type()) {
+    case torch::headeronly::DeviceType::CPU: type = "cpu"; break;
+    case torch::headeronly::DeviceType::CUDA: type = "cuda"; break;
+    case torch::headeronly::DeviceType::Meta: type = "meta"; break;
+    default: type = "device type " + std::to_string(static_cast<int>(where.type()));
+  }
+  return where.has_index() ? type + ":" + std::to_string(where.index()) : type;
+}
+
+// The type arithmetic on T runs in, as at::opmath_type: float for the 16-bit floats, T itself otherwise.
+template <typename T>
+struct OpMath {
+  using type = T;
+};
+template <>
+struct OpMath<torch::headeronly::Half> {
+  using type = float;
+};
+template <>
+struct OpMath<torch::headeronly::BFloat16> {
+  using type = float;
+};
+template <typename T>
+using opmath_t = typename OpMath<T>::type;
+
+template <typename... Args>
+[[noreturn]] void fail(const Args&... parts) {
+  std::ostringstream out;
+  (out << ... << parts);
+  throw std::runtime_error(out.str());  // RuntimeError in Python, as c10::Error
+}
+
+}  // namespace prime_kernels::stable
+
+// TORCH_CHECK for stable-ABI sources: the message is the arguments' concatenation, nothing more.
+#define PK_CHECK(cond, ...)                                 \
+  do {                                                      \
+    if (!(cond)) ::prime_kernels::stable::fail(__VA_ARGS__); \
+  } while (0)
+
+#ifdef USE_CUDA
+#include <cuda_runtime_api.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/macros.h>
+
+namespace prime_kernels::stable {
+
+// The stream torch runs its work on for device ``index`` (c10::cuda::getCurrentCUDAStream), through the C shim.
+inline cudaStream_t current_cuda_stream(int32_t index) {
+  void* stream = nullptr;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(index, &stream));
+  return static_cast<cudaStream_t>(stream);
+}
+
+}  // namespace prime_kernels::stable
+#endif  // USE_CUDA
