@@ -430,7 +430,7 @@ class _MoE(torch.autograd.Function):
                                               CONSTANTS["CLUSTER_BLOCKS"])
         save = not recompute_gate_up and any(ctx.needs_input_grad[:6])
         out, gate_up = torch.ops.flash_moe.moe_forward(x, w1, w3, w2, *align, tw, top_k, BLOCK_M, deterministic, save)
-        ctx.save_for_backward(x, w1, w2, w3, topk_ids, tw, *align, gate_up)
+        ctx.save_for_backward(x, w1, w2, w3, topk_ids, tw, *align, gate_up, topk_weights)
         ctx.saved_gate_up = save
         ctx.expert_start = expert_start
         ctx.tw_dtype = topk_weights.dtype
@@ -438,11 +438,11 @@ class _MoE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, w1, w2, w3, ids, tw, *align, gate_up = ctx.saved_tensors
+        x, w1, w2, w3, ids, tw, *align, gate_up, topk_weights = ctx.saved_tensors
         with torch.no_grad():
             grads = _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, ctx.needs_input_grad[:6],
                                           ctx.expert_start, ctx.tw_dtype, gate_up if ctx.saved_gate_up else None)
-        return (*_first_order_only(grads, (grad_out, x, w1, w2, w3, tw)), None, None, None, None)
+        return (*_first_order_only(grads, (grad_out, x, w1, w2, w3, topk_weights)), None, None, None, None)
 
 
 def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert_start, tw_dtype, gate_up=None):
@@ -509,7 +509,9 @@ class _MoEMxfp8(torch.autograd.Function):
         xq, xs = quantize_mxfp8(x, exponent_block=MXFP8_ALIGN)
         align = torch.ops.flash_moe.moe_align(topk_ids, num_experts, BLOCK_M, 1, expert_start, wq.shape[0])
         out = torch.ops.flash_moe.moe_forward_mxfp8(xq, xs, wq, ws, w2q, w2s, *align, tw, top_k, BLOCK_M, deterministic)
-        ctx.save_for_backward(xq, xs, wq, ws, w2q, w2s, topk_ids, tw, *align)
+        # the caller's x, weights and topk_weights too (no copies): the anchors of _first_order_only, since the
+        # quantized operands and a float copy of bf16 topk_weights carry no grad history
+        ctx.save_for_backward(xq, xs, wq, ws, w2q, w2s, topk_ids, tw, *align, x, w1, w2, w3, topk_weights)
         ctx.expert_start = expert_start
         ctx.tw_dtype = topk_weights.dtype
         ctx.x_dtype = x.dtype
@@ -517,7 +519,7 @@ class _MoEMxfp8(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        xq, xs, wq, ws, w2q, w2s, ids, tw, *align = ctx.saved_tensors
+        xq, xs, wq, ws, w2q, w2s, ids, tw, *align, x_in, w1_in, w2_in, w3_in, tw_in = ctx.saved_tensors
         dt = ctx.x_dtype
         x = dequantize_mxfp8(xq, xs, dtype=dt)
         hidden = wq.shape[1] // 2
@@ -528,7 +530,8 @@ class _MoEMxfp8(torch.autograd.Function):
         with torch.no_grad():
             grads = _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, ctx.needs_input_grad[:6],
                                           ctx.expert_start, ctx.tw_dtype)
-        return (*_first_order_only(grads, (grad_out, tw)), None, None, None, None, None, None, None)
+        return (*_first_order_only(grads, (grad_out, x_in, w1_in, w2_in, w3_in, tw_in)), None, None, None, None, None,
+                None, None)
 
 
 def _check_moe_args(x, w1, w2, w3, topk_ids, topk_weights):

@@ -103,15 +103,19 @@ __device__ __forceinline__ int routed_slot(const Params& p, int row) {
 }
 
 // Routing row r of aligned block `block` into shared memory: slot_of[r] = routed_slot(p, block * BM + r) and
-// a_row[r] = the element offset of A's row r: x's row slot / top_k for the gate/up GEMMs (-1 for padding), the
-// intermediate's row block * BM + r for the down GEMMs.
+// a_row[r] = the element offset of A's row r: x's row slot / top_k for the gate/up GEMMs, the intermediate's row
+// block * BM + r for the down GEMMs; -1 (zero fill) for padding in both. The gate/up kernels leave the intermediate's
+// rows of all-padding warpgroups unwritten: read as A, their garbage scales broke the mxfp8 down kernel's
+// tile-wide shared-exponent flag at random, so routed rows took the per-32 rounding in some runs and not in others.
 template <int BM, bool kGatherX, class Params>
 __device__ __forceinline__ void routing_row(const Params& p, int block, int r, int64_t* a_row, int* slot_of) {
   const int row = block * BM + r;
   const int slot = routed_slot(p, row);
   slot_of[r] = slot;
-  if constexpr (kGatherX) {
-    a_row[r] = slot >= 0 ? static_cast<int64_t>(slot / p.top_k) * p.lda : -1;
+  if (slot < 0) {
+    a_row[r] = -1;
+  } else if constexpr (kGatherX) {
+    a_row[r] = static_cast<int64_t>(slot / p.top_k) * p.lda;
   } else {
     a_row[r] = static_cast<int64_t>(row) * p.lda;
   }
