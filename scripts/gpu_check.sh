@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU harness, for a bare H200 machine (torch preinstalled, no network):
-#   bash scripts/gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [bench] [ab]  (default: build test sanitize bench)
+#   bash scripts/gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [stable] [bench] [ab]
+#   (default: build test sanitize bench)
 # One device call runs at most 10 minutes: run "build test sanitize" in one call and "bench" in the next (the machine
 # keeps what the first installed while it stays warm, 30 s after a call).
 # Installs the core and every plugin from the working tree (no build isolation, no index), runs the gpu-marked tests,
@@ -11,9 +12,14 @@
 # AB_BENCH (e.g. AB_BENCH="bench/bench_flash_moe.py --mxfp8-only") for the tree and each built variant (AB_VARIANTS
 # names a subset).
 # BENCHES="bench_a bench_b" limits the bench phase to those scripts (default: every bench/bench_*.py).
+# stable: installs the stable-ABI wheels built elsewhere by scripts/stable_abi_wheels.sh (carry .stable_wheels, or
+# STABLE_WHEELS=DIR) into their own site dir under this machine's torch, shows their status, runs the ported kernels'
+# gpu-marked tests and sanitizer scripts against them, and bench/ab.py of bench_fused_logp.py with that site as the
+# variant "stable-wheel" beside the tree and each built variant (stage the exact-ABI revision with
+# scripts/stage_variant.sh and run the variants phase in the same or an earlier call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [bench] [ab]}; shift
+out=${1:?usage: gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [stable] [bench] [ab]}; shift
 phases=${*:-build test sanitize bench}
 mkdir -p "$out"
 py=${PYTHON:-python3}
@@ -93,6 +99,47 @@ if phase sanitize; then
   done
 fi
 wait
+
+if phase stable; then
+  site=/tmp/stable_site wheels=${STABLE_WHEELS:-.stable_wheels}
+  rm -rf "$site"
+  if "$py" -m pip install -q --disable-pip-version-check --no-index --no-deps --target "$site" "$wheels"/*.whl \
+      > "$out/stable-install.log" 2>&1; then r=ok; else r=FAILED; fi
+  record stable "install $(ls "$wheels" | tr '\n' ' ')" "$r"
+  # The site comes first on sys.path: the registry and the imports take its copies of these distributions.
+  # --require: the ported kernels must be available here (a gpu test of an unavailable kernel would only skip).
+  PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} "$py" -m prime_kernels --require fused_logp residual_rmsnorm \
+    > "$out/stable-status.txt" 2>&1
+  record stable "status: fused_logp and residual_rmsnorm available from $site" "exit $?"
+  cat "$out/stable-status.txt"
+  PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} "$py" -c 'import prime_kernels_fused_logp.ops as f, pk_example_rmsnorm.ops as e
+print("stable modules:", f._C_stable.__file__, e._C_stable.__file__)' 2>&1 | tee -a "$out/stable-status.txt"
+  suites=(examples/third_party_plugin/tests plugins/fused_logp/tests/test_fused_logp.py
+          plugins/fused_logp/tests/test_fused_logp_robustness.py plugins/fused_logp/tests/test_fused_logp_fuzz.py
+          plugins/fused_logp/tests/test_logp_batch_invariance.py)
+  # linear_logp stays exact-ABI (its _C in the wheel is bound to the torch that built it): -k leaves its tests out.
+  PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} timeout 420 "$py" -m pytest -m gpu -k "not linear" "${suites[@]}" -q \
+    -p no:cacheprovider -rs --junitxml="$out/stable-tests.xml" > "$out/stable-tests.log" 2>&1
+  record stable "gpu tests (${suites[*]})" "exit $?; $(tail -n 1 "$out/stable-tests.log")"
+  for script in examples/third_party_plugin/tests/sanitize_residual_rmsnorm.py plugins/fused_logp/tests/sanitize_fused_logp.py; do
+    for tool in memcheck racecheck synccheck; do
+      name="stable-$(basename "$script" .py)-$tool"
+      ( PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+          "$py" "$script" > "$out/$name.log" 2>&1
+        code=$?
+        record stable "$name" "exit $code; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$name.log" | tail -n 1)"
+      ) &
+    done
+  done
+  wait
+  variant_args=(--variant "stable-wheel=$site")
+  for name in ${AB_VARIANTS:-$(ls .variants 2>/dev/null)}; do
+    [ -f "/tmp/variants/$name/.built" ] && variant_args+=(--variant "$name=/tmp/variants/$name")
+  done
+  timeout 540 "$py" bench/ab.py --rounds "${STABLE_AB_ROUNDS:-3}" --json "$out/ab-stable.json" "${variant_args[@]}" \
+    -- bench/bench_fused_logp.py --no-compile 2>&1 | tee -a "$out/ab.log"
+  record stable "bench/ab.py ${variant_args[*]} -- bench/bench_fused_logp.py --no-compile" "exit ${PIPESTATUS[0]}"
+fi
 
 if phase bench; then
   for bench in bench/bench_*.py; do

@@ -16,10 +16,10 @@ namespace {
 std::tuple<Tensor, Tensor> residual_rmsnorm_cpu(Tensor x, Tensor residual, Tensor weight, double eps) {
   check_residual_rmsnorm_args(x, residual, weight, eps);
   PK_CHECK(x.is_cpu(), "residual_rmsnorm (CPU): x must be a CPU tensor, got ", pks::device(x));
-  const auto x_c = torch::stable::contiguous(x), r_c = torch::stable::contiguous(residual),
-             w_c = torch::stable::contiguous(weight);
-  auto y = empty_like_contiguous(x);
-  auto new_residual = empty_like_contiguous(x);
+  const auto x_c = pks::contiguous(x), r_c = pks::contiguous(residual),
+             w_c = pks::contiguous(weight);
+  auto y = pks::empty(x, x.sizes(), x.scalar_type());
+  auto new_residual = pks::empty(x, x.sizes(), x.scalar_type());
   const int64_t hidden = x.size(x.dim() - 1);
   const int64_t rows = x.numel() / hidden;
 

@@ -36,9 +36,4 @@ inline void check_residual_rmsnorm_args(const Tensor& x, const Tensor& residual,
   PK_CHECK(eps >= 0.0, "residual_rmsnorm: eps must be non-negative, got ", eps);
 }
 
-// A new contiguous tensor of x's shape, dtype and device (at::empty(x.sizes(), x.options())).
-inline Tensor empty_like_contiguous(const Tensor& x) {
-  return torch::stable::empty(x.sizes(), x.scalar_type(), std::nullopt, x.device());
-}
-
 }  // namespace pk_example

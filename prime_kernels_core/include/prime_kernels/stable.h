@@ -1,10 +1,12 @@
 // What a stable-ABI kernel (kernel.toml: stable_abi = "X.Y") needs beyond torch/csrc/stable and torch/headeronly to
 // keep the exact-ABI build's behaviour: argument checks whose messages read word for word as TORCH_CHECK's (torch's
-// STD_TORCH_CHECK prefixes the function, file and line), tensors' shapes and devices printed as c10 prints them, and
-// the current CUDA stream, and at::opmath_type (which headeronly lacks). Header-only on the stable C shim: nothing here
-// binds the module to one torch.
+// STD_TORCH_CHECK prefixes the function, file and line), tensors' shapes and devices printed as c10 prints them,
+// at::opmath_type (which headeronly lacks), ATen's no-op shortcuts of contiguous() and to(dtype) (the stable ops always
+// go through the dispatcher), and the current CUDA stream. Header-only on the stable C shim: nothing here binds the
+// module to one torch.
 #pragma once
 
+#include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/core/ScalarType.h>
 #include <torch/headeronly/util/BFloat16.h>
@@ -54,6 +56,22 @@ struct OpMath<torch::headeronly::BFloat16> {
 };
 template <typename T>
 using opmath_t = typename OpMath<T>::type;
+
+// at::empty(sizes, like.options().dtype(dtype)): a new contiguous tensor on like's device.
+inline torch::stable::Tensor empty(const torch::stable::Tensor& like, torch::headeronly::IntHeaderOnlyArrayRef sizes,
+                                   torch::headeronly::ScalarType dtype) {
+  return torch::stable::empty(sizes, dtype, std::nullopt, like.device());
+}
+
+// t.contiguous(): t itself when it is contiguous already, as at::Tensor::contiguous.
+inline torch::stable::Tensor contiguous(const torch::stable::Tensor& t) {
+  return t.is_contiguous() ? t : torch::stable::contiguous(t);
+}
+
+// t.to(dtype): t itself when it has that dtype already, as at::Tensor::to.
+inline torch::stable::Tensor to(const torch::stable::Tensor& t, torch::headeronly::ScalarType dtype) {
+  return t.scalar_type() == dtype ? t : torch::stable::to(t, dtype);
+}
 
 template <typename... Args>
 [[noreturn]] void fail(const Args&... parts) {
