@@ -434,7 +434,9 @@ def build_record(plan: dict, toolchain: Toolchain) -> dict:
         "python": platform.python_version(),
         "arch_request": plan["arch_request"],
         "cuda_skipped": plan["cuda_skipped"],
-        "kernels": {name: {**kernel, "stable_abi": floors[name]} for name, kernel in plan["kernels"].items()},
+        # An exact-ABI kernel's entry is as before the stable ABI existed: registries of every version read it alike.
+        "kernels": {name: {**kernel, **({"stable_abi": floors[name]} if floors[name] else {})}
+                    for name, kernel in plan["kernels"].items()},
     }
 
 

@@ -78,11 +78,13 @@ bool is_floating(ScalarType t) {
 // Checks shared by the CPU and CUDA forward. Returns nothing; every failure names the argument, expected and found.
 void check_forward_args(const Tensor& logits, const Tensor& labels, double temperature,
                         const std::optional<Tensor>& token_temperature) {
+  pks::require_defined(logits, "fused_logp", "logits");
+  pks::require_defined(labels, "fused_logp", "labels");
   PK_CHECK(logits.dim() == 2, "fused_logp: logits must be 2-D [N, V], got ", logits.dim(), "-D with shape ",
            pks::shape(logits));
-  const auto st = logits.scalar_type();
+  const auto st = pks::scalar_type(logits);
   PK_CHECK(st == ScalarType::Float || st == ScalarType::BFloat16 || st == ScalarType::Half,
-           "fused_logp: logits dtype must be float32, bfloat16 or float16, got ", st);
+           "fused_logp: logits dtype must be float32, bfloat16 or float16, got ", pks::dtype(logits));
   const int64_t N = logits.size(0), V = logits.size(1);
   PK_CHECK(V >= 1, "fused_logp: logits vocab size (last dim) must be >= 1, got ", V);
   PK_CHECK(V <= int64_t(FUSED_LOGP_MAX_VOCAB_SIZE), "fused_logp: logits vocab size must be <= ",
@@ -93,8 +95,8 @@ void check_forward_args(const Tensor& logits, const Tensor& labels, double tempe
            logits.stride(1));
   PK_CHECK(labels.dim() == 1, "fused_logp: labels must be 1-D [N], got ", labels.dim(), "-D with shape ",
            pks::shape(labels));
-  PK_CHECK(labels.scalar_type() == ScalarType::Long || labels.scalar_type() == ScalarType::Int,
-           "fused_logp: labels dtype must be int64 or int32, got ", labels.scalar_type());
+  PK_CHECK(pks::scalar_type(labels) == ScalarType::Long || pks::scalar_type(labels) == ScalarType::Int,
+           "fused_logp: labels dtype must be int64 or int32, got ", pks::dtype(labels));
   PK_CHECK(labels.size(0) == N, "fused_logp: labels must have N = ", N, " entries (logits rows), got ",
            labels.size(0));
   PK_CHECK(labels.device() == logits.device(), "fused_logp: labels must be on logits' device ", pks::device(logits),
@@ -103,8 +105,8 @@ void check_forward_args(const Tensor& logits, const Tensor& labels, double tempe
            temperature);
   if (token_temperature.has_value()) {
     const auto& tt = *token_temperature;
-    PK_CHECK(tt.scalar_type() == ScalarType::Float, "fused_logp: token_temperature dtype must be float32, got ",
-             tt.scalar_type());
+    PK_CHECK(pks::scalar_type(tt) == ScalarType::Float, "fused_logp: token_temperature dtype must be float32, got ",
+             pks::dtype(tt));
     PK_CHECK(tt.dim() == 1 && tt.size(0) == N, "fused_logp: token_temperature must have shape [", N,
              "] (one per token), got ", pks::shape(tt));
     PK_CHECK(tt.device() == logits.device(), "fused_logp: token_temperature must be on logits' device ",
@@ -116,23 +118,25 @@ void check_backward_args(const Tensor& grad_logp, const std::optional<Tensor>& g
                          const Tensor& logits, const Tensor& labels, double temperature,
                          const std::optional<Tensor>& token_temperature, const Tensor& stats) {
   check_forward_args(logits, labels, temperature, token_temperature);
+  pks::require_defined(grad_logp, "fused_logp", "grad_logp");
+  pks::require_defined(stats, "fused_logp", "stats");
   const int64_t N = logits.size(0);
   PK_CHECK(grad_logp.dim() == 1 && grad_logp.size(0) == N, "fused_logp: grad_logp must have shape [", N,
            "], got ", pks::shape(grad_logp));
-  PK_CHECK(is_floating(grad_logp.scalar_type()), "fused_logp: grad_logp must be floating point, got ",
-           grad_logp.scalar_type());
+  PK_CHECK(is_floating(pks::scalar_type(grad_logp)), "fused_logp: grad_logp must be floating point, got ",
+           pks::dtype(grad_logp));
   PK_CHECK(grad_logp.device() == logits.device(), "fused_logp: grad_logp must be on logits' device ",
            pks::device(logits), ", got ", pks::device(grad_logp));
   if (grad_entropy.has_value()) {
     const auto& ge = *grad_entropy;
     PK_CHECK(ge.dim() == 1 && ge.size(0) == N, "fused_logp: grad_entropy must have shape [", N, "], got ",
              pks::shape(ge));
-    PK_CHECK(is_floating(ge.scalar_type()), "fused_logp: grad_entropy must be floating point, got ", ge.scalar_type());
+    PK_CHECK(is_floating(pks::scalar_type(ge)), "fused_logp: grad_entropy must be floating point, got ", pks::dtype(ge));
     PK_CHECK(ge.device() == logits.device(), "fused_logp: grad_entropy must be on logits' device ",
              pks::device(logits), ", got ", pks::device(ge));
   }
-  PK_CHECK(stats.scalar_type() == ScalarType::Double, "fused_logp: stats must be float64 (from logp_entropy), got ",
-           stats.scalar_type());
+  PK_CHECK(pks::scalar_type(stats) == ScalarType::Double, "fused_logp: stats must be float64 (from logp_entropy), got ",
+           pks::dtype(stats));
   PK_CHECK(stats.dim() == 2 && stats.size(0) == N && stats.size(1) == 2, "fused_logp: stats must have shape [",
            N, ", 2], got ", pks::shape(stats));
   PK_CHECK(stats.device() == logits.device(), "fused_logp: stats must be on logits' device ", pks::device(logits),

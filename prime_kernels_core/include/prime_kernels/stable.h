@@ -28,6 +28,31 @@ inline std::string shape(const torch::stable::Tensor& t) {
   return out.str();
 }
 
+// A Tensor argument passed None arrives undefined, and every accessor of it then throws a sentence that names nothing:
+// name the argument first.
+inline void require_defined(const torch::stable::Tensor& t, const char* op, const char* argument) {
+  if (!t.defined()) throw std::runtime_error(std::string(op) + ": " + argument + " must be a tensor, got None");
+}
+
+// t.scalar_type(), or Undefined for a dtype the stable ABI of this build has no name for (the sub-byte integers, dtypes
+// newer than its floor): torch's conversion throws there, which would lose the name of the argument being checked.
+inline torch::headeronly::ScalarType scalar_type(const torch::stable::Tensor& t) {
+  try {
+    return t.scalar_type();
+  } catch (const std::runtime_error&) {
+    return torch::headeronly::ScalarType::Undefined;
+  }
+}
+
+// The dtype as c10 prints it ("Float"); for a dtype the stable ABI cannot name, its code in the C shim.
+inline std::string dtype(const torch::stable::Tensor& t) {
+  const auto type = scalar_type(t);
+  if (type != torch::headeronly::ScalarType::Undefined) return torch::headeronly::toString(type);
+  int32_t code = -1;
+  aoti_torch_get_dtype(t.get(), &code);
+  return "dtype code " + std::to_string(code) + " (a dtype the LibTorch stable ABI of this build does not name)";
+}
+
 // "cpu", "cuda:0", "meta", as c10 prints a tensor's device.
 inline std::string device(const torch::stable::Tensor& t) {
   const auto where = t.device();
