@@ -13,10 +13,9 @@
 # names a subset).
 # BENCHES="bench_a bench_b" limits the bench phase to those scripts (default: every bench/bench_*.py).
 # stable: installs the stable-ABI wheels built elsewhere by scripts/stable_abi_wheels.sh (carry .stable_wheels, or
-# STABLE_WHEELS=DIR) into their own site dir under this machine's torch, shows their status, runs the ported kernels'
-# gpu-marked tests and sanitizer scripts against them, and bench/ab.py of bench_fused_logp.py with that site as the
-# variant "stable-wheel" beside the tree and each built variant (stage the exact-ABI revision with
-# scripts/stage_variant.sh and run the variants phase in the same or an earlier call).
+# STABLE_WHEELS=DIR) into their own site dir (/tmp/stable_site) under this machine's torch, requires the ported
+# kernels to be available from it, and runs their gpu-marked tests and sanitizer scripts against it; a later ab phase
+# on the warm machine adds that site as the variant "stable-wheel" (AB_ROUNDS: rounds, default 2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [stable] [bench] [ab]}; shift
@@ -132,13 +131,7 @@ print("stable modules:", f._C_stable.__file__, e._C_stable.__file__)' 2>&1 | tee
     done
   done
   wait
-  variant_args=(--variant "stable-wheel=$site")
-  for name in ${AB_VARIANTS:-$(ls .variants 2>/dev/null)}; do
-    [ -f "/tmp/variants/$name/.built" ] && variant_args+=(--variant "$name=/tmp/variants/$name")
-  done
-  timeout 540 "$py" bench/ab.py --rounds "${STABLE_AB_ROUNDS:-3}" --json "$out/ab-stable.json" "${variant_args[@]}" \
-    -- bench/bench_fused_logp.py --no-compile 2>&1 | tee -a "$out/ab.log"
-  record stable "bench/ab.py ${variant_args[*]} -- bench/bench_fused_logp.py --no-compile" "exit ${PIPESTATUS[0]}"
+  [ "$r" = ok ] && touch "$site/.installed"  # the ab phase adds this site as the variant "stable-wheel"
 fi
 
 if phase bench; then
@@ -156,10 +149,14 @@ if phase ab; then
   for name in ${AB_VARIANTS:-$(ls .variants 2>/dev/null)}; do
     [ -f "/tmp/variants/$name/.built" ] && variant_args+=(--variant "$name=/tmp/variants/$name")
   done
+  case " ${AB_VARIANTS:-stable-wheel} " in  # the stable phase's site, unless AB_VARIANTS leaves it out
+    *" stable-wheel "*) [ -f /tmp/stable_site/.installed ] && variant_args+=(--variant stable-wheel=/tmp/stable_site);;
+  esac
   IFS=';' read -ra ab_benches <<< "${AB_BENCH:?AB_BENCH names the benchmark}"
   for i in "${!ab_benches[@]}"; do
     # shellcheck disable=SC2086
-    timeout 540 "$py" bench/ab.py --json "$out/ab-$i.json" "${variant_args[@]}" -- ${ab_benches[$i]} \
+    timeout 540 "$py" bench/ab.py --rounds "${AB_ROUNDS:-2}" --json "$out/ab-$i.json" "${variant_args[@]}" \
+      -- ${ab_benches[$i]} \
       2>&1 | tee -a "$out/ab.log"
     record ab "bench/ab.py ${ab_benches[$i]}" "exit ${PIPESTATUS[0]}"
   done
