@@ -4,6 +4,7 @@ import importlib.metadata
 import itertools
 import shutil
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -289,3 +290,22 @@ def test_the_installed_example_runs_under_this_torch():
     assert_error_ratio("stable-ABI y", y, baseline, reference)
     with pytest.raises(RuntimeError, match=r"^residual_rmsnorm: residual must have x's shape \[3, 40\], got \[3, 4\]$"):
         ops.residual_rmsnorm(x, residual[:, :4], weight, 1e-6)  # the exact-ABI build's words, nothing prefixed
+
+
+# ---------------------------------------------------------------- a plugin with both modules (fused_logp)
+
+@pytest.mark.parametrize("first,then", [("linear_ops", "fused_logp"), ("ops", "linear_logp")])
+def test_a_plugins_other_module_is_not_a_foreign_namespace(first, then):
+    """fused_logp's _C_stable and linear_logp's _C share the namespace fused_logp: whichever was imported first, the
+    other kernel stays available (rule 3 counts only what another distribution registered)."""
+    try:
+        spec = prime_kernels.spec("fused_logp")
+    except prime_kernels.KernelUnavailableError:
+        pytest.skip("prime-kernels-fused-logp is not installed")
+    if spec.extension != "prime_kernels_fused_logp._C_stable":
+        pytest.skip(f"this fused_logp build is not the stable-ABI one ({spec.extension})")
+    code = (f"import prime_kernels, prime_kernels_fused_logp.{first}\n"
+            f"print(repr(prime_kernels.unavailable_reason({then!r}, 'cpu')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "None"
