@@ -12,6 +12,7 @@
 #include <torch/headeronly/util/BFloat16.h>
 #include <torch/headeronly/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <sstream>
 #include <stdexcept>
@@ -82,10 +83,22 @@ struct OpMath<torch::headeronly::BFloat16> {
 template <typename T>
 using opmath_t = typename OpMath<T>::type;
 
-// at::empty(sizes, like.options().dtype(dtype)): a new contiguous tensor on like's device.
+// at::empty(sizes, like.options().dtype(dtype)): a new contiguous tensor on like's device. Straight through the C shim's
+// empty_strided, not torch::stable::empty's boxed dispatcher call (a few microseconds per output on every op call).
 inline torch::stable::Tensor empty(const torch::stable::Tensor& like, torch::headeronly::IntHeaderOnlyArrayRef sizes,
                                    torch::headeronly::ScalarType dtype) {
-  return torch::stable::empty(sizes, dtype, std::nullopt, like.device());
+  const int64_t ndim = static_cast<int64_t>(sizes.size());
+  int64_t strides[16];
+  STD_TORCH_CHECK(ndim <= 16, "prime_kernels::stable::empty: at most 16 dimensions, got ", ndim);
+  for (int64_t d = ndim - 1, step = 1; d >= 0; step *= std::max<int64_t>(sizes[d], 1), --d) strides[d] = step;
+  int32_t device_type = 0, device_index = 0;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(like.get(), &device_type));
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(like.get(), &device_index));
+  const int32_t shim_dtype = torch::stable::detail::to<int32_t>(torch::stable::detail::from(dtype));
+  AtenTensorHandle handle = nullptr;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(ndim, sizes.data(), strides, shim_dtype, device_type,
+                                                         device_index, &handle));
+  return torch::stable::Tensor(handle);
 }
 
 // t.contiguous(): t itself when it is contiguous already, as at::Tensor::contiguous.
