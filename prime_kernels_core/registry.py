@@ -333,23 +333,27 @@ def _stable_abi_reason(spec: KernelSpec, floor: str, running: str) -> str | None
     return None
 
 
-def _abi_reason(spec: KernelSpec, kernel: dict, target: Target | str) -> str | None:
-    """An exact-ABI build runs under the torch release (and CUDA) it was built against; a stable-ABI build (its
-    record's ``stable_abi`` floor) under any torch from its floor on with the same CUDA major."""
+def _torch_reason(spec: KernelSpec, floor: str | None) -> str | None:
+    """An exact-ABI build runs under the torch major.minor it was built against; a stable-ABI one from its floor on."""
     import torch
 
-    built_torch, built_cuda = major_minor(spec.build.get("torch")), spec.build.get("torch_cuda")
-    running_torch, running_cuda = major_minor(torch.__version__), torch.version.cuda
-    floor = kernel.get("stable_abi")
     if floor:
-        reason = _stable_abi_reason(spec, floor, str(torch.__version__))
-        if reason:
-            return reason
-    elif built_torch != running_torch:
+        return _stable_abi_reason(spec, floor, str(torch.__version__))
+    built_torch, running_torch = major_minor(spec.build.get("torch")), major_minor(torch.__version__)
+    if built_torch != running_torch:
         return (
             f"{spec.name} was built against torch {built_torch} but this process runs torch {running_torch}; "
             f"rebuild {spec.distribution} against the running torch"
         )
+    return None
+
+
+def _cuda_reason(spec: KernelSpec, floor: str | None, target: Target | str) -> str | None:
+    """CUDA code runs under the CUDA it was built against: the same version for an exact-ABI build, the same major
+    for a stable-ABI one. The CPU code needs none."""
+    import torch
+
+    built_cuda, running_cuda = spec.build.get("torch_cuda"), torch.version.cuda
     cuda_built = bool(spec.build.get("nvcc"))  # the build kit records nvcc only when it compiled CUDA code
     if not cuda_built or (isinstance(target, Target) and target.kind == "cpu"):
         return None
@@ -371,6 +375,13 @@ def _abi_reason(spec: KernelSpec, kernel: dict, target: Target | str) -> str | N
             f"rebuild {spec.distribution} against the running torch"
         )
     return None
+
+
+def _abi_reason(spec: KernelSpec, kernel: dict, target: Target | str) -> str | None:
+    """Whether the running torch is one the build runs under: exact-ABI builds (``_C``) the torch and CUDA they were
+    built against, stable-ABI builds (the record's ``stable_abi`` floor) any torch from the floor on, same CUDA major."""
+    floor = kernel.get("stable_abi")
+    return _torch_reason(spec, floor) or _cuda_reason(spec, floor, target)
 
 
 def torch_support(spec: KernelSpec | None) -> str | None:
