@@ -24,7 +24,7 @@ inline void check_residual_rmsnorm_args(const Tensor& x, const Tensor& residual,
   PK_CHECK(dtype == ScalarType::Float || dtype == ScalarType::Double || dtype == ScalarType::Half ||
                dtype == ScalarType::BFloat16,
            "residual_rmsnorm: x must be float32, float64, float16 or bfloat16, got ", pks::dtype(x));
-  PK_CHECK(residual.sizes() == x.sizes(), "residual_rmsnorm: residual must have x's shape ", pks::shape(x), ", got ",
+  PK_CHECK(pks::same_sizes(residual, x), "residual_rmsnorm: residual must have x's shape ", pks::shape(x), ", got ",
            pks::shape(residual));
   PK_CHECK(pks::scalar_type(residual) == dtype, "residual_rmsnorm: residual must have x's dtype ", pks::dtype(x),
            ", got ", pks::dtype(residual));

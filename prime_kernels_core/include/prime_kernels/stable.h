@@ -11,6 +11,7 @@
 #include <torch/headeronly/core/ScalarType.h>
 #include <torch/headeronly/util/BFloat16.h>
 #include <torch/headeronly/util/Half.h>
+#include <torch/headeronly/util/shim_utils.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -21,6 +22,14 @@
 namespace prime_kernels::stable {
 
 // "[2, 3, 64]", as c10 prints an IntArrayRef.
+// a.sizes() == b.sizes() (torch 2.11's IntHeaderOnlyArrayRef has no operator==).
+inline bool same_sizes(const torch::stable::Tensor& a, const torch::stable::Tensor& b) {
+  if (a.dim() != b.dim()) return false;
+  for (int64_t d = 0; d < a.dim(); ++d)
+    if (a.size(d) != b.size(d)) return false;
+  return true;
+}
+
 inline std::string shape(const torch::stable::Tensor& t) {
   std::ostringstream out;
   out << "[";
@@ -92,12 +101,12 @@ inline torch::stable::Tensor empty(const torch::stable::Tensor& like, torch::hea
   STD_TORCH_CHECK(ndim <= 16, "prime_kernels::stable::empty: at most 16 dimensions, got ", ndim);
   for (int64_t d = ndim - 1, step = 1; d >= 0; step *= std::max<int64_t>(sizes[d], 1), --d) strides[d] = step;
   int32_t device_type = 0, device_index = 0;
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(like.get(), &device_type));
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(like.get(), &device_index));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(like.get(), &device_type));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(like.get(), &device_index));
   const int32_t shim_dtype = torch::stable::detail::to<int32_t>(torch::stable::detail::from(dtype));
   AtenTensorHandle handle = nullptr;
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(ndim, sizes.data(), strides, shim_dtype, device_type,
-                                                         device_index, &handle));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(ndim, sizes.data(), strides, shim_dtype, device_type,
+                                                  device_index, &handle));
   return torch::stable::Tensor(handle);
 }
 
@@ -136,7 +145,7 @@ namespace prime_kernels::stable {
 // The stream torch runs its work on for device ``index`` (c10::cuda::getCurrentCUDAStream), through the C shim.
 inline cudaStream_t current_cuda_stream(int32_t index) {
   void* stream = nullptr;
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(index, &stream));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(index, &stream));
   return static_cast<cudaStream_t>(stream);
 }
 
