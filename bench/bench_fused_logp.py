@@ -170,19 +170,19 @@ def _probe_bits_kept(x, y, t, invariant):
     return all(torch.equal(a, b) for a, b in zip(run(x[:5], y[:5], t[:5]), run(x, y, t)))
 
 
-def invariant_ab(bw, results):
+def invariant_ab(bw, results, shapes=INVARIANT_AB_SHAPES, rounds=AB_ROUNDS):
     from prime_kernels_fused_logp.ops import logp_entropy
 
     print("| N | V | mode | fwd ms | fwd/floor | fwd+bwd ms | fwd+bwd/floor | probe bits kept (N=5 vs N) |")
     print("|---|---|---|---|---|---|---|---|")
-    for n, v in INVARIANT_AB_SHAPES:
+    for n, v in shapes:
         floor_fwd, floor_fb = n * v * 2 / bw * 1e3, 3 * n * v * 2 / bw * 1e3
         x = torch.randn(n, v, device="cuda", dtype=torch.bfloat16) * 3
         y = torch.randint(0, v, (n,), device="cuda")
         t = torch.rand(n, device="cuda") + 0.5
         xg = x.detach().requires_grad_()
         times = {m: {"fwd": [], "fb": []} for m in (False, True)}
-        for _ in range(AB_ROUNDS):
+        for _ in range(rounds):
             for inv in (False, True):
                 def fwd():
                     return logp_entropy(x, y, t, check_labels=False, batch_invariant=inv)
@@ -198,8 +198,8 @@ def invariant_ab(bw, results):
         row = {"shape": f"{n} x {v}", "N": n, "V": v, "floor_fwd_ms": floor_fwd, "floor_fwd_bwd_ms": floor_fb}
         for inv in (False, True):
             key = "invariant" if inv else "default"
-            f = sorted(times[inv]["fwd"])[AB_ROUNDS // 2]
-            b = sorted(times[inv]["fb"])[AB_ROUNDS // 2]
+            f = sorted(times[inv]["fwd"])[rounds // 2]
+            b = sorted(times[inv]["fb"])[rounds // 2]
             kept = _probe_bits_kept(x, y, t, inv)
             row.update({f"{key}_fwd_ms": f, f"{key}_fwd_bwd_ms": b, f"{key}_fwd_rounds": times[inv]["fwd"],
                         f"{key}_fwd_bwd_rounds": times[inv]["fb"], f"{key}_probe_bits_kept": kept})
@@ -220,6 +220,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="main shape only")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
     ap.add_argument("--invariant-ab", action="store_true", help="default vs batch_invariant=True (issue 25), only")
+    ap.add_argument("--shapes", help="--invariant-ab's shapes as NxV,NxV,... (default: all of INVARIANT_AB_SHAPES)")
+    ap.add_argument("--rounds", type=int, default=AB_ROUNDS, help="--invariant-ab's alternating rounds per shape")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_fused_logp: needs a CUDA device")
@@ -228,7 +230,9 @@ def main(argv=None):
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.3f} TB/s (read + write, 2 GiB)", flush=True)
     if args.invariant_ab:
         results = []
-        invariant_ab(bw, results)
+        shapes = ([tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")] if args.shapes
+                  else INVARIANT_AB_SHAPES)
+        invariant_ab(bw, results, shapes, args.rounds)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "copy_bandwidth_Bps": bw, "torch": torch.__version__,

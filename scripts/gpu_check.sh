@@ -11,7 +11,8 @@
 # (/tmp/variants/NAME, kept while the machine stays warm). ab: runs bench/ab.py on each ';'-separated command of
 # AB_BENCH (e.g. AB_BENCH="bench/bench_flash_moe.py --mxfp8-only") for the tree and each built variant (AB_VARIANTS
 # names a subset).
-# BENCHES="bench_a bench_b" limits the bench phase to those scripts (default: every bench/bench_*.py).
+# BENCHES="bench_a bench_b" limits the bench phase to those scripts (default: every bench/bench_*.py); TEST_SUITES,
+# SANITIZE_SCRIPTS and STABLE_SUITES (space-separated paths) limit the test, sanitize and stable phases likewise.
 # stable: installs the stable-ABI wheels built elsewhere by scripts/stable_abi_wheels.sh (carry .stable_wheels, or
 # STABLE_WHEELS=DIR) into their own site dir (/tmp/stable_site) under this machine's torch, requires the ported
 # kernels to be available from it, and runs their gpu-marked tests and sanitizer scripts against it; a later ab phase
@@ -71,7 +72,7 @@ fi
 # Tests and sanitizer runs are not timed: they share the GPU, all at once, to save device minutes.
 if phase test; then
   # One pytest process per suite: a kernel fault poisons its CUDA context, and must not fail the other plugins' tests.
-  for suite in tests plugins/*/tests examples/*/tests; do
+  for suite in ${TEST_SUITES:-tests plugins/*/tests examples/*/tests}; do
     [ -d "$suite" ] || continue
     name=$(echo "$suite" | tr / _)
     ( timeout 420 "$py" -m pytest -m gpu "$suite" -q -p no:cacheprovider -rs \
@@ -86,7 +87,7 @@ if phase sanitize; then
   # With more than one GPU the sanitizer runs take the last one, away from the test suites.
   gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
   sanitize_gpu=$(( gpus > 1 ? gpus - 1 : 0 ))
-  for script in plugins/*/tests/sanitize_*.py examples/*/tests/sanitize_*.py; do
+  for script in ${SANITIZE_SCRIPTS:-plugins/*/tests/sanitize_*.py examples/*/tests/sanitize_*.py}; do
     [ -f "$script" ] || continue
     for tool in memcheck racecheck synccheck; do
       name="$(basename "$script" .py)-$tool"
@@ -113,9 +114,10 @@ if phase stable; then
   cat "$out/stable-status.txt"
   PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} "$py" -c 'import prime_kernels_fused_logp.ops as f, pk_example_rmsnorm.ops as e
 print("stable modules:", f._C_stable.__file__, e._C_stable.__file__)' 2>&1 | tee -a "$out/stable-status.txt"
-  suites=(examples/third_party_plugin/tests plugins/fused_logp/tests/test_fused_logp.py
+  # shellcheck disable=SC2206
+  suites=(${STABLE_SUITES:-examples/third_party_plugin/tests plugins/fused_logp/tests/test_fused_logp.py
           plugins/fused_logp/tests/test_fused_logp_robustness.py plugins/fused_logp/tests/test_fused_logp_fuzz.py
-          plugins/fused_logp/tests/test_logp_batch_invariance.py)
+          plugins/fused_logp/tests/test_logp_batch_invariance.py})
   # linear_logp stays exact-ABI (its _C in the wheel is bound to the torch that built it): -k leaves its tests out.
   PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} timeout 420 "$py" -m pytest -m gpu -k "not linear" "${suites[@]}" -q \
     -p no:cacheprovider -rs --junitxml="$out/stable-tests.xml" > "$out/stable-tests.log" 2>&1
