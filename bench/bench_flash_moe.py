@@ -2,10 +2,13 @@
 ``prime_kernels_flash_moe.ops.moe``, against the grouped-mm expert path (argsort permute -> torch._grouped_mm gate/up
 -> silu * up -> grouped_mm down -> weighted index_add) and the bf16 matmul ceiling, all measured in the same run.
 
-    python bench/bench_flash_moe.py [--json PATH] [--quick] [--mxfp8-only]
+    python bench/bench_flash_moe.py [--json PATH] [--quick] [--mxfp8-only] [--no-mxfp8] [--shapes NAME,NAME]
 
 Timing: triton.testing.do_bench median. FLOPs = 2 T k dim 2 hidden + 2 T k hidden dim (forward); forward+backward
-counts 3x that plus the recomputed gate/up (2 T k dim 2 hidden). Routing: uniform random top-k ids, softmax weights.
+counts 3x that plus the recomputed gate/up (2 T k dim 2 hidden). The backward alone (autograd.grad on a kept graph,
+both paths) is reported in model FLOPs (2x the forward's: the recomputation not counted, so the TFLOP/s of both paths
+compare). Peak memory: allocated at the peak of one forward+backward above the inputs (gradients included).
+Routing: uniform random top-k ids, softmax weights. ``sonicmoe-7b``: SonicMoE's fine-grained 7B shape.
 
 mxfp8 rows (DeepSeek-V3 and Qwen3-30B-A3B): ``moe(mxfp8=True)`` forward (x quantized per call, weights cached;
 both with one exponent per 128 of K), the ``fused_moe_mxfp8`` op on pre-quantized operands with those shared
@@ -19,7 +22,7 @@ import argparse
 import json
 
 import torch
-from common import CEILING_WARMUP_MS, do_bench, free, matmul_ceiling
+from common import CEILING_WARMUP_MS, do_bench, free, matmul_ceiling, peak_extra
 
 # (name, T, E, top_k, dim, hidden)
 SHAPES = [
@@ -28,6 +31,7 @@ SHAPES = [
     ("mixtral", 8192, 8, 2, 4096, 14336),
     ("qwen3-30b-a3b T=1024", 1024, 128, 8, 2048, 768),
     ("qwen3-30b-a3b T=65536", 65536, 128, 8, 2048, 768),
+    ("sonicmoe-7b", 24576, 128, 8, 1536, 256),
 ]
 TARGETS = {"qwen3-30b-a3b": 2.0, "deepseek-v3": 1.6, "mixtral": 1.3}
 MXFP8_SHAPES = [
@@ -88,6 +92,45 @@ def bench_mxfp8(ops, fp8_peak, bf16_peak):
     return rows
 
 
+def bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling):
+    """Each piece of moe()'s backward alone (same inputs, default recompute mode), beside what it replaced: grad_h by
+    torch._grouped_mm + swiglu_backward, dx by two grouped GEMMs + the slot sum. TFLOP/s in each piece's own FLOPs."""
+    from prime_kernels_flash_moe.ops import _gmm
+
+    x, w1, w2, w3, ids, tw = problem(T, E, k, dim, hidden)
+    go = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
+    align = ops.moe_align(ids, E, block_align=ops.CONSTANTS["CLUSTER_BLOCKS"])
+    S = T * k
+    order = torch.sort(ids.reshape(-1).long(), stable=True).indices
+    offs = torch.cumsum(torch.bincount(ids.reshape(-1).long(), minlength=E), 0).to(torch.int32)
+    tok = order // k
+    with torch.no_grad():
+        gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, k, ops.BLOCK_M)
+        dg, du, ph, _ = torch.ops.flash_moe.moe_grad_gate_up(go, w2, gate_up, *align, tw, k, ops.BLOCK_M)
+        ok = torch.ones(S, dtype=torch.bool, device="cuda")
+        parts = {
+            "recompute gate_up": (lambda: torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, k, ops.BLOCK_M), 2),
+            "dH+swiglu (fused)": (lambda: torch.ops.flash_moe.moe_grad_gate_up(go, w2, gate_up, *align, tw, k,
+                                                                            ops.BLOCK_M), 1),
+            "dH+swiglu (gmm+pass)": (lambda: torch.ops.flash_moe.swiglu_backward(
+                gate_up, _gmm(go[tok], w2, offs), tw.reshape(-1)[order], ok), 1),
+            "dX atomic (fused)": (lambda: torch.ops.flash_moe.moe_grad_x(dg, du, w1, w3, *align, k, ops.BLOCK_M,
+                                                                       False), 2),
+            "dX k-order (fused)": (lambda: torch.ops.flash_moe.moe_grad_x(dg, du, w1, w3, *align, k, ops.BLOCK_M,
+                                                                        True), 2),
+            "dX (2 gmm + sum)": (lambda: dg.new_empty(S, dim).index_copy_(
+                0, order, _gmm(dg, w1, offs) + _gmm(du, w3, offs)).view(T, k, dim).sum(1, dtype=torch.float32), 2),
+            "dW1+dW3 (gather+2 gmm)": (lambda: (_gmm(dg.t(), x[tok], offs), _gmm(du.t(), x[tok], offs)), 2),
+            "dW2 (gather+gmm)": (lambda: _gmm(go[tok].t(), ph, offs), 1),
+        }
+        for part, (fn, units) in parts.items():
+            ms = do_bench(fn)
+            tflops = 2 * S * dim * hidden * units / ms / 1e9
+            print(f"  {name:22s} {part:24s} {ms:7.3f} ms {tflops:5.0f} TFLOP/s (ceiling {ceiling / 1e12:.0f})")
+    del x, w1, w2, w3, gate_up, dg, du, ph
+    free()
+
+
 def problem(T, E, k, dim, hidden, grad=False):
     x = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
     w1 = torch.randn(E, hidden, dim, device="cuda", dtype=torch.bfloat16) / dim**0.5
@@ -106,6 +149,9 @@ def main():
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true", help="the three main shapes, forward only at T=65536")
     parser.add_argument("--mxfp8-only", action="store_true", help="only the mxfp8 rows (and both ceilings)")
+    parser.add_argument("--no-mxfp8", action="store_true", help="skip the mxfp8 rows")
+    parser.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
+    parser.add_argument("--parts", action="store_true", help="time each piece of the backward alone first")
     args = parser.parse_args()
     import prime_kernels
     from prime_kernels_flash_moe.reference import moe_grouped_mm
@@ -113,11 +159,17 @@ def main():
     ops = prime_kernels.load("flash_moe")
     ceiling = matmul_ceiling()
     print(f"bf16 matmul ceiling 8192^3: {ceiling / 1e12:.0f} TFLOP/s")
-    fp8_peak = fp8_ceiling()
-    print(f"fp8 (e4m3 torch._scaled_mm) ceiling 8192^3: {fp8_peak / 1e12:.0f} TFLOP/s")
+    fp8_peak = None if args.no_mxfp8 else fp8_ceiling()
+    if fp8_peak is not None:
+        print(f"fp8 (e4m3 torch._scaled_mm) ceiling 8192^3: {fp8_peak / 1e12:.0f} TFLOP/s")
     summary = []
-    mxfp8_rows = bench_mxfp8(ops, fp8_peak, ceiling)
-    for name, T, E, k, dim, hidden in [] if args.mxfp8_only else SHAPES[:3] if args.quick else SHAPES:
+    mxfp8_rows = [] if args.no_mxfp8 else bench_mxfp8(ops, fp8_peak, ceiling)
+    shapes = [] if args.mxfp8_only else SHAPES[:3] if args.quick else SHAPES
+    if args.shapes:
+        shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
+    for name, T, E, k, dim, hidden in shapes if args.parts else []:
+        bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling)
+    for name, T, E, k, dim, hidden in shapes:
         flops = 2 * T * k * dim * 2 * hidden + 2 * T * k * hidden * dim
         row = {"shape": name, "T": T, "E": E, "top_k": k, "dim": dim, "hidden": hidden}
         with torch.no_grad():
@@ -142,9 +194,26 @@ def main():
             fb = do_bench(lambda: ops.moe(*p).backward(go), grad_to_none=leaves)
             fb_saved = do_bench(lambda: ops.moe(*p, recompute_gate_up=False).backward(go), grad_to_none=leaves)
             fb_peer = do_bench(lambda: moe_grouped_mm(*p).backward(go), grad_to_none=leaves)
+            out, out_peer = ops.moe(*p), moe_grouped_mm(*p)
+            bwd = do_bench(lambda: torch.autograd.grad(out, leaves, go, retain_graph=True))
+            bwd_peer = do_bench(lambda: torch.autograd.grad(out_peer, leaves, go, retain_graph=True))
+            del out, out_peer
+            # peak memory of one forward+backward above the inputs (activations saved for backward, temporaries and
+            # the gradients, which start as None each time)
+            mem = {}
+            for label, fn in (("ours", ops.moe), ("saved", lambda *a: ops.moe(*a, recompute_gate_up=False)),
+                              ("peer", moe_grouped_mm)):
+                for t in leaves:
+                    t.grad = None
+                mem[label] = peak_extra(lambda: fn(*p).backward(go)) / 2**30
+            for t in leaves:
+                t.grad = None
+            row.update(peak_gib=mem["ours"], peak_saved_gib=mem["saved"], peer_peak_gib=mem["peer"])
             row.update(fwd_bwd_ms=fb, fwd_bwd_saved_ms=fb_saved, peer_fwd_bwd_ms=fb_peer, fwd_bwd_speedup=fb_peer / fb,
                        fwd_bwd_saved_speedup=fb_peer / fb_saved,
-                       fwd_bwd_tflops=(3 * flops + 2 * T * k * dim * 2 * hidden) / fb / 1e9)
+                       fwd_bwd_tflops=(3 * flops + 2 * T * k * dim * 2 * hidden) / fb / 1e9,
+                       bwd_ms=bwd, peer_bwd_ms=bwd_peer, bwd_speedup=bwd_peer / bwd, bwd_tflops=2 * flops / bwd / 1e9,
+                       peer_bwd_tflops=2 * flops / bwd_peer / 1e9, floor_bwd_ms=2 * flops / ceiling * 1e3)
             del p, go, leaves
             free()
         row["ceiling_tflops"] = ceiling / 1e12
@@ -153,10 +222,17 @@ def main():
               f" align {align:6.3f}) | grouped-mm {peer:7.3f} ms ({row['peer_fwd_tflops']:5.0f}) | x{row['fwd_speedup']:.2f}"
               f" (target {row['target']})" + (f" | fwd+bwd {row['fwd_bwd_ms']:7.3f} vs {row['peer_fwd_bwd_ms']:7.3f} ms"
                                                f" x{row['fwd_bwd_speedup']:.2f}; saved g|u {row['fwd_bwd_saved_ms']:7.3f}"
-                                               f" x{row['fwd_bwd_saved_speedup']:.2f}" if "fwd_bwd_ms" in row else ""))
+                                               f" x{row['fwd_bwd_saved_speedup']:.2f} | bwd {row['bwd_ms']:7.3f} "
+                                               f"({row['bwd_tflops']:5.0f} TFLOP/s) vs {row['peer_bwd_ms']:7.3f} ms "
+                                               f"({row['peer_bwd_tflops']:5.0f}) x{row['bwd_speedup']:.2f}, floor "
+                                               f"{row['floor_bwd_ms']:.3f} ms at the {ceiling / 1e12:.0f} TFLOP/s "
+                                               f"ceiling | peak fwd+bwd memory {row['peak_gib']:.2f} GiB (saved g|u "
+                                               f"{row['peak_saved_gib']:.2f}) vs {row['peer_peak_gib']:.2f}"
+                                               if "fwd_bwd_ms" in row else ""))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"ceiling_tflops": ceiling / 1e12, "fp8_ceiling_tflops": fp8_peak / 1e12, "summary": summary,
+            json.dump({"ceiling_tflops": ceiling / 1e12, "fp8_ceiling_tflops": fp8_peak and fp8_peak / 1e12,
+                       "summary": summary,
                        "mxfp8": mxfp8_rows}, f, indent=2)
 
 

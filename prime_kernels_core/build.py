@@ -1,7 +1,9 @@
 """The build kit: a plugin's setup.py is ``setup_plugin()``; everything else comes from its kernel.toml.
 
-Builds ``<package>._C`` with torch.utils.cpp_extension (ninja): the CPU sources always, so the op schemas exist on
-every install, and each kernel's CUDA sources only for that kernel's own archs (``-gencode=arch=compute_XX,code=sm_XX``,
+Builds ``<package>._C`` with torch.utils.cpp_extension (ninja), and ``<package>._C_stable`` for the kernels whose
+manifest says ``stable_abi = "X.Y"`` (compiled with TORCH_TARGET_VERSION at that torch, so that any API outside the
+LibTorch stable ABI is a compile error, and with the Python limited API, so that one wheel serves every CPython 3 from
+3.10 on): the CPU sources always, so the op schemas exist on every install, and each kernel's CUDA sources only for that kernel's own archs (``-gencode=arch=compute_XX,code=sm_XX``,
 machine code only, no PTX): every arch it lists by default (a fat build), or the best of them for each device arch
 PRIME_KERNELS_ARCH names. A requested arch a kernel does not support leaves that kernel without code for it, never a
 failed build. CUDA is skipped with a message when the toolkit does not suit the installed torch, unless
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from .manifest import (
     ARCH_PATTERN, BUILD_RECORD_NAME, DEFAULT_CXX_STD, EXTENSION_MODULE, MANIFEST_NAME, arch_runs_on, capability_of,
-    cuda_source_sets, load, major_minor,
+    cuda_source_sets, extension_module, load, major_minor, release_tuple,
 )
 
 ARCH_ENV = "PRIME_KERNELS_ARCH"
@@ -194,10 +196,30 @@ def gencode_flags(archs: list[str]) -> list[str]:
     return flags
 
 
-def abi_tag(toolchain: Toolchain, with_cuda: bool) -> str:
-    """The wheel's local version: the torch (and CUDA) ABI it imports under, e.g. ``cu130torch2.14``."""
+def abi_tag(toolchain: Toolchain, with_cuda: bool, stable_floor: str | None = None) -> str:
+    """The wheel's local version: the torch (and CUDA) ABI it imports under: ``cu130torch2.14`` for one exact torch,
+    ``cu130torchabi2.11`` when every kernel is on the stable ABI from torch 2.11 on (any later torch, same CUDA major).
+    A PEP 440 local label (letters, digits, dots) that pip and uv accept and order like torch's own ``+cu130``."""
     cuda = "cu" + toolchain.torch_cuda.replace(".", "") if with_cuda else "cpu"
+    if stable_floor:
+        return f"{cuda}torchabi{stable_floor}"
     return f"{cuda}torch{major_minor(toolchain.torch_version)}"
+
+
+def target_version_define(floor: str) -> str:
+    """``-DTORCH_TARGET_VERSION=0x020b000000000000`` for floor ``2.11``: torch's headers then expose only the stable
+    API of that release (torch/csrc/stable/version.h packs major and minor into the top two bytes)."""
+    major, minor = release_tuple(floor)
+    return f"-DTORCH_TARGET_VERSION=0x{major:02x}{minor:02x}000000000000"
+
+
+def stable_floor_reason(floor: str, toolchain: Toolchain) -> str | None:
+    """Why the installed torch cannot build for the stable ABI floor ``floor``, or None: its headers must know it."""
+    building = release_tuple(toolchain.torch_version)
+    if building is None or building < release_tuple(floor):
+        return (f"stable_abi = \"{floor}\" is newer than torch {toolchain.torch_version}, which builds it; build with "
+                f"torch {floor} or newer (its headers define the stable API of every release up to their own)")
+    return None
 
 
 def _build_requirement_includes(requirement: str) -> list[str]:
@@ -260,6 +282,38 @@ def _selected_kernels() -> set[str] | None:
     return named or None
 
 
+def _module_plan(name: str, kernels: dict, groups: list[dict], floor: str | None, std: str) -> dict:
+    """One compiled module: its kernels' CPU sources, their CUDA source sets and the flags they compile with."""
+    defines = [
+        f"-D{kernel.upper()}_{key}={_define_value(kernel, key, value)}"
+        for kernel, table in kernels.items()
+        for key, value in table.get("constants", {}).items()
+    ]
+    gather = lambda key: [x for t in kernels.values() for x in t.get(key, [])]
+    # The stable module sees only the stable API of its floor; USE_CUDA declares the shim's CUDA stream calls.
+    stable = [target_version_define(floor)] if floor else []
+    return {
+        "name": name,
+        "kernels": list(kernels),
+        "stable_abi": floor,
+        "cpu_sources": [s for t in kernels.values() for s in t.get("sources", {}).get("cpu", [])],
+        "cuda_groups": groups,
+        "cxx_flags": _unique([std, *gather("extra_cxx_flags"), *defines, *stable]),
+        "nvcc_flags": _unique([std, *gather("extra_nvcc_flags"), *defines, *stable, *(["-DUSE_CUDA"] if floor else [])])
+        if groups else [],
+    }
+
+
+def _check_one_module_per_source(modules: list[dict]) -> None:
+    """A source file is compiled into one module: a stable kernel and an exact-ABI one cannot share it."""
+    owners = {}
+    for module in modules:
+        for source in module["cpu_sources"] + [s for g in module["cuda_groups"] for s in g["sources"]]:
+            if owners.setdefault(source, module["name"]) != module["name"]:
+                raise BuildError(f"{source} is compiled into both {owners[source]} and {module['name']}; a source file "
+                                 "belongs to the stable-ABI kernels or to the others, not to both")
+
+
 def extension_plan(root: Path, toolchain: Toolchain) -> dict:
     """Everything the build decides from the manifest and toolchain, without compiling (tested on its own)."""
     package_dir = _plugin_package(root)
@@ -267,6 +321,10 @@ def extension_plan(root: Path, toolchain: Toolchain) -> dict:
     kernels = manifest["kernels"]
     for name, table in kernels.items():
         _check_cuda_sources(name, table)
+    floors = {t["stable_abi"] for t in kernels.values() if t.get("stable_abi")}
+    floor = floors.pop() if floors else None  # the manifest allows one floor per plugin
+    if floor and stable_floor_reason(floor, toolchain):
+        raise BuildError(f"{package_dir.name}: {stable_floor_reason(floor, toolchain)}")
     has_cuda_sources = any(cuda_source_sets(t) for t in kernels.values())
     request = arch_request()
     # A plugin without CUDA sources is CPU-only by design: nothing is skipped, so PRIME_KERNELS_REQUIRE has no say.
@@ -276,34 +334,38 @@ def extension_plan(root: Path, toolchain: Toolchain) -> dict:
         if has_cuda_sources and skip is None else {"archs": [], "not_built": {}}
         for name, table in kernels.items()
     }
-    groups = compile_groups(kernels, arch_plans)
-    with_cuda = bool(groups)
     cxx_std = {t.get("cxx_std", DEFAULT_CXX_STD) for t in kernels.values()}
     if len(cxx_std) != 1:
         raise BuildError(f"{package_dir.name}: kernels disagree on cxx_std ({sorted(cxx_std)}); they share one _C")
-    defines = [
-        f"-D{kernel.upper()}_{key}={_define_value(kernel, key, value)}"
-        for kernel, table in kernels.items()
-        for key, value in table.get("constants", {}).items()
-    ]
+    std = f"-std={cxx_std.pop()}"
+    by_module = {}
+    for name, table in kernels.items():
+        by_module.setdefault(extension_module(table), {})[name] = table
+    compile_groups(kernels, arch_plans)  # raises when a source is in two sets, across modules too
+    modules = []
+    for module, members in sorted(by_module.items()):
+        groups = compile_groups(members, arch_plans)
+        for group in groups:
+            # One nvcc compiles the host side once and the device side once per arch: --threads runs those at once.
+            group["nvcc_flags"] = gencode_flags(group["archs"]) + (["--threads=0"] if len(group["archs"]) > 1 else [])
+        modules.append(_module_plan(module, members, groups, floor if module != EXTENSION_MODULE else None, std))
+    _check_one_module_per_source(modules)
+    with_cuda = any(m["cuda_groups"] for m in modules)
     gather = lambda key: [x for t in kernels.values() for x in t.get(key, [])]
     includes = [str(root / d) for d in gather("include_dirs")] + [str(CORE_INCLUDE)]
     if with_cuda:
         includes += cuda_library_includes(toolchain.cuda_home)
     for requirement in gather("build_requires"):
         includes += _build_requirement_includes(requirement)
-    std = f"-std={cxx_std.pop()}"
-    for group in groups:
-        # One nvcc compiles the host side once and the device side once per arch: --threads runs those in parallel.
-        group["nvcc_flags"] = gencode_flags(group["archs"]) + (["--threads=0"] if len(group["archs"]) > 1 else [])
+    all_stable = EXTENSION_MODULE not in by_module
     return {
         "package": package_dir.name,
-        "version": f"{manifest['version']}+{abi_tag(toolchain, with_cuda)}",
-        "cpu_sources": [s for t in kernels.values() for s in t.get("sources", {}).get("cpu", [])],
-        "cuda_groups": groups,
+        "version": f"{manifest['version']}+{abi_tag(toolchain, with_cuda, floor if all_stable else None)}",
+        "modules": modules,
+        # A plugin with a stable module ships one wheel for every CPython (abi3): its _C, if any, needs no more than
+        # the limited API either (module_init.cpp; ops reach Python through the dispatcher, not pybind).
+        "py_limited_api": floor is not None,
         "include_dirs": includes,
-        "cxx_flags": _unique([std, *gather("extra_cxx_flags"), *defines]),
-        "nvcc_flags": _unique([std, *gather("extra_nvcc_flags"), *defines]) if with_cuda else [],
         "kernels": arch_plans,
         "arch_request": None if isinstance(request, str) else request.described,
         "cuda_skipped": skip,
@@ -346,8 +408,9 @@ def registered_ops(shared_object: str | Path) -> list[str]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def registration_mismatch(package: str, kernels: dict, ops: list[str]) -> str | None:
-    """Why what ``_C`` registers differs from what the manifest declares (namespaces and ops), or None."""
+def registration_mismatch(extension: str, kernels: dict, ops: list[str]) -> str | None:
+    """Why what ``extension`` registers differs from what the manifest declares for its kernels (namespaces and ops),
+    or None."""
     declared = {f"{t['namespace']}::{op}" for t in kernels.values() for op in t["ops"]}
     if set(ops) == declared:
         return None
@@ -357,20 +420,51 @@ def registration_mismatch(package: str, kernels: dict, ops: list[str]) -> str | 
         parts.append(f"declared but not registered: {sorted(declared - set(ops))}")
     if set(ops) - declared:
         parts.append(f"registered but not declared: {sorted(set(ops) - declared)}")
-    return f"{package}._C does not register what kernel.toml declares: " + "; ".join(parts)
+    return f"{extension} does not register what kernel.toml declares: " + "; ".join(parts)
 
 
 def build_record(plan: dict, toolchain: Toolchain) -> dict:
+    """What the registry gates on: the toolchain, and per kernel its archs and, for a stable-ABI kernel, its floor."""
+    floors = {k: m["stable_abi"] for m in plan["modules"] for k in m["kernels"]}
     return {
         "torch": toolchain.torch_version,
         "torch_cuda": toolchain.torch_cuda,
-        "nvcc": toolchain.nvcc_version if plan["cuda_groups"] else None,
+        "nvcc": toolchain.nvcc_version if any(m["cuda_groups"] for m in plan["modules"]) else None,
         "cxx": toolchain.cxx_version,
         "python": platform.python_version(),
         "arch_request": plan["arch_request"],
         "cuda_skipped": plan["cuda_skipped"],
-        "kernels": plan["kernels"],
+        # An exact-ABI kernel's entry is as before the stable ABI existed: registries of every version read it alike.
+        "kernels": {name: {**kernel, **({"stable_abi": floors[name]} if floors[name] else {})}
+                    for name, kernel in plan["kernels"].items()},
     }
+
+
+def limited_api_tag(cpp_extension) -> str:
+    """The abi3 wheel's tag, ``cp310``: cpp_extension compiles py_limited_api modules with Py_LIMITED_API set to its
+    minimum CPython (0x030A0000), and the wheel must claim no older one."""
+    version = int(cpp_extension.min_supported_cpython, 16)
+    return f"cp{version >> 24}{(version >> 16) & 0xFF}"
+
+
+def _extension(plan: dict, module: dict, cpp_extension):
+    """The setuptools Extension of one module: its CPU sources and module_init.cpp (CUDA sets are compiled apart)."""
+    compile_args = {"cxx": module["cxx_flags"]}
+    if module["cuda_groups"]:
+        compile_args["nvcc"] = module["nvcc_flags"]
+    # A copy under build/: setuptools wants relative sources, and objects must land inside build_temp. One copy per
+    # module, each compiled with its own flags (Py_LIMITED_API for an abi3 wheel).
+    module_init = Path("build", module["name"], MODULE_INIT.name)
+    module_init.parent.mkdir(parents=True, exist_ok=True)
+    module_init.write_text(MODULE_INIT.read_text())
+    extension_type = cpp_extension.CUDAExtension if module["cuda_groups"] else cpp_extension.CppExtension
+    return extension_type(
+        name=f"{plan['package']}.{module['name']}",
+        sources=[*module["cpu_sources"], str(module_init)],
+        include_dirs=plan["include_dirs"],
+        extra_compile_args=compile_args,
+        py_limited_api=plan["py_limited_api"],
+    )
 
 
 def setup_plugin(root: str | Path | None = None, **setup_kwargs) -> None:
@@ -384,54 +478,46 @@ def setup_plugin(root: str | Path | None = None, **setup_kwargs) -> None:
     plan = extension_plan(root, toolchain)
     announce(plan)
     record = build_record(plan, toolchain)
-
-    extension_type = cpp_extension.CUDAExtension if plan["cuda_groups"] else cpp_extension.CppExtension
-    compile_args = {"cxx": plan["cxx_flags"]}
-    if plan["cuda_groups"]:
-        compile_args["nvcc"] = plan["nvcc_flags"]
-    # A copy under build/: setuptools wants relative sources, and objects must land inside build_temp.
-    module_init = Path("build", MODULE_INIT.name)
-    module_init.parent.mkdir(exist_ok=True)
-    module_init.write_text(MODULE_INIT.read_text())
-    extension = extension_type(
-        name=f"{plan['package']}.{EXTENSION_MODULE}",
-        sources=[*plan["cpu_sources"], str(module_init)],
-        include_dirs=plan["include_dirs"],
-        extra_compile_args=compile_args,
-    )
+    extensions = [_extension(plan, module, cpp_extension) for module in plan["modules"]]
+    modules = {f"{plan['package']}.{m['name']}": m for m in plan["modules"]}
 
     class BuildWithRecord(cpp_extension.BuildExtension):
         def build_extension(self, ext):
             # cpp_extension gives one extension one set of nvcc flags, so each CUDA source set is compiled on its own
             # (its archs' -gencode only, into its own folder) and linked in as objects.
-            for i, group in enumerate(plan["cuda_groups"]):
+            for i, group in enumerate(modules[ext.name]["cuda_groups"]):
                 flags = dict(ext.extra_compile_args, nvcc=[*ext.extra_compile_args["nvcc"], *group["nvcc_flags"]])
                 ext.extra_objects += self.compiler.compile(
-                    group["sources"], output_dir=os.path.join(self.build_temp, f"cuda_set_{i}"),
+                    group["sources"], output_dir=os.path.join(self.build_temp, ext.name, f"cuda_set_{i}"),
                     include_dirs=ext.include_dirs, extra_postargs=flags, depends=ext.depends,
                 )
             super().build_extension(ext)
 
         def run(self):
             super().run()
-            # The registry trusts the record before anything is imported, so the record must say what _C really
-            # registers: a _C that registers another namespace than declared would abort the process at import.
-            ops = registered_ops(self.get_ext_fullpath(extension.name))
-            mismatch = registration_mismatch(plan["package"], load(_plugin_package(root))["kernels"], ops)
-            if mismatch:
-                raise BuildError(mismatch)
-            record["registered_ops"] = ops
-            # Beside the built _C, and beside the in-place copy an editable install (pip install -e) imports.
-            in_place = Path(self.get_ext_fullpath(extension.name)).parent
+            # The registry trusts the record before anything is imported, so the record must say what each module
+            # really registers: a module that registers another namespace than declared would abort the process.
+            kernels = load(_plugin_package(root))["kernels"]
+            record["registered_ops"] = []
+            for name, module in modules.items():
+                ops = registered_ops(self.get_ext_fullpath(name))
+                mismatch = registration_mismatch(name, {k: kernels[k] for k in module["kernels"]}, ops)
+                if mismatch:
+                    raise BuildError(mismatch)
+                record["registered_ops"] = sorted({*record["registered_ops"], *ops})
+            # Beside the built modules, and beside the in-place copy an editable install (pip install -e) imports.
+            in_place = Path(self.get_ext_fullpath(extensions[0].name)).parent
             for package_dir in {Path(self.build_lib) / plan["package"], in_place}:
                 package_dir.mkdir(parents=True, exist_ok=True)
                 (package_dir / BUILD_RECORD_NAME).write_text(json.dumps(record, indent=2))
 
+    options = {"bdist_wheel": {"py_limited_api": limited_api_tag(cpp_extension)}} if plan["py_limited_api"] else {}
     setuptools.setup(
         version=plan["version"],
         packages=[plan["package"]],
         package_data={plan["package"]: [MANIFEST_NAME]},
-        ext_modules=[extension],
+        ext_modules=extensions,
         cmdclass={"build_ext": BuildWithRecord.with_options(use_ninja=True)},
+        options=options,
         **setup_kwargs,
     )

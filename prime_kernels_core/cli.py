@@ -189,6 +189,7 @@ def _kernel_row(entry: registry.Entry, checks: dict, probe: bool) -> dict:
         "archs_built": registry.built_archs(spec) if build else None,
         "built_torch_version": build.get("torch") if build else None,
         "built_torch_cuda_version": build.get("torch_cuda") if build else None,
+        "torch_support": registry.torch_support(spec),
         "checked_in_child": probe,
         "cuda": states.get("cuda"), "cpu": states["cpu"],
     }
@@ -269,7 +270,8 @@ def _table_lines(doc: dict, width: int) -> list[str]:
     for k in kernels:
         archs = "-" if k["archs_built"] is None else ", ".join(k["archs_built"]) or "none"
         states = ["available" if k[key]["available"] else "unavailable" for key in keys]
-        body.append(([k["kernel"], f"{k['distribution']} {k['distribution_version']}", archs, *states], k))
+        plugin = f"{k['distribution']} {k['distribution_version']}" + (f" ({k['torch_support']})" if k["torch_support"] else "")
+        body.append(([k["kernel"], plugin, archs, *states], k))
     columns = list(zip(header, *(cells for cells, _ in body)))
     natural = [max(map(len, column)) for column in columns]
     words = [max(len(word) for cell in column for word in cell.split() or [""]) for column in columns]

@@ -2,9 +2,11 @@
 
 A manifest sits inside the plugin's package and holds a top-level ``version`` and one table per kernel:
 description, namespace, ops, trainable, module, archs, cxx_std, sources.cpu / sources.cuda / sources.cuda_variants,
-include_dirs, extra_cxx_flags, extra_nvcc_flags, build_requires and a ``constants`` table (compile definitions
-``<KERNEL>_<NAME>`` and runtime values alike). ``archs`` are the CUDA archs the kernel has code for; each is compiled
-from its ``sources.cuda_variants`` entry when it has one, else from ``sources.cuda``.
+include_dirs, extra_cxx_flags, extra_nvcc_flags, build_requires, stable_abi and a ``constants`` table (compile
+definitions ``<KERNEL>_<NAME>`` and runtime values alike). ``archs`` are the CUDA archs the kernel has code for; each is
+compiled from its ``sources.cuda_variants`` entry when it has one, else from ``sources.cuda``. ``stable_abi = "2.11"``
+says the kernel's C++/CUDA uses only the LibTorch stable ABI and runs on any torch from that release on: it is compiled
+into ``<package>._C_stable`` (the others into ``<package>._C``), and every stable kernel of a plugin names one floor.
 """
 from __future__ import annotations
 
@@ -25,15 +27,20 @@ else:  # pragma: no cover
 
 MANIFEST_NAME = "kernel.toml"
 BUILD_RECORD_NAME = "_build_record.json"
-# The compiled module of every plugin package, <package>._C; module_init.cpp takes its name from the build's define.
+# The compiled module of a plugin's exact-ABI kernels, <package>._C; module_init.cpp takes its name from the build's define.
 EXTENSION_MODULE = "_C"
+# The compiled module of a plugin's stable-ABI kernels (stable_abi = "2.11"): one per plugin, built for one torch floor.
+STABLE_EXTENSION_MODULE = "_C_stable"
+# The first torch whose stable ABI a build can target (TORCH_TARGET_VERSION, STABLE_TORCH_LIBRARY, TORCH_BOX).
+STABLE_ABI_FIRST = (2, 10)
+TORCH_RELEASE = re.compile(r"(\d+)\.(\d+)")
 # A CUDA arch as manifests and PRIME_KERNELS_ARCH spell it: MAJOR.MINOR, then "a" (arch-specific) or "f" (family).
 ARCH_PATTERN = re.compile(r"(\d+)\.(\d+)([af]?)")
 CXX_STD_PATTERN = re.compile(r"c\+\+(17|20|23)")
 DEFAULT_CXX_STD = "c++20"
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 STRING_LISTS = ("ops", "trainable", "archs", "include_dirs", "extra_cxx_flags", "extra_nvcc_flags", "build_requires")
-KERNEL_KEYS = {"description", "namespace", "module", "cxx_std", "sources", "constants", *STRING_LISTS}
+KERNEL_KEYS = {"description", "namespace", "module", "cxx_std", "sources", "constants", "stable_abi", *STRING_LISTS}
 SOURCE_KEYS = {"cpu", "cuda", "cuda_variants"}
 
 
@@ -80,6 +87,33 @@ def _check_sources(where: str, sources, archs: list[str]) -> None:
         raise ManifestError(f"{where}: sources.cuda_variants names {unlisted}, which archs does not list ({archs})")
 
 
+def _check_stable_abi(where: str, table: dict) -> None:
+    floor = table.get("stable_abi")
+    if floor is None:
+        return
+    first = "{}.{}".format(*STABLE_ABI_FIRST)
+    if not isinstance(floor, str) or not TORCH_RELEASE.fullmatch(floor):
+        raise ManifestError(
+            f"{where}: stable_abi is the oldest torch release the kernel targets, a string MAJOR.MINOR such as "
+            f"\"{first}\" (its sources then use only the LibTorch stable ABI), found {floor!r}"
+        )
+    if release_tuple(floor) < STABLE_ABI_FIRST:
+        raise ManifestError(
+            f"{where}: stable_abi = \"{floor}\" is older than torch {first}, the first release whose stable ABI a "
+            f"build can target (TORCH_TARGET_VERSION); use \"{first}\" or newer"
+        )
+
+
+def _check_stable_floors(path: Path, kernels: dict) -> None:
+    """The stable kernels of one plugin share one compiled module, built for one torch floor."""
+    floors = {name: t["stable_abi"] for name, t in kernels.items() if t.get("stable_abi") is not None}
+    if len(set(floors.values())) > 1:
+        raise ManifestError(
+            f"{path}: kernels disagree on stable_abi ({', '.join(f'{n} = {f!r}' for n, f in floors.items())}); the "
+            f"stable kernels of a plugin share one {STABLE_EXTENSION_MODULE} built for one torch floor, so give them one"
+        )
+
+
 def _check_kernel(where: str, table: dict) -> None:
     """Every key of one kernel table, each with a sentence naming the key, what was expected and what was found."""
     unknown = set(table) - KERNEL_KEYS
@@ -110,6 +144,7 @@ def _check_kernel(where: str, table: dict) -> None:
     if not isinstance(cxx_std, str) or not CXX_STD_PATTERN.fullmatch(cxx_std):
         raise ManifestError(f"{where}: cxx_std is a string c++17, c++20 or c++23 (default {DEFAULT_CXX_STD}), found {cxx_std!r}")
     _check_sources(where, table.get("sources", {}), table.get("archs", []))
+    _check_stable_abi(where, table)
     constants = table.get("constants", {})
     if not isinstance(constants, dict):
         raise ManifestError(f"{where}: constants must be a table, found {constants!r}")
@@ -142,6 +177,7 @@ def load(path: str | Path) -> dict:
         raise ManifestError(f"{path}: declares no kernel table")
     for name, table in kernels.items():
         _check_kernel(f"{path}: kernel {name!r}", table)
+    _check_stable_floors(path, kernels)
     return {"version": data["version"], "kernels": kernels}
 
 
@@ -171,6 +207,17 @@ def arch_runs_on(arch: str, capability: tuple[int, int]) -> bool:
     if arch.endswith("a"):
         return built_for == capability
     return built_for[0] == capability[0] and capability[1] >= built_for[1]
+
+
+def extension_module(table: dict) -> str:
+    """The compiled module a kernel's C++ lives in: ``_C_stable`` for a stable-ABI kernel, else ``_C``."""
+    return STABLE_EXTENSION_MODULE if table.get("stable_abi") is not None else EXTENSION_MODULE
+
+
+def release_tuple(version: str | None) -> tuple[int, int] | None:
+    """``"2.11"`` or ``"2.11.0+cu130"`` -> ``(2, 11)``; None when it does not begin with MAJOR.MINOR."""
+    found = TORCH_RELEASE.match(version) if isinstance(version, str) else None
+    return (int(found[1]), int(found[2])) if found else None
 
 
 def major_minor(version: str | None) -> str | None:
@@ -206,7 +253,7 @@ def declare(hook_module_file: str) -> list[KernelSpec]:
             archs=tuple(table.get("archs", ())),
             trainable=tuple(table.get("trainable", ())),
             constants=dict(table.get("constants", {})),
-            extension=f"{package_dir.name}.{EXTENSION_MODULE}",
+            extension=f"{package_dir.name}.{extension_module(table)}",
             build=record,
         )
         for name, table in manifest["kernels"].items()

@@ -18,7 +18,7 @@ from pathlib import Path
 import pluggy
 
 from . import ENTRY_POINT_GROUP, hookspecs, manifest
-from .manifest import ARCH_PATTERN, KernelSpec, arch_runs_on, capability_of, major_minor
+from .manifest import ARCH_PATTERN, TORCH_RELEASE, KernelSpec, arch_runs_on, capability_of, major_minor, release_tuple
 
 DISABLE_ENV = "PRIME_KERNELS_DISABLE"
 ALLOW_ENV = "PRIME_KERNELS_PLUGINS"
@@ -273,12 +273,23 @@ def resolve_target(device=None) -> Target | str:
 
 # ---------------------------------------------------------------- gating
 
+def _own_loaded_ops(spec: KernelSpec) -> set[str]:
+    """The ``namespace::op`` names registered by compiled modules of ``spec``'s own distribution that are imported
+    already (a plugin's _C and _C_stable may share one namespace through library fragments)."""
+    return {
+        f"{e.spec.namespace}::{op}" for e in entries()
+        if e.spec is not None and e.distribution == spec.distribution and e.spec.extension in sys.modules
+        for op in e.spec.ops
+    }
+
+
 def _foreign_namespace_reason(spec: KernelSpec) -> str | None:
     if spec.extension in sys.modules or spec.module in sys.modules:  # registered by the plugin itself
         return None
     import torch
 
-    registered = torch._C._dispatch_get_all_op_names()
+    own = _own_loaded_ops(spec)
+    registered = [op for op in torch._C._dispatch_get_all_op_names() if op.split(".")[0] not in own]
     for namespace in sorted(namespaces(spec)):
         taken = sorted(op for op in registered if op.startswith(namespace + "::"))
         if taken:
@@ -303,28 +314,87 @@ def _missing_ops_reason(spec: KernelSpec) -> str | None:
     return None
 
 
-def _abi_reason(spec: KernelSpec, target: Target | str) -> str | None:
+def _cuda_major(version: str | None) -> str | None:
+    return version.split(".")[0] if version else None
+
+
+def _stable_abi_reason(spec: KernelSpec, floor: str, running: str) -> str | None:
+    """A stable-ABI build runs under any torch from its floor on."""
+    running_release = release_tuple(running)
+    if running_release is None:
+        return (f"{spec.name} is built on the LibTorch stable ABI for torch >= {floor}, but the running torch's version "
+                f"{running!r} names no release MAJOR.MINOR to compare with it")
+    if running_release < release_tuple(floor):
+        return (
+            f"{spec.name} is built on the LibTorch stable ABI for torch >= {floor}, but this process runs torch "
+            f"{major_minor(running)}; upgrade torch to {floor} or newer, or install a build of {spec.distribution} "
+            f"for torch {major_minor(running)}"
+        )
+    return None
+
+
+def _torch_reason(spec: KernelSpec, floor: str | None) -> str | None:
+    """An exact-ABI build runs under the torch major.minor it was built against; a stable-ABI one from its floor on."""
     import torch
 
-    built_torch, built_cuda = major_minor(spec.build.get("torch")), spec.build.get("torch_cuda")
-    running_torch, running_cuda = major_minor(torch.__version__), torch.version.cuda
+    if floor:
+        return _stable_abi_reason(spec, floor, str(torch.__version__))
+    built_torch, running_torch = major_minor(spec.build.get("torch")), major_minor(torch.__version__)
     if built_torch != running_torch:
         return (
             f"{spec.name} was built against torch {built_torch} but this process runs torch {running_torch}; "
             f"rebuild {spec.distribution} against the running torch"
         )
+    return None
+
+
+def _cuda_reason(spec: KernelSpec, floor: str | None, target: Target | str) -> str | None:
+    """CUDA code runs under the CUDA it was built against: the same version for an exact-ABI build, the same major
+    for a stable-ABI one. The CPU code needs none."""
+    import torch
+
+    built_cuda, running_cuda = spec.build.get("torch_cuda"), torch.version.cuda
     cuda_built = bool(spec.build.get("nvcc"))  # the build kit records nvcc only when it compiled CUDA code
-    if cuda_built and not (isinstance(target, Target) and target.kind == "cpu") and built_cuda != running_cuda:
-        if running_cuda is None:
-            return (
-                f"{spec.name} was built against CUDA {built_cuda} but this process runs a CPU-only torch; "
-                f"install a torch built with CUDA {built_cuda}, or use device 'cpu'"
-            )
+    if not cuda_built or (isinstance(target, Target) and target.kind == "cpu"):
+        return None
+    if running_cuda is None:
+        return (
+            f"{spec.name} was built against CUDA {built_cuda} but this process runs a CPU-only torch; "
+            f"install a torch built with CUDA {built_cuda if not floor else _cuda_major(built_cuda) + '.x'}, "
+            "or use device 'cpu'"
+        )
+    if floor and _cuda_major(built_cuda) != _cuda_major(running_cuda):
+        return (
+            f"{spec.name} was built against CUDA {built_cuda} and runs under any torch >= {floor} built with CUDA "
+            f"{_cuda_major(built_cuda)}.x, but this process runs torch with CUDA {running_cuda}; install a build of "
+            f"{spec.distribution} for CUDA {_cuda_major(running_cuda)}"
+        )
+    if not floor and built_cuda != running_cuda:
         return (
             f"{spec.name} was built against CUDA {built_cuda} but this process runs torch with CUDA {running_cuda}; "
             f"rebuild {spec.distribution} against the running torch"
         )
     return None
+
+
+def _abi_reason(spec: KernelSpec, kernel: dict, target: Target | str) -> str | None:
+    """Whether the running torch is one the build runs under: exact-ABI builds (``_C``) the torch and CUDA they were
+    built against, stable-ABI builds (the record's ``stable_abi`` floor) any torch from the floor on, same CUDA major."""
+    floor = kernel.get("stable_abi")
+    return _torch_reason(spec, floor) or _cuda_reason(spec, floor, target)
+
+
+def torch_support(spec: KernelSpec | None) -> str | None:
+    """The torch releases ``spec``'s build runs under, as the CLI shows them: ``torch >= 2.11`` for a stable-ABI build,
+    ``torch 2.14`` for an exact one; None without a well-formed build record. Never raises."""
+    try:
+        kernel = _kernel_build(spec) if spec is not None and spec.build is not None else None
+        if not isinstance(kernel, dict):
+            return None
+        floor = kernel.get("stable_abi")
+        return f"torch >= {floor}" if floor else f"torch {major_minor(spec.build.get('torch'))}"
+    except Exception:
+        return None
 
 
 @lru_cache(maxsize=None)
@@ -380,6 +450,10 @@ def _kernel_build(spec: KernelSpec) -> dict | str:
         return f"{where} lists archs {archs!r} for {spec.name}, not a list of arch strings such as \"9.0a\"; rebuild it"
     if not isinstance(not_built, dict):
         return f"{where} has a malformed not_built entry for {spec.name} ({not_built!r}); rebuild it"
+    floor = kernel.get("stable_abi")  # absent in records older than the stable ABI: an exact-ABI build
+    if floor is not None and not (isinstance(floor, str) and TORCH_RELEASE.fullmatch(floor)):
+        return (f"{where} gives {spec.name} the stable ABI floor {floor!r}, not a torch release such as \"2.11\"; "
+                f"rebuild {spec.distribution}")
     return kernel
 
 
@@ -466,7 +540,7 @@ def _reason(name: str, device) -> str | None:
     wants_cuda = not (isinstance(target, Target) and target.kind == "cpu")
     if wants_cuda and spec.build.get("cuda_skipped"):
         return f"{spec.name} was built without CUDA: {spec.build['cuda_skipped']}"
-    abi = _abi_reason(spec, target)  # rule 5
+    abi = _abi_reason(spec, kernel, target)  # rule 5
     if abi:
         return abi
     if isinstance(target, str):  # rule 6

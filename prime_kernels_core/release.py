@@ -2,9 +2,10 @@
 (a plugin: fat, every arch each kernel lists, PRIME_KERNELS_REQUIRE=1), checks every plugin wheel from its own files,
 and prints the lines a consumer pastes to pin exactly these wheels.
 
-A plugin wheel passes when it holds only its Python surface, kernel.toml, the build record and ``_C``; the record says
-every kernel was compiled for every arch its manifest lists; ``_C`` links libstdc++ dynamically (a static one crashes
-on the first C++ exception that crosses into torch); and the machine code inside ``_C`` has, for each arch, one cubin
+A plugin wheel passes when it holds only its Python surface, kernel.toml, the build record and its compiled modules
+(``_C``, and ``_C_stable`` for stable-ABI kernels); the record says every kernel was compiled for every arch its
+manifest lists; each module links libstdc++ dynamically (a static one crashes on the first C++ exception that crosses
+into torch); and the machine code inside each module has, for each arch, one cubin
 per CUDA source compiled for it (read with cuobjdump), so no kernel's code went to another kernel's archs.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ import zipfile
 from pathlib import Path
 
 from .build import ARCH_ENV, KERNELS_ENV, REQUIRE_ENV
-from .manifest import BUILD_RECORD_NAME, EXTENSION_MODULE, MANIFEST_NAME, cuda_source_sets, load
+from .manifest import BUILD_RECORD_NAME, MANIFEST_NAME, cuda_source_sets, extension_module, load
 
 WHEEL_NAME = re.compile(r"(?P<name>[^-]+)-(?P<version>[^-]+)-.+\.whl")
 
@@ -76,6 +77,31 @@ def _needed_libraries(shared_object: Path) -> list[str]:
     return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic)
 
 
+def _check_module(archive, scratch: str, package: str, module: str, kernels: dict, record: dict) -> list[str]:
+    """One compiled module of the wheel (``_C`` or ``_C_stable``) against its kernels: archs, cubins, libstdc++."""
+    found_names = [n for n in archive.namelist() if re.fullmatch(rf"{package}/{module}\.[^/]*\.so", n)]
+    if len(found_names) != 1:
+        return [f"the wheel holds {len(found_names)} {package}/{module}*.so for kernels {sorted(kernels)}, not one"]
+    extension = found_names[0]
+    shared_object = Path(archive.extract(extension, scratch))
+    problems, expected = [], collections.Counter()
+    for kernel, table in kernels.items():
+        built = record.get("kernels", {}).get(kernel, {})
+        if built.get("archs") != table.get("archs", []):
+            problems.append(f"{kernel} was compiled for {built.get('archs')}, its manifest lists {table.get('archs', [])}")
+        for arch, sources in cuda_source_sets(table).items():
+            expected["sm_" + arch.replace(".", "")] += len(sources)
+    found = cubins_per_arch(shared_object)
+    if found != expected:
+        problems.append(f"{extension} holds cubins {dict(sorted(found.items()))}, its kernels' source sets need "
+                        f"{dict(sorted(expected.items()))}")
+    needed = _needed_libraries(shared_object)
+    if not any(lib.startswith("libstdc++.so") for lib in needed):
+        problems.append(f"{extension} does not link libstdc++ dynamically (NEEDED: {needed}); build with the "
+                        "system g++ (CXX=/usr/bin/g++), not one that links it statically")
+    return problems
+
+
 def check_plugin_wheel(wheel: Path) -> list[str]:
     """Every way ``wheel`` differs from a release wheel of its manifest, as sentences (none: it passes)."""
     import json
@@ -85,31 +111,19 @@ def check_plugin_wheel(wheel: Path) -> list[str]:
         package = next(n.split("/")[0] for n in names if n.endswith(f"/{MANIFEST_NAME}"))
         kernels = load(archive.extract(f"{package}/{MANIFEST_NAME}", scratch))["kernels"]
         record = json.loads(archive.read(f"{package}/{BUILD_RECORD_NAME}"))
+        modules = sorted({extension_module(t) for t in kernels.values()})
         problems = [
-            f"{name} is not part of a plugin's surface (its .py files, {MANIFEST_NAME}, {BUILD_RECORD_NAME}, {EXTENSION_MODULE})"
+            f"{name} is not part of a plugin's surface (its .py files, {MANIFEST_NAME}, {BUILD_RECORD_NAME}, "
+            f"{', '.join(modules)})"
             for name in names
             if not (".dist-info/" in name or name.endswith(".py") or name in (f"{package}/{MANIFEST_NAME}", f"{package}/{BUILD_RECORD_NAME}")
-                    or re.fullmatch(rf"{package}/{EXTENSION_MODULE}\.[^/]*\.so", name))
+                    or any(re.fullmatch(rf"{package}/{module}\.[^/]*\.so", name) for module in modules))
         ]
-        (extension,) = [n for n in names if re.fullmatch(rf"{package}/{EXTENSION_MODULE}\.[^/]*\.so", n)]
-        shared_object = Path(archive.extract(extension, scratch))
         if record.get("cuda_skipped"):
             problems.append(f"its build skipped CUDA: {record['cuda_skipped']}")
-        expected = collections.Counter()
-        for kernel, table in kernels.items():
-            built = record.get("kernels", {}).get(kernel, {})
-            if built.get("archs") != table.get("archs", []):
-                problems.append(f"{kernel} was compiled for {built.get('archs')}, its manifest lists {table.get('archs', [])}")
-            for arch, sources in cuda_source_sets(table).items():
-                expected["sm_" + arch.replace(".", "")] += len(sources)
-        found = cubins_per_arch(shared_object)
-        if found != expected:
-            problems.append(f"{extension} holds cubins {dict(sorted(found.items()))}, its kernels' source sets need "
-                            f"{dict(sorted(expected.items()))}")
-        needed = _needed_libraries(shared_object)
-        if not any(lib.startswith("libstdc++.so") for lib in needed):
-            problems.append(f"{extension} does not link libstdc++ dynamically (NEEDED: {needed}); build with the "
-                            "system g++ (CXX=/usr/bin/g++), not one that links it statically")
+        for module in modules:
+            members = {k: t for k, t in kernels.items() if extension_module(t) == module}
+            problems += _check_module(archive, scratch, package, module, members, record)
     return problems
 
 

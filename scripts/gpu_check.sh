@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU harness, for a bare H200 machine (torch preinstalled, no network):
-#   bash scripts/gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [bench] [ab]  (default: build test sanitize bench)
+#   bash scripts/gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [stable] [bench] [ab]
+#   (default: build test sanitize bench)
 # One device call runs at most 10 minutes: run "build test sanitize" in one call and "bench" in the next (the machine
 # keeps what the first installed while it stays warm, 30 s after a call).
 # Installs the core and every plugin from the working tree (no build isolation, no index), runs the gpu-marked tests,
@@ -10,10 +11,15 @@
 # (/tmp/variants/NAME, kept while the machine stays warm). ab: runs bench/ab.py on each ';'-separated command of
 # AB_BENCH (e.g. AB_BENCH="bench/bench_flash_moe.py --mxfp8-only") for the tree and each built variant (AB_VARIANTS
 # names a subset).
-# BENCHES="bench_a bench_b" limits the bench phase to those scripts (default: every bench/bench_*.py).
+# BENCHES="bench_a bench_b" limits the bench phase to those scripts (default: every bench/bench_*.py); TEST_SUITES,
+# SANITIZE_SCRIPTS and STABLE_SUITES (space-separated paths) limit the test, sanitize and stable phases likewise.
+# stable: installs the stable-ABI wheels built elsewhere by scripts/stable_abi_wheels.sh (carry .stable_wheels, or
+# STABLE_WHEELS=DIR) into their own site dir (/tmp/stable_site) under this machine's torch, requires the ported
+# kernels to be available from it, and runs their gpu-marked tests and sanitizer scripts against it; a later ab phase
+# on the warm machine adds that site as the variant "stable-wheel" (AB_ROUNDS: rounds, default 2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [bench] [ab]}; shift
+out=${1:?usage: gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [stable] [bench] [ab]}; shift
 phases=${*:-build test sanitize bench}
 mkdir -p "$out"
 py=${PYTHON:-python3}
@@ -66,7 +72,7 @@ fi
 # Tests and sanitizer runs are not timed: they share the GPU, all at once, to save device minutes.
 if phase test; then
   # One pytest process per suite: a kernel fault poisons its CUDA context, and must not fail the other plugins' tests.
-  for suite in tests plugins/*/tests examples/*/tests; do
+  for suite in ${TEST_SUITES:-tests plugins/*/tests examples/*/tests}; do
     [ -d "$suite" ] || continue
     name=$(echo "$suite" | tr / _)
     ( timeout 420 "$py" -m pytest -m gpu "$suite" -q -p no:cacheprovider -rs \
@@ -81,7 +87,7 @@ if phase sanitize; then
   # With more than one GPU the sanitizer runs take the last one, away from the test suites.
   gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
   sanitize_gpu=$(( gpus > 1 ? gpus - 1 : 0 ))
-  for script in plugins/*/tests/sanitize_*.py examples/*/tests/sanitize_*.py; do
+  for script in ${SANITIZE_SCRIPTS:-plugins/*/tests/sanitize_*.py examples/*/tests/sanitize_*.py}; do
     [ -f "$script" ] || continue
     for tool in memcheck racecheck synccheck; do
       name="$(basename "$script" .py)-$tool"
@@ -93,6 +99,42 @@ if phase sanitize; then
   done
 fi
 wait
+
+if phase stable; then
+  site=/tmp/stable_site wheels=${STABLE_WHEELS:-.stable_wheels}
+  rm -rf "$site"
+  if "$py" -m pip install -q --disable-pip-version-check --no-index --no-deps --target "$site" "$wheels"/*.whl \
+      > "$out/stable-install.log" 2>&1; then r=ok; else r=FAILED; fi
+  record stable "install $(ls "$wheels" | tr '\n' ' ')" "$r"
+  # The site comes first on sys.path: the registry and the imports take its copies of these distributions.
+  # --require: the ported kernels must be available here (a gpu test of an unavailable kernel would only skip).
+  PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} "$py" -m prime_kernels --require fused_logp residual_rmsnorm \
+    > "$out/stable-status.txt" 2>&1
+  record stable "status: fused_logp and residual_rmsnorm available from $site" "exit $?"
+  cat "$out/stable-status.txt"
+  PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} "$py" -c 'import prime_kernels_fused_logp.ops as f, pk_example_rmsnorm.ops as e
+print("stable modules:", f._C_stable.__file__, e._C_stable.__file__)' 2>&1 | tee -a "$out/stable-status.txt"
+  # shellcheck disable=SC2206
+  suites=(${STABLE_SUITES:-examples/third_party_plugin/tests plugins/fused_logp/tests/test_fused_logp.py
+          plugins/fused_logp/tests/test_fused_logp_robustness.py plugins/fused_logp/tests/test_fused_logp_fuzz.py
+          plugins/fused_logp/tests/test_logp_batch_invariance.py})
+  # linear_logp stays exact-ABI (its _C in the wheel is bound to the torch that built it): -k leaves its tests out.
+  PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} timeout 420 "$py" -m pytest -m gpu -k "not linear" "${suites[@]}" -q \
+    -p no:cacheprovider -rs --junitxml="$out/stable-tests.xml" > "$out/stable-tests.log" 2>&1
+  record stable "gpu tests (${suites[*]})" "exit $?; $(tail -n 1 "$out/stable-tests.log")"
+  for script in examples/third_party_plugin/tests/sanitize_residual_rmsnorm.py plugins/fused_logp/tests/sanitize_fused_logp.py; do
+    for tool in memcheck racecheck synccheck; do
+      name="stable-$(basename "$script" .py)-$tool"
+      ( PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+          "$py" "$script" > "$out/$name.log" 2>&1
+        code=$?
+        record stable "$name" "exit $code; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$name.log" | tail -n 1)"
+      ) &
+    done
+  done
+  wait
+  [ "$r" = ok ] && touch "$site/.installed"  # the ab phase adds this site as the variant "stable-wheel"
+fi
 
 if phase bench; then
   for bench in bench/bench_*.py; do
@@ -109,10 +151,14 @@ if phase ab; then
   for name in ${AB_VARIANTS:-$(ls .variants 2>/dev/null)}; do
     [ -f "/tmp/variants/$name/.built" ] && variant_args+=(--variant "$name=/tmp/variants/$name")
   done
+  case " ${AB_VARIANTS:-stable-wheel} " in  # the stable phase's site, unless AB_VARIANTS leaves it out
+    *" stable-wheel "*) [ -f /tmp/stable_site/.installed ] && variant_args+=(--variant stable-wheel=/tmp/stable_site);;
+  esac
   IFS=';' read -ra ab_benches <<< "${AB_BENCH:?AB_BENCH names the benchmark}"
   for i in "${!ab_benches[@]}"; do
     # shellcheck disable=SC2086
-    timeout 540 "$py" bench/ab.py --json "$out/ab-$i.json" "${variant_args[@]}" -- ${ab_benches[$i]} \
+    timeout 540 "$py" bench/ab.py --rounds "${AB_ROUNDS:-2}" --json "$out/ab-$i.json" "${variant_args[@]}" \
+      -- ${ab_benches[$i]} \
       2>&1 | tee -a "$out/ab.log"
     record ab "bench/ab.py ${ab_benches[$i]}" "exit ${PIPESTATUS[0]}"
   done

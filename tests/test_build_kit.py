@@ -98,6 +98,11 @@ def test_abi_tag():
     assert build.abi_tag(GOOD, False) == "cputorch2.14"
 
 
+def _module(plan, name="_C"):
+    """The plan of one compiled module of the plugin (its exact-ABI _C unless named)."""
+    return next(m for m in plan["modules"] if m["name"] == name)
+
+
 def _write_plugin(root, constants="BLOCK_M = 128\nUSE_TMA = true", cuda='["csrc/k.cu"]', extra=""):
     (root / "pk_plan").mkdir()
     (root / "pk_plan" / "kernel.toml").write_text(textwrap.dedent(f"""\
@@ -143,11 +148,11 @@ def test_plan_compiles_manifest_constants_and_archs(tmp_path, monkeypatch):
     _write_plugin(tmp_path)
     plan = build.extension_plan(tmp_path, GOOD)
     assert plan["version"] == "0.2.0+cu130torch2.14"
-    assert plan["cpu_sources"] == ["csrc/k.cpp"]
-    assert plan["cuda_groups"] == [{"sources": ["csrc/k.cu"], "archs": ["10.0a", "9.0a"], "nvcc_flags": [
+    assert _module(plan)["cpu_sources"] == ["csrc/k.cpp"]
+    assert _module(plan)["cuda_groups"] == [{"sources": ["csrc/k.cu"], "archs": ["10.0a", "9.0a"], "nvcc_flags": [
         "-gencode=arch=compute_100a,code=sm_100a", "-gencode=arch=compute_90a,code=sm_90a", "--threads=0"]}]
-    assert "-DMOE_BLOCK_M=128" in plan["cxx_flags"] and "-DMOE_USE_TMA=1" in plan["nvcc_flags"]
-    assert not any("gencode" in f for f in plan["nvcc_flags"])  # each source set carries its own
+    assert "-DMOE_BLOCK_M=128" in _module(plan)["cxx_flags"] and "-DMOE_USE_TMA=1" in _module(plan)["nvcc_flags"]
+    assert not any("gencode" in f for f in _module(plan)["nvcc_flags"])  # each source set carries its own
     assert plan["cuda_skipped"] is None and plan["kernels"] == {"moe": {"archs": ["9.0a", "10.0a"], "not_built": {}}}
 
 
@@ -155,7 +160,7 @@ def test_fat_build_compiles_each_kernel_for_its_own_archs(tmp_path, monkeypatch)
     monkeypatch.delenv(build.ARCH_ENV, raising=False)
     _write_two_kernels(tmp_path)
     plan = build.extension_plan(tmp_path, GOOD)
-    assert plan["cuda_groups"] == [
+    assert _module(plan)["cuda_groups"] == [
         {"sources": ["csrc/cuda/a.cu"], "archs": ["12.0", "8.0", "9.0"], "nvcc_flags": [*build.gencode_flags(["12.0", "8.0", "9.0"]), "--threads=0"]},
         {"sources": ["csrc/cuda/b_sm90.cu", "csrc/cuda/b_common.cu"], "archs": ["9.0a"], "nvcc_flags": build.gencode_flags(["9.0a"])},
         {"sources": ["csrc/cuda/b_sm100.cu"], "archs": ["10.0a"], "nvcc_flags": build.gencode_flags(["10.0a"])},
@@ -174,11 +179,11 @@ def test_a_requested_arch_a_kernel_lacks_leaves_it_without_code_not_a_failed_bui
         "generic": {"archs": ["9.0", "12.0"], "not_built": {"8.0": asked}},
         "hopper": {"archs": ["9.0a"], "not_built": {"10.0a": asked}},
     }
-    assert [g["archs"] for g in plan["cuda_groups"]] == [["12.0", "9.0"], ["9.0a"]]
+    assert [g["archs"] for g in _module(plan)["cuda_groups"]] == [["12.0", "9.0"], ["9.0a"]]
     monkeypatch.setenv(build.ARCH_ENV, "12.0a")
     plan = build.extension_plan(tmp_path, GOOD)
     assert plan["kernels"]["hopper"]["archs"] == [] and plan["cuda_skipped"] is None
-    assert [g["sources"] for g in plan["cuda_groups"]] == [["csrc/cuda/a.cu"]]
+    assert [g["sources"] for g in _module(plan)["cuda_groups"]] == [["csrc/cuda/a.cu"]]
 
 
 def test_prime_kernels_names_the_kernels_built_with_cuda(tmp_path, monkeypatch):
@@ -189,7 +194,7 @@ def test_prime_kernels_names_the_kernels_built_with_cuda(tmp_path, monkeypatch):
     assert plan["kernels"]["generic"] == {"archs": [], "not_built": dict.fromkeys(
         ["8.0", "9.0", "12.0"], "PRIME_KERNELS=hopper does not name generic")}
     assert plan["kernels"]["hopper"]["archs"] == ["9.0a", "10.0a"]
-    assert plan["cpu_sources"] == ["csrc/a.cpp", "csrc/b.cpp"]  # every kernel keeps its CPU implementation
+    assert _module(plan)["cpu_sources"] == ["csrc/a.cpp", "csrc/b.cpp"]  # every kernel keeps its CPU implementation
 
 
 def test_an_arch_this_nvcc_cannot_build_is_left_out_and_an_error_under_require(tmp_path, monkeypatch, capsys):
@@ -217,8 +222,8 @@ def test_plan_skips_cuda_but_keeps_cpu(tmp_path, monkeypatch):
     monkeypatch.delenv(build.ARCH_ENV, raising=False)
     _write_plugin(tmp_path)
     plan = build.extension_plan(tmp_path, Toolchain("2.14.1+cu130", "13.0", None, None))
-    assert plan["cuda_groups"] == [] and plan["nvcc_flags"] == [] and plan["kernels"]["moe"]["archs"] == []
-    assert plan["cpu_sources"] == ["csrc/k.cpp"]
+    assert _module(plan)["cuda_groups"] == [] and _module(plan)["nvcc_flags"] == [] and plan["kernels"]["moe"]["archs"] == []
+    assert _module(plan)["cpu_sources"] == ["csrc/k.cpp"]
     assert plan["version"] == "0.2.0+cputorch2.14"
     assert plan["cuda_skipped"].startswith("no CUDA toolkit was found")
 
@@ -229,7 +234,7 @@ def test_plugin_without_cuda_sources_is_no_skip(tmp_path, monkeypatch, capsys):
     plan = build.extension_plan(tmp_path, GOOD)
     build.announce(plan)
     assert "skipping CUDA" not in capsys.readouterr().err
-    assert plan["cuda_skipped"] is None and plan["cuda_groups"] == [] and plan["nvcc_flags"] == []
+    assert plan["cuda_skipped"] is None and _module(plan)["cuda_groups"] == [] and _module(plan)["nvcc_flags"] == []
     assert plan["version"] == "0.2.0+cputorch2.14"
 
 

@@ -41,6 +41,7 @@ def test_table_has_the_environment_and_both_devices(plugin_dir, tmp_path):
     assert header.split()[:2] == ["kernel", "plugin"] and header.split()[-1] == "cpu" and "cuda" in header
     good = next(line for line in lines if line.startswith("good"))
     assert "pk-cli-good 0.1.0" in good and good.split()[-1] == "available"
+    assert f"(torch {'.'.join(torch.__version__.split('.')[:2])})" in good  # the torch releases the build runs under
     assert any(BAD_REASON in line for line in lines)
 
 
@@ -89,11 +90,12 @@ def test_json_schema_version_1(plugin_dir, tmp_path):
     good, bad = kernels["good"], kernels["bad"]
     assert set(good) == {
         "kernel", "distribution", "distribution_version", "namespace", "archs_listed", "archs_built",
-        "built_torch_version", "built_torch_cuda_version", "checked_in_child", "cuda", "cpu"}
+        "built_torch_version", "built_torch_cuda_version", "torch_support", "checked_in_child", "cuda", "cpu"}
     assert (good["distribution"], good["distribution_version"], good["namespace"]) == ("pk-cli-good", "0.1.0",
                                                                                        "pk_test_pk_cli_good")
     assert good["archs_listed"] == good["archs_built"] == ["9.0a"]
     assert (good["built_torch_version"], good["built_torch_cuda_version"]) == (torch.__version__, torch.version.cuda)
+    assert good["torch_support"] == bad["torch_support"] == f"torch {'.'.join(torch.__version__.split('.')[:2])}"
     assert good["cpu"] == {"available": True, "reason": None}
     assert set(good["cuda"]) == {"available", "reason"}
     assert bad["cpu"]["available"] is False and bad["cpu"]["reason"].endswith(BAD_REASON)

@@ -4,7 +4,8 @@
     y = new_residual / sqrt(mean(new_residual², -1) + eps) * weight  (computed in fp32, returned in x's dtype)
 
 Importing this module loads the compiled extension, which registers ``torch.ops.pk_example.residual_rmsnorm`` (CPU
-always, CUDA when the build had a toolkit). Reach it through ``prime_kernels.load("residual_rmsnorm")`` to get a
+always, CUDA when the build had a toolkit); it is built on the LibTorch stable ABI (kernel.toml's stable_abi), so one
+build runs under every torch from that release on. Reach it through ``prime_kernels.load("residual_rmsnorm")`` to get a
 reason instead of an ImportError when it cannot run.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from prime_kernels_core import manifest
 
-from . import _C  # noqa: F401  (loads the shared library; its static TORCH_LIBRARY blocks register the op)
+from . import _C_stable  # noqa: F401  (loads the shared library; its static STABLE_TORCH_LIBRARY blocks register the op)
 from . import checks
 
 # The shape contract. Constants come from the installed kernel.toml, the same table the build compiled in.

@@ -14,6 +14,12 @@
 //   swiglu_backward moe()'s backward, elementwise: from g | u, grad_h = dL/dy W2 (unweighted) and the slot weights p:
 //                   dg and du with dh = p grad_h, du = dh silu(g), dg = dh u sig(g) (1 + g (1 - sig(g))); p h; and
 //                   dL/dp = sum_j grad_h h. Rows with valid = false give zeros.
+//   moe_grad_gate_up moe()'s backward, fused: grad_h = grad_out_t W2[e] of each routed slot (fp32, never stored) and
+//                   from it and g | u (moe_gate_up's rows) swiglu_backward's dg, du, p h (compact rows, zero past the
+//                   routed ones) and dL/dp (M, top_k) (zero for unrouted slots).
+//   moe_grad_x      moe()'s backward: dx[t] = sum over t's routed slots in k order of dg W1[e] + du W3[e] (dg, du:
+//                   moe_grad_gate_up's rows), fp32 accumulation, rounded once to bf16; `deterministic` selects the
+//                   fixed-order sum on CUDA (else fp32 atomics; the CPU sum is always in k order).
 //
 //   quantize_mxfp8  t (..., K) -> (e4m3 data (..., K), e8m0 scales (..., K / block)), the rule in mxfp8.h.
 //   share_exponents_mxfp8  mxfp8 (..., K) -> the same values with every MXFP8_ALIGN elements' scales shared
@@ -367,6 +373,73 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> swiglu_backward_cpu(c
   return {dg.to(at::kBFloat16), du.to(at::kBFloat16), (h * p).to(at::kBFloat16), (d * h).sum(1)};
 }
 
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cpu(
+    const at::Tensor& grad_out, const at::Tensor& w2, const at::Tensor& gate_up, const at::Tensor& sorted_token_ids,
+    const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights,
+    int64_t top_k, int64_t block_m) {
+  const char* op = "moe_grad_gate_up";
+  const MoeShape s = check_grad_gate_up_args(op, grad_out, w2, gate_up, sorted_token_ids, expert_ids,
+                                             num_tokens_post_padded, topk_weights, top_k, block_m);
+  TORCH_CHECK(grad_out.device().is_cpu(), op, " (CPU): grad_out must be a CPU tensor, got ", grad_out.device());
+  const int64_t slots = s.M * s.top_k;
+  auto grad_gate = at::zeros({slots, s.hidden}, grad_out.options());
+  auto grad_up = at::zeros_like(grad_gate), weighted_h = at::zeros_like(grad_gate);
+  auto grad_weights = at::zeros({slots}, topk_weights.options());
+  const auto flat_weights = topk_weights.reshape({slots});
+  int64_t row = 0;
+  for_each_block(op, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m,
+                 [&](int64_t e, const std::vector<int64_t>& slot_list) {
+                   const int64_t n = static_cast<int64_t>(slot_list.size());
+                   TORCH_CHECK(row + n <= slots, op, ": sorted_token_ids routes more than M * top_k=", slots,
+                               " slots");
+                   const auto slot_t = at::tensor(slot_list, grad_out.options().dtype(at::kLong));
+                   // grad_h = grad_out_t W2[e], unweighted, in fp32 (never rounded: the CUDA kernel keeps it in its
+                   // accumulators)
+                   const auto gh = grad_out.index_select(0, at::floor_divide(slot_t, s.top_k))
+                                       .to(at::kFloat)
+                                       .mm(w2[e].to(at::kFloat));
+                   const auto gu = gate_up.narrow(0, row, n).to(at::kFloat);
+                   const auto g = gu.narrow(1, 0, s.hidden), u = gu.narrow(1, s.hidden, s.hidden);
+                   const auto pw = flat_weights.index_select(0, slot_t).unsqueeze(1);
+                   const auto sig = at::sigmoid(g);
+                   const auto a = g * sig;
+                   const auto h = a * u;
+                   const auto dh = gh * pw;
+                   grad_gate.narrow(0, row, n).copy_(dh * u * sig * (1 + g * (1 - sig)));
+                   grad_up.narrow(0, row, n).copy_(dh * a);
+                   weighted_h.narrow(0, row, n).copy_(h * pw);
+                   grad_weights.index_copy_(0, slot_t, (gh * h).sum(1));
+                   row += n;
+                 });
+  return {grad_gate, grad_up, weighted_h, grad_weights.view({s.M, s.top_k})};
+}
+
+at::Tensor moe_grad_x_cpu(const at::Tensor& grad_gate, const at::Tensor& grad_up, const at::Tensor& w1,
+                          const at::Tensor& w3, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                          const at::Tensor& num_tokens_post_padded, int64_t top_k, int64_t block_m,
+                          bool /*deterministic: always k order on CPU*/) {
+  const char* op = "moe_grad_x";
+  const MoeShape s = check_grad_x_args(op, grad_gate, grad_up, w1, w3, sorted_token_ids, expert_ids,
+                                       num_tokens_post_padded, top_k, block_m);
+  TORCH_CHECK(grad_gate.device().is_cpu(), op, " (CPU): grad_gate must be a CPU tensor, got ", grad_gate.device());
+  auto per_slot = at::zeros({s.M * s.top_k, s.dim}, grad_gate.options().dtype(at::kFloat));
+  int64_t row = 0;
+  for_each_block(op, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m,
+                 [&](int64_t e, const std::vector<int64_t>& slot_list) {
+                   const int64_t n = static_cast<int64_t>(slot_list.size());
+                   TORCH_CHECK(row + n <= s.M * s.top_k, op, ": sorted_token_ids routes more than M * top_k=",
+                               s.M * s.top_k, " slots");
+                   const auto slot_t = at::tensor(slot_list, grad_gate.options().dtype(at::kLong));
+                   const auto dx = grad_gate.narrow(0, row, n).to(at::kFloat).mm(w1[e].to(at::kFloat)) +
+                                   grad_up.narrow(0, row, n).to(at::kFloat).mm(w3[e].to(at::kFloat));
+                   per_slot.index_copy_(0, slot_t, dx);
+                   row += n;
+                 });
+  // a token's slots summed in k order in fp32 (unrouted slots are zero rows), rounded once
+  return per_slot.view({s.M, s.top_k, s.dim}).sum(1).to(at::kBFloat16);
+}
+
 }  // namespace
 }  // namespace flash_moe
 
@@ -383,6 +456,11 @@ TORCH_LIBRARY(flash_moe, m) {
         "Tensor num_tokens_post_padded, int top_k, int block_m) -> Tensor");
   m.def("swiglu_backward(Tensor gate_up, Tensor grad_h, Tensor row_weights, Tensor valid) -> (Tensor grad_gate, "
         "Tensor grad_up, Tensor weighted_h, Tensor grad_row_weights)");
+  m.def("moe_grad_gate_up(Tensor grad_out, Tensor w2, Tensor gate_up, Tensor sorted_token_ids, Tensor expert_ids, "
+        "Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, int block_m) -> (Tensor grad_gate, "
+        "Tensor grad_up, Tensor weighted_h, Tensor grad_topk_weights)");
+  m.def("moe_grad_x(Tensor grad_gate, Tensor grad_up, Tensor w1, Tensor w3, Tensor sorted_token_ids, "
+        "Tensor expert_ids, Tensor num_tokens_post_padded, int top_k, int block_m, bool deterministic) -> Tensor");
   m.def("quantize_mxfp8(Tensor t, int block) -> (Tensor data, Tensor scales)");
   m.def("share_exponents_mxfp8(Tensor data, Tensor scales) -> (Tensor data, Tensor scales)");
   m.def("fused_moe_mxfp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tensor w2, Tensor w2_scales, "
@@ -399,6 +477,8 @@ TORCH_LIBRARY_IMPL(flash_moe, CPU, m) {
   m.impl("moe_forward", &flash_moe::moe_forward_cpu);
   m.impl("moe_gate_up", &flash_moe::moe_gate_up_cpu);
   m.impl("swiglu_backward", &flash_moe::swiglu_backward_cpu);
+  m.impl("moe_grad_gate_up", &flash_moe::moe_grad_gate_up_cpu);
+  m.impl("moe_grad_x", &flash_moe::moe_grad_x_cpu);
   m.impl("quantize_mxfp8", &flash_moe::quantize_mxfp8_cpu);
   m.impl("share_exponents_mxfp8", &flash_moe::share_exponents_mxfp8_cpu);
   m.impl("fused_moe_mxfp8", &flash_moe::fused_moe_mxfp8_cpu);

@@ -271,6 +271,55 @@ inline void check_out(const char* op, const at::Tensor& out, const MoeShape& s, 
   TORCH_CHECK(out.device() == x.device(), op, ": out must be on x's device ", x.device(), ", got ", out.device());
 }
 
+// moe_grad_gate_up: grad_out (M, dim) bf16, w2 (E, dim, hidden) bf16, gate_up (M * top_k, 2 hidden) bf16 (what
+// moe_gate_up returns), the alignment, topk_weights (M, top_k) float32, all on grad_out's device.
+inline MoeShape check_grad_gate_up_args(const char* op, const at::Tensor& grad_out, const at::Tensor& w2,
+                                        const at::Tensor& gate_up, const at::Tensor& sorted_token_ids,
+                                        const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
+                                        const at::Tensor& topk_weights, int64_t top_k, int64_t block_m) {
+  TORCH_CHECK(w2.scalar_type() == at::kBFloat16, op, ": w2 must be bfloat16, got ", w2.scalar_type());
+  TORCH_CHECK(w2.dim() == 3, op, ": w2 must be 3-D (E, dim, hidden), got shape ", w2.sizes());
+  TORCH_CHECK(grad_out.scalar_type() == at::kBFloat16, op, ": grad_out must be bfloat16, got ",
+              grad_out.scalar_type());
+  TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(1) == w2.size(1), op,
+              ": grad_out must be 2-D (M, dim) with dim = w2's second dimension ", w2.size(1), ", got shape ",
+              grad_out.sizes());
+  // the gate/up argument checks on w2's (E, hidden, dim) view: grad_out plays x's part
+  const auto w2_t = w2.transpose(1, 2);
+  const MoeShape s = check_moe_args(op, grad_out, w2_t, w2_t, &w2, sorted_token_ids, expert_ids,
+                                    num_tokens_post_padded, &topk_weights, top_k, block_m, "w2 (as (E, hidden, dim))");
+  TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16 && gate_up.dim() == 2 && gate_up.size(0) == s.M * top_k &&
+                  gate_up.size(1) == 2 * s.hidden,
+              op, ": gate_up must be bfloat16 of shape (M * top_k, 2 * hidden) = (", s.M * top_k, ", ", 2 * s.hidden,
+              "), got ", gate_up.scalar_type(), " of shape ", gate_up.sizes());
+  TORCH_CHECK(gate_up.device() == grad_out.device(), op, ": gate_up must be on grad_out's device ", grad_out.device(),
+              ", got ", gate_up.device());
+  return s;
+}
+
+// moe_grad_x: grad_gate, grad_up (M * top_k, hidden) bf16 (what moe_grad_gate_up returns), w1 / w3 (E, hidden, dim)
+// bf16, the alignment, all on grad_gate's device. M = rows / top_k.
+inline MoeShape check_grad_x_args(const char* op, const at::Tensor& grad_gate, const at::Tensor& grad_up,
+                                  const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& sorted_token_ids,
+                                  const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
+                                  int64_t top_k, int64_t block_m) {
+  TORCH_CHECK(top_k >= 1, op, ": top_k must be positive, got ", top_k);
+  TORCH_CHECK(w1.dim() == 3, op, ": w1/w3 must be 3-D expert weights (E, hidden, dim), got shape ", w1.sizes());
+  TORCH_CHECK(grad_gate.scalar_type() == at::kBFloat16 && grad_gate.dim() == 2 && grad_gate.size(0) % top_k == 0 &&
+                  grad_gate.size(1) == w1.size(1),
+              op, ": grad_gate must be bfloat16 of shape (M * top_k, hidden) with hidden = w1's second dimension ",
+              w1.size(1), ", got ", grad_gate.scalar_type(), " of shape ", grad_gate.sizes());
+  TORCH_CHECK(grad_up.scalar_type() == at::kBFloat16 && grad_up.sizes() == grad_gate.sizes(), op,
+              ": grad_up must be bfloat16 of grad_gate's shape ", grad_gate.sizes(), ", got ", grad_up.scalar_type(),
+              " of shape ", grad_up.sizes());
+  TORCH_CHECK(grad_up.device() == grad_gate.device(), op, ": grad_up must be on grad_gate's device ",
+              grad_gate.device(), ", got ", grad_up.device());
+  // the gate/up argument checks with a stand-in for x (M, dim) on grad_gate's device: no memory behind it
+  const auto x = at::empty({1, 1}, grad_gate.options()).expand({grad_gate.size(0) / top_k, w1.size(2)});
+  return check_moe_args(op, x, w1, w3, nullptr, sorted_token_ids, expert_ids, num_tokens_post_padded, nullptr, top_k,
+                        block_m, "w1/w3");
+}
+
 // swiglu_backward: gate_up (S, 2 hidden) bf16, grad_h (S, hidden) bf16, row_weights (S) float32, valid (S) bool, all
 // on one device; returns hidden.
 inline int64_t check_swiglu_backward_args(const at::Tensor& gate_up, const at::Tensor& grad_h,

@@ -247,3 +247,44 @@ def check_swiglu_backward_args(gate_up, grad_h, row_weights, valid):
     for name, t in (("grad_h", grad_h), ("row_weights", row_weights), ("valid", valid)):
         require(t.device == gate_up.device, f"{op}: {name} must be on gate_up's device {gate_up.device}, got {t.device}")
     return hidden
+
+
+def check_grad_gate_up_args(op, grad_out, w2, gate_up, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                            topk_weights, top_k, block_m, constants):
+    """check_grad_gate_up_args: returns (M, dim, hidden, E)."""
+    require(w2.dtype == torch.bfloat16, f"{op}: w2 must be bfloat16, got {_name(w2.dtype)}")
+    require(w2.dim() == 3, f"{op}: w2 must be 3-D (E, dim, hidden), got shape {_shape(w2)}")
+    require(grad_out.dtype == torch.bfloat16, f"{op}: grad_out must be bfloat16, got {_name(grad_out.dtype)}")
+    require(grad_out.dim() == 2 and grad_out.shape[1] == w2.shape[1],
+            f"{op}: grad_out must be 2-D (M, dim) with dim = w2's second dimension {w2.shape[1]}, got shape "
+            f"{_shape(grad_out)}")
+    w2_t = w2.transpose(1, 2)
+    shape = check_moe_args(op, grad_out, w2_t, w2_t, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                           topk_weights, top_k, block_m, "w2 (as (E, hidden, dim))", constants)
+    M, _, hidden, _ = shape
+    require(gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2 and gate_up.shape[0] == M * top_k
+            and gate_up.shape[1] == 2 * hidden,
+            f"{op}: gate_up must be bfloat16 of shape (M * top_k, 2 * hidden) = ({M * top_k}, {2 * hidden}), got "
+            f"{_name(gate_up.dtype)} of shape {_shape(gate_up)}")
+    require(gate_up.device == grad_out.device,
+            f"{op}: gate_up must be on grad_out's device {grad_out.device}, got {gate_up.device}")
+    return shape
+
+
+def check_grad_x_args(op, grad_gate, grad_up, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
+                      block_m, constants):
+    """check_grad_x_args: returns (M, dim, hidden, E)."""
+    require(top_k >= 1, f"{op}: top_k must be positive, got {top_k}")
+    require(w1.dim() == 3, f"{op}: w1/w3 must be 3-D expert weights (E, hidden, dim), got shape {_shape(w1)}")
+    require(grad_gate.dtype == torch.bfloat16 and grad_gate.dim() == 2 and grad_gate.shape[0] % top_k == 0
+            and grad_gate.shape[1] == w1.shape[1],
+            f"{op}: grad_gate must be bfloat16 of shape (M * top_k, hidden) with hidden = w1's second dimension "
+            f"{w1.shape[1]}, got {_name(grad_gate.dtype)} of shape {_shape(grad_gate)}")
+    require(grad_up.dtype == torch.bfloat16 and grad_up.shape == grad_gate.shape,
+            f"{op}: grad_up must be bfloat16 of grad_gate's shape {_shape(grad_gate)}, got {_name(grad_up.dtype)} of "
+            f"shape {_shape(grad_up)}")
+    require(grad_up.device == grad_gate.device,
+            f"{op}: grad_up must be on grad_gate's device {grad_gate.device}, got {grad_up.device}")
+    x = grad_gate.new_empty(1, 1).expand(grad_gate.shape[0] // top_k, w1.shape[2])
+    return check_moe_args(op, x, w1, w3, None, sorted_token_ids, expert_ids, num_tokens_post_padded, None, top_k,
+                          block_m, "w1/w3", constants)

@@ -20,7 +20,8 @@ Surface (compatible with the original Blackwell flash_moe, namespace ``prime_moe
   it).
 
 The ``torch.ops.flash_moe`` ops are forward-only: a backward through ``moe_forward``, ``moe_forward_mxfp8``,
-``moe_gate_up``, ``swiglu_backward`` or ``quantize_mxfp8`` raises; ``moe`` is the differentiable entry point.
+``moe_gate_up``, ``moe_grad_gate_up``, ``moe_grad_x``, ``swiglu_backward`` or ``quantize_mxfp8`` raises; ``moe`` is the
+differentiable entry point.
 
 Tuning keywords of the original: ``block_m`` must equal BLOCK_M (the compiled tile; checked); ``bpc`` is honoured by
 ``moe_align`` (experts padded to block_m * bpc) and ignored by the GEMM (blocks are independent); ``block_n``,
@@ -119,6 +120,23 @@ def _(gate_up, grad_h, row_weights, valid):
             row_weights.new_empty(row_weights.shape))
 
 
+@torch.library.register_fake("flash_moe::moe_grad_gate_up")
+def _(grad_out, w2, gate_up, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k, block_m):
+    M, _, hidden, _ = checks.check_grad_gate_up_args("moe_grad_gate_up", grad_out, w2, gate_up, sorted_token_ids,
+                                                     expert_ids, num_tokens_post_padded, topk_weights, top_k,
+                                                     block_m, CONSTANTS)
+    rows = grad_out.new_empty((M * top_k, hidden))
+    return rows, rows.new_empty(rows.shape), rows.new_empty(rows.shape), topk_weights.new_empty((M, top_k))
+
+
+@torch.library.register_fake("flash_moe::moe_grad_x")
+def _(grad_gate, grad_up, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_m,
+      deterministic):
+    M, dim, _, _ = checks.check_grad_x_args("moe_grad_x", grad_gate, grad_up, w1, w3, sorted_token_ids, expert_ids,
+                                            num_tokens_post_padded, top_k, block_m, CONSTANTS)
+    return grad_gate.new_empty((M, dim))
+
+
 @torch.library.register_fake("flash_moe::quantize_mxfp8")
 def _(t, block):
     checks.check_quantize_args(t, block)
@@ -165,7 +183,7 @@ def _forward_only(op_name: str, use_instead: str) -> None:
 for _op_name in ("moe_forward", "moe_forward_mxfp8"):
     _forward_only(_op_name, "for gradients call prime_kernels_flash_moe.ops.moe (the same forward, with a closed-form "
                             "backward)")
-for _op_name in ("moe_gate_up", "swiglu_backward"):
+for _op_name in ("moe_gate_up", "swiglu_backward", "moe_grad_gate_up", "moe_grad_x"):
     _forward_only(_op_name, "it is a piece of prime_kernels_flash_moe.ops.moe's closed-form backward, which is "
                             "first-order only (no double backward)")
 _forward_only("quantize_mxfp8", "rounding to mxfp8 has none; prime_kernels_flash_moe.ops.moe(mxfp8=True) passes "
@@ -430,32 +448,37 @@ class _MoE(torch.autograd.Function):
                                               CONSTANTS["CLUSTER_BLOCKS"])
         save = not recompute_gate_up and any(ctx.needs_input_grad[:6])
         out, gate_up = torch.ops.flash_moe.moe_forward(x, w1, w3, w2, *align, tw, top_k, BLOCK_M, deterministic, save)
-        ctx.save_for_backward(x, w1, w2, w3, topk_ids, tw, *align, gate_up)
+        ctx.save_for_backward(x, w1, w2, w3, topk_ids, tw, *align, gate_up, topk_weights)
         ctx.saved_gate_up = save
+        ctx.deterministic = deterministic
         ctx.expert_start = expert_start
         ctx.tw_dtype = topk_weights.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, w1, w2, w3, ids, tw, *align, gate_up = ctx.saved_tensors
+        x, w1, w2, w3, ids, tw, *align, gate_up, topk_weights = ctx.saved_tensors
         with torch.no_grad():
             grads = _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, ctx.needs_input_grad[:6],
-                                          ctx.expert_start, ctx.tw_dtype, gate_up if ctx.saved_gate_up else None)
-        return (*_first_order_only(grads, (grad_out, x, w1, w2, w3, tw)), None, None, None, None)
+                                          ctx.expert_start, ctx.tw_dtype, ctx.deterministic,
+                                          gate_up if ctx.saved_gate_up else None)
+        return (*_first_order_only(grads, (grad_out, x, w1, w2, w3, topk_weights)), None, None, None, None)
 
 
-def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert_start, tw_dtype, gate_up=None):
+def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert_start, tw_dtype, deterministic,
+                          gate_up=None):
     """(grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw): the gradients of (x, w1, w2, w3, topk_ids, topk_weights).
 
     Per routed slot s (token t, expert e, weight p): g | u = x_t [W1; W3]^T recomputed by the fused gate/up kernel
-    (``moe_gate_up``) unless the forward kept it (``gate_up``), grad_h = grad_out_t W2[e] (unweighted), then ``swiglu_backward`` gives dg, du, p h and
-    dL/dp = grad_h . h in one pass; the weight and input gradients are grouped GEMMs over the slots sorted by expert.
-    When w2's gradient alone is needed, the grad_h GEMM is skipped (dW2 takes p h only). dx is summed over a token's
-    top_k slots in k order in fp32 (deterministic in both modes).
+    (``moe_gate_up``) unless the forward kept it (``gate_up``); ``moe_grad_gate_up`` (one GEMM kernel on CUDA) forms
+    grad_h = grad_out_t W2[e] (unweighted, fp32, never stored) and from it dg, du, p h and dL/dp = grad_h . h; the
+    weight gradients are grouped GEMMs over the slots sorted by expert; ``moe_grad_x`` (one GEMM kernel on CUDA)
+    gives dx = sum over a token's slots of dg W1[e] + du W3[e] in fp32: in k order when ``deterministic`` (bitwise
+    reproducible), else with fp32 atomics on CUDA. When w2's gradient alone is needed, the grad_h GEMM is skipped
+    (``swiglu_backward`` on zeros gives p h).
     """
     need_x, need_w1, need_w2, need_w3, _, need_tw = needs
-    T, dim = x.shape
+    T = x.shape[0]
     top_k = ids.shape[1]
     E = w1.shape[0]
     S = T * top_k
@@ -471,29 +494,24 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
 
     if gate_up is None:
         gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, BLOCK_M)
-    go = grad_out.to(x.dtype)[tok]
-    if need_x or need_w1 or need_w3 or need_tw:
-        grad_h = _gmm(go, w2, offs)  # rows past offs[-1] are not written: swiglu_backward masks them with `ok`
-    else:  # w2's gradient alone takes only p h, which swiglu_backward computes without reading grad_h
-        grad_h = go.new_zeros(S, w2.shape[2])
-    grad_gate, grad_up, weighted_h, grad_p = torch.ops.flash_moe.swiglu_backward(gate_up, grad_h,
-                                                                                 tw.reshape(-1)[order], ok)
     grad_tw = grad_x = grad_w1 = grad_w2 = grad_w3 = None
-    if need_tw:
-        grad_tw = torch.zeros(S, dtype=torch.float32, device=x.device).index_copy_(0, order, grad_p)
-        grad_tw = grad_tw.view(T, top_k).to(tw_dtype)
+    go = grad_out.to(x.dtype)
+    if need_x or need_w1 or need_w3 or need_tw:
+        grad_gate, grad_up, weighted_h, grad_p = torch.ops.flash_moe.moe_grad_gate_up(go, w2, gate_up, *align, tw,
+                                                                                      top_k, BLOCK_M)
+        if need_tw:
+            grad_tw = grad_p.to(tw_dtype)
+    else:  # w2's gradient alone takes only p h, which swiglu_backward computes without reading grad_h
+        _, _, weighted_h, _ = torch.ops.flash_moe.swiglu_backward(gate_up, go.new_zeros(S, w2.shape[2]),
+                                                                  tw.reshape(-1)[order], ok)
     if need_w2:
-        grad_w2 = _gmm(go.t(), weighted_h, offs)
+        grad_w2 = _gmm(go[tok].t(), weighted_h, offs)
     if need_w1 or need_w3:
         xs = x[tok]
         grad_w1 = _gmm(grad_gate.t(), xs, offs) if need_w1 else None
         grad_w3 = _gmm(grad_up.t(), xs, offs) if need_w3 else None
     if need_x:
-        # two GEMMs and a bf16 add, as autograd through the grouped-mm path does (concatenating w1 and w3 would copy
-        # the weights: 15 GB per call at DeepSeek-V3's shape)
-        dxs = (_gmm(grad_gate, w1, offs) + _gmm(grad_up, w3, offs)).masked_fill_(~ok.unsqueeze(1), 0)
-        per_slot = torch.empty_like(dxs).index_copy_(0, order, dxs)  # order is a permutation: every row written
-        grad_x = per_slot.view(T, top_k, dim).sum(1, dtype=torch.float32).to(x.dtype)
+        grad_x = torch.ops.flash_moe.moe_grad_x(grad_gate, grad_up, w1, w3, *align, top_k, BLOCK_M, deterministic)
     return grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw
 
 
@@ -509,7 +527,10 @@ class _MoEMxfp8(torch.autograd.Function):
         xq, xs = quantize_mxfp8(x, exponent_block=MXFP8_ALIGN)
         align = torch.ops.flash_moe.moe_align(topk_ids, num_experts, BLOCK_M, 1, expert_start, wq.shape[0])
         out = torch.ops.flash_moe.moe_forward_mxfp8(xq, xs, wq, ws, w2q, w2s, *align, tw, top_k, BLOCK_M, deterministic)
-        ctx.save_for_backward(xq, xs, wq, ws, w2q, w2s, topk_ids, tw, *align)
+        # the caller's x, weights and topk_weights too (no copies): the anchors of _first_order_only, since the
+        # quantized operands and a float copy of bf16 topk_weights carry no grad history
+        ctx.save_for_backward(xq, xs, wq, ws, w2q, w2s, topk_ids, tw, *align, x, w1, w2, w3, topk_weights)
+        ctx.deterministic = deterministic
         ctx.expert_start = expert_start
         ctx.tw_dtype = topk_weights.dtype
         ctx.x_dtype = x.dtype
@@ -517,7 +538,7 @@ class _MoEMxfp8(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        xq, xs, wq, ws, w2q, w2s, ids, tw, *align = ctx.saved_tensors
+        xq, xs, wq, ws, w2q, w2s, ids, tw, *align, x_in, w1_in, w2_in, w3_in, tw_in = ctx.saved_tensors
         dt = ctx.x_dtype
         x = dequantize_mxfp8(xq, xs, dtype=dt)
         hidden = wq.shape[1] // 2
@@ -527,8 +548,9 @@ class _MoEMxfp8(torch.autograd.Function):
         w2 = dequantize_mxfp8(w2q, unpack_scales_blocked(w2s), dtype=dt)
         with torch.no_grad():
             grads = _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, ctx.needs_input_grad[:6],
-                                          ctx.expert_start, ctx.tw_dtype)
-        return (*_first_order_only(grads, (grad_out, tw)), None, None, None, None, None, None, None)
+                                          ctx.expert_start, ctx.tw_dtype, ctx.deterministic)
+        return (*_first_order_only(grads, (grad_out, x_in, w1_in, w2_in, w3_in, tw_in)), None, None, None, None, None,
+                None, None)
 
 
 def _check_moe_args(x, w1, w2, w3, topk_ids, topk_weights):
@@ -580,10 +602,12 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, t
     Forward: ``moe_align`` (experts aligned to CLUSTER_BLOCKS blocks) + ``moe_forward`` (the fused kernels; w1 and w3
     are read in place, never concatenated).
     Backward: closed form: the gate/up projections recomputed by the fused gate/up kernel (``moe_gate_up``), the
-    SwiGLU derivative in one pass (``swiglu_backward``), the five GEMMs with ``torch._grouped_mm`` (CUDA and CPU);
-    gradients only for the inputs that need them; always fixed-order (dx summed over a token's slots in k order).
-    ``deterministic=True``: fixed-order combine in the forward too (bitwise reproducible end to end); False: the
-    forward combines with fp32 atomics on CUDA (not bitwise reproducible).
+    grad_h = grad_out W2 with the SwiGLU derivative and d topk_weights in its epilogue (``moe_grad_gate_up``), dx in one
+    GEMM summed over each token's slots (``moe_grad_x``), the weight gradients with ``torch._grouped_mm``; gradients
+    only for the inputs that need them.
+    ``deterministic=True``: fixed-order combines (forward output, dx: a token's slots in k order): bitwise
+    reproducible end to end; False: on CUDA the forward combine and dx's sum use fp32 atomics (not bitwise
+    reproducible; the other gradients are).
     ``recompute_gate_up=False`` (bf16 path, when a gradient is needed): the forward's gate/up kernel also stores the
     pre-activations g | u (top_k * tokens x 2 hidden bf16, e.g. 0.94 GB for Mixtral at 8192 tokens) and the backward
     uses them instead of recomputing them: the gate/up GEMM, two thirds of the forward's FLOPs, traded for that

@@ -53,9 +53,21 @@ def op_samples(kernel, device):
         ("moe_forward", (x1, w11, w31, w21, s1, e1, n1, tw1, 1, ops.BLOCK_M, False), {}),
         ("moe_gate_up", (x, w1, w3, sorted_ids, eids, ntpp, 2, ops.BLOCK_M), {}),
         ("moe_gate_up", (x1, w11, w31, s1, e1, n1, 1, ops.BLOCK_M), {}),
+        *grad_gate_up_samples(ops, x, w1, w2, w3, tw, (sorted_ids, eids, ntpp), 2),
+        *grad_gate_up_samples(ops, x1, w11, w21, w31, tw1, (s1, e1, n1), 1),
         *swiglu_backward_samples(device),
         *mxfp8_samples(ops, device),
     ]
+
+
+def grad_gate_up_samples(ops, x, w1, w2, w3, tw, align, top_k):
+    """The backward's dH op, and dx from its d(gate|up) rows (both combine orders)."""
+    gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, ops.BLOCK_M)
+    grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(8)).to(x.dtype).to(x.device)
+    dg, du, _, _ = torch.ops.flash_moe.moe_grad_gate_up(grad_out, w2, gate_up, *align, tw, top_k, ops.BLOCK_M)
+    return [("moe_grad_gate_up", (grad_out, w2, gate_up, *align, tw, top_k, ops.BLOCK_M), {}),
+            ("moe_grad_x", (dg, du, w1, w3, *align, top_k, ops.BLOCK_M, False), {}),
+            ("moe_grad_x", (dg, du, w1, w3, *align, top_k, ops.BLOCK_M, True), {})]
 
 
 def swiglu_backward_samples(device, rows=7, hidden=64):

@@ -1,5 +1,5 @@
 """Small-shape CUDA run of every flash_moe kernel (moe_align count/scan/scatter, gate/up (also keeping g | u), down with
-atomics, down per slot (persistent); mxfp8: quantize, gate/up with re-quantization, down with atomics / per slot) for compute-sanitizer (memcheck, racecheck, synccheck). Exits 1 on a mismatch with the CPU implementation.
+atomics, down per slot (persistent), the backward's dH + SwiGLU-derivative and dX kernels; mxfp8: quantize, gate/up with re-quantization, down with atomics / per slot) for compute-sanitizer (memcheck, racecheck, synccheck). Exits 1 on a mismatch with the CPU implementation.
 
     compute-sanitizer --tool memcheck python plugins/flash_moe/tests/sanitize_flash_moe.py
 """
@@ -36,6 +36,20 @@ for T, dim, hidden, E, k in [(1, 64, 64, 2, 1), (37, 320, 192, 5, 2), (130, 256,
     want_saved = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, k, ops.BLOCK_M).float()
     if not torch.allclose(saved.cpu().float(), want_saved, rtol=2e-2, atol=2e-2):
         sys.exit(f"moe_forward(save_gate_up=True) mismatch for {(T, dim, hidden, E, k)}")
+    # the backward's dH kernel (grad_out x W2 with the SwiGLU derivative in its epilogue)
+    grad_out = torch.randn(T, dim, generator=g).to(torch.bfloat16)
+    want_grads = torch.ops.flash_moe.moe_grad_gate_up(grad_out, w2, want_saved.bfloat16(), *align, tw, k, ops.BLOCK_M)
+    got_grads = torch.ops.flash_moe.moe_grad_gate_up(grad_out.cuda(), cu[2], want_saved.bfloat16().cuda(), *got_align,
+                                                     cu[5], k, ops.BLOCK_M)
+    for a, b in zip(got_grads, want_grads):
+        if not torch.allclose(a.cpu().float(), b.float(), rtol=3e-2, atol=3e-2):
+            sys.exit(f"moe_grad_gate_up mismatch for {(T, dim, hidden, E, k)}")
+    # the backward's dX kernel (persistent, atomics or per slot)
+    want_dx = torch.ops.flash_moe.moe_grad_x(*want_grads[:2], w1, w3, *align, k, ops.BLOCK_M, False).float()
+    for det in (False, True):
+        got_dx = torch.ops.flash_moe.moe_grad_x(*got_grads[:2], cu[1], cu[3], *got_align, k, ops.BLOCK_M, det)
+        if not torch.allclose(got_dx.cpu().float(), want_dx, rtol=3e-2, atol=3e-2):
+            sys.exit(f"moe_grad_x(deterministic={det}) mismatch for {(T, dim, hidden, E, k)}")
     out = torch.empty_like(cu[0])
     ops.fused_moe_bf16(cu[0], torch.cat([cu[1], cu[3]], 1), cu[2], *got_align, cu[5], out, k)
     if not torch.allclose(out.cpu().float(), want, rtol=3e-2, atol=3e-2):

@@ -378,11 +378,12 @@ GRADIENT_INPUTS = ("x", "w1", "w2", "w3", "topk_weights")
 
 
 @cpu
-@pytest.mark.parametrize("needed, gemms", [(("w2",), 1), (("x",), 3), (("w1",), 2), (("topk_weights",), 1),
-                                           (GRADIENT_INPUTS, 6)])
+@pytest.mark.parametrize("needed, gemms", [(("w2",), 1), (("x",), 0), (("w1",), 1), (("topk_weights",), 0),
+                                           (("x", "w2", "topk_weights"), 1), (GRADIENT_INPUTS, 3)])
 def test_backward_runs_only_what_the_needed_gradients_take(needed, gemms):
-    """Grouped GEMMs: grad_h (unless w2's gradient alone is needed), then one each for dW2, dW1, dW3 and two for dx;
-    the gate/up recomputation and the SwiGLU pass once."""
+    """Grouped GEMMs: one each for dW2, dW1, dW3; dx in one moe_grad_x; the gate/up recomputation once, and grad_h
+    with the SwiGLU derivative in one moe_grad_gate_up unless w2's gradient alone is needed (then swiglu_backward
+    gives p h). ("x", "w2", "topk_weights"): frozen w1 / w3."""
     x, w1, w2, w3, ids, tw = make(32, 128, 64, 4, 2, seed=8)
     inputs = dict(zip(GRADIENT_INPUTS, (x, w1, w2, w3, tw)))
     for name in needed:
@@ -392,7 +393,11 @@ def test_backward_runs_only_what_the_needed_gradients_take(needed, gemms):
     with OpCalls() as calls:
         grads = torch.autograd.grad(out, [inputs[n] for n in needed], grad_out)
     assert calls.counts["aten::_grouped_mm"] == gemms
-    assert calls.counts["flash_moe::moe_gate_up"] == 1 and calls.counts["flash_moe::swiglu_backward"] == 1
+    w2_alone = needed == ("w2",)
+    assert calls.counts["flash_moe::moe_gate_up"] == 1
+    assert calls.counts["flash_moe::moe_grad_gate_up"] == (0 if w2_alone else 1)
+    assert calls.counts["flash_moe::swiglu_backward"] == (1 if w2_alone else 0)
+    assert calls.counts["flash_moe::moe_grad_x"] == (1 if "x" in needed else 0)
     leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w2, w3, tw)]
     every = torch.autograd.grad(ops.moe(*leaves[:4], ids, leaves[4]), leaves, grad_out)
     for name, grad in zip(needed, grads):  # the same gradients as when every input needs one
@@ -414,6 +419,8 @@ def test_forward_only_ops_refuse_to_differentiate():
         "moe_gate_up": lambda: torch.ops.flash_moe.moe_gate_up(x_grad, w1, w3, *align, 2, ops.BLOCK_M),
         "swiglu_backward": lambda: torch.ops.flash_moe.swiglu_backward(gate_up, grad_h, tw.reshape(-1),
                                                                        torch.ones(32, dtype=torch.bool))[0],
+        "moe_grad_gate_up": lambda: torch.ops.flash_moe.moe_grad_gate_up(x_grad, w2, gate_up, *align, tw, 2,
+                                                                         ops.BLOCK_M)[0],
         "quantize_mxfp8": lambda: ops.quantize_mxfp8(x_grad)[0],
     }
     for name, call in calls.items():
@@ -480,6 +487,85 @@ def check_swiglu_backward(device, rows=333, hidden=192):
         assert not a[~valid.to(a.device)].any(), f"{name}: invalid rows must be zero"
 
 
+def check_moe_grad_gate_up(device, T=300, dim=256, hidden=192, E=6, top_k=2, expert_start=0, num_global=None,
+                           idle=False):
+    """moe_grad_gate_up against float64: grad_h = grad_out_t W2[e] from the bf16 operands, then swiglu_backward's
+    float64 reference on the op's own g | u input. Unrouted slots (-1, other ranks' experts) give zero rows and
+    weights; ``idle``: every slot goes to expert 0 or E - 1 (the others receive none)."""
+    x, w1, w2, w3, ids, tw = make(T, dim, hidden, E, top_k, device, seed=14, num_global=num_global)
+    ids = ids.clone()
+    if idle:
+        ids = torch.where(ids % 2 == 0, expert_start, expert_start + E - 1).to(ids.dtype)
+    ids[::7, 0] = -1
+    align = ops.moe_align(ids, num_global or E, expert_start=expert_start, num_local_experts=E)
+    gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, ops.BLOCK_M)
+    grad_out = torch.randn(T, dim, generator=torch.Generator().manual_seed(15)).to(torch.bfloat16).to(device)
+    got = torch.ops.flash_moe.moe_grad_gate_up(grad_out, w2, gate_up, *align, tw, top_k, ops.BLOCK_M)
+    # the routed slots in moe_align's order, as gate_up_reference lists them
+    flat = ids.reshape(-1).long().cpu() - expert_start
+    slots = [s for e in range(E) for s in torch.nonzero((ids.reshape(-1).cpu() >= 0) & (flat == e)).squeeze(1).tolist()]
+    n = len(slots)
+    slot_t = torch.tensor(slots, dtype=torch.long)
+    experts = flat[slot_t] if n else slot_t
+    w2d, god = w2.cpu().double(), grad_out.cpu().double()
+    grad_h = torch.stack([god[s // top_k] @ w2d[e] for s, e in zip(slots, experts.tolist())]) if n else \
+        torch.zeros(0, hidden, dtype=torch.float64)
+    p = tw.cpu().reshape(-1)[slot_t].double()
+    want = swiglu_backward_reference(gate_up.cpu()[:n], grad_h, p, torch.ones(n, dtype=torch.bool))
+    want_tw = torch.zeros(T * top_k, dtype=torch.float64).index_copy_(0, slot_t, want[3]).view(T, top_k)
+    for name, a, b in zip(("grad_gate", "grad_up", "weighted_h"), got[:3], want[:3]):
+        assert a.dtype == torch.bfloat16 and a.shape == (T * top_k, hidden), name
+        # grad_h in fp32 (never rounded), each element rounded once to bf16
+        torch.testing.assert_close(a[:n].cpu().double(), b, rtol=2**-7, atol=1e-3, msg=name)
+        assert not a[n:].any(), f"{name}: rows past the routed slots must be zero"
+    assert got[3].dtype == torch.float32 and got[3].shape == (T, top_k)
+    torch.testing.assert_close(got[3].cpu().double(), want_tw, rtol=2**-12, atol=1e-3)
+    return got, (grad_out, w2, gate_up, *align, tw, top_k, ops.BLOCK_M)
+
+
+def check_moe_grad_x(device, T=300, dim=256, hidden=192, E=6, top_k=2, expert_start=0, num_global=None, idle=False,
+                     deterministic=True):
+    """moe_grad_x against float64 sums of dg W1[e] + du W3[e] over each token's routed slots, on the op's own bf16
+    inputs (moe_grad_gate_up's rows). fp32 accumulation rounded once; the deterministic CUDA path also rounds each
+    slot's row to bf16 before the k-order sum, hence the absolute term relative to the largest element."""
+    got_gu, args = check_moe_grad_gate_up(device, T, dim, hidden, E, top_k, expert_start, num_global, idle)
+    dg, du = got_gu[:2]
+    grad_out, w2, gate_up, sorted_ids, eids, ntpp, tw = args[:7]
+    w1, w3 = make(T, dim, hidden, E, top_k, device, seed=14, num_global=num_global)[1:4:2]
+    got = torch.ops.flash_moe.moe_grad_x(dg, du, w1, w3, sorted_ids, eids, ntpp, top_k, ops.BLOCK_M, deterministic)
+    assert got.dtype == torch.bfloat16 and got.shape == (T, dim)
+    # the compact rows in order: block by block, the routed entries of sorted_token_ids
+    s_cpu, e_cpu, n_cpu = sorted_ids.cpu(), eids.cpu(), int(ntpp.cpu()[0])
+    want = torch.zeros(T, dim, dtype=torch.float64)
+    row = 0
+    for b in range(n_cpu // ops.BLOCK_M):
+        e = int(e_cpu[b])
+        for slot in s_cpu[b * ops.BLOCK_M:(b + 1) * ops.BLOCK_M].tolist():
+            if slot < 0 or e < 0:
+                continue
+            want[slot // top_k] += dg[row].cpu().double() @ w1[e].cpu().double() + \
+                du[row].cpu().double() @ w3[e].cpu().double()
+            row += 1
+    torch.testing.assert_close(got.cpu().double(), want, rtol=2**-7, atol=2**-8 * want.abs().max().item())
+    return got, (dg, du, w1, w3, sorted_ids, eids, ntpp, top_k, ops.BLOCK_M, deterministic)
+
+
+@cpu
+def test_cpu_moe_grad_x_matches_reference():
+    check_moe_grad_x("cpu")
+    check_moe_grad_x("cpu", T=1, E=2)
+    check_moe_grad_x("cpu", E=4, top_k=3, expert_start=4, num_global=8)
+    check_moe_grad_x("cpu", idle=True)
+
+
+@cpu
+def test_cpu_moe_grad_gate_up_matches_reference():
+    check_moe_grad_gate_up("cpu")
+    check_moe_grad_gate_up("cpu", T=1, E=2)
+    check_moe_grad_gate_up("cpu", E=4, top_k=3, expert_start=4, num_global=8)
+    check_moe_grad_gate_up("cpu", idle=True)
+
+
 @cpu
 def test_cpu_moe_gate_up_matches_reference():
     check_moe_gate_up("cpu")
@@ -502,6 +588,21 @@ def test_backward_pieces_reject_bad_arguments():
     align = ops.moe_align(ids, 2)
     with pytest.raises(RuntimeError, match="moe_gate_up: the gate and up weights must have one shape"):
         torch.ops.flash_moe.moe_gate_up(x, w1, w3[:, :32], *align, 1, ops.BLOCK_M)
+    gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, 1, ops.BLOCK_M)
+    good = (x, w2, gate_up, *align, tw, 1, ops.BLOCK_M)
+    for index, value, message in [
+        (0, x.float(), "moe_grad_gate_up: grad_out must be bfloat16, got Float"),
+        (0, x[:, :32], r"grad_out must be 2-D \(M, dim\) with dim = w2's second dimension 64"),
+        (1, w2[0], r"w2 must be 3-D \(E, dim, hidden\)"),
+        (2, gate_up[:, :64], r"gate_up must be bfloat16 of shape \(M \* top_k, 2 \* hidden\) = \(8, 128\)"),
+        (6, tw.double(), "topk_weights must be float32"),
+    ]:
+        args = list(good)
+        args[index] = value
+        for device in ("cpu", "meta"):  # the C++ checks and their Python twins (the fake) say the same
+            moved = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+            with pytest.raises(RuntimeError, match=message):
+                torch.ops.flash_moe.moe_grad_gate_up(*moved)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -599,6 +700,53 @@ def test_cuda_backward_pieces_match_reference():
     check_moe_gate_up("cuda", E=4, top_k=3, expert_start=4, num_global=8)
     check_swiglu_backward("cuda")
     check_swiglu_backward("cuda", rows=70, hidden=14336)
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+@pytest.mark.parametrize("case", [dict(), dict(T=1, E=2), dict(E=4, top_k=3, expert_start=4, num_global=8),
+                                  dict(idle=True), dict(T=77, dim=512, hidden=320, E=8), dict(T=1000, dim=2048,
+                                  hidden=768, E=16, top_k=8), dict(T=600, dim=1024, hidden=640, E=2, top_k=1)])
+def test_cuda_moe_grad_gate_up_matches_reference(case):
+    """The dH kernel: a partial column tile (hidden 192, 320, 640), M = 1, EP, idle experts, several blocks per
+    expert (CTA pairs) and more K tiles than ring stages; the same bits on a second run and close to the CPU op."""
+    got, args = check_moe_grad_gate_up("cuda", **case)
+    again = torch.ops.flash_moe.moe_grad_gate_up(*args)
+    for a, b in zip(got, again):
+        assert torch.equal(a, b)
+    want = torch.ops.flash_moe.moe_grad_gate_up(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.cpu().float(), b.float(), rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+@pytest.mark.parametrize("case", [dict(), dict(T=1, E=2), dict(E=4, top_k=3, expert_start=4, num_global=8),
+                                  dict(idle=True), dict(T=77, dim=512, hidden=320, E=8), dict(T=1000, dim=2048,
+                                  hidden=768, E=16, top_k=8), dict(T=600, dim=1024, hidden=640, E=2, top_k=1)])
+def test_cuda_moe_grad_x_matches_reference(case):
+    """The dX kernel (persistent; dim 256 .. 2048 in 256-column tiles, K = 2 hidden over dg then du), both sums: the
+    deterministic one the same bits on a second run, the atomic one close to it."""
+    got, args = check_moe_grad_x("cuda", **case)
+    assert torch.equal(got, torch.ops.flash_moe.moe_grad_x(*args))
+    atomic, _ = check_moe_grad_x("cuda", deterministic=False, **case)
+    torch.testing.assert_close(atomic.float(), got.float(), rtol=2**-6, atol=2**-7 * got.float().abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cuda_frozen_gate_up_weights_give_the_same_gradients(deterministic):
+    """needs_input_grad without w1 / w3 (frozen): x, w2 and topk_weights get the gradients of the full backward."""
+    x, w1, w2, w3, ids, tw = make(512, 512, 384, 8, 2, "cuda", seed=16)
+    grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(17)).to(torch.bfloat16).cuda()
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w2, w3, tw)]
+    every = torch.autograd.grad(ops.moe(*leaves[:4], ids, leaves[4], deterministic=deterministic), leaves, grad_out)
+    frozen = [t.detach().clone().requires_grad_(i not in (1, 3)) for i, t in enumerate((x, w1, w2, w3, tw))]
+    out = ops.moe(*frozen[:4], ids, frozen[4], deterministic=deterministic)
+    some = torch.autograd.grad(out, [frozen[i] for i in (0, 2, 4)], grad_out)
+    for a, i in zip(some, (0, 2, 4)):
+        assert torch.equal(a, every[i]), GRADIENT_INPUTS[i]
 
 
 @pytest.mark.gpu
@@ -884,7 +1032,10 @@ def test_mxfp8_backward_is_the_bf16_closed_form_on_dequantized_operands():
     out = ops.moe(*leaves[:4], ids, leaves[4], mxfp8=True)
     go = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     grads = torch.autograd.grad(out, leaves, go)
-    dq = [ops.dequantize_mxfp8(*ops.quantize_mxfp8(t), dtype=torch.bfloat16) for t in (x, w1, w2, w3)]
+    # quantized as moe(mxfp8=True) quantizes (one exponent per MXFP8_ALIGN): grad_h stays fp32 in the backward, so
+    # the few tiny elements that per-32 exponents round differently would show in d topk_weights
+    dq = [ops.dequantize_mxfp8(*ops.quantize_mxfp8(t, exponent_block=ops.MXFP8_ALIGN), dtype=torch.bfloat16)
+          for t in (x, w1, w2, w3)]
     dq_leaves = [t.requires_grad_() for t in dq] + [tw.clone().requires_grad_()]
     want = torch.autograd.grad(ops.moe(*dq_leaves[:4], ids, dq_leaves[4]), dq_leaves, go)
     for a, b in zip(grads, want):

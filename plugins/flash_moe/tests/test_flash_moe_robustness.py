@@ -229,12 +229,21 @@ def test_cuda_swiglu_backward_invalid_rows_are_zero_whatever_gate_up_holds():
 # ---------------------------------------------------------------------------------------------------------------
 @cpu
 @pytest.mark.parametrize("recompute, mxfp8", [(True, False), (False, False), (True, True)])
-@pytest.mark.parametrize("wrt", ["all", "w2"])
-def test_moe_double_backward_raises(recompute, mxfp8, wrt):
-    x, w1, w2, w3, ids, tw = (t.requires_grad_() if t.is_floating_point() else t for t in problem(seed=4))
+@pytest.mark.parametrize("wrt", ["all", "w2", "bf16 topk_weights"])
+@pytest.mark.parametrize("loss", ["square", "linear"])
+def test_moe_double_backward_raises(recompute, mxfp8, wrt, loss):
+    x, w1, w2, w3, ids, tw = problem(seed=4)
+    if wrt == "bf16 topk_weights":  # its float copy inside moe has no grad history: the anchor is the caller's tensor
+        tw = tw.to(torch.bfloat16).requires_grad_()
+        leaves = [x.requires_grad_(), tw]
+    else:
+        x, w1, w2, w3, tw = (t.requires_grad_() for t in (x, w1, w2, w3, tw))
+        leaves = [w2] if wrt == "w2" else [x, w1, w2, w3, tw]
     out = ops.moe(x, w1, w2, w3, ids, tw, recompute_gate_up=recompute, mxfp8=mxfp8)
-    leaves = [w2] if wrt == "w2" else [x, w1, w2, w3, tw]
-    grads = torch.autograd.grad(out.float().square().sum(), leaves, create_graph=True)
+    # a linear loss makes grad_out a constant: the error must then come from the leaves (mxfp8 saved only quantized
+    # copies and a float copy of topk_weights, so its second derivatives were silently zero)
+    objective = out.float().square().sum() if loss == "square" else (out.float() * torch.randn_like(out.float())).sum()
+    grads = torch.autograd.grad(objective, leaves, create_graph=True)
     with pytest.raises(RuntimeError, match="moe: double backward is not supported"):
         sum(g.float().square().sum() for g in grads).backward()
 

@@ -1,31 +1,45 @@
-// CPU helpers shared by fused_logp.cpp and linear_logp.cpp; fused_logp.cpp also words its CUDA path's temperature
+// CPU helpers shared by fused_logp.cpp (LibTorch stable ABI) and linear_logp.cpp (exact ABI): templates over the
+// tensor type, so that neither build sees the other's headers. fused_logp.cpp also words its CUDA path's temperature
 // error with fail_bad_token_temperature.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <torch/headeronly/core/ScalarType.h>
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <sstream>
+#include <stdexcept>
 
 namespace fused_logp_cpu {
 
 // labels: contiguous int64 or int32 (the callers' argument checks).
-inline int64_t label_at(const at::Tensor& labels, int64_t i) {
-  return labels.scalar_type() == at::kLong ? labels.data_ptr<int64_t>()[i]
-                                           : static_cast<int64_t>(labels.data_ptr<int32_t>()[i]);
+template <typename Tensor>
+int64_t label_at(const Tensor& labels, int64_t i) {
+  return labels.scalar_type() == torch::headeronly::ScalarType::Long
+             ? labels.template const_data_ptr<int64_t>()[i]
+             : static_cast<int64_t>(labels.template const_data_ptr<int32_t>()[i]);
+}
+
+// The message's parts streamed as TORCH_CHECK would (neither build's check macro is visible in the other's).
+template <typename... Parts>
+[[noreturn]] void fail(const Parts&... parts) {
+  std::ostringstream message;
+  (message << ... << parts);
+  throw std::runtime_error(message.str());  // RuntimeError in Python, as TORCH_CHECK's c10::Error
 }
 
 [[noreturn]] inline void fail_bad_token_temperature(const char* op, int64_t position, float value) {
-  TORCH_CHECK(false, op, ": token_temperature[", position, "] = ", value, " must be finite and > 0 (the temperature of "
-              "token ", position, ")");
+  fail(op, ": token_temperature[", position, "] = ", value, " must be finite and > 0 (the temperature of token ",
+       position, ")");
 }
 
 // Every token that is not ignored needs a temperature that is finite and > 0 (an ignored token's is never read).
 // Serial, so that the first offending position is the one named.
-inline void check_token_temperatures(const char* op, const at::Tensor& labels, const float* token_temperature,
-                                     int64_t ignore_index) {
+template <typename Tensor>
+void check_token_temperatures(const char* op, const Tensor& labels, const float* token_temperature,
+                              int64_t ignore_index) {
   for (int64_t i = 0; i < labels.size(0); ++i) {
     const float t = token_temperature[i];
     if (label_at(labels, i) != ignore_index && !(std::isfinite(t) && t > 0.f)) fail_bad_token_temperature(op, i, t);
@@ -38,11 +52,10 @@ inline void check_token_temperatures(const char* op, const at::Tensor& labels, c
 // Granite's 1 / logits_scaling are positive).
 inline void check_logit_transform(const char* op, const std::optional<double>& softcap, double logit_scale) {
   constexpr double kMin = std::numeric_limits<float>::min(), kMax = std::numeric_limits<float>::max();
-  TORCH_CHECK(logit_scale >= kMin && logit_scale <= kMax, op, ": logit_scale must be finite and > 0 (a normal float32, "
-              "in [", kMin, ", ", kMax, "]), got ", logit_scale);
-  if (softcap.has_value())
-    TORCH_CHECK(*softcap >= kMin && *softcap <= kMax, op, ": softcap must be None or finite and > 0 (a normal float32, "
-                "in [", kMin, ", ", kMax, "]), got ", *softcap);
+  if (!(logit_scale >= kMin && logit_scale <= kMax))
+    fail(op, ": logit_scale must be finite and > 0 (a normal float32, in [", kMin, ", ", kMax, "]), got ", logit_scale);
+  if (softcap.has_value() && !(*softcap >= kMin && *softcap <= kMax))
+    fail(op, ": softcap must be None or finite and > 0 (a normal float32, in [", kMin, ", ", kMax, "]), got ", *softcap);
 }
 
 // The transform's weight w: z = v(x) * w / T with v(x) = tanh(x * logit_scale / softcap) (softcap) or x (none). The
@@ -57,9 +70,9 @@ inline void check_effective_temperature(const char* op, double temperature, cons
                                         double logit_scale) {
   constexpr double kMin = std::numeric_limits<float>::min(), kMax = std::numeric_limits<float>::max();
   const double t = temperature / logit_weight(softcap, logit_scale);
-  TORCH_CHECK(t >= kMin && t <= kMax, op, ": temperature / ", softcap.has_value() ? "softcap" : "logit_scale", " = ",
-              t, " must be a normal float32, in [", kMin, ", ", kMax, "] (the kernels' effective temperature; "
-              "temperature = ", temperature, ")");
+  if (!(t >= kMin && t <= kMax))
+    fail(op, ": temperature / ", softcap.has_value() ? "softcap" : "logit_scale", " = ", t, " must be a normal float32, in [",
+         kMin, ", ", kMax, "] (the kernels' effective temperature; temperature = ", temperature, ")");
 }
 
 // g(x) = softcap * tanh(logit_scale * x / softcap), or logit_scale * x; and dg/dx. In double (the CPU paths).

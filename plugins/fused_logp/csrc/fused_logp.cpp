@@ -36,10 +36,13 @@
 //     grad_logits [N, V] contiguous, logits' dtype:
 //       p = exp(z - lse);  grad = (g_logp * (onehot(y) - p) - g_ent * p * (z - sum_pz)) * g'(logits) / T
 //     zero for ignored tokens. Reads logits once, writes the gradient once; never writes logits.
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+//
+// Host code on the LibTorch stable ABI (kernel.toml: stable_abi), so that one build runs under every torch from its
+// floor on: torch/csrc/stable and torch/headeronly only (a non-stable header is a compile error in this build).
+#include <prime_kernels/stable.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/headeronly/core/Dispatch_v2.h>
 
 #include <cstring>
 #include <cmath>
@@ -59,72 +62,92 @@
 
 namespace fused_logp_detail {
 
-// Checks shared by the CPU and CUDA forward. Returns nothing; every failure names the argument, expected and found.
-void check_forward_args(const at::Tensor& logits, const at::Tensor& labels, double temperature,
-                        const std::optional<at::Tensor>& token_temperature) {
-  TORCH_CHECK(logits.dim() == 2, "fused_logp: logits must be 2-D [N, V], got ", logits.dim(), "-D with shape ",
-              logits.sizes());
-  const auto st = logits.scalar_type();
-  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
-              "fused_logp: logits dtype must be float32, bfloat16 or float16, got ", st);
-  const int64_t N = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(V >= 1, "fused_logp: logits vocab size (last dim) must be >= 1, got ", V);
-  TORCH_CHECK(V <= int64_t(FUSED_LOGP_MAX_VOCAB_SIZE), "fused_logp: logits vocab size must be <= ",
-              int64_t(FUSED_LOGP_MAX_VOCAB_SIZE), ", got ", V);
-  TORCH_CHECK(N <= int64_t(FUSED_LOGP_MAX_NUM_TOKENS), "fused_logp: number of tokens must be <= ",
-              int64_t(FUSED_LOGP_MAX_NUM_TOKENS), ", got ", N);
-  TORCH_CHECK(V == 1 || logits.stride(1) == 1, "fused_logp: logits last dim must have stride 1, got stride ",
-              logits.stride(1));
-  TORCH_CHECK(labels.dim() == 1, "fused_logp: labels must be 1-D [N], got ", labels.dim(), "-D with shape ",
-              labels.sizes());
-  TORCH_CHECK(labels.scalar_type() == at::kLong || labels.scalar_type() == at::kInt,
-              "fused_logp: labels dtype must be int64 or int32, got ", labels.scalar_type());
-  TORCH_CHECK(labels.size(0) == N, "fused_logp: labels must have N = ", N, " entries (logits rows), got ",
-              labels.size(0));
-  TORCH_CHECK(labels.device() == logits.device(), "fused_logp: labels must be on logits' device ", logits.device(),
-              ", got ", labels.device());
-  TORCH_CHECK(std::isfinite(temperature) && temperature > 0.0, "fused_logp: temperature must be finite and > 0, got ",
-              temperature);
-  if (token_temperature.has_value()) {
-    const auto& tt = *token_temperature;
-    TORCH_CHECK(tt.scalar_type() == at::kFloat, "fused_logp: token_temperature dtype must be float32, got ",
-                tt.scalar_type());
-    TORCH_CHECK(tt.dim() == 1 && tt.size(0) == N, "fused_logp: token_temperature must have shape [", N,
-                "] (one per token), got ", tt.sizes());
-    TORCH_CHECK(tt.device() == logits.device(), "fused_logp: token_temperature must be on logits' device ",
-                logits.device(), ", got ", tt.device());
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+namespace pks = prime_kernels::stable;
+
+// c10::isFloatingType: the types a gradient may come in.
+bool is_floating(ScalarType t) {
+  switch (t) {
+    case ScalarType::Double: case ScalarType::Float: case ScalarType::Half: case ScalarType::BFloat16:
+    case ScalarType::Float8_e5m2: case ScalarType::Float8_e4m3fn: case ScalarType::Float8_e5m2fnuz:
+    case ScalarType::Float8_e4m3fnuz: case ScalarType::Float8_e8m0fnu: case ScalarType::Float4_e2m1fn_x2:
+      return true;
+    default:
+      return false;
   }
 }
 
-void check_backward_args(const at::Tensor& grad_logp, const std::optional<at::Tensor>& grad_entropy,
-                         const at::Tensor& logits, const at::Tensor& labels, double temperature,
-                         const std::optional<at::Tensor>& token_temperature, const at::Tensor& stats) {
+// Checks shared by the CPU and CUDA forward. Returns nothing; every failure names the argument, expected and found.
+void check_forward_args(const Tensor& logits, const Tensor& labels, double temperature,
+                        const std::optional<Tensor>& token_temperature) {
+  pks::require_defined(logits, "fused_logp", "logits");
+  pks::require_defined(labels, "fused_logp", "labels");
+  PK_CHECK(logits.dim() == 2, "fused_logp: logits must be 2-D [N, V], got ", logits.dim(), "-D with shape ",
+           pks::shape(logits));
+  const auto st = pks::scalar_type(logits);
+  PK_CHECK(st == ScalarType::Float || st == ScalarType::BFloat16 || st == ScalarType::Half,
+           "fused_logp: logits dtype must be float32, bfloat16 or float16, got ", pks::dtype(logits));
+  const int64_t N = logits.size(0), V = logits.size(1);
+  PK_CHECK(V >= 1, "fused_logp: logits vocab size (last dim) must be >= 1, got ", V);
+  PK_CHECK(V <= int64_t(FUSED_LOGP_MAX_VOCAB_SIZE), "fused_logp: logits vocab size must be <= ",
+           int64_t(FUSED_LOGP_MAX_VOCAB_SIZE), ", got ", V);
+  PK_CHECK(N <= int64_t(FUSED_LOGP_MAX_NUM_TOKENS), "fused_logp: number of tokens must be <= ",
+           int64_t(FUSED_LOGP_MAX_NUM_TOKENS), ", got ", N);
+  PK_CHECK(V == 1 || logits.stride(1) == 1, "fused_logp: logits last dim must have stride 1, got stride ",
+           logits.stride(1));
+  PK_CHECK(labels.dim() == 1, "fused_logp: labels must be 1-D [N], got ", labels.dim(), "-D with shape ",
+           pks::shape(labels));
+  PK_CHECK(pks::scalar_type(labels) == ScalarType::Long || pks::scalar_type(labels) == ScalarType::Int,
+           "fused_logp: labels dtype must be int64 or int32, got ", pks::dtype(labels));
+  PK_CHECK(labels.size(0) == N, "fused_logp: labels must have N = ", N, " entries (logits rows), got ",
+           labels.size(0));
+  PK_CHECK(labels.device() == logits.device(), "fused_logp: labels must be on logits' device ", pks::device(logits),
+           ", got ", pks::device(labels));
+  PK_CHECK(std::isfinite(temperature) && temperature > 0.0, "fused_logp: temperature must be finite and > 0, got ",
+           temperature);
+  if (token_temperature.has_value()) {
+    const auto& tt = *token_temperature;
+    PK_CHECK(pks::scalar_type(tt) == ScalarType::Float, "fused_logp: token_temperature dtype must be float32, got ",
+             pks::dtype(tt));
+    PK_CHECK(tt.dim() == 1 && tt.size(0) == N, "fused_logp: token_temperature must have shape [", N,
+             "] (one per token), got ", pks::shape(tt));
+    PK_CHECK(tt.device() == logits.device(), "fused_logp: token_temperature must be on logits' device ",
+             pks::device(logits), ", got ", pks::device(tt));
+  }
+}
+
+void check_backward_args(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy,
+                         const Tensor& logits, const Tensor& labels, double temperature,
+                         const std::optional<Tensor>& token_temperature, const Tensor& stats) {
   check_forward_args(logits, labels, temperature, token_temperature);
+  pks::require_defined(grad_logp, "fused_logp", "grad_logp");
+  pks::require_defined(stats, "fused_logp", "stats");
   const int64_t N = logits.size(0);
-  TORCH_CHECK(grad_logp.dim() == 1 && grad_logp.size(0) == N, "fused_logp: grad_logp must have shape [", N,
-              "], got ", grad_logp.sizes());
-  TORCH_CHECK(grad_logp.is_floating_point(), "fused_logp: grad_logp must be floating point, got ",
-              grad_logp.scalar_type());
-  TORCH_CHECK(grad_logp.device() == logits.device(), "fused_logp: grad_logp must be on logits' device ",
-              logits.device(), ", got ", grad_logp.device());
+  PK_CHECK(grad_logp.dim() == 1 && grad_logp.size(0) == N, "fused_logp: grad_logp must have shape [", N,
+           "], got ", pks::shape(grad_logp));
+  PK_CHECK(is_floating(pks::scalar_type(grad_logp)), "fused_logp: grad_logp must be floating point, got ",
+           pks::dtype(grad_logp));
+  PK_CHECK(grad_logp.device() == logits.device(), "fused_logp: grad_logp must be on logits' device ",
+           pks::device(logits), ", got ", pks::device(grad_logp));
   if (grad_entropy.has_value()) {
     const auto& ge = *grad_entropy;
-    TORCH_CHECK(ge.dim() == 1 && ge.size(0) == N, "fused_logp: grad_entropy must have shape [", N, "], got ",
-                ge.sizes());
-    TORCH_CHECK(ge.is_floating_point(), "fused_logp: grad_entropy must be floating point, got ", ge.scalar_type());
-    TORCH_CHECK(ge.device() == logits.device(), "fused_logp: grad_entropy must be on logits' device ",
-                logits.device(), ", got ", ge.device());
+    PK_CHECK(ge.dim() == 1 && ge.size(0) == N, "fused_logp: grad_entropy must have shape [", N, "], got ",
+             pks::shape(ge));
+    PK_CHECK(is_floating(pks::scalar_type(ge)), "fused_logp: grad_entropy must be floating point, got ", pks::dtype(ge));
+    PK_CHECK(ge.device() == logits.device(), "fused_logp: grad_entropy must be on logits' device ",
+             pks::device(logits), ", got ", pks::device(ge));
   }
-  TORCH_CHECK(stats.scalar_type() == at::kDouble, "fused_logp: stats must be float64 (from logp_entropy), got ",
-              stats.scalar_type());
-  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == N && stats.size(1) == 2, "fused_logp: stats must have shape [",
-              N, ", 2], got ", stats.sizes());
-  TORCH_CHECK(stats.device() == logits.device(), "fused_logp: stats must be on logits' device ", logits.device(),
-              ", got ", stats.device());
+  PK_CHECK(pks::scalar_type(stats) == ScalarType::Double, "fused_logp: stats must be float64 (from logp_entropy), got ",
+           pks::dtype(stats));
+  PK_CHECK(stats.dim() == 2 && stats.size(0) == N && stats.size(1) == 2, "fused_logp: stats must have shape [",
+           N, ", 2], got ", pks::shape(stats));
+  PK_CHECK(stats.device() == logits.device(), "fused_logp: stats must be on logits' device ", pks::device(logits),
+           ", got ", pks::device(stats));
 }
 
 [[noreturn]] void fail_bad_label(int64_t position, int64_t value, int64_t V, int64_t ignore_index) {
-  TORCH_CHECK(false, "fused_logp: labels[", position, "] = ", value, " is out of range: labels must be in [0, ", V,
+  pks::fail("fused_logp: labels[", position, "] = ", value, " is out of range: labels must be in [0, ", V,
               ") or equal ignore_index (", ignore_index, ")");
 }
 
@@ -141,6 +164,9 @@ using fused_logp_cpu::label_at;
 
 using fused_logp_detail::check_backward_args;
 using fused_logp_detail::check_forward_args;
+using fused_logp_detail::ScalarType;
+using fused_logp_detail::Tensor;
+namespace pks = prime_kernels::stable;
 
 template <typename label_t>
 int64_t first_bad_label(const label_t* lab, int64_t N, int64_t V, int64_t ignore_index) {
@@ -151,13 +177,13 @@ int64_t first_bad_label(const label_t* lab, int64_t N, int64_t V, int64_t ignore
   return -1;
 }
 
-int64_t cpu_check_labels(const at::Tensor& labels, int64_t V, int64_t ignore_index) {
+int64_t cpu_check_labels(const Tensor& labels, int64_t V, int64_t ignore_index) {
   const int64_t N = labels.size(0);
   int64_t bad = -1;
-  if (labels.scalar_type() == at::kLong)
-    bad = first_bad_label(labels.data_ptr<int64_t>(), N, V, ignore_index);
+  if (labels.scalar_type() == ScalarType::Long)
+    bad = first_bad_label(labels.const_data_ptr<int64_t>(), N, V, ignore_index);
   else
-    bad = first_bad_label(labels.data_ptr<int32_t>(), N, V, ignore_index);
+    bad = first_bad_label(labels.const_data_ptr<int32_t>(), N, V, ignore_index);
   return bad;
 }
 
@@ -179,9 +205,8 @@ inline scalar_t round_from_double(double d) {
   return static_cast<scalar_t>(f);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cpu(const at::Tensor& logits_in, const at::Tensor& labels_in,
-                                                                double temperature,
-                                                                const std::optional<at::Tensor>& token_temperature,
+std::tuple<Tensor, Tensor, Tensor> logp_entropy_cpu(const Tensor& logits_in, const Tensor& labels_in,
+                                                    double temperature, const std::optional<Tensor>& token_temperature,
                                                                 int64_t ignore_index, bool return_entropy,
                                                                 bool /*check_labels: always checked on CPU*/,
                                                                 bool /*batch_invariant: the CPU path always is*/,
@@ -189,33 +214,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cpu(const at::Tensor
   check_forward_args(logits_in, labels_in, temperature, token_temperature);
   fused_logp_cpu::check_logit_transform("fused_logp", softcap, logit_scale);
   const fused_logp_cpu::LogitTransform g(softcap, logit_scale);
-  TORCH_CHECK(logits_in.device().is_cpu(), "fused_logp: CPU implementation got logits on ", logits_in.device());
+  PK_CHECK(logits_in.is_cpu(), "fused_logp: CPU implementation got logits on ", pks::device(logits_in));
   const int64_t N = logits_in.size(0), V = logits_in.size(1);
-  const at::Tensor labels = labels_in.contiguous();
+  const Tensor labels = pks::contiguous(labels_in);
   const int64_t bad = cpu_check_labels(labels, V, ignore_index);
   if (bad >= 0) fused_logp_detail::fail_bad_label(bad, label_at(labels, bad), V, ignore_index);
 
-  const auto fopt = logits_in.options().dtype(at::kFloat);
-  at::Tensor logp = at::empty({N}, fopt);
-  at::Tensor entropy = at::empty({return_entropy ? N : 0}, fopt);
-  at::Tensor stats = at::empty({N, 2}, logits_in.options().dtype(at::kDouble));
+  Tensor logp = pks::empty(logits_in, {N}, ScalarType::Float);
+  Tensor entropy = pks::empty(logits_in, {return_entropy ? N : 0}, ScalarType::Float);
+  Tensor stats = pks::empty(logits_in, {N, 2}, ScalarType::Double);
   if (N == 0) return {logp, entropy, stats};
 
-  const at::Tensor logits = V == 1 ? logits_in.contiguous() : logits_in;  // V == 1 may come with any stride
-  at::Tensor tt;
-  if (token_temperature.has_value()) tt = token_temperature->contiguous();
-  const float* ttp = tt.defined() ? tt.data_ptr<float>() : nullptr;
+  const Tensor logits = V == 1 ? pks::contiguous(logits_in) : logits_in;  // V == 1 may come with any stride
+  Tensor tt;
+  if (token_temperature.has_value()) tt = pks::contiguous(*token_temperature);
+  const float* ttp = tt.defined() ? tt.const_data_ptr<float>() : nullptr;
   if (ttp) check_token_temperatures("fused_logp", labels, ttp, ignore_index);
-  float* lp = logp.data_ptr<float>();
-  float* ep = return_entropy ? entropy.data_ptr<float>() : nullptr;
-  double* sp = stats.data_ptr<double>();
+  float* lp = logp.mutable_data_ptr<float>();
+  float* ep = return_entropy ? entropy.mutable_data_ptr<float>() : nullptr;
+  double* sp = stats.mutable_data_ptr<double>();
   const int64_t rs = logits.stride(0);
   const double inf = std::numeric_limits<double>::infinity();
   const double nan = std::numeric_limits<double>::quiet_NaN();
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "fused_logp_forward_cpu", [&] {
-    const scalar_t* x0 = logits.data_ptr<scalar_t>();
-    at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+  THO_DISPATCH_V2(logits.scalar_type(), "fused_logp_forward_cpu", AT_WRAP([&] {
+    const scalar_t* x0 = logits.const_data_ptr<scalar_t>();
+    torch::stable::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t y = label_at(labels, i);
         if (y == ignore_index) {
@@ -263,43 +287,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cpu(const at::Tensor
         sp[2 * i + 1] = ep ? spz : 0.0;  // like CUDA, which tracks sum p*z only when entropy is requested
       }
     });
-  });
+  }), AT_EXPAND(AT_FLOATING_TYPES), ScalarType::BFloat16, ScalarType::Half);
   return {logp, entropy, stats};
 }
 
-at::Tensor logp_entropy_backward_cpu(const at::Tensor& grad_logp_in, const std::optional<at::Tensor>& grad_entropy_in,
-                                     const at::Tensor& logits_in, const at::Tensor& labels_in, double temperature,
-                                     const std::optional<at::Tensor>& token_temperature, const at::Tensor& stats_in,
-                                     int64_t ignore_index, bool /*batch_invariant: the CPU backward is elementwise*/,
-                                     std::optional<double> softcap, double logit_scale) {
+Tensor logp_entropy_backward_cpu(const Tensor& grad_logp_in, const std::optional<Tensor>& grad_entropy_in,
+                                 const Tensor& logits_in, const Tensor& labels_in, double temperature,
+                                 const std::optional<Tensor>& token_temperature, const Tensor& stats_in,
+                                 int64_t ignore_index, bool /*batch_invariant: the CPU backward is elementwise*/,
+                                 std::optional<double> softcap, double logit_scale) {
   check_backward_args(grad_logp_in, grad_entropy_in, logits_in, labels_in, temperature, token_temperature, stats_in);
   fused_logp_cpu::check_logit_transform("fused_logp", softcap, logit_scale);
   const fused_logp_cpu::LogitTransform tf(softcap, logit_scale);
-  TORCH_CHECK(logits_in.device().is_cpu(), "fused_logp: CPU implementation got logits on ", logits_in.device());
+  PK_CHECK(logits_in.is_cpu(), "fused_logp: CPU implementation got logits on ", pks::device(logits_in));
   const int64_t N = logits_in.size(0), V = logits_in.size(1);
-  at::Tensor grad = at::empty({N, V}, logits_in.options());
+  Tensor grad = pks::empty(logits_in, {N, V}, logits_in.scalar_type());
   if (N == 0) return grad;
-  const at::Tensor labels = labels_in.contiguous();
+  const Tensor labels = pks::contiguous(labels_in);
   const int64_t bad = cpu_check_labels(labels, V, ignore_index);
   if (bad >= 0) fused_logp_detail::fail_bad_label(bad, label_at(labels, bad), V, ignore_index);
-  const at::Tensor logits = V == 1 ? logits_in.contiguous() : logits_in;
-  const at::Tensor g = grad_logp_in.to(at::kDouble).contiguous();
-  at::Tensor ge;
-  if (grad_entropy_in.has_value()) ge = grad_entropy_in->to(at::kDouble).contiguous();
-  const at::Tensor stats = stats_in.contiguous();
-  at::Tensor tt;
-  if (token_temperature.has_value()) tt = token_temperature->contiguous();
-  const float* ttp = tt.defined() ? tt.data_ptr<float>() : nullptr;
+  const Tensor logits = V == 1 ? pks::contiguous(logits_in) : logits_in;
+  const Tensor g = pks::contiguous(pks::to(grad_logp_in, ScalarType::Double));
+  Tensor ge;
+  if (grad_entropy_in.has_value()) ge = pks::contiguous(pks::to(*grad_entropy_in, ScalarType::Double));
+  const Tensor stats = pks::contiguous(stats_in);
+  Tensor tt;
+  if (token_temperature.has_value()) tt = pks::contiguous(*token_temperature);
+  const float* ttp = tt.defined() ? tt.const_data_ptr<float>() : nullptr;
   if (ttp) check_token_temperatures("fused_logp", labels, ttp, ignore_index);
-  const double* gp = g.data_ptr<double>();
-  const double* gep = ge.defined() ? ge.data_ptr<double>() : nullptr;
-  const double* sp = stats.data_ptr<double>();
+  const double* gp = g.const_data_ptr<double>();
+  const double* gep = ge.defined() ? ge.const_data_ptr<double>() : nullptr;
+  const double* sp = stats.const_data_ptr<double>();
   const int64_t rs = logits.stride(0);
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "fused_logp_backward_cpu", [&] {
-    const scalar_t* x0 = logits.data_ptr<scalar_t>();
-    scalar_t* g0 = grad.data_ptr<scalar_t>();
-    at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+  THO_DISPATCH_V2(logits.scalar_type(), "fused_logp_backward_cpu", AT_WRAP([&] {
+    const scalar_t* x0 = logits.const_data_ptr<scalar_t>();
+    scalar_t* g0 = grad.mutable_data_ptr<scalar_t>();
+    torch::stable::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         scalar_t* gr = g0 + i * V;
         const int64_t y = label_at(labels, i);
@@ -324,13 +348,13 @@ at::Tensor logp_entropy_backward_cpu(const at::Tensor& grad_logp_in, const std::
         }
       }
     });
-  });
+  }), AT_EXPAND(AT_FLOATING_TYPES), ScalarType::BFloat16, ScalarType::Half);
   return grad;
 }
 
 }  // namespace
 
-TORCH_LIBRARY(fused_logp, m) {
+STABLE_TORCH_LIBRARY(fused_logp, m) {
   m.def(
       "logp_entropy(Tensor logits, Tensor labels, float temperature, Tensor? token_temperature, int ignore_index, "
       "bool return_entropy, bool check_labels, bool batch_invariant=False, float? softcap=None, "
@@ -341,7 +365,7 @@ TORCH_LIBRARY(fused_logp, m) {
       "float logit_scale=1.0) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(fused_logp, CPU, m) {
-  m.impl("logp_entropy", &logp_entropy_cpu);
-  m.impl("logp_entropy_backward", &logp_entropy_backward_cpu);
+STABLE_TORCH_LIBRARY_IMPL(fused_logp, CPU, m) {
+  m.impl("logp_entropy", TORCH_BOX(&logp_entropy_cpu));
+  m.impl("logp_entropy_backward", TORCH_BOX(&logp_entropy_backward_cpu));
 }

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from prime_kernels_core.manifest import constants
 
-from . import _C  # noqa: F401  (loads the shared library; its TORCH_LIBRARY blocks register torch.ops.fused_logp.*)
+from . import _C_stable  # noqa: F401  (loads the stable-ABI library; its STABLE_TORCH_LIBRARY blocks register the ops)
 from . import checks
 
 

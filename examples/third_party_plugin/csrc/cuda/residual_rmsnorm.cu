@@ -1,10 +1,9 @@
 // pk_example::residual_rmsnorm on CUDA: one block per row, fp32 (float64 for float64) math, x's dtype in memory.
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/macros.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/headeronly/core/Dispatch_v2.h>
 
 #include <climits>
 #include <tuple>
@@ -36,7 +35,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     residual_rmsnorm_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,
                             const scalar_t* __restrict__ weight, scalar_t* __restrict__ y,
                             scalar_t* __restrict__ new_residual, int64_t hidden, double eps) {
-  using opmath_t = at::opmath_type<scalar_t>;
+  using opmath_t = pks::opmath_t<scalar_t>;
   const int64_t base = static_cast<int64_t>(blockIdx.x) * hidden;
 
   // Pass 1: new_residual = x + residual (rounded to scalar_t, as the unfused path would store it); sum of squares.
@@ -70,30 +69,39 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> residual_rmsnorm_cuda(const at::Tensor& x, const at::Tensor& residual,
-                                                         const at::Tensor& weight, double eps) {
+// Outside the dispatch macro, whose body cannot hold the launch's unparenthesised commas.
+template <typename scalar_t>
+void launch(const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& y, const Tensor& new_residual,
+            int64_t rows, int64_t hidden, double eps, cudaStream_t stream) {
+  residual_rmsnorm_kernel<scalar_t><<<static_cast<unsigned int>(rows), kBlockThreads, 0, stream>>>(
+      x.const_data_ptr<scalar_t>(), residual.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(),
+      y.mutable_data_ptr<scalar_t>(), new_residual.mutable_data_ptr<scalar_t>(), hidden, eps);
+  STD_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+std::tuple<Tensor, Tensor> residual_rmsnorm_cuda(Tensor x, Tensor residual, Tensor weight, double eps) {
   check_residual_rmsnorm_args(x, residual, weight, eps);
-  TORCH_CHECK(x.is_cuda(), "residual_rmsnorm (CUDA): x must be a CUDA tensor, got ", x.device());
-  const c10::cuda::CUDAGuard device_guard(x.device());
-  const auto x_c = x.contiguous(), r_c = residual.contiguous(), w_c = weight.contiguous();
-  auto y = at::empty(x.sizes(), x.options());
-  auto new_residual = at::empty(x.sizes(), x.options());
-  const int64_t hidden = x.size(-1);
+  PK_CHECK(x.is_cuda(), "residual_rmsnorm (CUDA): x must be a CUDA tensor, got ", pks::device(x));
+  const torch::stable::accelerator::DeviceGuard device_guard(x.get_device_index());
+  const auto x_c = pks::contiguous(x), r_c = pks::contiguous(residual),
+             w_c = pks::contiguous(weight);
+  auto y = pks::empty(x, x.sizes(), x.scalar_type());
+  auto new_residual = pks::empty(x, x.sizes(), x.scalar_type());
+  const int64_t hidden = x.size(x.dim() - 1);
   const int64_t rows = x.numel() / hidden;
   if (rows == 0) return {y, new_residual};
-  TORCH_CHECK(rows <= INT_MAX, "residual_rmsnorm (CUDA): at most ", INT_MAX, " rows (one block each), got ", rows);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  PK_CHECK(rows <= INT_MAX, "residual_rmsnorm (CUDA): at most ", INT_MAX, " rows (one block each), got ", rows);
+  const cudaStream_t stream = pks::current_cuda_stream(x.get_device_index());
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "residual_rmsnorm_cuda", [&] {
-    residual_rmsnorm_kernel<scalar_t><<<static_cast<unsigned int>(rows), kBlockThreads, 0, stream>>>(
-        x_c.const_data_ptr<scalar_t>(), r_c.const_data_ptr<scalar_t>(), w_c.const_data_ptr<scalar_t>(),
-        y.mutable_data_ptr<scalar_t>(), new_residual.mutable_data_ptr<scalar_t>(), hidden, eps);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  THO_DISPATCH_V2(x.scalar_type(), "residual_rmsnorm_cuda", AT_WRAP([&] {
+    launch<scalar_t>(x_c, r_c, w_c, y, new_residual, rows, hidden, eps, stream);
+  }), AT_EXPAND(AT_FLOATING_TYPES), ScalarType::Half, ScalarType::BFloat16);
   return {y, new_residual};
 }
 
 }  // namespace
 }  // namespace pk_example
 
-TORCH_LIBRARY_IMPL(pk_example, CUDA, m) { m.impl("residual_rmsnorm", &pk_example::residual_rmsnorm_cuda); }
+STABLE_TORCH_LIBRARY_IMPL(pk_example, CUDA, m) {
+  m.impl("residual_rmsnorm", TORCH_BOX(&pk_example::residual_rmsnorm_cuda));
+}

@@ -1,8 +1,8 @@
 // flash_moe on CUDA sm_90a: the fused expert GEMMs (hand-written wgmma; see docs/notes/flash_moe.md).
 //
-// Two launches of one kernel template over tiles of one aligned block of BLOCK_M = 128 routed slots (one expert) x one
-// 256-wide column tile, 384 threads per CTA (gate/up: one CTA per tile, in CTA pairs; down: persistent, one CTA per SM
-// walking tiles, its ring and routing rows running on from tile to tile):
+// One kernel template over tiles of one aligned block of BLOCK_M = 128 routed slots (one expert) x one 256-wide column
+// tile, 384 threads per CTA (gate/up: one CTA per tile, in CTA pairs; down and the backward's: persistent, one CTA per
+// SM walking tiles, its ring and routing rows running on from tile to tile):
 //   warpgroup 0  producer: cp.async 16-byte copies into a STAGES-deep ring of 128-byte-swizzled shared memory. The A
 //                rows are gathered: row r of the block reads x[sorted_token_ids[r] / top_k] (zero-filled for -1
 //                padding), so the token permutation never touches global memory. B rows are the expert's weight
@@ -17,6 +17,15 @@
 // Kernel 2 (down): A = intermediate rows of the block, B = w2[e] rows; the epilogue either adds
 //   topk_weight * y (fp32) into an fp32 [M, dim] buffer with float2 atomics (fused_moe_bf16 / moe_forward), or
 //   stores y as bf16 per slot (moe_forward deterministic; the top_k slots of a token are then summed in k order).
+// Kernel 3 (the backward's dH, moe_grad_gate_up; persistent like down): A = grad_out rows gathered like x's, B =
+//   w2[e] read N-major (w2 is (dim, hidden): for grad_h = grad_out W2 the K dimension is dim, and 256 hidden columns
+//   are four 64-column TMA boxes; wgmma's transposed-B form); the epilogue takes g | u of the slot's compact row and
+//   writes the SwiGLU derivative (dg, du, p h) and each slot's partial <grad_h, h> over the tile's columns (summed
+//   over the column tiles afterwards in a fixed order: deterministic). grad_h itself never reaches memory.
+// Kernel 4 (the backward's dX, moe_grad_x): persistent like down; A = the block's rows of dg, then of du (compact rows
+//   through dst_rows, K = 2 hidden), B = w1[e], then w3[e], N-major as in kernel 3 (they are (hidden, dim): K =
+//   hidden, N = dim); the epilogue adds the fp32 result into dx [M, dim] with float2 atomics (DX_ATOMIC) or stores
+//   it as bf16 per slot (DX_SLOTS: summed over a token's slots in k order afterwards, bitwise reproducible).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -79,7 +88,20 @@ constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + 2
 // GATE_UP_SAVE (the backward's recomputation): the epilogue stores the gate and up pre-activations as bf16 to row
 // dst_rows[padded row] of a compact [routed slots, 2 hidden] tensor instead of h.
 // GATE_UP_SAVE: the backward's recomputation; GATE_UP_AND_SAVE: the forward keeping g | u for the backward.
-enum Mode : int { GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2, GATE_UP_SAVE = 3, GATE_UP_AND_SAVE = 4 };
+// DH_SWIGLU: the backward's grad_h = grad_out W2 with the SwiGLU derivative in the epilogue (kernel 3 above).
+// DX_ATOMIC, DX_SLOTS: the backward's dx (kernel 4 above).
+enum Mode : int {
+  GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2, GATE_UP_SAVE = 3, GATE_UP_AND_SAVE = 4, DH_SWIGLU = 5, DX_ATOMIC = 6,
+  DX_SLOTS = 7
+};
+// The GEMMs that run persistent (one CTA per SM walking claimed tiles; see moe_gemm_kernel); the forward's gate/up
+// GEMMs run one CTA per tile in CTA pairs.
+constexpr bool persistent_mode(int mode) {
+  return mode == DOWN_ATOMIC || mode == DOWN_SLOTS || mode == DX_ATOMIC || mode == DX_SLOTS || mode == DH_SWIGLU;
+}
+// The backward's N-major B tiles: atoms of 64 columns (128 bytes of bf16, the 128-byte swizzle's row), a TMA box each.
+constexpr int MN_ATOM = 64;
+constexpr int MN_ATOMS = BN / MN_ATOM;
 
 struct Params {
   // B tiles by TMA: 2-D maps over the weight rows (boxes of B_BOX_ROWS x BK); expert e's row n is map row
@@ -111,10 +133,69 @@ struct Params {
   float* acc32;               // DOWN_ATOMIC output [M, dim]
   __nv_bfloat16* yslots;      // DOWN_SLOTS output [M * top_k, dim]
   int64_t ld_out;             // dim
+  // DH_SWIGLU: g | u in `saved` (the compact rows dst_rows names), the slot weights in topk_weights; outputs at the
+  // compact rows [slots, hidden] (row stride n_total): dg, du, p h; and <grad_h, h> of each slot over each column
+  // tile, dot_partials [n_tiles, num_slots]
+  __nv_bfloat16* grad_gate;
+  __nv_bfloat16* grad_up;
+  __nv_bfloat16* weighted_h;
+  float* dot_partials;
+  // DX_*: A's second half (du rows; `a` holds dg's), K tiles per half; tm_b0 / tm_b1 map w1 / w3
+  const __nv_bfloat16* a2;
+  int k_half;
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void fence_acc(float* d) { fence_regs<128>(d); }
+
+// DH_SWIGLU's epilogue for accumulator row h of a consumer thread: grad_h (unweighted, fp32) of slot `slot` over the
+// columns n0 + 8 j + 2 quad + e, g | u from compact row `row`; writes dg, du, p h there (as swiglu_backward does:
+// dh = p grad_h, du = dh silu(g), dg = dh u sig (1 + g (1 - sig))) and returns this thread's part of <grad_h, h>.
+// The g | u loads of kChunk column groups are issued before any of their stores: the compiler cannot prove the
+// outputs do not alias g | u, so a load after a store waits for it (SASS of the first version: one load pair, the
+// math and three stores per column group, 64 DRAM round trips in a row per thread and tile).
+constexpr int kChunk = 16;
+__device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* acc, int h, int quad, int slot, int row,
+                                                 int n0) {
+  const float w = __ldg(p.topk_weights + slot);
+  const int64_t base = static_cast<int64_t>(row) * p.n_total + n0;
+  const __nv_bfloat16* gate = p.saved + static_cast<int64_t>(row) * p.ld_saved + n0;
+  float dot = 0.f;
+#pragma unroll
+  for (int j0 = 0; j0 < BN / 8; j0 += kChunk) {
+    __nv_bfloat162 g2[kChunk], u2[kChunk];
+#pragma unroll
+    for (int jj = 0; jj < kChunk; ++jj) {
+      const int col = 8 * (j0 + jj) + 2 * quad;
+      if (n0 + col < p.n_total) {  // n_total is even: col + 1 is valid too
+        g2[jj] = *reinterpret_cast<const __nv_bfloat162*>(gate + col);
+        u2[jj] = *reinterpret_cast<const __nv_bfloat162*>(gate + p.n_total + col);
+      }
+    }
+#pragma unroll
+    for (int jj = 0; jj < kChunk; ++jj) {
+      const int j = j0 + jj, col = 8 * j + 2 * quad;
+      if (n0 + col < p.n_total) {
+        const float2 g = __bfloat1622float2(g2[jj]), u = __bfloat1622float2(u2[jj]);
+        float dg[2], du[2], ph[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float gv = e ? g.y : g.x, uv = e ? u.y : u.x, gh = acc[4 * j + 2 * h + e];
+          const float sig = 1.f / (1.f + __expf(-gv));
+          const float a = gv * sig, hv = a * uv, dh = gh * w;
+          dot += gh * hv;
+          du[e] = dh * a;
+          dg[e] = dh * uv * sig * (1.f + gv * (1.f - sig));
+          ph[e] = w * hv;
+        }
+        *reinterpret_cast<__nv_bfloat162*>(p.grad_gate + base + col) = __floats2bfloat162_rn(dg[0], dg[1]);
+        *reinterpret_cast<__nv_bfloat162*>(p.grad_up + base + col) = __floats2bfloat162_rn(du[0], du[1]);
+        *reinterpret_cast<__nv_bfloat162*>(p.weighted_h + base + col) = __floats2bfloat162_rn(ph[0], ph[1]);
+      }
+    }
+  }
+  return dot;
+}
 #endif
 
 // Accumulator register i of a consumer thread holds row (warp * 16 + lane / 4 + 8 * ((i / 2) % 2)) and column
@@ -123,13 +204,19 @@ template <int MODE>
 __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kGateUp = MODE == GATE_UP || MODE == GATE_UP_SAVE || MODE == GATE_UP_AND_SAVE;
+  constexpr bool kDh = MODE == DH_SWIGLU;
+  constexpr bool kGather = kGateUp || kDh;  // A rows gathered from a [tokens, dim] tensor, K = dim
+  constexpr bool kDx = MODE == DX_ATOMIC || MODE == DX_SLOTS;
+  constexpr bool kMajorN = kDh || kDx;  // B read N-major (wgmma's transposed B)
   // The down GEMMs run persistent: one CTA per SM, its producer filling the ring with the next tile while the
   // consumers finish the last: their K (hidden: 12 k tiles at Qwen3, 32 at DeepSeek-V3) is too short to hide a CTA's
   // launch, ring fill and epilogue. A CTA's first tile is blockIdx.x, the next ones are claimed from a counter, so the
   // tiles in flight stay close in raster order (the L2 reuse of the experts' weight tiles) and a CTA that drew cheap
   // tiles (padding) takes more: with a fixed stride, DeepSeek-V3's down GEMM took 6.7 ms instead of 4.5. The gate/up
-  // GEMMs (K = dim) run one CTA per tile, in CTA pairs that share weight tiles.
-  constexpr bool kPersistent = !kGateUp;
+  // GEMMs (K = dim) run one CTA per tile, in CTA pairs that share weight tiles. The backward's dH (K = dim too) runs
+  // persistent: 3-18% faster than in CTA pairs at 5 of 6 benchmark shapes (4.6% slower at DeepSeek-V3; its epilogue
+  // moves 10 bytes per element, which pairs do not overlap with anything).
+  constexpr bool kPersistent = persistent_mode(MODE);
   const int ntpp = __ldg(p.ntpp);
   // Persistent: the tiles of the live blocks (block * BM < num_tokens_post_padded, read here: no host sync) in raster
   // order; 32-bit tile numbers (the host keeps blocks x n_tiles below 2^31, so t + p.ctas cannot wrap).
@@ -221,20 +308,44 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       int block = 0, n_tile = 0;
       if (t >= 0) {
         raster(t, p.n_tiles, live, block, n_tile);
-        routing_row<BM, kGateUp>(p, block, threadIdx.x, a_rows + buf * BM, slot_rows + buf * BM);
+        if constexpr (kDx) {  // A's row: the slot's compact row of dg / du, -1 (zero-filled) for padding
+          const int row = block * BM + threadIdx.x;
+          const int slot = routed_slot(p, row);
+          const int compact = slot >= 0 ? p.dst_rows[row] : -1;
+          slot_rows[buf * BM + threadIdx.x] = slot;
+          a_rows[buf * BM + threadIdx.x] =
+              compact >= 0 && compact < p.dst_limit ? static_cast<int64_t>(compact) * p.lda : -1;
+        } else {
+          routing_row<BM, kGather>(p, block, threadIdx.x, a_rows + buf * BM, slot_rows + buf * BM);
+        }
       }
       mbar_arrive(rows_ready_bar(buf));  // the consumers read this thread's row (and the tile number) after it
       if (t < 0) break;                  // the consumers stop at the -1
       asm volatile("bar.sync 1, 128;\n" ::: "memory");  // each producer thread reads the others' rows below
       const int64_t* const a_row = a_rows + buf * BM;
       const int expert = __ldg(p.expert_ids + block);
-      const int b_row = expert * p.b_rows_per_expert + n_tile * (kGateUp ? BN_GU : BN_DOWN);
+
+      // N-major B: the expert's first weight row (the k tile adds its rows); else its first row of this column tile
+      const int b_row = expert * p.b_rows_per_expert + (kMajorN ? 0 : n_tile * (kGateUp ? BN_GU : BN_DOWN));
       for (int kt = 0; kt < p.k_tiles; ++kt) {
         const uint32_t k = ks + kt;
         const int stage = acquire_stage<STAGES>(bars, k);
         const uint32_t st = base + stage * STAGE_BYTES;
-        const int kofs = kt * BK;
-        if (threadIdx.x == 0) {  // the B tile: two TMA boxes (GATE_UP: gate rows, then the same up rows)
+        // DX: the first k_half tiles read dg and w1, the others du and w3, each from its own K offset 0
+        const bool second = kDx && kt >= p.k_half;
+        const int kofs = (second ? kt - p.k_half : kt) * BK;
+        const __nv_bfloat16* const a_src = second ? p.a2 : p.a;
+        if (kMajorN && threadIdx.x == 0) {  // the B tile: MN_ATOMS boxes of weight rows kofs.., 64 columns each
+          static_assert(!kMajorN || kPersistent, "N-major B tiles are loaded per CTA (no CTA-pair multicast)");
+          mbar_expect_tx(full_bar(stage), B_BYTES);
+          const CUtensorMap* map = second ? &p.tm_b1 : &p.tm_b0;
+#pragma unroll
+          for (int q = 0; q < MN_ATOMS; ++q) {
+            tma_load_2d(st + A_BYTES + q * (B_BYTES / MN_ATOMS), map, full_bar(stage), n_tile * BN + q * MN_ATOM,
+                        b_row + kofs);
+          }
+        }
+        if (!kMajorN && threadIdx.x == 0) {  // the B tile: two TMA boxes (GATE_UP: gate rows, then the same up rows)
           mbar_expect_tx(full_bar(stage), B_BYTES);  // paired: half from this CTA's copy, half from the peer's
           const CUtensorMap* box1 = kGateUp ? &p.tm_b1 : &p.tm_b0;
           const int row1 = kGateUp ? b_row : b_row + B_BOX_ROWS;
@@ -249,7 +360,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
 #pragma unroll
         for (int r = 0; r < BM / 16; ++r) {
           const int64_t off = a_row[r0 + 16 * r];
-          cp_async_16(st + swz(r0 + 16 * r, c), p.a + (off >= 0 ? off + kofs + c * 8 : 0), off >= 0 ? 16u : 0u);
+          cp_async_16(st + swz(r0 + 16 * r, c), a_src + (off >= 0 ? off + kofs + c * 8 : 0), off >= 0 ? 16u : 0u);
         }
         cp_async_mbar_arrive_noinc(full_bar(stage));  // fires when this thread's copies of the stage have landed
       }
@@ -292,12 +403,19 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         mbar_wait(full_bar(ring.stage), ring.phase);
         fence_proxy_async();  // the stage was written by cp.async (generic proxy); wgmma reads it through the async proxy
         const uint32_t st = base + ring.stage * STAGE_BYTES;
-        const uint64_t da = smem_desc(st + a_off), db = smem_desc(st + A_BYTES);
+        // K-major tiles advance 16 K (32 bytes) per wgmma; DH_SWIGLU's N-major B 16 K rows (2048 bytes)
+        const uint64_t da = smem_desc(st + a_off);
+        const uint64_t db = kMajorN ? smem_desc_mn(st + A_BYTES, B_BYTES / MN_ATOMS) : smem_desc(st + A_BYTES);
         fence_acc(acc);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk)
-          wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
+        for (int kk = 0; kk < BK / 16; ++kk) {
+          if constexpr (kMajorN) {
+            wgmma_m64n256k16_bf16_bn(acc, da + 2 * kk, db + kk * (16 * 128 >> 4), (kt > 0 || kk > 0) ? 1 : 0);
+          } else {
+            wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
+          }
+        }
         wgmma_commit();
         fence_acc(acc);
         wgmma_wait<1>();
@@ -343,10 +461,24 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
             }
           }
         }
-        if constexpr (!kGateUp) {
+        if constexpr (kDh) {
+          const int slot = slot_of[lr];
+          const int row = slot >= 0 ? p.dst_rows[block * BM + lr] : -1;
+          const bool routed = row >= 0 && row < p.dst_limit;
+          float dot = routed ? swiglu_grad_row(p, acc, h, quad, slot, row, n_tile * BN) : 0.f;
+          // the 4 lanes of a quad hold the row's columns: every lane takes part in the shuffles
+          dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+          dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+          if (routed && quad == 0) p.dot_partials[static_cast<int64_t>(n_tile) * p.num_slots + slot] = dot;
+        }
+        if constexpr (!kGather) {
           const int slot = slot_of[lr];
           if (slot < 0) continue;
-          store_down_row<BN_DOWN, MODE == DOWN_ATOMIC>(p, acc, h, quad, slot, n_tile * BN_DOWN);
+          if constexpr (kDx) {  // dx: unweighted (dg and du carry the slot weight)
+            store_down_row<BN_DOWN, MODE == DX_ATOMIC, false>(p, acc, h, quad, slot, n_tile * BN_DOWN);
+          } else {
+            store_down_row<BN_DOWN, MODE == DOWN_ATOMIC>(p, acc, h, quad, slot, n_tile * BN_DOWN);
+          }
         }
       }
     }
@@ -360,7 +492,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
 }
 template <int MODE>
 void launch(const Params& p, int n_tiles, int64_t blocks, cudaStream_t stream) {
-  constexpr bool kPersistent = MODE == DOWN_ATOMIC || MODE == DOWN_SLOTS;  // as the kernel decides
+  constexpr bool kPersistent = persistent_mode(MODE);
   launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, SMEM_BYTES, kPersistent ? 1 : CLUSTER_BLOCKS, kPersistent>(
       p, n_tiles, blocks, stream);
 }
@@ -417,16 +549,23 @@ int gate_up_tiles(const MoeShape& s) { return static_cast<int>((s.hidden + sm90:
 
 // Runs gate/up + down; mode DOWN_ATOMIC writes acc32 [M, dim] (zeroed here), DOWN_SLOTS yslots [M * top_k, dim]
 // (zeroed here).
+// Each padded row's compact row (the routed entries numbered in sorted order, -1 for padding) into p.dst_rows: where
+// the gate/up kernel stores g | u and the dH kernel reads it. Returns the rows tensor (p points into it).
+at::Tensor compact_rows(sm90::Params& p, const at::Tensor& sorted, const MoeShape& s) {
+  const auto routed = sorted.ge(0).logical_and_(sorted.lt(s.M * s.top_k));  // the kernel's padding rule
+  auto rows = (routed.cumsum(0, at::kInt) - 1).masked_fill_(routed.logical_not(), -1);
+  p.dst_rows = rows.const_data_ptr<int>();
+  p.dst_limit = static_cast<int>(s.M * s.top_k);
+  return rows;
+}
+
 // The pre-activations g | u of the routed slots, [M * top_k, 2 hidden] in moe_align's order (what moe_gate_up
 // returns): p.saved points at the returned tensor; `rows` holds each padded row's compact row (-1 for padding).
 at::Tensor saved_gate_up(sm90::Params& p, const at::Tensor& sorted, const MoeShape& s, at::Tensor& rows) {
   auto saved = at::zeros({s.M * s.top_k, 2 * s.hidden}, sorted.options().dtype(at::kBFloat16));
-  const auto routed = sorted.ge(0).logical_and_(sorted.lt(s.M * s.top_k));  // the kernel's padding rule
-  rows = (routed.cumsum(0, at::kInt) - 1).masked_fill_(routed.logical_not(), -1);
+  rows = compact_rows(p, sorted, s);
   p.saved = reinterpret_cast<__nv_bfloat16*>(saved.mutable_data_ptr());
   p.ld_saved = 2 * s.hidden;
-  p.dst_rows = rows.const_data_ptr<int>();
-  p.dst_limit = static_cast<int>(s.M * s.top_k);
   return saved;
 }
 
@@ -494,6 +633,144 @@ at::Tensor moe_gate_up_cuda(const at::Tensor& x, const at::Tensor& w1, const at:
   return result;
 }
 
+// Zeroes rows [*routed, rows) of three [rows, vecs x 16 bytes] tensors: the compact rows no slot fills (their count is
+// on the device; reading it on the host would sync).
+__global__ void zero_rows_past_kernel(uint4* a, uint4* b, uint4* c, const int64_t* routed, int64_t rows,
+                                      int64_t vecs) {
+  const int64_t first = min(max(*routed, int64_t{0}), rows) * vecs, total = rows * vecs;
+  for (int64_t i = first + blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    a[i] = b[i] = c[i] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda(
+    const at::Tensor& grad_out, const at::Tensor& w2_in, const at::Tensor& gate_up, const at::Tensor& sorted_token_ids,
+    const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights,
+    int64_t top_k, int64_t block_m) {
+  const char* op = "moe_grad_gate_up";
+  const MoeShape s = check_grad_gate_up_args(op, grad_out, w2_in, gate_up, sorted_token_ids, expert_ids,
+                                             num_tokens_post_padded, topk_weights, top_k, block_m);
+  const c10::cuda::CUDAGuard guard(grad_out.device());
+  sm90::check_sm90(op, grad_out);
+  const auto go = grad_out.contiguous(), gu = gate_up.contiguous(), tw = topk_weights.contiguous();
+  auto w2 = w2_in;  // read in place when its rows are whole 16-byte units with whole rows between experts (TMA)
+  if (w2.stride(2) != 1 || w2.stride(1) % 8 != 0 || w2.stride(0) % w2.stride(1) != 0) w2 = w2.contiguous();
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"grad_out", &go}, {"w2", &w2},
+                         {"gate_up", &gu}}) {
+    check_cuda_operand(op, name, *t);
+  }
+  const auto sorted = sorted_token_ids.contiguous(), eids = expert_ids.contiguous();
+  const int64_t slots = s.M * s.top_k;
+  auto grad_gate = at::empty({slots, s.hidden}, go.options());
+  auto grad_up = at::empty_like(grad_gate), weighted_h = at::empty_like(grad_gate);
+  const int n_tiles = static_cast<int>((s.hidden + sm90::BN - 1) / sm90::BN);
+  auto partials = at::zeros({n_tiles, slots}, go.options().dtype(at::kFloat));
+  const auto tile_counter = at::zeros({1}, sorted_token_ids.options().dtype(at::kInt));
+  sm90::Params p{};
+  const at::Tensor rows = compact_rows(p, sorted, s);
+  p.saved = const_cast<__nv_bfloat16*>(reinterpret_cast<const __nv_bfloat16*>(gu.const_data_ptr()));
+  p.ld_saved = 2 * s.hidden;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (slots > 0 && s.hidden > 0) {
+    const auto routed = rows.ge(0).sum();  // compact rows filled (int64)
+    const int64_t vecs = s.hidden / 8, total = slots * vecs;
+    const unsigned grid = static_cast<unsigned>(std::min<int64_t>((total + 255) / 256, 1024));
+    zero_rows_past_kernel<<<grid, 256, 0, stream>>>(
+        reinterpret_cast<uint4*>(grad_gate.mutable_data_ptr()), reinterpret_cast<uint4*>(grad_up.mutable_data_ptr()),
+        reinterpret_cast<uint4*>(weighted_h.mutable_data_ptr()), routed.const_data_ptr<int64_t>(), slots, vecs);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  if (s.blocks > 0 && s.M > 0) {
+    p.top_k = static_cast<int>(s.top_k);
+    p.num_experts = static_cast<int>(s.E);
+    p.num_slots = static_cast<int>(slots);
+    p.sorted = sorted.const_data_ptr<int>();
+    p.expert_ids = eids.const_data_ptr<int>();
+    p.ntpp = num_tokens_post_padded.const_data_ptr<int>();
+    p.a = reinterpret_cast<const __nv_bfloat16*>(go.const_data_ptr());
+    p.lda = s.dim;
+    p.b_rows_per_expert = static_cast<int>(w2.stride(0) / w2.stride(1));
+    // boxes of BK w2 rows (K) x MN_ATOM hidden columns (N, contiguous); columns past hidden read as zeros
+    sm90::expert_weight_map(op, "w2", &p.tm_b0, w2, s.dim, s.hidden, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, sm90::BK,
+                            sm90::MN_ATOM);
+    p.n_total = static_cast<int>(s.hidden);
+    p.k_tiles = static_cast<int>(s.dim / sm90::BK);
+    p.topk_weights = tw.const_data_ptr<float>();
+    p.grad_gate = reinterpret_cast<__nv_bfloat16*>(grad_gate.mutable_data_ptr());
+    p.grad_up = reinterpret_cast<__nv_bfloat16*>(grad_up.mutable_data_ptr());
+    p.weighted_h = reinterpret_cast<__nv_bfloat16*>(weighted_h.mutable_data_ptr());
+    p.dot_partials = partials.mutable_data_ptr<float>();
+    p.tile_counter = tile_counter.mutable_data_ptr<int>();
+    sm90::launch<sm90::DH_SWIGLU>(p, n_tiles, s.blocks, stream);
+  }
+  // the column tiles' partial sums in tile order: the same bits on every run
+  return {grad_gate, grad_up, weighted_h, partials.sum(0).view({s.M, s.top_k})};
+}
+
+at::Tensor moe_grad_x_cuda(const at::Tensor& grad_gate, const at::Tensor& grad_up, const at::Tensor& w1_in,
+                           const at::Tensor& w3_in, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                           const at::Tensor& num_tokens_post_padded, int64_t top_k, int64_t block_m,
+                           bool deterministic) {
+  const char* op = "moe_grad_x";
+  const MoeShape s = check_grad_x_args(op, grad_gate, grad_up, w1_in, w3_in, sorted_token_ids, expert_ids,
+                                       num_tokens_post_padded, top_k, block_m);
+  const c10::cuda::CUDAGuard guard(grad_gate.device());
+  sm90::check_sm90(op, grad_gate);
+  const auto dg = grad_gate.contiguous(), du = grad_up.contiguous();
+  auto w1 = w1_in, w3 = w3_in;  // read in place when TMA can (whole 16-byte rows, whole rows between experts)
+  if (w1.stride(2) != 1 || w3.strides() != w1.strides() || w1.stride(1) % 8 != 0 || w1.stride(0) % w1.stride(1) != 0) {
+    w1 = w1.contiguous();
+    w3 = w3.contiguous();
+  }
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"grad_gate", &dg}, {"grad_up", &du},
+                         {"w1", &w1}, {"w3", &w3}}) {
+    check_cuda_operand(op, name, *t);
+  }
+  const auto sorted = sorted_token_ids.contiguous(), eids = expert_ids.contiguous();
+  // per slot: the combine reads the routed slots' rows only, all of which the kernel writes
+  at::Tensor result = deterministic ? at::empty({s.M * s.top_k, s.dim}, dg.options())
+                                    : at::zeros({s.M, s.dim}, dg.options().dtype(at::kFloat));
+  sm90::Params p{};
+  const at::Tensor rows = compact_rows(p, sorted, s);
+  const auto tile_counter = at::zeros({1}, sorted.options().dtype(at::kInt));
+  if (s.blocks > 0 && s.M > 0) {
+    p.top_k = static_cast<int>(s.top_k);
+    p.num_experts = static_cast<int>(s.E);
+    p.num_slots = static_cast<int>(s.M * s.top_k);
+    p.sorted = sorted.const_data_ptr<int>();
+    p.expert_ids = eids.const_data_ptr<int>();
+    p.ntpp = num_tokens_post_padded.const_data_ptr<int>();
+    p.a = reinterpret_cast<const __nv_bfloat16*>(dg.const_data_ptr());
+    p.a2 = reinterpret_cast<const __nv_bfloat16*>(du.const_data_ptr());
+    p.lda = s.hidden;
+    p.b_rows_per_expert = static_cast<int>(w1.stride(0) / w1.stride(1));
+    // boxes of BK weight rows (K = hidden) x MN_ATOM dim columns (N, contiguous); columns past dim read as zeros
+    sm90::expert_weight_map(op, "w1", &p.tm_b0, w1, s.hidden, s.dim, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, sm90::BK,
+                            sm90::MN_ATOM);
+    sm90::expert_weight_map(op, "w3", &p.tm_b1, w3, s.hidden, s.dim, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, sm90::BK,
+                            sm90::MN_ATOM);
+    p.k_half = static_cast<int>(s.hidden / sm90::BK);
+    p.k_tiles = 2 * p.k_half;
+    p.n_total = static_cast<int>(s.dim);
+    p.ld_out = s.dim;
+    p.tile_counter = tile_counter.mutable_data_ptr<int>();
+    const int n_tiles = static_cast<int>((s.dim + sm90::BN_DOWN - 1) / sm90::BN_DOWN);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    if (deterministic) {
+      p.yslots = reinterpret_cast<__nv_bfloat16*>(result.mutable_data_ptr());
+      sm90::launch<sm90::DX_SLOTS>(p, n_tiles, s.blocks, stream);
+    } else {
+      p.acc32 = result.mutable_data_ptr<float>();
+      sm90::launch<sm90::DX_ATOMIC>(p, n_tiles, s.blocks, stream);
+    }
+  }
+  if (!deterministic) return result.to(at::kBFloat16);
+  // a token's slots summed in k order (fp32), the routed ones only
+  const auto ones = at::ones({s.M, s.top_k}, dg.options().dtype(at::kFloat));
+  return combine_in_k_order_cuda(result, ones, sorted, eids, num_tokens_post_padded, s);
+}
+
 void fused_moe_bf16_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w2,
                          const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                          const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, at::Tensor out,
@@ -537,4 +814,6 @@ TORCH_LIBRARY_IMPL(flash_moe, CUDA, m) {
   m.impl("fused_moe_bf16", &flash_moe::fused_moe_bf16_cuda);
   m.impl("moe_forward", &flash_moe::moe_forward_cuda);
   m.impl("moe_gate_up", &flash_moe::moe_gate_up_cuda);
+  m.impl("moe_grad_gate_up", &flash_moe::moe_grad_gate_up_cuda);
+  m.impl("moe_grad_x", &flash_moe::moe_grad_x_cuda);
 }

@@ -92,6 +92,27 @@ inline void expert_weight_map(const char* op, const char* name, CUtensorMap* map
 constexpr int kFullArrivals = 128 + 1;
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// MN-major (N contiguous) operand tile with 128-byte swizzle, the layout a TMA box of 64 N elements x K rows writes:
+// each K row is 128 bytes (64 bf16 of N), 8-row K groups 1024 bytes apart (SBO), 64-wide N atoms `atom_bytes` apart
+// (LBO). The K-major descriptor is core's smem_desc.
+__device__ __forceinline__ uint64_t smem_desc_mn(uint32_t addr, uint32_t atom_bytes) {
+  uint64_t d = static_cast<uint64_t>((addr & 0x3FFFF) >> 4);
+  d |= static_cast<uint64_t>((atom_bytes >> 4) & 0x3FFF) << 16;
+  d |= static_cast<uint64_t>(1024 >> 4) << 32;
+  d |= static_cast<uint64_t>(1) << 62;
+  return d;
+}
+
+// wgmma m64n256k16 bf16 -> fp32 with B N-major (imm-trans-b = 1: the weight stored (K, N) with N contiguous, as w2 is
+// for the backward's grad_out x W2); core's wgmma_m64n256k16_bf16 is the K-major form.
+__device__ __forceinline__ void wgmma_m64n256k16_bf16_bn(float* d, uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
 
 // sorted_token_ids[row], or padding (-1) for an entry outside [0, p.num_slots): such an entry would gather past x and
@@ -103,15 +124,19 @@ __device__ __forceinline__ int routed_slot(const Params& p, int row) {
 }
 
 // Routing row r of aligned block `block` into shared memory: slot_of[r] = routed_slot(p, block * BM + r) and
-// a_row[r] = the element offset of A's row r: x's row slot / top_k for the gate/up GEMMs (-1 for padding), the
-// intermediate's row block * BM + r for the down GEMMs.
+// a_row[r] = the element offset of A's row r: x's row slot / top_k for the gate/up GEMMs, the intermediate's row
+// block * BM + r for the down GEMMs; -1 (zero fill) for padding in both. The gate/up kernels leave the intermediate's
+// rows of all-padding warpgroups unwritten: read as A, their garbage scales broke the mxfp8 down kernel's
+// tile-wide shared-exponent flag at random, so routed rows took the per-32 rounding in some runs and not in others.
 template <int BM, bool kGatherX, class Params>
 __device__ __forceinline__ void routing_row(const Params& p, int block, int r, int64_t* a_row, int* slot_of) {
   const int row = block * BM + r;
   const int slot = routed_slot(p, row);
   slot_of[r] = slot;
-  if constexpr (kGatherX) {
-    a_row[r] = slot >= 0 ? static_cast<int64_t>(slot / p.top_k) * p.lda : -1;
+  if (slot < 0) {
+    a_row[r] = -1;
+  } else if constexpr (kGatherX) {
+    a_row[r] = static_cast<int64_t>(slot / p.top_k) * p.lda;
   } else {
     a_row[r] = static_cast<int64_t>(row) * p.lda;
   }
@@ -151,12 +176,12 @@ __device__ __forceinline__ void fence_mbarrier_init() {
 }
 
 // The down GEMMs' epilogue for accumulator row h (0 or 1) of a consumer thread holding COLS columns of slot `slot`
-// (register 4 j + 2 h + e is column 8 j + 2 quad + e, from column n0): kAtomic adds topk_weight * y into the fp32
-// [M, dim] buffer with float2 reductions, else y is stored as bf16 to the slot's row.
-template <int COLS, bool kAtomic, class Params>
+// (register 4 j + 2 h + e is column 8 j + 2 quad + e, from column n0): kAtomic adds topk_weight * y (kWeighted; else
+// y) into the fp32 [M, dim] buffer with float2 reductions, else y is stored as bf16 to the slot's row.
+template <int COLS, bool kAtomic, bool kWeighted = true, class Params>
 __device__ __forceinline__ void store_down_row(const Params& p, const float* acc, int h, int quad, int slot, int n0) {
   if constexpr (kAtomic) {
-    const float w = __ldg(p.topk_weights + slot);
+    const float w = kWeighted ? __ldg(p.topk_weights + slot) : 1.f;
     float* dst = p.acc32 + static_cast<int64_t>(slot / p.top_k) * p.ld_out + n0;
 #pragma unroll
     for (int j = 0; j < COLS / 8; ++j) {

@@ -21,11 +21,13 @@
 // with its derivative at each gradient element (backward). Softcap kernels exist for int64 labels only (int32 labels
 // are widened on the host), run the forward's gather form and the backward's per-element form: a quarter of the
 // instantiations, each correct in either mode.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
+//
+// Host code on the LibTorch stable ABI, as ../fused_logp.cpp (kernel.toml: stable_abi); the device code is unchanged.
+#include <prime_kernels/stable.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/macros.h>
+#include <torch/csrc/stable/ops.h>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -33,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
+#include <atomic>
 #include <optional>
 #include <type_traits>
 
@@ -56,11 +59,13 @@
 #endif
 
 namespace fused_logp_detail {
-void check_forward_args(const at::Tensor& logits, const at::Tensor& labels, double temperature,
-                        const std::optional<at::Tensor>& token_temperature);
-void check_backward_args(const at::Tensor& grad_logp, const std::optional<at::Tensor>& grad_entropy,
-                         const at::Tensor& logits, const at::Tensor& labels, double temperature,
-                         const std::optional<at::Tensor>& token_temperature, const at::Tensor& stats);
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+void check_forward_args(const Tensor& logits, const Tensor& labels, double temperature,
+                        const std::optional<Tensor>& token_temperature);
+void check_backward_args(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy,
+                         const Tensor& logits, const Tensor& labels, double temperature,
+                         const std::optional<Tensor>& token_temperature, const Tensor& stats);
 [[noreturn]] void fail_bad_label(int64_t position, int64_t value, int64_t V, int64_t ignore_index);
 [[noreturn]] void fail_bad_token_temperature(int64_t position, float value);
 }  // namespace fused_logp_detail
@@ -662,10 +667,11 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
   constexpr bool kAlwaysAccurate = std::is_same<scalar_t, float>::value;
   // The scalar head/tail: per element as the vector body when kPerElement, else always accurate (a few elements).
   auto one = [&](int j, float x_loaded) -> float {
+    const bool is_label = j == y;  // outside the transform's lambda: the default kernels' SASS stays main's
     return xf.grad(x_loaded, [&](float xv) {
       float hi;
-      return j == y ? grad_elem<kWithEnt, true, true>(R, xv, hi)
-                    : grad_elem<kWithEnt, kPerElement ? kAlwaysAccurate : true, false, kPerElement>(R, xv, hi);
+      return is_label ? grad_elem<kWithEnt, true, true>(R, xv, hi)
+                      : grad_elem<kWithEnt, kPerElement ? kAlwaysAccurate : true, false, kPerElement>(R, xv, hi);
     });
   };
 
@@ -736,18 +742,22 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
 }
 
 // ---- host -------------------------------------------------------------------------------------------------------
+using fused_logp_detail::ScalarType;
+using fused_logp_detail::Tensor;
+namespace pks = prime_kernels::stable;
+
 template <typename F>
-void dispatch_scalar(at::ScalarType st, F&& f) {
+void dispatch_scalar(ScalarType st, F&& f) {
   switch (st) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(__nv_bfloat16{}); break;
-    case at::kHalf: f(__half{}); break;
-    default: TORCH_CHECK(false, "fused_logp: unsupported logits dtype ", st);
+    case ScalarType::Float: f(float{}); break;
+    case ScalarType::BFloat16: f(__nv_bfloat16{}); break;
+    case ScalarType::Half: f(__half{}); break;
+    default: pks::fail("fused_logp: unsupported logits dtype ", st);
   }
 }
 template <typename F>
-void dispatch_label(at::ScalarType st, F&& f) {
-  if (st == at::kLong)
+void dispatch_label(ScalarType st, F&& f) {
+  if (st == ScalarType::Long)
     f(int64_t{});
   else
     f(int32_t{});
@@ -757,10 +767,22 @@ void dispatch_label(at::ScalarType st, F&& f) {
 // each at least SPLIT_MIN_ELEMS logits, at most MAX_SPLITS. The forward's sums depend on the split count, so the
 // batch-invariant forward takes it from V alone: one split per INVARIANT_SPLIT_ELEMS logits, at most MAX_SPLITS.
 // (The backward's elements do not depend on it: any split count gives the same gradient.)
-int choose_splits(int64_t N, int64_t V, bool batch_invariant) {
+// The current device's SM count, asked of the driver once per device (ATen caches its device properties likewise).
+int multiprocessor_count(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> counts[kMaxDevices];  // 0: not asked yet
+  const int cached = device < kMaxDevices ? counts[device].load(std::memory_order_relaxed) : 0;
+  if (cached > 0) return cached;
+  int sms = 0;
+  STD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  if (device < kMaxDevices) counts[device].store(sms, std::memory_order_relaxed);
+  return sms;
+}
+
+int choose_splits(int64_t N, int64_t V, bool batch_invariant, int device) {
   if (batch_invariant)
     return static_cast<int>(std::clamp<int64_t>(V / FUSED_LOGP_INVARIANT_SPLIT_ELEMS, 1, FUSED_LOGP_MAX_SPLITS));
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int sms = multiprocessor_count(device);
   const int64_t target = 2LL * sms * (2048 / kThreads);
   if (N >= target) return 1;
   int64_t s = (target + N - 1) / N;
@@ -769,41 +791,50 @@ int choose_splits(int64_t N, int64_t V, bool batch_invariant) {
   return static_cast<int>(std::max<int64_t>(1, s));
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cuda(const at::Tensor& logits_in, const at::Tensor& labels_in,
-                                                                 double temperature,
-                                                                 const std::optional<at::Tensor>& token_temperature,
-                                                                 int64_t ignore_index, bool return_entropy,
-                                                                 bool check_labels, bool batch_invariant,
-                                                                 std::optional<double> softcap, double logit_scale) {
+// tensor.flatten()[index].item<T>(): one element copied to the host on ``stream``, which it synchronises.
+template <typename T>
+T read_back(const Tensor& tensor, int64_t index, cudaStream_t stream) {
+  T value;
+  STD_CUDA_CHECK(cudaMemcpyAsync(&value, static_cast<const T*>(tensor.const_data_ptr()) + index, sizeof(T),
+                                 cudaMemcpyDeviceToHost, stream));
+  STD_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return value;
+}
+
+std::tuple<Tensor, Tensor, Tensor> logp_entropy_cuda(const Tensor& logits_in, const Tensor& labels_in,
+                                                     double temperature, const std::optional<Tensor>& token_temperature,
+                                                     int64_t ignore_index, bool return_entropy, bool check_labels,
+                                                     bool batch_invariant, std::optional<double> softcap,
+                                                     double logit_scale) {
   fused_logp_detail::check_forward_args(logits_in, labels_in, temperature, token_temperature);
   fused_logp_cpu::check_logit_transform("fused_logp", softcap, logit_scale);
-  TORCH_CHECK(logits_in.is_cuda(), "fused_logp: CUDA implementation got logits on ", logits_in.device());
-  c10::cuda::CUDAGuard guard(logits_in.device());
+  PK_CHECK(logits_in.is_cuda(), "fused_logp: CUDA implementation got logits on ", pks::device(logits_in));
+  const int device = logits_in.get_device_index();
+  const torch::stable::accelerator::DeviceGuard guard(device);
   const int64_t N = logits_in.size(0), V = logits_in.size(1);
-  const auto fopt = logits_in.options().dtype(at::kFloat);
-  at::Tensor logp = at::empty({N}, fopt);
-  at::Tensor entropy = at::empty({return_entropy ? N : 0}, fopt);
-  at::Tensor stats = at::empty({N, 2}, logits_in.options().dtype(at::kDouble));
+  Tensor logp = pks::empty(logits_in, {N}, ScalarType::Float);
+  Tensor entropy = pks::empty(logits_in, {return_entropy ? N : 0}, ScalarType::Float);
+  Tensor stats = pks::empty(logits_in, {N, 2}, ScalarType::Double);
   if (N == 0) return {logp, entropy, stats};
 
-  const at::Tensor logits = V == 1 ? logits_in.contiguous() : logits_in;
-  const at::Tensor labels = softcap ? labels_in.to(at::kLong).contiguous() : labels_in.contiguous();
-  at::Tensor tt;
-  if (token_temperature.has_value()) tt = token_temperature->contiguous();
-  auto stream = at::cuda::getCurrentCUDAStream();
+  const Tensor logits = V == 1 ? pks::contiguous(logits_in) : logits_in;
+  const Tensor labels = pks::contiguous(softcap ? pks::to(labels_in, ScalarType::Long) : labels_in);
+  Tensor tt;
+  if (token_temperature.has_value()) tt = pks::contiguous(*token_temperature);
+  const cudaStream_t stream = pks::current_cuda_stream(device);
 
-  at::Tensor bad;
+  Tensor bad;
   if (check_labels) {
-    bad = at::empty({1}, logits.options().dtype(at::kLong));
-    C10_CUDA_CHECK(cudaMemsetAsync(bad.data_ptr(), 0xff, sizeof(int64_t), stream));  // "none" = all ones
+    bad = pks::empty(logits, {1}, ScalarType::Long);
+    STD_CUDA_CHECK(cudaMemsetAsync(bad.data_ptr(), 0xff, sizeof(int64_t), stream));  // "none" = all ones
   }
-  const int splits = choose_splits(N, V, batch_invariant);
+  const int splits = choose_splits(N, V, batch_invariant, device);
   // Every row 16-byte aligned: the invariant forward runs the same kernel as the default (no gather path).
   const bool rows_aligned = reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0 &&
                             (N == 1 || (logits.stride(0) * logits.element_size()) % 16 == 0);
   const bool gather = batch_invariant && !rows_aligned;
-  at::Tensor partial;
-  if (splits > 1) partial = at::empty({N, splits, 3}, logits.options().dtype(at::kDouble));
+  Tensor partial;
+  if (splits > 1) partial = pks::empty(logits, {N, splits, 3}, ScalarType::Double);
 
   dispatch_scalar(logits.scalar_type(), [&](auto s_tag) {
     using scalar_t = decltype(s_tag);
@@ -816,25 +847,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cuda(const at::Tenso
       p.V = static_cast<int>(V);
       p.splits = splits;
       p.vec_per_split = static_cast<int>((V / kVec + splits - 1) / splits);
-      p.labels = labels.data_ptr<label_t>();
-      p.token_temperature = tt.defined() ? tt.data_ptr<float>() : nullptr;
+      p.labels = labels.const_data_ptr<label_t>();
+      p.token_temperature = tt.defined() ? tt.const_data_ptr<float>() : nullptr;
       p.temperature = temperature / fused_logp_cpu::logit_weight(softcap, logit_scale);
       p.softcap_k = softcap ? logit_scale / *softcap : 0.0;
       p.ignore_index = ignore_index;
-      p.logp = logp.data_ptr<float>();
-      p.entropy = return_entropy ? entropy.data_ptr<float>() : nullptr;
-      p.stats = stats.data_ptr<double>();
-      p.partial = splits > 1 ? partial.data_ptr<double>() : nullptr;
-      p.bad = check_labels ? reinterpret_cast<unsigned long long*>(bad.data_ptr<int64_t>()) : nullptr;
+      p.logp = logp.mutable_data_ptr<float>();
+      p.entropy = return_entropy ? entropy.mutable_data_ptr<float>() : nullptr;
+      p.stats = stats.mutable_data_ptr<double>();
+      p.partial = splits > 1 ? partial.mutable_data_ptr<double>() : nullptr;
+      p.bad = check_labels ? reinterpret_cast<unsigned long long*>(bad.mutable_data_ptr<int64_t>()) : nullptr;
       const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>(splits));
       // The entropy gradient needs sum p*z, so t is tracked whenever entropy is requested.
       auto run = [&](auto with_t, auto gather, auto softcap_tag) {
         fused_logp_fwd_kernel<scalar_t, label_t, with_t(), gather(), softcap_tag()><<<grid, kThreads, 0, stream>>>(p);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        STD_CUDA_KERNEL_LAUNCH_CHECK();
         if (splits > 1) {
           fused_logp_combine_kernel<scalar_t, label_t, with_t(), softcap_tag()>
               <<<static_cast<unsigned>((N + 127) / 128), 128, 0, stream>>>(p, N);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          STD_CUDA_KERNEL_LAUNCH_CHECK();
         }
       };
       using yes = std::true_type;
@@ -850,39 +881,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logp_entropy_cuda(const at::Tenso
   });
 
   if (check_labels) {
-    const int64_t first = bad.item<int64_t>();  // one 8-byte device->host copy: synchronises the stream
+    const int64_t first = read_back<int64_t>(bad, 0, stream);  // one 8-byte device->host copy: synchronises
     if (first != -1) {
-      const int64_t y = labels[first].item<int64_t>();
+      const int64_t y = labels.scalar_type() == ScalarType::Long ? read_back<int64_t>(labels, first, stream)
+                                                                 : read_back<int32_t>(labels, first, stream);
       if (y < 0 || y >= V) fused_logp_detail::fail_bad_label(first, y, V, ignore_index);
-      fused_logp_detail::fail_bad_token_temperature(first, tt[first].item<float>());  // label in range: flagged for T
+      // The label is in range: the row was flagged for its temperature.
+      fused_logp_detail::fail_bad_token_temperature(first, read_back<float>(tt, first, stream));
     }
   }
   return {logp, entropy, stats};
 }
 
-at::Tensor logp_entropy_backward_cuda(const at::Tensor& grad_logp_in, const std::optional<at::Tensor>& grad_entropy_in,
-                                      const at::Tensor& logits_in, const at::Tensor& labels_in, double temperature,
-                                      const std::optional<at::Tensor>& token_temperature, const at::Tensor& stats_in,
-                                      int64_t ignore_index, bool batch_invariant, std::optional<double> softcap,
-                                      double logit_scale) {
+Tensor logp_entropy_backward_cuda(const Tensor& grad_logp_in, const std::optional<Tensor>& grad_entropy_in,
+                                  const Tensor& logits_in, const Tensor& labels_in, double temperature,
+                                  const std::optional<Tensor>& token_temperature, const Tensor& stats_in,
+                                  int64_t ignore_index, bool batch_invariant, std::optional<double> softcap,
+                                  double logit_scale) {
   fused_logp_detail::check_backward_args(grad_logp_in, grad_entropy_in, logits_in, labels_in, temperature,
                                          token_temperature, stats_in);
   fused_logp_cpu::check_logit_transform("fused_logp", softcap, logit_scale);
-  TORCH_CHECK(logits_in.is_cuda(), "fused_logp: CUDA implementation got logits on ", logits_in.device());
-  c10::cuda::CUDAGuard guard(logits_in.device());
+  PK_CHECK(logits_in.is_cuda(), "fused_logp: CUDA implementation got logits on ", pks::device(logits_in));
+  const int device = logits_in.get_device_index();
+  const torch::stable::accelerator::DeviceGuard guard(device);
   const int64_t N = logits_in.size(0), V = logits_in.size(1);
-  at::Tensor grad = at::empty({N, V}, logits_in.options());
+  Tensor grad = pks::empty(logits_in, {N, V}, logits_in.scalar_type());
   if (N == 0) return grad;
-  const at::Tensor logits = V == 1 ? logits_in.contiguous() : logits_in;
-  const at::Tensor labels = softcap ? labels_in.to(at::kLong).contiguous() : labels_in.contiguous();
-  const at::Tensor g = grad_logp_in.to(at::kFloat).contiguous();
-  at::Tensor ge;
-  if (grad_entropy_in.has_value()) ge = grad_entropy_in->to(at::kFloat).contiguous();
-  const at::Tensor stats = stats_in.contiguous();
-  at::Tensor tt;
-  if (token_temperature.has_value()) tt = token_temperature->contiguous();
-  auto stream = at::cuda::getCurrentCUDAStream();
-  const int splits = choose_splits(N, V, false);  // any split count gives the same gradient (see `one`)
+  const Tensor logits = V == 1 ? pks::contiguous(logits_in) : logits_in;
+  const Tensor labels = pks::contiguous(softcap ? pks::to(labels_in, ScalarType::Long) : labels_in);
+  const Tensor g = pks::contiguous(pks::to(grad_logp_in, ScalarType::Float));
+  Tensor ge;
+  if (grad_entropy_in.has_value()) ge = pks::contiguous(pks::to(*grad_entropy_in, ScalarType::Float));
+  const Tensor stats = pks::contiguous(stats_in);
+  Tensor tt;
+  if (token_temperature.has_value()) tt = pks::contiguous(*token_temperature);
+  const cudaStream_t stream = pks::current_cuda_stream(device);
+  const int splits = choose_splits(N, V, false, device);  // any split count gives the same gradient (see `one`)
 
   dispatch_scalar(logits.scalar_type(), [&](auto s_tag) {
     using scalar_t = decltype(s_tag);
@@ -896,14 +930,14 @@ at::Tensor logp_entropy_backward_cuda(const at::Tensor& grad_logp_in, const std:
       p.V = static_cast<int>(V);
       p.splits = splits;
       p.vec_per_split = static_cast<int>((V / kVec + splits - 1) / splits);
-      p.labels = labels.data_ptr<label_t>();
-      p.token_temperature = tt.defined() ? tt.data_ptr<float>() : nullptr;
+      p.labels = labels.const_data_ptr<label_t>();
+      p.token_temperature = tt.defined() ? tt.const_data_ptr<float>() : nullptr;
       p.temperature = temperature / fused_logp_cpu::logit_weight(softcap, logit_scale);
       p.softcap_k = softcap ? logit_scale / *softcap : 0.0;
       p.ignore_index = ignore_index;
-      p.grad_logp = g.data_ptr<float>();
-      p.grad_entropy = ge.defined() ? ge.data_ptr<float>() : nullptr;
-      p.stats = stats.data_ptr<double>();
+      p.grad_logp = g.const_data_ptr<float>();
+      p.grad_entropy = ge.defined() ? ge.const_data_ptr<float>() : nullptr;
+      p.stats = stats.const_data_ptr<double>();
       const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>(splits));
       auto launch = [&](auto with_entropy, auto per_element, auto softcap_tag) {
         fused_logp_bwd_kernel<scalar_t, label_t, decltype(with_entropy)::value, decltype(per_element)::value,
@@ -920,7 +954,7 @@ at::Tensor logp_entropy_backward_cuda(const at::Tensor& grad_logp_in, const std:
         batch_invariant ? launch(std::false_type{}, std::true_type{}, std::false_type{})
                         : launch(std::false_type{}, std::false_type{}, std::false_type{});
       }
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      STD_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
   return grad;
@@ -928,7 +962,7 @@ at::Tensor logp_entropy_backward_cuda(const at::Tensor& grad_logp_in, const std:
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fused_logp, CUDA, m) {
-  m.impl("logp_entropy", &logp_entropy_cuda);
-  m.impl("logp_entropy_backward", &logp_entropy_backward_cuda);
+STABLE_TORCH_LIBRARY_IMPL(fused_logp, CUDA, m) {
+  m.impl("logp_entropy", TORCH_BOX(&logp_entropy_cuda));
+  m.impl("logp_entropy_backward", TORCH_BOX(&logp_entropy_backward_cuda));
 }
