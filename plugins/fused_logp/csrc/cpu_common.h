@@ -55,7 +55,8 @@ inline void check_logit_transform(const char* op, const std::optional<double>& s
   if (!(logit_scale >= kMin && logit_scale <= kMax))
     fail(op, ": logit_scale must be finite and > 0 (a normal float32, in [", kMin, ", ", kMax, "]), got ", logit_scale);
   if (softcap.has_value() && !(*softcap >= kMin && *softcap <= kMax))
-    fail(op, ": softcap must be None or finite and > 0 (a normal float32, in [", kMin, ", ", kMax, "]), got ", *softcap);
+    fail(op, ": softcap must be None or finite and > 0 (a normal float32, in [", kMin, ", ", kMax, "]), got ",
+         *softcap);
 }
 
 // The transform's weight w: z = v(x) * w / T with v(x) = tanh(x * logit_scale / softcap) (softcap) or x (none). The
@@ -71,8 +72,9 @@ inline void check_effective_temperature(const char* op, double temperature, cons
   constexpr double kMin = std::numeric_limits<float>::min(), kMax = std::numeric_limits<float>::max();
   const double t = temperature / logit_weight(softcap, logit_scale);
   if (!(t >= kMin && t <= kMax))
-    fail(op, ": temperature / ", softcap.has_value() ? "softcap" : "logit_scale", " = ", t, " must be a normal float32, in [",
-         kMin, ", ", kMax, "] (the kernels' effective temperature; temperature = ", temperature, ")");
+    fail(op, ": temperature / ", softcap.has_value() ? "softcap" : "logit_scale", " = ", t,
+         " must be a normal float32, in [", kMin, ", ", kMax, "] (the kernels' effective temperature; temperature = ",
+         temperature, ")");
 }
 
 // g(x) = softcap * tanh(logit_scale * x / softcap), or logit_scale * x; and dg/dx. In double (the CPU paths).

@@ -705,7 +705,8 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       float hi;
-      f[k] = xf.grad(f[k], [&](float xv) { return grad_elem<kWithEnt, kAlwaysAccurate, false, kPerElement>(R, xv, hi); });
+      f[k] = xf.grad(f[k],
+                     [&](float xv) { return grad_elem<kWithEnt, kAlwaysAccurate, false, kPerElement>(R, xv, hi); });
       hmax = fmaxf(hmax, hi);
     }
     // Without kPerElement, bf16/fp16 redo accurately the (at most one per row) vector holding a probability above
@@ -871,7 +872,8 @@ std::tuple<Tensor, Tensor, Tensor> logp_entropy_cuda(const Tensor& logits_in, co
       using yes = std::true_type;
       using no = std::false_type;
       if (softcap) {
-        if constexpr (std::is_same_v<label_t, int64_t>) return_entropy ? run(yes{}, yes{}, yes{}) : run(no{}, yes{}, yes{});
+        if constexpr (std::is_same_v<label_t, int64_t>)
+          return_entropy ? run(yes{}, yes{}, yes{}) : run(no{}, yes{}, yes{});
       } else if (return_entropy) {
         gather ? run(yes{}, yes{}, no{}) : run(yes{}, no{}, no{});
       } else {
