@@ -21,10 +21,9 @@
 //     raises. check_labels=false skips the read-back (no sync: CUDA-graph capture, no-sync training loops) and
 //     leaves NaN in the outputs of such tokens. On CPU labels are always checked.
 //     batch_invariant: every token's outputs (and stats) are bitwise identical whatever the other rows, their number
-//     and the row's address. Both implementations always are, so the forward ignores it: CPU computes one sequential
-//     double pass per row; CUDA reduces a row by one tree fixed by V (segments, each a fixed set of lanes) however
-//     many blocks cover the row, and groups a row's elements from its first element even when the row is not 16-byte
-//     aligned.
+//     and the row's address. The CPU implementation always is (one sequential double pass per row); CUDA then takes
+//     its split-vocab count from V alone and groups a row's elements from its first element even when the row is not
+//     16-byte aligned.
 //
 //   logp_entropy_backward(Tensor grad_logp, Tensor? grad_entropy, Tensor logits, Tensor labels, float temperature,
 //                         Tensor? token_temperature, Tensor stats, int ignore_index, bool batch_invariant=False)

@@ -17,10 +17,9 @@ from . import checks
 CONSTANTS = constants("prime_kernels_fused_logp", "fused_logp")
 BLOCK_THREADS: int = CONSTANTS["BLOCK_THREADS"]
 VEC_UNROLL: int = CONSTANTS["VEC_UNROLL"]
-SEGMENT_ELEMS: int = CONSTANTS["SEGMENT_ELEMS"]
-MAX_SEGMENTS: int = CONSTANTS["MAX_SEGMENTS"]
 SPLIT_MIN_ELEMS: int = CONSTANTS["SPLIT_MIN_ELEMS"]
 MAX_SPLITS: int = CONSTANTS["MAX_SPLITS"]
+INVARIANT_SPLIT_ELEMS: int = CONSTANTS["INVARIANT_SPLIT_ELEMS"]
 MAX_VOCAB_SIZE: int = CONSTANTS["MAX_VOCAB_SIZE"]
 MAX_NUM_TOKENS: int = CONSTANTS["MAX_NUM_TOKENS"]
 
@@ -127,15 +126,12 @@ def logp_entropy(
         it.
     batch_invariant: every token's logp, entropy and gradient row are then bitwise identical whatever the other
         tokens (their number, labels, temperatures, ignored ones), the token's position and the leading shape. CPU is
-        always batch-invariant, and so is the CUDA forward in either mode (a row is reduced by one tree fixed by V,
-        whatever the number of rows; rows that are not 16-byte aligned are read element-wise into the same vectors).
-        Without a process_group the flag changes the CUDA backward only: the default one is batch-invariant for
-        16-byte-aligned rows (V a multiple of 8 for bf16/fp16, of 4 for fp32, and aligned row strides), the
-        invariant one for every row. Not
-        guaranteed: equal bits between CPU and CUDA, between GPU architectures or builds (e.g. the 9.0a build and a
-        generic-arch one), or between the two modes' gradients (docs/notes/batch_invariance.md). With a
-        process_group: bitwise identical for a given world size and shard layout (the ranks' partials are gathered
-        and summed in rank order).
+        always batch-invariant; CUDA then takes its split-vocab count from V alone (the default picks it from the
+        number of rows) and reads rows that are not 16-byte aligned element-wise into the same vector layout. The
+        gradient is batch-invariant in either mode. Not guaranteed: equal bits between CPU and CUDA, between GPU
+        architectures or builds (e.g. the 9.0a build and a generic-arch one), or between the two modes
+        (docs/notes/batch_invariance.md). With a process_group: bitwise identical for a given world size and shard
+        layout (the ranks' partials are gathered and summed in rank order).
     process_group: a torch.distributed group over which the vocabulary is sharded (tensor-parallel lm_head): logits
         is then this rank's [..., V_local] slice, labels are global vocab ids, and the result is the global logp and
         entropy (module ``vocab_parallel``, docs/notes/vocab_parallel.md). None (default): single rank, unchanged.
@@ -215,10 +211,9 @@ __all__ = [
     "unsupported_shape_reason",
     "BLOCK_THREADS",
     "VEC_UNROLL",
-    "SEGMENT_ELEMS",
-    "MAX_SEGMENTS",
     "SPLIT_MIN_ELEMS",
     "MAX_SPLITS",
+    "INVARIANT_SPLIT_ELEMS",
     "MAX_VOCAB_SIZE",
     "MAX_NUM_TOKENS",
 ]

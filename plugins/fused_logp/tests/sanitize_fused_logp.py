@@ -3,11 +3,10 @@
     compute-sanitizer --tool memcheck  python plugins/fused_logp/tests/sanitize_fused_logp.py
     compute-sanitizer --tool racecheck python plugins/fused_logp/tests/sanitize_fused_logp.py
 
-Covers fp32/bf16/fp16, int64/int32 labels, odd V (scalar head/tail), rows that are not 16-byte aligned (the forward's
-shifted loads), the forward's executions of a row's segments (one block per segment and the combine kernel, two
-segments per block and the combine kernel, one block walking all of them and combining in shared memory), ignored
-tokens, an out-of-range label with check_labels=False (NaN, no read out of bounds), per-token temperature, with and
-without entropy; batch_invariant=True (the backward's per-element rule). Exits non-zero on a wrong result."""
+Covers fp32/bf16/fp16, int64/int32 labels, odd V (scalar head/tail), rows that are not 16-byte aligned, the
+split-vocab path (few rows, large V) and its combine, ignored tokens, an out-of-range label with check_labels=False
+(NaN, no read out of bounds), per-token temperature, with and without entropy; batch_invariant=True (V-fixed splits;
+unaligned rows through the gather path). Exits non-zero on a wrong result."""
 import torch
 
 from prime_kernels_fused_logp import reference
@@ -42,17 +41,13 @@ def main():
         (7, 257, torch.float32, 0, torch.int64, False, True),
         (7, 257, torch.bfloat16, 1, torch.int32, True, True),
         (6, 131, torch.float16, 3, torch.int64, False, False),
-        (2, 40000, torch.bfloat16, 0, torch.int64, False, True),  # one segment, backward split-vocab
-        (3, 33000, torch.float32, 1, torch.int32, True, False),  # backward split-vocab, misaligned rows
-        (3, 140000, torch.bfloat16, 0, torch.int64, True, True),  # 4 segments, a block each, combine kernel
-        (800, 131072, torch.bfloat16, 0, torch.int32, False, True),  # 4 segments, 2 per block, combine kernel
-        (2200, 65537, torch.float16, 0, torch.int64, True, False),  # one block walks both segments, shifted rows
-        (2200, 65536, torch.bfloat16, 0, torch.int64, False, True),  # one block walks both segments, with entropy
+        (2, 40000, torch.bfloat16, 0, torch.int64, False, True),  # split-vocab + combine
+        (3, 33000, torch.float32, 1, torch.int32, True, False),  # split-vocab, misaligned rows
         (5, 1, torch.bfloat16, 0, torch.int64, False, True),
         (0, 64, torch.bfloat16, 0, torch.int64, False, True),
-        (7, 70001, torch.bfloat16, 1, torch.int64, True, True, True),  # invariant: 2 segments, shifted rows
-        (6, 131, torch.float16, 3, torch.int32, False, False, True),  # invariant: shifted rows, one segment
-        (5, 65536, torch.float32, 0, torch.int64, False, True, True),  # invariant: aligned rows, 2 segments
+        (7, 70001, torch.bfloat16, 1, torch.int64, True, True, True),  # invariant: 2 splits, gathered rows
+        (6, 131, torch.float16, 3, torch.int32, False, False, True),  # invariant: gathered rows, V < a split
+        (5, 65536, torch.float32, 0, torch.int64, False, True, True),  # invariant: aligned rows, 2 splits
     ]
     for case in cases:
         if case[0] > 0 and case[1] > 1:

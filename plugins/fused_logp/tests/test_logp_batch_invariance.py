@@ -3,8 +3,6 @@ are bitwise identical whether it is computed alone or at a random position in a 
 16384 and 65536) tokens with random neighbours (other logits, labels, ignored tokens, per-token temperatures, leading
 shapes); grad_weight and grad_bias are bitwise equal across two runs of the same batch. The vocabulary-parallel forms
 (gloo here, CPU; ``@pytest.mark.gpu``: NCCL on 1 or 2 GPUs) the same, for a given world size and shard layout.
-The logits op's default mode: its forward is the same kernel (invariant for every row), its default backward is
-invariant for 16-byte-aligned rows; the ``default`` tests assert exactly that.
 
 Every probe is compared with ``torch.equal`` (bits, not a tolerance) against the same probe run alone. Seed printed;
 replay with BATCH_INVARIANCE_TEST_SEED=<seed>. Run as a script, this file is the vocabulary-parallel worker.
@@ -62,9 +60,8 @@ class _LogitsProbes:
         self.gl = torch.randn(PROBES, device=device, generator=g)
         self.ge = torch.randn(PROBES, device=device, generator=g)
 
-    def run(self, n, salt, invariant=True):
-        """(logp, entropy, grad rows, whether each probe's row is 16-byte aligned) of the probes in a batch of n with
-        random neighbours."""
+    def run(self, n, salt):
+        """(positions, logp, entropy, grad rows) of the probes in a batch of n with random neighbours."""
         from prime_kernels_fused_logp.ops import logp_entropy
 
         g = _gen(self.device, salt)
@@ -81,40 +78,31 @@ class _LogitsProbes:
         buf.requires_grad_()
         x = buf[:, self.row_pad:]
         lead = _lead_shape(n)
-        lp, ent = logp_entropy(x.reshape(*lead, self.v), y.reshape(lead), temps.reshape(lead),
-                               batch_invariant=invariant)
+        lp, ent = logp_entropy(x.reshape(*lead, self.v), y.reshape(lead), temps.reshape(lead), batch_invariant=True)
         (lp.reshape(-1) * gl + ent.reshape(-1) * ge).sum().backward()
         grad = buf.grad[:, self.row_pad:]
-        aligned = [x[j].data_ptr() % 16 == 0 for j in pos.tolist()]
-        return lp.reshape(-1)[pos].detach(), ent.reshape(-1)[pos].detach(), grad[pos].detach(), aligned
+        return lp.reshape(-1)[pos].detach(), ent.reshape(-1)[pos].detach(), grad[pos].detach()
 
 
-def check_logits_invariance(v, dtype, device, batches, row_pad=0, invariant=True):
-    """invariant=False: the default mode, whose gradient rows are compared only where the probe's row is 16-byte
-    aligned (the probe alone always is)."""
+def check_logits_invariance(v, dtype, device, batches, row_pad=0):
     probes = _LogitsProbes(v, dtype, device, row_pad)
-    alone = [_alone_logits(probes, i, invariant) for i in range(PROBES)]
-    grads_compared = 0
+    alone = [_alone_logits(probes, i) for i in range(PROBES)]
     for n in batches:
-        lp, ent, grad, aligned = probes.run(n, salt=n, invariant=invariant)
+        lp, ent, grad = probes.run(n, salt=n)
         for i in range(min(PROBES, n)):
-            what = f"V={v} {dtype} pad={row_pad} invariant={invariant} probe {i} in a batch of {n}"
+            what = f"V={v} {dtype} pad={row_pad} probe {i} in a batch of {n}"
             assert torch.equal(lp[i], alone[i][0]), f"{what}: logp {lp[i].item()!r} vs alone {alone[i][0].item()!r}"
             assert torch.equal(ent[i], alone[i][1]), f"{what}: entropy {ent[i].item()!r} vs {alone[i][1].item()!r}"
-            if invariant or aligned[i]:
-                grads_compared += 1
-                diff = (grad[i] != alone[i][2]).sum().item()
-                assert diff == 0, f"{what}: {diff} gradient elements differ from the token alone"
-    return grads_compared
+            diff = (grad[i] != alone[i][2]).sum().item()
+            assert diff == 0, f"{what}: {diff} gradient elements differ from the token alone"
 
 
-def _alone_logits(probes, i, invariant=True):
+def _alone_logits(probes, i):
     """Probe i alone (a batch of one, no neighbours)."""
     from prime_kernels_fused_logp.ops import logp_entropy
 
     x = probes.x[i:i + 1].clone().requires_grad_()
-    assert x.data_ptr() % 16 == 0
-    lp, ent = logp_entropy(x, probes.y[i:i + 1], probes.t[i:i + 1], batch_invariant=invariant)
+    lp, ent = logp_entropy(x, probes.y[i:i + 1], probes.t[i:i + 1], batch_invariant=True)
     (lp * probes.gl[i] + ent * probes.ge[i]).sum().backward()
     return lp[0].detach(), ent[0].detach(), x.grad[0]
 
@@ -134,10 +122,6 @@ def test_cpu_logits_unaligned_rows():
     check_logits_invariance(32001, torch.bfloat16, "cpu", (1, 7, 64), row_pad=3)
 
 
-def test_cpu_logits_default_mode():
-    assert check_logits_invariance(32000, torch.bfloat16, "cpu", (1, 7, 64), invariant=False) > 0
-
-
 @pytest.mark.parametrize("v", [32000, 151936])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.gpu
@@ -153,43 +137,6 @@ def test_gpu_logits(v, dtype):
 def test_gpu_logits_unaligned_rows(v, pad, dtype):
     """Rows not 16-byte aligned (odd V, or rows of a wider buffer): the invariant forward gathers their vectors."""
     check_logits_invariance(v, dtype, "cuda", (1, 7, 64, 1500, 16384), row_pad=pad)
-
-
-@pytest.mark.parametrize("v, dtype", [(151936, torch.bfloat16), (151936, torch.float32), (32000, torch.bfloat16)],
-                         ids=str)
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device; none is visible")
-def test_gpu_logits_default_mode(v, dtype):
-    """The default mode: the forward is invariant (every execution, one block per segment, two segments per block, one
-    block per row, reduces a row by the same tree), and so is the default backward on aligned rows. Up to 16384 rows
-    (one block per row from 2 waves on: 65536 adds time, not a case)."""
-    assert check_logits_invariance(v, dtype, "cuda", GPU_BATCHES[:-1], invariant=False) > 0
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device; none is visible")
-@pytest.mark.parametrize("v, pad", [(151936, 0), (32001, 0), (151937, 1)])
-def test_gpu_logits_default_mode_unaligned_rows(v, pad):
-    """Rows not 16-byte aligned in the default mode: forward bits always kept, gradient rows where aligned."""
-    check_logits_invariance(v, torch.bfloat16, "cuda", (1, 7, 64, 1500, 16384), row_pad=pad, invariant=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device; none is visible")
-@pytest.mark.parametrize("n, v, pad", [(16384, 151936, 0), (1500, 151936, 0), (7, 151936, 0), (64, 151937, 1),
-                                       (2048, 262144, 0), (3, 2000000, 0), (5, 7, 0)])
-def test_gpu_logits_forward_is_one_kernel(n, v, pad):
-    """batch_invariant changes nothing in the forward: both modes give the same bits for every row (one block per row,
-    blocks per segment, many segments, fewer elements than one vector)."""
-    from prime_kernels_fused_logp.ops import logp_entropy
-
-    g = _gen("cuda", n + v)
-    x = torch.empty(n, v + pad, device="cuda", dtype=torch.bfloat16).normal_(0, 4, generator=g)[:, pad:]
-    y = torch.randint(0, v, (n,), device="cuda", generator=g)
-    y[torch.rand(n, device="cuda", generator=g) < 0.25] = IGNORE
-    t = torch.rand(n, device="cuda", generator=g) + 0.4
-    out = [logp_entropy(x, y, t, batch_invariant=inv) for inv in (False, True)]
-    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
 
 
 # ---- linear op -------------------------------------------------------------------------------------------------------

@@ -1,11 +1,10 @@
 // fused_logp CUDA implementations (schemas and semantics: ../fused_logp.cpp).
 //
-// Forward: one pass over each row of logits, 16-byte vector loads (rows that are not 16-byte aligned shifted into the
-// same vectors), online max m, s = sum 2^a, t = sum 2^a * a with a = (x - m) * log2(e) / T per thread; per-element exp
-// in fp32 (ex2.approx), per-vector partial sums in fp32, running sums in double; reductions across threads in double;
-// lse, sum p*z, entropy and logp = x_y / T - lse are formed in double. Batch-invariant by construction: a row is
-// reduced by one fixed tree (lanes -> segments -> row, from V alone) whether one block walks the whole row (rows fill
-// the GPU) or each segment gets its own block (few rows: partials to a small workspace, a second kernel combines).
+// Forward: one pass over each row of logits, 16-byte vector loads (a scalar head and tail where the row is not 16-byte
+// aligned), online max m, s = sum 2^a, t = sum 2^a * a with a = (x - m) * log2(e) / T per thread; per-element exp in
+// fp32 (ex2.approx), per-vector partial sums in fp32, running sums in double; block combine in double; lse, sum p*z,
+// entropy and logp = x_y / T - lse are formed in double. When there are too few rows to fill the GPU a row is split
+// over several blocks (grid.y) that write partial (m, s, t) to a small workspace, and a second kernel combines them.
 // Backward: one read of logits, one write of the gradient; p = 2^(x*c - lse*log2e) with the exponent formed exactly
 // (two-float constants, FMA product splitting) and the remaining low part applied as a first-order correction.
 //
@@ -45,11 +44,8 @@
 #ifndef FUSED_LOGP_MAX_SPLITS
 #error "FUSED_LOGP_MAX_SPLITS must come from kernel.toml ([fused_logp.constants])"
 #endif
-#ifndef FUSED_LOGP_SEGMENT_ELEMS
-#error "FUSED_LOGP_SEGMENT_ELEMS must come from kernel.toml ([fused_logp.constants])"
-#endif
-#ifndef FUSED_LOGP_MAX_SEGMENTS
-#error "FUSED_LOGP_MAX_SEGMENTS must come from kernel.toml ([fused_logp.constants])"
+#ifndef FUSED_LOGP_INVARIANT_SPLIT_ELEMS
+#error "FUSED_LOGP_INVARIANT_SPLIT_ELEMS must come from kernel.toml ([fused_logp.constants])"
 #endif
 
 namespace fused_logp_detail {
@@ -72,8 +68,6 @@ constexpr int kWarps = kThreads / 32;
 static_assert(kThreads % 32 == 0 && kThreads >= 64 && kThreads <= 1024, "BLOCK_THREADS: a multiple of 32 in [64, 1024]");
 static_assert(kUnroll >= 1 && kUnroll <= 8, "VEC_UNROLL in [1, 8]");
 static_assert(FUSED_LOGP_MAX_SPLITS >= 1 && FUSED_LOGP_MAX_SPLITS <= 65535, "MAX_SPLITS in [1, 65535]");
-static_assert(FUSED_LOGP_MAX_SEGMENTS >= 1 && FUSED_LOGP_MAX_SEGMENTS <= 65535, "MAX_SEGMENTS in [1, 65535]");
-static_assert(FUSED_LOGP_SEGMENT_ELEMS >= 1, "SEGMENT_ELEMS >= 1");
 
 constexpr double kLog2e = 1.4426950408889634074;
 constexpr double kLn2 = 0.69314718055994530942;
@@ -181,39 +175,22 @@ __device__ __forceinline__ int head_elems(const T* row, int V) {
   return h < V ? h : V;
 }
 
-// The 16 bytes at byte offset mis (1 ... 15) of the 32 in lo, hi.
-__device__ __forceinline__ uint4 shift_bytes(const uint4& lo, const uint4& hi, int mis) {
-  const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-  const int q = mis >> 2, sh = (mis & 3) * 8;  // whole 4-byte words, then bits
-  uint32_t s[5];
+// Vector v of a row (elements v * kVec ... v * kVec + kVec - 1). An aligned row loads it in one 16-byte __ldg; a row
+// that is not 16-byte aligned (odd V, strided rows) is gathered element by element into the same register layout,
+// so that a batch-invariant forward adds every element in the same vector, chain and order wherever the row sits.
+template <typename T, int kVec>
+__device__ __forceinline__ uint4 load_vec(const T* x, const uint4* xv, int v, bool gather) {
+  if (!gather) return __ldg(xv + v);
+  using U = std::conditional_t<sizeof(T) == 4, unsigned int, unsigned short>;
+  static_assert(sizeof(T) * kVec == 16, "a vector is 16 bytes");
+  U u[kVec];
+  const U* src = reinterpret_cast<const U*>(x) + static_cast<int64_t>(v) * kVec;
 #pragma unroll
-  for (int j = 0; j < 5; ++j) s[j] = (q & 2) ? ((q & 1) ? w[j + 3] : w[j + 2]) : ((q & 1) ? w[j + 1] : w[j]);
-  return make_uint4(__funnelshift_r(s[0], s[1], sh), __funnelshift_r(s[1], s[2], sh),
-                    __funnelshift_r(s[2], s[3], sh), __funnelshift_r(s[3], s[4], sh));
+  for (int k = 0; k < kVec; ++k) u[k] = __ldg(src + k);
+  uint4 r;
+  memcpy(&r, u, 16);
+  return r;
 }
-
-// Vectors v, v + kThreads, ... (kNV of them) of a row (vector v: elements v * kVec ... v * kVec + kVec - 1); xa: the
-// row's address rounded down to 16 bytes, mis: the bytes it was rounded by. An aligned row (mis == 0): one 16-byte
-// __ldg per vector. A row that is not 16-byte aligned (odd V, strided rows): the two aligned 16-byte words holding
-// each vector (the second mostly an L1 hit), all loads issued before any is used (kNV vectors in flight, as for an
-// aligned row), then shifted into the same register layout. The second word stays inside the row for every vector
-// but the row's last whole one, which the forward therefore reads as scalar tail elements (body_vecs). Either way the
-// forward adds every element in the same vector, chain and order wherever the row sits.
-template <int kNV>
-__device__ __forceinline__ void load_vecs(uint4 (&r)[kNV], const uint4* xa, int v, int mis) {
-#pragma unroll
-  for (int u = 0; u < kNV; ++u) r[u] = __ldg(xa + v + u * kThreads);
-  if (mis == 0) return;
-  uint4 hi[kNV];
-#pragma unroll
-  for (int u = 0; u < kNV; ++u) hi[u] = __ldg(xa + v + u * kThreads + 1);
-#pragma unroll
-  for (int u = 0; u < kNV; ++u) r[u] = shift_bytes(r[u], hi[u], mis);
-}
-
-// The forward's vectors of a row: all whole vectors but the last (see load_vecs), in every row whatever its alignment;
-// the rest, kVec ... 2 kVec - 1 elements (all V when V < 2 kVec), are the row's scalar tail.
-__host__ __device__ constexpr int body_vecs(int V, int vec) { return V / vec > 1 ? V / vec - 1 : 0; }
 
 // ---- forward ----------------------------------------------------------------------------------------------------
 // Per-thread online state: m the running max (raw logit units), s = sum 2^a, t = sum 2^a * a, a = (x - m) * c,
@@ -322,9 +299,8 @@ struct FwdParams {
   const void* logits;
   int64_t row_stride;
   int V;
-  int segments;        // a row's segments: from V and the element width alone (plan_forward)
-  int seg_vecs;        // 16-byte vectors per segment (the last segment may hold fewer)
-  int segs_per_block;  // consecutive segments one block walks; == segments: the block finishes the row itself
+  int splits;
+  int vec_per_split;
   const label_t* labels;
   const float* token_temperature;  // nullable
   double temperature;
@@ -332,7 +308,7 @@ struct FwdParams {
   float* logp;
   float* entropy;  // nullable
   double* stats;   // [N, 2]
-  double* partial; // [N, segments, 3] when a row spans several blocks
+  double* partial; // [N, splits, 3] when splits > 1
   unsigned long long* bad;  // nullable: smallest row with an out-of-range label or temperature
 };
 
@@ -385,96 +361,19 @@ __device__ __forceinline__ void write_ignored(const FwdParams<label_t>& p, int64
   p.stats[2 * row + 1] = 0.0;
 }
 
-// ---- the reduction tree of a row: lanes -> segments -> row ---------------------------------------------------------
-// A row is cut into `segments` ranges of seg_vecs vectors, a function of V and the element width alone. Lane l of a
-// segment (l < kThreads) accumulates that segment's vectors l, l + kThreads, ... in the same order and groups whichever
-// block runs it; a segment's kThreads lane states are reduced by reduce_lanes, a row's segment partials by
-// combine_partials. A block walks one or more consecutive segments (thread l = lane l of each), so the number of
-// blocks per row is an execution choice that never changes a bit: one block per row when the rows fill the GPU, one
-// per segment (partials to global memory, fused_logp_combine_kernel after) when they do not.
-// The tree's double arithmetic is written with explicit fma / __dmul_rn / __dadd_rn, so the compiler has no
-// contraction to choose differently in the two places that combine a row (fwd kernel, combine kernel).
-struct Partial {
-  double m, s, t;  // max (raw logit units; +inf when the row holds a NaN or +inf), s and t relative to it
-};
-
-// Ordered combine of n partials q[3k .. 3k + 2]: the max, then each partial rescaled to it and added in index order.
-template <bool kWithT>
-__device__ __forceinline__ Partial combine_partials(const double* q, int n, double c) {
-  const double inf = __longlong_as_double(0x7ff0000000000000ll);
-  Partial r{q[0], 0.0, 0.0};
-  for (int k = 1; k < n; ++k) r.m = fmax(r.m, q[3 * k]);  // partial maxima are never NaN (NaN -> +inf)
-  if (r.m == inf) {
-    r.s = r.t = __longlong_as_double(0x7ff8000000000000ll);
-    return r;
-  }
-  for (int k = 0; k < n; ++k) {
-    const double mk = q[3 * k];
-    if (mk == -inf) continue;  // nothing but -inf logits: contributes 0
-    const double da = __dmul_rn(__dsub_rn(mk, r.m), c);  // <= 0, log2 units
-    const double e = exp2(da);
-    r.s = fma(e, q[3 * k + 1], r.s);
-    if (kWithT) r.t = fma(e, fma(da, q[3 * k + 1], q[3 * k + 2]), r.t);
-  }
-  return r;
-}
-
-// One segment's kThreads lane states (stashed in shared memory, lane l at index l) reduced by one warp: warp lane j
-// takes lanes j, j + 32, ...; the segment max first, then every lane state rescaled to it and added in that order,
-// then the 32 sums by xor-butterfly. The result is lane 0's.
-template <bool kWithT>
-__device__ __forceinline__ Partial reduce_lanes(const float* m, const double* s, const double* t, int lane, double c) {
-  constexpr int kPerLane = kThreads / 32;
-  float M = m[lane];
-#pragma unroll
-  for (int j = 1; j < kPerLane; ++j) M = fmax_nan(M, m[lane + 32 * j]);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) M = fmax_nan(M, __shfl_xor_sync(0xffffffffu, M, o));
-  double ss = 0.0, tt = 0.0;
-  if (M == __int_as_float(0x7f800000)) {
-    ss = tt = __longlong_as_double(0x7ff8000000000000ll);
-  } else {
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      const float mj = m[lane + 32 * j];
-      if (mj == __int_as_float(0xff800000)) continue;  // this lane saw only -inf (or nothing): contributes 0
-      const double da = __dmul_rn(__dsub_rn(static_cast<double>(mj), static_cast<double>(M)), c);
-      const double e = exp2(da);
-      ss = fma(e, s[lane + 32 * j], ss);
-      if (kWithT) tt = fma(e, fma(da, s[lane + 32 * j], t[lane + 32 * j]), tt);
-    }
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    ss = __dadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, o));
-    if (kWithT) tt = __dadd_rn(tt, __shfl_xor_sync(0xffffffffu, tt, o));
-  }
-  return {static_cast<double>(M), ss, tt};
-}
-
-// Shared memory of a forward block walking g segments: every lane state of each (s, t, m: 20 bytes per lane and
-// segment, 12 without t), then their g partials. Sized by the host with the same function.
-__host__ __device__ constexpr size_t fwd_smem_bytes(int g, bool with_t) {
-  return static_cast<size_t>(g) * (kThreads * ((with_t ? 2 : 1) * sizeof(double) + sizeof(float)) + 3 * sizeof(double));
-}
-static_assert(fwd_smem_bytes(FUSED_LOGP_MAX_SEGMENTS, true) <= 48 * 1024,
-              "MAX_SEGMENTS x BLOCK_THREADS lane states must fit the 48 KiB of dynamic shared memory a launch gets "
-              "without opting in");
-
-// One block per (row, group of segs_per_block consecutive segments). Rows that are not 16-byte aligned (kGather: some
-// row of the launch is not) are shifted into the same vector layout (load_vecs): vectors start at row offset 0
-// wherever the row sits, so its sums never depend on its address. The scalar tail (< 2 kVec elements, body_vecs) goes
-// to lanes 0, 1, ... of the last segment, before its vectors.
+// kGather (batch-invariant forward over rows that are not all 16-byte aligned): vectors start at row offset 0 whatever
+// the row's address, rows that are not aligned gathered element-wise (load_vec), so that a row's sums never depend on
+// where it sits in memory. Otherwise a scalar head up to the row's first 16-byte boundary (aligned rows have none).
 template <typename scalar_t, typename label_t, bool kWithT, bool kGather>
 __global__ void __launch_bounds__(kThreads) fused_logp_fwd_kernel(const FwdParams<label_t> p) {
   using E = Elem<scalar_t>;
   constexpr int kVec = E::kVec;
   const int64_t row = blockIdx.x;
+  const int split = blockIdx.y;
   const int tid = threadIdx.x;
-  const bool finishes_row = p.segs_per_block == p.segments;
   const int64_t y = static_cast<int64_t>(p.labels[row]);
   if (y == p.ignore_index) {  // ignored token: no read of its logits at all
-    if (finishes_row && tid == 0) write_ignored<scalar_t>(p, row);
+    if (p.splits == 1 && tid == 0) write_ignored<scalar_t>(p, row);
     return;
   }
   const double T = row_temperature(p.temperature, p.token_temperature, row);
@@ -483,65 +382,89 @@ __global__ void __launch_bounds__(kThreads) fused_logp_fwd_kernel(const FwdParam
   const float c_lo = static_cast<float>(c - static_cast<double>(c_hi));
   const int V = p.V;
   const scalar_t* x = reinterpret_cast<const scalar_t*>(p.logits) + row * p.row_stride;
-  const int mis = kGather ? static_cast<int>(reinterpret_cast<uintptr_t>(x) & 15u) : 0;
-  const uint4* xa = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(x) - mis);
-  const int nvec = body_vecs(V, kVec);
-  const int tail0 = nvec * kVec;
-  const int seg0 = blockIdx.y * p.segs_per_block;
-  const int nseg = min(p.segs_per_block, p.segments - seg0);
+  const int aligned_head = head_elems(x, V);
+  const bool gather = kGather && aligned_head != 0;
+  const int head = kGather ? 0 : aligned_head;
+  const int nvec = (V - head) / kVec;
+  const int tail0 = head + nvec * kVec;
 
-  extern __shared__ __align__(16) unsigned char fwd_smem[];
-  const int g = p.segs_per_block;
-  double* st_s = reinterpret_cast<double*>(fwd_smem);
-  double* st_t = st_s + g * kThreads;
-  double* seg_part = st_t + (kWithT ? g * kThreads : 0);
-  float* st_m = reinterpret_cast<float*>(seg_part + 3 * g);
-
-  for (int k = 0; k < nseg; ++k) {
-    const int seg = seg0 + k;
-    Acc A{__int_as_float(0xff800000), 0.0, 0.0};
-    if (seg == p.segments - 1 && tid < V - tail0) {
-      const float f[1] = {E::load(x + tail0 + tid)};
-      acc_update_clamped<1, kWithT>(A, f, c_hi, c_lo);
-    }
-    const int ve = min(nvec, (seg + 1) * p.seg_vecs);
-    int v = seg * p.seg_vecs + tid;
-    for (; v + (kUnroll - 1) * kThreads < ve; v += kUnroll * kThreads) {
-      uint4 r[kUnroll];
-      load_vecs(r, xa, v, mis);
-      acc_update<E, kUnroll, kWithT>(A, r, c_hi, c_lo);
-    }
-    for (; v < ve; v += kThreads) {
-      uint4 r[1];
-      load_vecs(r, xa, v, mis);
-      acc_update<E, 1, kWithT>(A, r, c_hi, c_lo);
-    }
-    // Parked until the whole walk is done: no reduction (and no wait) between segments, loads keep streaming.
-    st_m[k * kThreads + tid] = A.m;
-    st_s[k * kThreads + tid] = A.s;
-    if (kWithT) st_t[k * kThreads + tid] = A.t;
+  Acc A{__int_as_float(0xff800000), 0.0, 0.0};
+  if (split == 0 && tid < head) {
+    const float f[1] = {E::load(x + tid)};
+    acc_update_clamped<1, kWithT>(A, f, c_hi, c_lo);
   }
+  if (split == p.splits - 1 && tid < V - tail0) {
+    const float f[1] = {E::load(x + tail0 + tid)};
+    acc_update_clamped<1, kWithT>(A, f, c_hi, c_lo);
+  }
+  const uint4* xv = reinterpret_cast<const uint4*>(x + head);
+  const int vb = split * p.vec_per_split;
+  const int ve = min(nvec, vb + p.vec_per_split);
+  int v = vb + tid;
+  for (; v + (kUnroll - 1) * kThreads < ve; v += kUnroll * kThreads) {
+    uint4 r[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) r[u] = load_vec<scalar_t, kVec>(x, xv, v + u * kThreads, gather);
+    acc_update<E, kUnroll, kWithT>(A, r, c_hi, c_lo);
+  }
+  for (; v < ve; v += kThreads) {
+    const uint4 r[1] = {load_vec<scalar_t, kVec>(x, xv, v, gather)};
+    acc_update<E, 1, kWithT>(A, r, c_hi, c_lo);
+  }
+
+  // Block combine: the max first, then every thread rescales its (s, t) to it once (double), then two sums.
+  __shared__ float sh_m[kWarps];
+  __shared__ double sh_s[kWarps], sh_t[kWarps];
+  const int lane = tid & 31, warp = tid >> 5;
+  float M = A.m;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) M = fmax_nan(M, __shfl_xor_sync(0xffffffffu, M, o));
+  if (lane == 0) sh_m[warp] = M;
   __syncthreads();
-  const int lane = tid & 31;
-  for (int k = tid >> 5; k < nseg; k += kWarps) {
-    const Partial q = reduce_lanes<kWithT>(st_m + k * kThreads, st_s + k * kThreads, st_t + k * kThreads, lane, c);
-    if (lane == 0) {
-      double* out = finishes_row ? seg_part + 3 * k : p.partial + (row * p.segments + seg0 + k) * 3;
-      out[0] = q.m;
-      out[1] = q.s;
-      out[2] = q.t;
+  M = sh_m[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) M = fmax_nan(M, sh_m[w]);
+  double s = 0.0, t = 0.0;
+  if (A.m != __int_as_float(0xff800000)) {  // else this thread saw only -inf (or nothing): contributes 0
+    if (M == __int_as_float(0x7f800000)) {
+      s = t = __longlong_as_double(0x7ff8000000000000ll);
+    } else {
+      const double da = (static_cast<double>(A.m) - static_cast<double>(M)) * c;  // <= 0, log2 units
+      const double r = exp2(da);
+      s = r * A.s;
+      if (kWithT) t = r * (A.t + da * A.s);
     }
   }
-  if (!finishes_row) return;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (kWithT) t += __shfl_xor_sync(0xffffffffu, t, o);
+  }
+  if (lane == 0) {
+    sh_s[warp] = s;
+    sh_t[warp] = t;
+  }
   __syncthreads();
   if (tid == 0) {
-    const Partial r = combine_partials<kWithT>(seg_part, p.segments, c);
-    finalize_row<scalar_t>(p, row, y, r.m, r.s, r.t, T);
+    s = sh_s[0];
+    t = sh_t[0];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) {
+      s += sh_s[w];
+      t += sh_t[w];
+    }
+    if (p.splits == 1) {
+      finalize_row<scalar_t>(p, row, y, static_cast<double>(M), s, t, T);
+    } else {
+      double* q = p.partial + (row * p.splits + split) * 3;
+      q[0] = static_cast<double>(M);
+      q[1] = s;
+      q[2] = t;
+    }
   }
 }
 
-// Rows spanning several blocks: one thread per row combines the row's segment partials, as the forward kernel does
-// when one block walks the whole row.
+// Split-vocab combine: one thread per row merges the row's partial (M, s, t).
 template <typename scalar_t, typename label_t, bool kWithT>
 __global__ void __launch_bounds__(128) fused_logp_combine_kernel(const FwdParams<label_t> p, int64_t N) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -553,8 +476,24 @@ __global__ void __launch_bounds__(128) fused_logp_combine_kernel(const FwdParams
   }
   const double T = row_temperature(p.temperature, p.token_temperature, row);
   const double c = kLog2e / T;
-  const Partial r = combine_partials<kWithT>(p.partial + row * p.segments * 3, p.segments, c);
-  finalize_row<scalar_t>(p, row, y, r.m, r.s, r.t, T);
+  const double* q = p.partial + row * p.splits * 3;
+  double M = q[0];
+  for (int k = 1; k < p.splits; ++k) M = fmax(M, q[3 * k]);  // partial maxima are never NaN (NaN -> +inf)
+  const double inf = __longlong_as_double(0x7ff0000000000000ll);
+  double s = 0.0, t = 0.0;
+  if (M == inf) {
+    s = t = __longlong_as_double(0x7ff8000000000000ll);
+  } else {
+    for (int k = 0; k < p.splits; ++k) {
+      const double mk = q[3 * k];
+      if (mk == -inf) continue;
+      const double da = (mk - M) * c;
+      const double r = exp2(da);
+      s += r * q[3 * k + 1];
+      if (kWithT) t += r * (q[3 * k + 2] + da * q[3 * k + 1]);
+    }
+  }
+  finalize_row<scalar_t>(p, row, y, M, s, t, T);
 }
 
 // ---- backward ---------------------------------------------------------------------------------------------------
@@ -771,6 +710,10 @@ void dispatch_label(ScalarType st, F&& f) {
     f(int32_t{});
 }
 
+// Blocks per row: 1 when the rows alone fill the GPU (two waves of resident blocks), else enough splits for that,
+// each at least SPLIT_MIN_ELEMS logits, at most MAX_SPLITS. The forward's sums depend on the split count, so the
+// batch-invariant forward takes it from V alone: one split per INVARIANT_SPLIT_ELEMS logits, at most MAX_SPLITS.
+// (The backward's elements do not depend on it: any split count gives the same gradient.)
 // The current device's SM count, asked of the driver once per device (ATen caches its device properties likewise).
 int multiprocessor_count(int device) {
   constexpr int kMaxDevices = 64;
@@ -783,13 +726,11 @@ int multiprocessor_count(int device) {
   return sms;
 }
 
-// Blocks that fill the GPU: two waves of resident blocks.
-int64_t target_blocks(int device) { return 2LL * multiprocessor_count(device) * (2048 / kThreads); }
-
-// Backward blocks per row: 1 when the rows alone fill the GPU, else enough splits for that, each at least
-// SPLIT_MIN_ELEMS logits, at most MAX_SPLITS (any split count gives the same gradient: see `one`).
-int choose_splits(int64_t N, int64_t V, int device) {
-  const int64_t target = target_blocks(device);
+int choose_splits(int64_t N, int64_t V, bool batch_invariant, int device) {
+  if (batch_invariant)
+    return static_cast<int>(std::clamp<int64_t>(V / FUSED_LOGP_INVARIANT_SPLIT_ELEMS, 1, FUSED_LOGP_MAX_SPLITS));
+  const int sms = multiprocessor_count(device);
+  const int64_t target = 2LL * sms * (2048 / kThreads);
   if (N >= target) return 1;
   int64_t s = (target + N - 1) / N;
   s = std::min<int64_t>(s, FUSED_LOGP_MAX_SPLITS);
@@ -807,33 +748,10 @@ T read_back(const Tensor& tensor, int64_t index, cudaStream_t stream) {
   return value;
 }
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// The forward's segments: about SEGMENT_ELEMS logits each, at most MAX_SEGMENTS, each but the last a whole number of
-// unrolled block iterations (kUnroll x kThreads vectors: a lane's vectors group the same way in every segment, and
-// only the last segment has a remainder), all from V and the vector width alone. Then the execution: consecutive
-// segments per block: all of them (one block per row) when the rows fill the GPU, else fewer, so that the blocks fill
-// it (down to one segment per block).
-struct FwdPlan {
-  int segments, seg_vecs, segs_per_block, blocks_per_row;
-};
-FwdPlan plan_forward(int64_t N, int64_t V, int vec, int device) {
-  constexpr int64_t unit = static_cast<int64_t>(kUnroll) * kThreads;
-  const int64_t nvec = body_vecs(static_cast<int>(V), vec);
-  const int64_t want = std::clamp<int64_t>(V / FUSED_LOGP_SEGMENT_ELEMS, 1, FUSED_LOGP_MAX_SEGMENTS);
-  const int64_t seg_vecs = std::max<int64_t>(unit, ceil_div(ceil_div(nvec, want), unit) * unit);
-  const int64_t segments = std::max<int64_t>(1, ceil_div(nvec, seg_vecs));
-  const int64_t target = target_blocks(device);
-  const int64_t blocks = N >= target ? 1 : std::min(segments, ceil_div(target, N));
-  const int64_t per_block = ceil_div(segments, blocks);
-  return {static_cast<int>(segments), static_cast<int>(seg_vecs), static_cast<int>(per_block),
-          static_cast<int>(ceil_div(segments, per_block))};
-}
-
 std::tuple<Tensor, Tensor, Tensor> logp_entropy_cuda(const Tensor& logits_in, const Tensor& labels_in,
                                                      double temperature, const std::optional<Tensor>& token_temperature,
                                                      int64_t ignore_index, bool return_entropy, bool check_labels,
-                                                     bool /*batch_invariant: the forward always is*/) {
+                                                     bool batch_invariant) {
   fused_logp_detail::check_forward_args(logits_in, labels_in, temperature, token_temperature);
   PK_CHECK(logits_in.is_cuda(), "fused_logp: CUDA implementation got logits on ", pks::device(logits_in));
   const int device = logits_in.get_device_index();
@@ -855,24 +773,25 @@ std::tuple<Tensor, Tensor, Tensor> logp_entropy_cuda(const Tensor& logits_in, co
     bad = pks::empty(logits, {1}, ScalarType::Long);
     STD_CUDA_CHECK(cudaMemsetAsync(bad.data_ptr(), 0xff, sizeof(int64_t), stream));  // "none" = all ones
   }
-  // Every row 16-byte aligned: the kernel without the gather path.
+  const int splits = choose_splits(N, V, batch_invariant, device);
+  // Every row 16-byte aligned: the invariant forward runs the same kernel as the default (no gather path).
   const bool rows_aligned = reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0 &&
                             (N == 1 || (logits.stride(0) * logits.element_size()) % 16 == 0);
+  const bool gather = batch_invariant && !rows_aligned;
+  Tensor partial;
+  if (splits > 1) partial = pks::empty(logits, {N, splits, 3}, ScalarType::Double);
 
   dispatch_scalar(logits.scalar_type(), [&](auto s_tag) {
     using scalar_t = decltype(s_tag);
-    const FwdPlan plan = plan_forward(N, V, Elem<scalar_t>::kVec, device);
-    Tensor partial;
-    if (plan.blocks_per_row > 1) partial = pks::empty(logits, {N, plan.segments, 3}, ScalarType::Double);
+    constexpr int kVec = Elem<scalar_t>::kVec;
     dispatch_label(labels.scalar_type(), [&](auto l_tag) {
       using label_t = decltype(l_tag);
       FwdParams<label_t> p;
       p.logits = logits.data_ptr();
       p.row_stride = logits.stride(0);
       p.V = static_cast<int>(V);
-      p.segments = plan.segments;
-      p.seg_vecs = plan.seg_vecs;
-      p.segs_per_block = plan.segs_per_block;
+      p.splits = splits;
+      p.vec_per_split = static_cast<int>((V / kVec + splits - 1) / splits);
       p.labels = labels.const_data_ptr<label_t>();
       p.token_temperature = tt.defined() ? tt.const_data_ptr<float>() : nullptr;
       p.temperature = temperature;
@@ -880,15 +799,14 @@ std::tuple<Tensor, Tensor, Tensor> logp_entropy_cuda(const Tensor& logits_in, co
       p.logp = logp.mutable_data_ptr<float>();
       p.entropy = return_entropy ? entropy.mutable_data_ptr<float>() : nullptr;
       p.stats = stats.mutable_data_ptr<double>();
-      p.partial = partial.defined() ? partial.mutable_data_ptr<double>() : nullptr;
+      p.partial = splits > 1 ? partial.mutable_data_ptr<double>() : nullptr;
       p.bad = check_labels ? reinterpret_cast<unsigned long long*>(bad.mutable_data_ptr<int64_t>()) : nullptr;
-      const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>(plan.blocks_per_row));
+      const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>(splits));
       // The entropy gradient needs sum p*z, so t is tracked whenever entropy is requested.
       auto run = [&](auto with_t, auto gather) {
-        const size_t smem = fwd_smem_bytes(plan.segs_per_block, with_t());
-        fused_logp_fwd_kernel<scalar_t, label_t, with_t(), gather()><<<grid, kThreads, smem, stream>>>(p);
+        fused_logp_fwd_kernel<scalar_t, label_t, with_t(), gather()><<<grid, kThreads, 0, stream>>>(p);
         STD_CUDA_KERNEL_LAUNCH_CHECK();
-        if (plan.blocks_per_row > 1) {
+        if (splits > 1) {
           fused_logp_combine_kernel<scalar_t, label_t, with_t()>
               <<<static_cast<unsigned>((N + 127) / 128), 128, 0, stream>>>(p, N);
           STD_CUDA_KERNEL_LAUNCH_CHECK();
@@ -897,9 +815,9 @@ std::tuple<Tensor, Tensor, Tensor> logp_entropy_cuda(const Tensor& logits_in, co
       using yes = std::true_type;
       using no = std::false_type;
       if (return_entropy)
-        rows_aligned ? run(yes{}, no{}) : run(yes{}, yes{});
+        gather ? run(yes{}, yes{}) : run(yes{}, no{});
       else
-        rows_aligned ? run(no{}, no{}) : run(no{}, yes{});
+        gather ? run(no{}, yes{}) : run(no{}, no{});
     });
   });
 
@@ -937,7 +855,7 @@ Tensor logp_entropy_backward_cuda(const Tensor& grad_logp_in, const std::optiona
   Tensor tt;
   if (token_temperature.has_value()) tt = pks::contiguous(*token_temperature);
   const cudaStream_t stream = pks::current_cuda_stream(device);
-  const int splits = choose_splits(N, V, device);
+  const int splits = choose_splits(N, V, false, device);  // any split count gives the same gradient (see `one`)
 
   dispatch_scalar(logits.scalar_type(), [&](auto s_tag) {
     using scalar_t = decltype(s_tag);
