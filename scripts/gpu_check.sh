@@ -115,9 +115,9 @@ if phase stable; then
   PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} "$py" -c 'import prime_kernels_fused_logp.ops as f, pk_example_rmsnorm.ops as e
 print("stable modules:", f._C_stable.__file__, e._C_stable.__file__)' 2>&1 | tee -a "$out/stable-status.txt"
   # shellcheck disable=SC2206
+  # Not test_fused_logp_robustness.py: it imports linear_ops at collection, whose exact _C loads under one torch only.
   suites=(${STABLE_SUITES:-examples/third_party_plugin/tests plugins/fused_logp/tests/test_fused_logp.py
-          plugins/fused_logp/tests/test_fused_logp_robustness.py plugins/fused_logp/tests/test_fused_logp_fuzz.py
-          plugins/fused_logp/tests/test_logp_batch_invariance.py})
+          plugins/fused_logp/tests/test_fused_logp_fuzz.py plugins/fused_logp/tests/test_logp_batch_invariance.py})
   # linear_logp stays exact-ABI (its _C in the wheel is bound to the torch that built it): -k leaves its tests out.
   PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} timeout 420 "$py" -m pytest -m gpu -k "not linear" "${suites[@]}" -q \
     -p no:cacheprovider -rs --junitxml="$out/stable-tests.xml" > "$out/stable-tests.log" 2>&1

@@ -16,6 +16,7 @@ the call goes to transformers' default implementation (``grouped_mm``) and the r
 """
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -28,7 +29,10 @@ KERNEL = "flash_moe"
 DEFAULT_NAME = "flash_moe"
 # transformers' default experts implementation (PreTrainedModel.get_correct_experts_implementation)
 FALLBACK = "grouped_mm"
-LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
+# @use_experts_implementation's layout flags and their defaults there. A release whose decorator does not take a flag
+# (transformers 5.17 has no has_post_expert_norm) cannot give any model that layout: its modules have the default.
+LAYOUT_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+                "has_post_expert_norm": False}
 
 _reported: set[str] = set()
 _kernels: dict[torch.device, tuple] = {}
@@ -69,21 +73,26 @@ def _is_silu(act_fn) -> bool:
 def unsupported_layout_reason(experts: torch.nn.Module) -> str | None:
     """None when flash_moe computes ``experts`` (a transformers experts module) as it is stored, else why not."""
     name = type(experts).__name__
-    missing = [f for f in LAYOUT_FLAGS if not hasattr(experts, f)]
+    taken = inspect.signature(_transformers_moe().use_experts_implementation).parameters
+    missing = [f for f in LAYOUT_FLAGS if f in taken and not hasattr(experts, f)]
     if missing:
         return (f"{name} has no {', '.join(missing)} (the layout flags of transformers' @use_experts_implementation), "
                 f"so its layout is unknown")
-    if not experts.has_gate:
+    for flag, default in LAYOUT_FLAGS.items():
+        if flag not in taken and getattr(experts, flag, default) != default:
+            return f"{name} sets {flag}={getattr(experts, flag)!r}, a layout this transformers release does not define"
+    flags = {f: getattr(experts, f, default) for f, default in LAYOUT_FLAGS.items()}
+    if not flags["has_gate"]:
         return f"{name} has no gate (has_gate=False: up_proj only); flash_moe computes gated SwiGLU experts"
-    if experts.has_bias:
+    if flags["has_bias"]:
         return f"{name} has expert biases (has_bias=True); flash_moe's experts have none"
-    if experts.is_transposed:
+    if flags["is_transposed"]:
         return (f"{name} stores its experts transposed (is_transposed=True: gate_up_proj (E, H, 2I)); flash_moe reads "
                 f"(E, 2I, H) in place and would copy the weights on every call")
-    if not experts.is_concatenated:
+    if not flags["is_concatenated"]:
         return (f"{name} interleaves gate and up rows (is_concatenated=False); flash_moe reads gate rows then up rows "
                 f"in place")
-    if experts.has_post_expert_norm:
+    if flags["has_post_expert_norm"]:
         return f"{name} normalizes each expert's output (has_post_expert_norm=True); flash_moe combines them directly"
     default_gate = getattr(_transformers_moe(), "_default_apply_gate", None)
     if getattr(type(experts), "_apply_gate", None) is not default_gate:

@@ -310,6 +310,31 @@ def test_layout_reasons(change, words):
     assert reason is not None and words in reason and reason.startswith("Qwen3MoeExperts")
 
 
+def test_older_release_without_a_layout_flag(monkeypatch):
+    """transformers 5.17 (the H200 image's) has no has_post_expert_norm: its modules lack the attribute, and no model
+    of that release can have the layout, so flash_moe runs them; a module that sets it anyway is refused."""
+    moe = integrations._transformers_moe()
+    real = moe.use_experts_implementation
+
+    def older(experts_class=None, *, experts_interface=None, is_concatenated=True, is_transposed=False,
+              has_bias=False, has_gate=True):
+        return real(experts_class, is_concatenated=is_concatenated, is_transposed=is_transposed, has_bias=has_bias,
+                    has_gate=has_gate)
+
+    monkeypatch.setattr(moe, "use_experts_implementation", older)
+    experts = qwen3_experts()
+    monkeypatch.delattr(type(experts), "has_post_expert_norm", raising=False)
+    monkeypatch.delattr(experts, "has_post_expert_norm", raising=False)
+    assert not hasattr(experts, "has_post_expert_norm")
+    assert integrations.unsupported_layout_reason(experts) is None
+    experts.has_post_expert_norm = True
+    assert "a layout this transformers release does not define" in integrations.unsupported_layout_reason(experts)
+    monkeypatch.delattr(experts, "has_post_expert_norm")
+    monkeypatch.delattr(experts, "has_gate", raising=False)
+    monkeypatch.delattr(type(experts), "has_gate", raising=False)
+    assert "has no has_gate" in integrations.unsupported_layout_reason(experts)
+
+
 def test_custom_gate_is_refused():
     experts = qwen3_experts()
     custom = CustomGateExperts(experts.config)
