@@ -3,6 +3,7 @@ memory floor from the copy bandwidth measured in the same run, and peers where i
 
     python bench/bench_fused_logp.py [--json PATH] [--quick] [--no-compile]
     python bench/bench_fused_logp.py --invariant-ab [--json PATH]
+    python bench/bench_fused_logp.py --softcap-ab [--json PATH]
 
 --invariant-ab: default vs batch_invariant=True at the issue-25 shapes (N = 16384 and 1024, V = 151936 and 32000; and N
 = 16384, V = 32001, whose rows are not 16-byte aligned; N = 5: latency, data in L2, the floor meaningless), alternating
@@ -11,6 +12,9 @@ between a batch of 5 and the benchmark batch in each mode (informational; the te
 kernel in both modes, so its cost against the previous default needs another build in the same call: ``bench/ab.py
 --variant main=SITE -- bench/bench_fused_logp.py --invariant-ab`` (rows are labelled by shape, timings
 ``default_fwd_ms`` etc.).
+
+--softcap-ab: the logit transforms' cost at N = 16384, V = 151936 bf16: none, softcap=30.0, logit_scale=0.0625 (folded
+into the temperature: expected free), alternating rounds, medians, ratios to none and the floors.
 
 Timing: triton.testing.do_bench median; data larger than L2; fresh randn*3 bf16 logits per shape.
 Floor: fwd reads logits once; fwd+bwd reads them twice and writes the gradient once (bytes / copy bandwidth).
@@ -214,29 +218,72 @@ def invariant_ab(bw, results, shapes=INVARIANT_AB_SHAPES, rounds=AB_ROUNDS):
         free()
 
 
+TRANSFORM_VARIANTS = {"none": {}, "softcap=30": {"softcap": 30.0}, "logit_scale=0.0625": {"logit_scale": 0.0625}}
+
+
+def softcap_ab(bw, results, n=16384, v=151936, rounds=AB_ROUNDS):
+    from prime_kernels_fused_logp.ops import logp_entropy
+
+    floor_fwd, floor_fb = n * v * 2 / bw * 1e3, 3 * n * v * 2 / bw * 1e3
+    x = torch.randn(n, v, device="cuda", dtype=torch.bfloat16) * 3
+    y = torch.randint(0, v, (n,), device="cuda")
+    xg = x.detach().requires_grad_()
+    times = {name: {"fwd": [], "fb": []} for name in TRANSFORM_VARIANTS}
+    for _ in range(rounds):
+        for name, tf in TRANSFORM_VARIANTS.items():
+            def fwd():
+                return logp_entropy(x, y, 0.7, check_labels=False, **tf)
+
+            def fb():
+                lp, ent = logp_entropy(xg, y, 0.7, check_labels=False, **tf)
+                (lp.sum() + ent.sum()).backward()
+
+            times[name]["fwd"].append(do_bench(fwd))
+            times[name]["fb"].append(do_bench(fb, grad_to_none=[xg]))
+            xg.grad = None
+    print(f"N={n} V={v} bf16 T=0.7; floors fwd {floor_fwd:.3f} ms, fwd+bwd {floor_fb:.3f} ms (medians of {rounds} "
+          f"alternating rounds)")
+    print("| transform | fwd ms | fwd / none | fwd / floor | fwd+bwd ms | fwd+bwd / none | fwd+bwd / floor |")
+    print("|---|---|---|---|---|---|---|")
+    med = {name: (sorted(t["fwd"])[rounds // 2], sorted(t["fb"])[rounds // 2]) for name, t in times.items()}
+    for name, (f, b) in med.items():
+        rf, rb = f / med["none"][0], b / med["none"][1]
+        print(f"| {name} | {f:.3f} | x{rf:.3f} | {f / floor_fwd:.3f} | {b:.3f} | x{rb:.3f} | {b / floor_fb:.3f} |",
+              flush=True)
+        results.append({"transform": name, "N": n, "V": v, "fwd_ms": f, "fwd_bwd_ms": b, "ratio_fwd": rf,
+                        "ratio_fwd_bwd": rb, "floor_fwd_ms": floor_fwd, "floor_fwd_bwd_ms": floor_fb,
+                        "fwd_rounds": times[name]["fwd"], "fwd_bwd_rounds": times[name]["fb"]})
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write results to this path")
     ap.add_argument("--quick", action="store_true", help="main shape only")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
     ap.add_argument("--invariant-ab", action="store_true", help="default vs batch_invariant=True (issue 25), only")
+    ap.add_argument("--softcap-ab", action="store_true", help="cost of the logit transforms (issue 24), only")
     ap.add_argument("--shapes", help="--invariant-ab's shapes as NxV,NxV,... (default: all of INVARIANT_AB_SHAPES)")
-    ap.add_argument("--rounds", type=int, default=AB_ROUNDS, help="--invariant-ab's alternating rounds per shape")
+    ap.add_argument("--rounds", type=int, default=AB_ROUNDS,
+                    help="--invariant-ab's (per shape) and --softcap-ab's alternating rounds")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_fused_logp: needs a CUDA device")
     torch.manual_seed(torch.seed() % 2**31)
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.3f} TB/s (read + write, 2 GiB)", flush=True)
-    if args.invariant_ab:
+    shapes = ([tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")] if args.shapes
+              else INVARIANT_AB_SHAPES)
+    ab_runs = ((args.invariant_ab, "invariant_ab", lambda bw, results: invariant_ab(bw, results, shapes, args.rounds)),
+               (args.softcap_ab, "softcap_ab", lambda bw, results: softcap_ab(bw, results, rounds=args.rounds)))
+    for flag, key, run in ab_runs:
+        if not flag:
+            continue
         results = []
-        shapes = ([tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")] if args.shapes
-                  else INVARIANT_AB_SHAPES)
-        invariant_ab(bw, results, shapes, args.rounds)
+        run(bw, results)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "copy_bandwidth_Bps": bw, "torch": torch.__version__,
-                           "invariant_ab": results}, f, indent=1)
+                           key: results}, f, indent=1)
         return
     peers = make_peers(args.no_compile)
     results = []

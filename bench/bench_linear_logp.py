@@ -3,11 +3,16 @@ forward and forward+backward, peak memory above the inputs, against the bf16 mat
 
     python bench/bench_linear_logp.py [--json PATH] [--quick]
     python bench/bench_linear_logp.py --invariant-ab [--json PATH]
+    python bench/bench_linear_logp.py --softcap-ab [--json PATH]
 
 --invariant-ab: default vs batch_invariant=True at the issue-25 shapes (N = 8192 and 1024, H = 4096, V = 151936; N = 5),
 forward and forward+backward, alternating rounds in one run, medians, ratios invariant / default and the floors; plus
 whether 5 probe tokens keep their bits (logp, entropy, grad_hidden rows) between a batch of 5 and the benchmark batch
 in each mode (informational; the tests assert the invariant mode).
+
+--softcap-ab: the logit transforms' cost (issue 24: a softcap <= 5 %) at N = 8192, H = 4096, V = 151936 bf16, T = 0.7:
+no transform, softcap=30.0 (Gemma 2/3), logit_scale=0.0625 alone (Cohere; folded into the temperature, expected free)
+and both, forward and forward+backward, alternating rounds in one run, medians, ratios to no transform and the floors.
 
 Timing: triton.testing.do_bench median. Ceiling: an 8192^3 bf16 torch.mm. Floors: 2NHV / ceiling (forward),
 8NHV / ceiling (forward + backward: recompute + two gradient GEMMs). Peers where importable (try/except):
@@ -158,23 +163,64 @@ def invariant_ab(ceiling, results):
         del h, w, y
 
 
+TRANSFORM_AB_SHAPE = MAIN
+TRANSFORM_VARIANTS = {"none": {}, "softcap=30": {"softcap": 30.0}, "logit_scale=0.0625": {"logit_scale": 0.0625},
+                      "softcap=30 + logit_scale=0.0625": {"softcap": 30.0, "logit_scale": 0.0625}}
+TRANSFORM_AB_ROUNDS = 3
+
+
+def softcap_ab(ceiling, results):
+    from prime_kernels_fused_logp.linear_ops import linear_logp_entropy
+
+    n, hs, v = TRANSFORM_AB_SHAPE
+    h = (torch.randn(n, hs, device="cuda") / hs**0.25).bfloat16().requires_grad_()
+    w = (torch.randn(v, hs, device="cuda") / hs**0.25).bfloat16().requires_grad_()
+    y = torch.randint(0, v, (n,), device="cuda")
+    flops = 2 * n * hs * v
+    floor_f, floor_fb = flops / ceiling * 1e3, 4 * flops / ceiling * 1e3
+    times = {name: {"fwd": [], "fb": []} for name in TRANSFORM_VARIANTS}
+    for _ in range(TRANSFORM_AB_ROUNDS):
+        for name, tf in TRANSFORM_VARIANTS.items():
+            fn = lambda h_, w_, y_, tf=tf: linear_logp_entropy(h_, w_, y_, T, **tf)  # noqa: E731
+            with torch.no_grad():
+                f_ms, _ = measure(fn, h.detach(), w.detach(), y, False)
+            fb_ms, _ = measure(fn, h, w, y, True)
+            times[name]["fwd"].append(f_ms)
+            times[name]["fb"].append(fb_ms)
+    print(f"N={n} H={hs} V={v} bf16 T={T}; floors fwd {floor_f:.3f} ms, fwd+bwd {floor_fb:.3f} ms "
+          f"({TRANSFORM_AB_ROUNDS} alternating rounds, min of the rounds' medians)")
+    print("| transform | fwd ms | fwd / none | fwd / floor | fwd+bwd ms | fwd+bwd / none | fwd+bwd / floor |")
+    print("|---|---|---|---|---|---|---|")
+    base_f, base_fb = min(times["none"]["fwd"]), min(times["none"]["fb"])
+    for name in TRANSFORM_VARIANTS:
+        f, b = min(times[name]["fwd"]), min(times[name]["fb"])
+        print(f"| {name} | {f:.3f} | x{f / base_f:.4f} | {f / floor_f:.3f} | {b:.3f} | x{b / base_fb:.4f} | "
+              f"{b / floor_fb:.3f} |", flush=True)
+        results.append({"transform": name, "N": n, "H": hs, "V": v, "fwd_ms": f, "fwd_bwd_ms": b,
+                        "ratio_fwd": f / base_f, "ratio_fwd_bwd": b / base_fb, "fwd_rounds": times[name]["fwd"],
+                        "fwd_bwd_rounds": times[name]["fb"], "floor_fwd_ms": floor_f, "floor_fwd_bwd_ms": floor_fb})
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", help="write results to this path")
     ap.add_argument("--quick", action="store_true", help="main shape only, no peers")
     ap.add_argument("--invariant-ab", action="store_true", help="default vs batch_invariant=True (issue 25), only")
+    ap.add_argument("--softcap-ab", action="store_true", help="cost of the logit transforms (issue 24), only")
     args = ap.parse_args()
     from prime_kernels_fused_logp.linear_ops import linear_logp_entropy
 
     ceiling = matmul_ceiling()
     print(f"{torch.cuda.get_device_name()}: bf16 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s (8192^3)")
-    if args.invariant_ab:
+    for flag, key, run in ((args.invariant_ab, "invariant_ab", invariant_ab), (args.softcap_ab, "softcap_ab", softcap_ab)):
+        if not flag:
+            continue
         results = []
-        invariant_ab(ceiling, results)
+        run(ceiling, results)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ceiling_flops": ceiling,
-                           "invariant_ab": results}, f, indent=2)
+                           key: results}, f, indent=2)
         return
     results, summary = [], [f"ceiling {ceiling / 1e12:.0f} TFLOP/s"]
     ours = lambda h, w, y: linear_logp_entropy(h, w, y, T)  # noqa: E731

@@ -7,6 +7,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 
@@ -20,11 +22,17 @@ int64_t label_at(const Tensor& labels, int64_t i) {
              : static_cast<int64_t>(labels.template const_data_ptr<int32_t>()[i]);
 }
 
-[[noreturn]] inline void fail_bad_token_temperature(const char* op, int64_t position, float value) {
+// The message's parts streamed as TORCH_CHECK would (neither build's check macro is visible in the other's).
+template <typename... Parts>
+[[noreturn]] void fail(const Parts&... parts) {
   std::ostringstream message;
-  message << op << ": token_temperature[" << position << "] = " << value << " must be finite and > 0 (the temperature "
-          << "of token " << position << ")";
+  (message << ... << parts);
   throw std::runtime_error(message.str());  // RuntimeError in Python, as TORCH_CHECK's c10::Error
+}
+
+[[noreturn]] inline void fail_bad_token_temperature(const char* op, int64_t position, float value) {
+  fail(op, ": token_temperature[", position, "] = ", value, " must be finite and > 0 (the temperature of token ",
+       position, ")");
 }
 
 // Every token that is not ignored needs a temperature that is finite and > 0 (an ignored token's is never read).
@@ -37,5 +45,50 @@ void check_token_temperatures(const char* op, const Tensor& labels, const float*
     if (label_at(labels, i) != ignore_index && !(std::isfinite(t) && t > 0.f)) fail_bad_token_temperature(op, i, t);
   }
 }
+
+// The logit transforms (both ops, CPU and CUDA): z = softcap * tanh(logit_scale * x / softcap) / T, or
+// logit_scale * x / T without a softcap. Both must be positive normal float32 values: the CUDA kernels take them as
+// float32, and a scale <= 0 would flip (or erase) the softmax's order, which no model does (Cohere's logit_scale and
+// Granite's 1 / logits_scaling are positive).
+inline void check_logit_transform(const char* op, const std::optional<double>& softcap, double logit_scale) {
+  constexpr double kMin = std::numeric_limits<float>::min(), kMax = std::numeric_limits<float>::max();
+  if (!(logit_scale >= kMin && logit_scale <= kMax))
+    fail(op, ": logit_scale must be finite and > 0 (a normal float32, in [", kMin, ", ", kMax, "]), got ", logit_scale);
+  if (softcap.has_value() && !(*softcap >= kMin && *softcap <= kMax))
+    fail(op, ": softcap must be None or finite and > 0 (a normal float32, in [", kMin, ", ", kMax, "]), got ",
+         *softcap);
+}
+
+// The transform's weight w: z = v(x) * w / T with v(x) = tanh(x * logit_scale / softcap) (softcap) or x (none). The
+// kernels fold w into the temperature (T / w), so that a logit_scale alone costs nothing per element.
+inline double logit_weight(const std::optional<double>& softcap, double logit_scale) {
+  return softcap.has_value() ? *softcap : logit_scale;
+}
+
+// The linear op's CUDA kernels take the effective temperature T / w as one float32 (w: logit_weight): it must stay a
+// normal float32 (checked on every device, so that CPU and CUDA accept the same calls).
+inline void check_effective_temperature(const char* op, double temperature, const std::optional<double>& softcap,
+                                        double logit_scale) {
+  constexpr double kMin = std::numeric_limits<float>::min(), kMax = std::numeric_limits<float>::max();
+  const double t = temperature / logit_weight(softcap, logit_scale);
+  if (!(t >= kMin && t <= kMax))
+    fail(op, ": temperature / ", softcap.has_value() ? "softcap" : "logit_scale", " = ", t,
+         " must be a normal float32, in [", kMin, ", ", kMax, "] (the kernels' effective temperature; temperature = ",
+         temperature, ")");
+}
+
+// g(x) = softcap * tanh(logit_scale * x / softcap), or logit_scale * x; and dg/dx. In double (the CPU paths).
+struct LogitTransform {
+  double scale = 1.0, cap = 0.0;  // cap 0: no softcap
+  LogitTransform(const std::optional<double>& softcap, double logit_scale)
+      : scale(logit_scale), cap(softcap.value_or(0.0)) {}
+  double value(double x) const { return cap != 0.0 ? cap * std::tanh(x * scale / cap) : x * scale; }
+  // 1 / cosh^2 rather than 1 - tanh^2: exact to a few ulps also where tanh saturates (cosh overflows to inf: 0).
+  double slope(double x) const {
+    if (cap == 0.0) return scale;
+    const double ch = std::cosh(x * scale / cap);
+    return scale / (ch * ch);
+  }
+};
 
 }  // namespace fused_logp_cpu

@@ -4,13 +4,16 @@
 // cuda/fused_logp.cu and share the argument checks defined here (fused_logp_detail::check_*).
 //
 //   logp_entropy(Tensor logits, Tensor labels, float temperature, Tensor? token_temperature, int ignore_index,
-//                bool return_entropy, bool check_labels, bool batch_invariant=False)
-//                -> (Tensor logp, Tensor entropy, Tensor stats)
+//                bool return_entropy, bool check_labels, bool batch_invariant=False, float? softcap=None,
+//                float logit_scale=1.0) -> (Tensor logp, Tensor entropy, Tensor stats)
 //     logits [N, V] (fp32/bf16/fp16, last dim stride 1, any row stride), labels [N] (int64/int32),
 //     token_temperature None or fp32 [N]; the temperature of token i is temperature * token_temperature[i].
 //     token_temperature[i] of a token that is not ignored must be finite and > 0: on CPU an error naming the first
 //     offending position; on CUDA that token gets NaN like an out-of-range label (and check_labels raises for it).
-//     z = logits / T;  logp = z_y - logsumexp(z);  entropy = logsumexp(z) - sum softmax(z) * z.
+//     z = g(logits) / T;  logp = z_y - logsumexp(z);  entropy = logsumexp(z) - sum softmax(z) * z, with the logit
+//     transform g(x) = softcap * tanh(logit_scale * x / softcap) (Gemma's final_logit_softcapping after Cohere's
+//     logit_scale), or logit_scale * x when softcap is None (g(x) = x by default). softcap and logit_scale: positive
+//     normal float32 values (cpu_common.h, check_logit_transform).
 //     logp fp32 [N]; entropy fp32 [N] (shape [0] when return_entropy is false);
 //     stats float64 [N, 2] = (logsumexp(z), sum softmax(z) * z) per token, saved for the backward (the second column
 //     is 0 when return_entropy is false: the backward then takes no grad_entropy).
@@ -26,12 +29,12 @@
 //     16-byte aligned.
 //
 //   logp_entropy_backward(Tensor grad_logp, Tensor? grad_entropy, Tensor logits, Tensor labels, float temperature,
-//                         Tensor? token_temperature, Tensor stats, int ignore_index, bool batch_invariant=False)
-//                         -> Tensor grad_logits
+//                         Tensor? token_temperature, Tensor stats, int ignore_index, bool batch_invariant=False,
+//                         float? softcap=None, float logit_scale=1.0) -> Tensor grad_logits
 //     batch_invariant: each element's gradient one function of its logit and the row's stats, whatever the row's
 //     alignment (CUDA; the default redoes the vector holding a dominant logit accurately, 9% faster on the H200).
 //     grad_logits [N, V] contiguous, logits' dtype:
-//       p = exp(z - lse);  grad = (g_logp * (onehot(y) - p) - g_ent * p * (z - sum_pz)) / T
+//       p = exp(z - lse);  grad = (g_logp * (onehot(y) - p) - g_ent * p * (z - sum_pz)) * g'(logits) / T
 //     zero for ignored tokens. Reads logits once, writes the gradient once; never writes logits.
 //
 // Host code on the LibTorch stable ABI (kernel.toml: stable_abi), so that one build runs under every torch from its
@@ -206,8 +209,11 @@ std::tuple<Tensor, Tensor, Tensor> logp_entropy_cpu(const Tensor& logits_in, con
                                                     double temperature, const std::optional<Tensor>& token_temperature,
                                                                 int64_t ignore_index, bool return_entropy,
                                                                 bool /*check_labels: always checked on CPU*/,
-                                                                bool /*batch_invariant: the CPU path always is*/) {
+                                                                bool /*batch_invariant: the CPU path always is*/,
+                                                                std::optional<double> softcap, double logit_scale) {
   check_forward_args(logits_in, labels_in, temperature, token_temperature);
+  fused_logp_cpu::check_logit_transform("fused_logp", softcap, logit_scale);
+  const fused_logp_cpu::LogitTransform g(softcap, logit_scale);
   PK_CHECK(logits_in.is_cpu(), "fused_logp: CPU implementation got logits on ", pks::device(logits_in));
   const int64_t N = logits_in.size(0), V = logits_in.size(1);
   const Tensor labels = pks::contiguous(labels_in);
@@ -249,7 +255,7 @@ std::tuple<Tensor, Tensor, Tensor> logp_entropy_cpu(const Tensor& logits_in, con
         double m = -inf;
         bool has_nan = false;
         for (int64_t j = 0; j < V; ++j) {
-          const double z = static_cast<double>(static_cast<float>(x[j]));
+          const double z = g.value(static_cast<float>(x[j]));
           if (std::isnan(z)) has_nan = true;
           if (z > m) m = z;
         }
@@ -264,7 +270,7 @@ std::tuple<Tensor, Tensor, Tensor> logp_entropy_cpu(const Tensor& logits_in, con
         } else {
           double s = 0.0, t = 0.0;
           for (int64_t j = 0; j < V; ++j) {
-            const double d = (static_cast<double>(static_cast<float>(x[j])) - m) / T;
+            const double d = (g.value(static_cast<float>(x[j])) - m) / T;
             const double e = std::exp(d);
             if (e != 0.0) {
               s += e;
@@ -274,7 +280,7 @@ std::tuple<Tensor, Tensor, Tensor> logp_entropy_cpu(const Tensor& logits_in, con
           lse = m / T + std::log(s);
           spz = m / T + t / s;
         }
-        const double zy = static_cast<double>(static_cast<float>(x[y])) / T;
+        const double zy = g.value(static_cast<float>(x[y])) / T;
         lp[i] = static_cast<float>(zy - lse);
         if (ep) ep[i] = static_cast<float>(lse - spz);
         sp[2 * i] = lse;
@@ -288,8 +294,11 @@ std::tuple<Tensor, Tensor, Tensor> logp_entropy_cpu(const Tensor& logits_in, con
 Tensor logp_entropy_backward_cpu(const Tensor& grad_logp_in, const std::optional<Tensor>& grad_entropy_in,
                                  const Tensor& logits_in, const Tensor& labels_in, double temperature,
                                  const std::optional<Tensor>& token_temperature, const Tensor& stats_in,
-                                     int64_t ignore_index, bool /*batch_invariant: the CPU backward is elementwise*/) {
+                                 int64_t ignore_index, bool /*batch_invariant: the CPU backward is elementwise*/,
+                                 std::optional<double> softcap, double logit_scale) {
   check_backward_args(grad_logp_in, grad_entropy_in, logits_in, labels_in, temperature, token_temperature, stats_in);
+  fused_logp_cpu::check_logit_transform("fused_logp", softcap, logit_scale);
+  const fused_logp_cpu::LogitTransform tf(softcap, logit_scale);
   PK_CHECK(logits_in.is_cpu(), "fused_logp: CPU implementation got logits on ", pks::device(logits_in));
   const int64_t N = logits_in.size(0), V = logits_in.size(1);
   Tensor grad = pks::empty(logits_in, {N, V}, logits_in.scalar_type());
@@ -328,13 +337,14 @@ Tensor logp_entropy_backward_cpu(const Tensor& grad_logp_in, const std::optional
         const double k1 = gp[i] / T;
         const double k2 = gep ? gep[i] / T : 0.0;
         for (int64_t j = 0; j < V; ++j) {
-          const double z = static_cast<double>(static_cast<float>(x[j])) / T;
+          const double xj = static_cast<float>(x[j]);
+          const double z = tf.value(xj) / T;
           const double p = std::exp(z - lse);
           // Entropy term as p * (z - sum_pz): exactly 0 where p == 0 (z = -inf), never p * (log p + H).
           const double ent = (gep == nullptr || p == 0.0) ? 0.0 : k2 * p * (z - spz);
           double gv = -k1 * p - ent;
           if (j == y) gv += k1;
-          gr[j] = round_from_double<scalar_t>(gv);
+          gr[j] = round_from_double<scalar_t>(gv * tf.slope(xj));
         }
       }
     });
@@ -347,11 +357,12 @@ Tensor logp_entropy_backward_cpu(const Tensor& grad_logp_in, const std::optional
 STABLE_TORCH_LIBRARY(fused_logp, m) {
   m.def(
       "logp_entropy(Tensor logits, Tensor labels, float temperature, Tensor? token_temperature, int ignore_index, "
-      "bool return_entropy, bool check_labels, bool batch_invariant=False) -> (Tensor logp, Tensor entropy, "
-      "Tensor stats)");
+      "bool return_entropy, bool check_labels, bool batch_invariant=False, float? softcap=None, "
+      "float logit_scale=1.0) -> (Tensor logp, Tensor entropy, Tensor stats)");
   m.def(
       "logp_entropy_backward(Tensor grad_logp, Tensor? grad_entropy, Tensor logits, Tensor labels, float temperature, "
-      "Tensor? token_temperature, Tensor stats, int ignore_index, bool batch_invariant=False) -> Tensor");
+      "Tensor? token_temperature, Tensor stats, int ignore_index, bool batch_invariant=False, float? softcap=None, "
+      "float logit_scale=1.0) -> Tensor");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(fused_logp, CPU, m) {

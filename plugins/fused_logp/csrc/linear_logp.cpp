@@ -5,21 +5,25 @@
 // CUDA implementations live in cuda/linear_logp_{fwd,bwd}.cu and share the argument checks defined here.
 //
 //   linear_logp_entropy(Tensor hidden, Tensor weight, Tensor labels, float temperature, Tensor? token_temperature,
-//                       Tensor? bias, int ignore_index, bool return_entropy, bool batch_invariant=False)
-//                       -> (Tensor logp, Tensor entropy, Tensor stats)
+//                       Tensor? bias, int ignore_index, bool return_entropy, bool batch_invariant=False,
+//                       float? softcap=None, float logit_scale=1.0) -> (Tensor logp, Tensor entropy, Tensor stats)
 //     hidden [N, H], weight [V, H] (same dtype: bfloat16, float16; float32 on CPU only), labels [N] int64/int32,
 //     token_temperature None or fp32 [N] (temperature of token i = temperature * token_temperature[i]), bias None or
-//     floating [V]. z = (hidden @ weight^T + bias) / T; logp = z_y - logsumexp(z); entropy = logsumexp(z) - sum p z.
-//     logp fp32 [N]; entropy fp32 [N] ([0] when return_entropy is false); stats fp32 [N, 2] = (logsumexp(z),
-//     sum softmax(z) z) for the backward. Ignored tokens: 0 everywhere. A label outside [0, V) that is not
+//     floating [V]. z = g(hidden @ weight^T + bias) / T with the logit transform g(x) = softcap * tanh(logit_scale * x
+//     / softcap), or logit_scale * x when softcap is None (as fused_logp's logp_entropy); logp = z_y - logsumexp(z);
+//     entropy = logsumexp(z) - sum p z. logp fp32 [N]; entropy fp32 [N] ([0] when return_entropy is false); stats
+//     float64 [N, 2] = (logsumexp(z), sum softmax(z) z) for the backward (float64, as the logits op's: the backward's p
+//     = exp(z - lse) is then exactly 1 where the forward's was, e.g. every gradient is exactly 0 at V = 1). Ignored tokens: 0 everywhere. A label outside [0, V) that is not
 //     ignore_index is an error on CPU; on CUDA it gives NaN logp and entropy (no device sync). Likewise a
 //     token_temperature[i] that is not finite and > 0 (of a token that is not ignored): an error naming the first such
 //     position on CPU (forward and backward); on CUDA NaN logp, entropy and stats (so its gradients are NaN too).
 //
 //   linear_logp_entropy_backward(Tensor grad_logp, Tensor? grad_entropy, Tensor hidden, Tensor weight, Tensor labels,
 //       float temperature, Tensor? token_temperature, Tensor? bias, Tensor stats, int ignore_index, bool[3] output_mask,
-//       bool grad_weight_fp32, bool batch_invariant=False) -> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)
-//     dZ = [g_logp (onehot(y) - p) - g_ent p (z - sum_pz)] / T, recomputed from hidden and weight with the saved stats;
+//       bool grad_weight_fp32, bool batch_invariant=False, float? softcap=None, float logit_scale=1.0)
+//       -> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)
+//     dZ = [g_logp (onehot(y) - p) - g_ent p (z - sum_pz)] g'(logits) / T, recomputed from hidden and weight with the
+//     saved stats;
 //     grad_hidden = dZ @ weight (hidden's dtype), grad_weight = dZ^T @ hidden (hidden's dtype, or fp32 with
 //     grad_weight_fp32), grad_bias = sum_rows dZ (bias dtype), each accumulated in fp32 or wider. An output whose
 //     output_mask entry is false (or grad_bias without a bias) is returned as an empty tensor of shape [0].
@@ -140,7 +144,7 @@ void check_backward_args(const at::Tensor& grad_logp, const std::optional<at::Te
     TORCH_CHECK(ge.is_floating_point(), "linear_logp: grad_entropy must be floating point, got ", ge.scalar_type());
     check_same_device(ge, hidden, "grad_entropy");
   }
-  TORCH_CHECK(stats.scalar_type() == at::kFloat, "linear_logp: stats must be float32 (from linear_logp_entropy), got ",
+  TORCH_CHECK(stats.scalar_type() == at::kDouble, "linear_logp: stats must be float64 (from linear_logp_entropy), got ",
               stats.scalar_type());
   TORCH_CHECK(stats.dim() == 2 && stats.size(0) == N && stats.size(1) == 2, "linear_logp: stats must have shape [",
               N, ", 2], got ", stats.sizes());
@@ -174,6 +178,7 @@ namespace {
 using linear_logp_detail::check_backward_args;
 using linear_logp_detail::check_forward_args;
 using fused_logp_cpu::label_at;
+using fused_logp_cpu::LogitTransform;
 
 constexpr int64_t kBlockV = LINEAR_LOGP_CPU_BLOCK_V;
 
@@ -181,14 +186,17 @@ struct Inputs {
   at::Tensor h, w, b, labels, tt;  // fp32 contiguous copies (bias may be undefined)
   int64_t N, H, V;
   double temperature;
+  LogitTransform transform{std::nullopt, 1.0};
   double T(int64_t i) const {
     return temperature * (tt.defined() ? static_cast<double>(tt.data_ptr<float>()[i]) : 1.0);
   }
 };
 
 Inputs prepare(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels, double temperature,
-               const std::optional<at::Tensor>& token_temperature, const std::optional<at::Tensor>& bias) {
+               const std::optional<at::Tensor>& token_temperature, const std::optional<at::Tensor>& bias,
+               const std::optional<double>& softcap, double logit_scale) {
   Inputs in;
+  in.transform = LogitTransform(softcap, logit_scale);
   in.h = hidden.to(at::kFloat).contiguous();
   in.w = weight.to(at::kFloat).contiguous();
   if (bias.has_value()) in.b = bias->to(at::kFloat).contiguous();
@@ -206,8 +214,9 @@ void check_token_temperatures(const Inputs& in, int64_t ignore_index) {
                                                                 ignore_index);
 }
 
-// z[j - j0] for j in [j0, j1) of token i, in double.
-void logits_block(const Inputs& in, int64_t i, int64_t j0, int64_t j1, double invT, double* z) {
+// z[j - j0] for j in [j0, j1) of token i, in double; slope (nullable): the transform's derivative at each logit.
+void logits_block(const Inputs& in, int64_t i, int64_t j0, int64_t j1, double invT, double* z,
+                  double* slope = nullptr) {
   const float* h = in.h.data_ptr<float>() + i * in.H;
   const float* w = in.w.data_ptr<float>();
   const float* b = in.b.defined() ? in.b.data_ptr<float>() : nullptr;
@@ -216,16 +225,20 @@ void logits_block(const Inputs& in, int64_t i, int64_t j0, int64_t j1, double in
     double acc = 0.0;
     for (int64_t k = 0; k < in.H; ++k) acc += static_cast<double>(h[k]) * static_cast<double>(wr[k]);
     if (b) acc += b[j];
-    z[j - j0] = acc * invT;
+    if (slope) slope[j - j0] = in.transform.slope(acc);
+    z[j - j0] = in.transform.value(acc) * invT;
   }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_cpu(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels, double temperature,
     const std::optional<at::Tensor>& token_temperature, const std::optional<at::Tensor>& bias, int64_t ignore_index,
-    bool return_entropy, bool /*batch_invariant: the CPU path always is*/) {
+    bool return_entropy, bool /*batch_invariant: the CPU path always is*/, std::optional<double> softcap,
+    double logit_scale) {
   check_forward_args(hidden, weight, labels, temperature, token_temperature, bias);
-  const Inputs in = prepare(hidden, weight, labels, temperature, token_temperature, bias);
+  fused_logp_cpu::check_logit_transform("linear_logp", softcap, logit_scale);
+  fused_logp_cpu::check_effective_temperature("linear_logp", temperature, softcap, logit_scale);
+  const Inputs in = prepare(hidden, weight, labels, temperature, token_temperature, bias, softcap, logit_scale);
   const int64_t N = in.N, V = in.V;
   for (int64_t i = 0; i < N; ++i) {
     const int64_t y = label_at(in.labels, i);
@@ -235,10 +248,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_cpu(
   check_token_temperatures(in, ignore_index);
   const auto f32 = hidden.options().dtype(at::kFloat);
   at::Tensor logp = at::empty({N}, f32), entropy = at::empty({return_entropy ? N : 0}, f32),
-             stats = at::empty({N, 2}, f32);
+             stats = at::empty({N, 2}, hidden.options().dtype(at::kDouble));
   float* lp = logp.data_ptr<float>();
   float* ep = return_entropy ? entropy.data_ptr<float>() : nullptr;
-  float* sp = stats.data_ptr<float>();
+  double* sp = stats.data_ptr<double>();
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> z(kBlockV);
     for (int64_t i = begin; i < end; ++i) {
@@ -246,7 +259,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_cpu(
       if (y == ignore_index) {
         lp[i] = 0.f;
         if (ep) ep[i] = 0.f;
-        sp[2 * i] = sp[2 * i + 1] = 0.f;
+        sp[2 * i] = sp[2 * i + 1] = 0.0;
         continue;
       }
       const double invT = 1.0 / in.T(i);
@@ -276,8 +289,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_cpu(
       const double mean = u / s;
       lp[i] = static_cast<float>(zy - lse);
       if (ep) ep[i] = static_cast<float>(std::log(s) - mean);
-      sp[2 * i] = static_cast<float>(lse);
-      sp[2 * i + 1] = static_cast<float>(m + mean);
+      sp[2 * i] = lse;
+      sp[2 * i + 1] = m + mean;
     }
   });
   return {logp, entropy, stats};
@@ -288,16 +301,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_backward_cpu(
     const at::Tensor& weight, const at::Tensor& labels, double temperature,
     const std::optional<at::Tensor>& token_temperature, const std::optional<at::Tensor>& bias, const at::Tensor& stats,
     int64_t ignore_index, std::array<bool, 3> output_mask, bool grad_weight_fp32,
-    bool /*batch_invariant: the CPU path always is*/) {
+    bool /*batch_invariant: the CPU path always is*/, std::optional<double> softcap, double logit_scale) {
   check_backward_args(grad_logp, grad_entropy, hidden, weight, labels, temperature, token_temperature, bias, stats);
-  const Inputs in = prepare(hidden, weight, labels, temperature, token_temperature, bias);
+  fused_logp_cpu::check_logit_transform("linear_logp", softcap, logit_scale);
+  fused_logp_cpu::check_effective_temperature("linear_logp", temperature, softcap, logit_scale);
+  const Inputs in = prepare(hidden, weight, labels, temperature, token_temperature, bias, softcap, logit_scale);
   const int64_t N = in.N, H = in.H, V = in.V;
   check_token_temperatures(in, ignore_index);
   const bool need_h = output_mask[0], need_w = output_mask[1], need_b = output_mask[2] && bias.has_value();
   const auto dtype = hidden.scalar_type();
   const at::Tensor glp = grad_logp.to(at::kDouble).contiguous();
   const at::Tensor ge = grad_entropy.has_value() ? grad_entropy->to(at::kDouble).contiguous() : at::Tensor();
-  const at::Tensor st = stats.to(at::kDouble).contiguous();
+  const at::Tensor st = stats.contiguous();
   const double* gp = glp.data_ptr<double>();
   const double* gep = ge.defined() ? ge.data_ptr<double>() : nullptr;
   const double* sp = st.data_ptr<double>();
@@ -307,7 +322,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_backward_cpu(
   std::vector<double> gh(need_h ? N * H : 0, 0.0);
   at::Tensor gw = at::empty({need_w ? V : 0, need_w ? H : 0}, at::kDouble);
   at::Tensor gb = at::empty({need_b ? V : 0}, at::kDouble);
-  std::vector<double> dz(N * kBlockV);
+  std::vector<double> dz(N * kBlockV), slopes(N * kBlockV);
   if (need_h || need_w || need_b) {
     for (int64_t j0 = 0; j0 < V; j0 += kBlockV) {
       const int64_t j1 = std::min(V, j0 + kBlockV), nb = j1 - j0;
@@ -321,7 +336,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_backward_cpu(
             continue;
           }
           const double T = in.T(i);
-          logits_block(in, i, j0, j1, 1.0 / T, d);
+          double* slope = slopes.data() + i * kBlockV;
+          logits_block(in, i, j0, j1, 1.0 / T, d, slope);
           const double lse = sp[2 * i], spz = sp[2 * i + 1];
           const double k1 = gp[i] / T, k2 = gep ? gep[i] / T : 0.0;
           for (int64_t j = j0; j < j1; ++j) {
@@ -329,7 +345,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_backward_cpu(
             const double p = std::exp(z - lse);
             double g = (p == 0.0) ? 0.0 : -p * (k1 + k2 * (z - spz));  // never p * (log p + H)
             if (j == y) g += k1;
-            d[j - j0] = g;
+            d[j - j0] = g * slope[j - j0];
           }
         }
       });
@@ -380,13 +396,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_backward_cpu(
 TORCH_LIBRARY_FRAGMENT(fused_logp, m) {
   m.def(
       "linear_logp_entropy(Tensor hidden, Tensor weight, Tensor labels, float temperature, Tensor? token_temperature, "
-      "Tensor? bias, int ignore_index, bool return_entropy, bool batch_invariant=False) -> (Tensor logp, "
-      "Tensor entropy, Tensor stats)");
+      "Tensor? bias, int ignore_index, bool return_entropy, bool batch_invariant=False, float? softcap=None, "
+      "float logit_scale=1.0) -> (Tensor logp, Tensor entropy, Tensor stats)");
   m.def(
       "linear_logp_entropy_backward(Tensor grad_logp, Tensor? grad_entropy, Tensor hidden, Tensor weight, "
       "Tensor labels, float temperature, Tensor? token_temperature, Tensor? bias, Tensor stats, int ignore_index, "
-      "bool[3] output_mask, bool grad_weight_fp32, bool batch_invariant=False) -> (Tensor grad_hidden, "
-      "Tensor grad_weight, Tensor grad_bias)");
+      "bool[3] output_mask, bool grad_weight_fp32, bool batch_invariant=False, float? softcap=None, "
+      "float logit_scale=1.0) -> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)");
 }
 
 TORCH_LIBRARY_IMPL(fused_logp, CPU, m) {

@@ -82,6 +82,24 @@ def check_logp_entropy_backward_args(grad_logp, grad_entropy, logits, labels, te
     _require(stats.device == logits.device, f"{p}: stats must be on logits' device {logits.device}, got {stats.device}")
 
 
+# ---- the logit transforms (cpu_common.h: check_logit_transform, check_effective_temperature) ------------------------
+def check_logit_transform(p: str, softcap, logit_scale) -> None:
+    lo, hi = f"{_FLOAT32_MIN:g}", f"{_FLOAT32_MAX:g}"  # numbers as TORCH_CHECK prints doubles
+    _require(_FLOAT32_MIN <= logit_scale <= _FLOAT32_MAX,
+             f"{p}: logit_scale must be finite and > 0 (a normal float32, in [{lo}, {hi}]), got {logit_scale:g}")
+    if softcap is not None:
+        _require(_FLOAT32_MIN <= softcap <= _FLOAT32_MAX,
+                 f"{p}: softcap must be None or finite and > 0 (a normal float32, in [{lo}, {hi}]), got {softcap:g}")
+
+
+def check_effective_temperature(p: str, temperature, softcap, logit_scale) -> None:
+    t = temperature / (softcap if softcap is not None else logit_scale)
+    _require(_FLOAT32_MIN <= t <= _FLOAT32_MAX,
+             f"{p}: temperature / {'softcap' if softcap is not None else 'logit_scale'} = {t:g} must be a normal "
+             f"float32, in [{_FLOAT32_MIN:g}, {_FLOAT32_MAX:g}] (the kernels' effective temperature; temperature = "
+             f"{temperature:g})")
+
+
 # ---- fused_logp::linear_logp_entropy / linear_logp_entropy_backward ------------------------------------------------
 def _same_device(t, hidden, name) -> None:
     _require(t.device == hidden.device, f"linear_logp: {name} must be on hidden's device {hidden.device}, got {t.device}")
@@ -140,8 +158,8 @@ def check_linear_logp_entropy_backward_args(grad_logp, grad_entropy, hidden, wei
         _require(ge.dim() == 1 and ge.shape[0] == N, f"{p}: grad_entropy must have shape [{N}], got {list(ge.shape)}")
         _require(ge.is_floating_point(), f"{p}: grad_entropy must be floating point, got {_dtype_name(ge.dtype)}")
         _same_device(ge, hidden, "grad_entropy")
-    _require(stats.dtype == torch.float32,
-             f"{p}: stats must be float32 (from linear_logp_entropy), got {_dtype_name(stats.dtype)}")
+    _require(stats.dtype == torch.float64,
+             f"{p}: stats must be float64 (from linear_logp_entropy), got {_dtype_name(stats.dtype)}")
     _require(stats.dim() == 2 and stats.shape[0] == N and stats.shape[1] == 2,
              f"{p}: stats must have shape [{N}, 2], got {list(stats.shape)}")
     _same_device(stats, hidden, "stats")
@@ -166,6 +184,29 @@ def require_temperature(fn: str, temperature) -> None:
         return
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"{fn}: temperature must be a float or a float32 tensor, got {type(temperature).__name__}")
+
+
+def require_logit_transform(fn: str, softcap, logit_scale) -> None:
+    """The public functions' softcap (None or a real number) and logit_scale (a real number), both finite and > 0 and
+    within float32's normal range (the kernels take them as float32): a TypeError or ValueError naming the argument."""
+    for name, value, optional in (("softcap", softcap, True), ("logit_scale", logit_scale, False)):
+        if optional and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            what = "None or a float" if optional else "a float"
+            raise TypeError(f"{fn}: {name} must be {what}, got {type(value).__name__}")
+        if not _FLOAT32_MIN <= value <= _FLOAT32_MAX:
+            raise ValueError(f"{fn}: {name} must be finite and > 0 (a normal float32, in [{_FLOAT32_MIN}, "
+                             f"{_FLOAT32_MAX}]), got {value}")
+
+
+def temperature_as_float32(fn: str, temperature: torch.Tensor) -> torch.Tensor:
+    """The one temperature rule of both ops: any floating-point tensor is used as float32, detached (bf16 and fp16
+    convert exactly, float64 rounds to the nearest float32)."""
+    if not temperature.is_floating_point():
+        raise TypeError(f"{fn}: a temperature tensor must be floating point (it is used as float32), got "
+                        f"{temperature.dtype}")
+    return temperature.detach().to(torch.float32)
 
 
 def require_ignore_index(fn: str, ignore_index) -> None:

@@ -1,6 +1,7 @@
 """Log-probabilities and entropy straight from hidden states and the lm_head weight (issue 5).
 
-``linear_logp_entropy(hidden, weight, labels, temperature)`` computes, per token, with z = (hidden @ weight.T + bias) / T,
+``linear_logp_entropy(hidden, weight, labels, temperature)`` computes, per token, with z = g(hidden @ weight.T + bias) / T
+(g: the optional logit transform, softcap and logit_scale, as in ``ops.logp_entropy``),
 ``logp = z_y - logsumexp(z)`` and ``entropy = logsumexp(z) - sum softmax(z) z`` in fp32, without materialising the
 [N, V] logits, differentiable in hidden, weight and bias. The ops are ``torch.ops.fused_logp.linear_logp_entropy``
 and ``linear_logp_entropy_backward`` (CPU: C++, CUDA sm_90a: TMA + wgmma; see docs/notes/linear_logp.md).
@@ -13,7 +14,7 @@ from prime_kernels_core import manifest
 from prime_kernels_core.contracts import UnsupportedShapeError
 
 from . import _C  # noqa: F401  (registers the ops)
-from . import checks
+from . import checks, reference
 from .ops import require_device  # the module also registers fused_logp::logp_entropy's autograd (the fallback's)
 
 _CONSTANTS = manifest.constants("prime_kernels_fused_logp", "linear_logp")
@@ -92,19 +93,26 @@ def unsupported_shape_reason(hidden_size: int, vocab_size: int, num_tokens: int 
 
 @torch.library.register_fake("fused_logp::linear_logp_entropy")
 def _linear_logp_entropy_fake(hidden, weight, labels, temperature, token_temperature, bias, ignore_index,
-                              return_entropy, batch_invariant=False):
+                              return_entropy, batch_invariant=False, softcap=None, logit_scale=1.0):
     checks.check_linear_logp_entropy_args(hidden, weight, labels, temperature, token_temperature, bias, _CONSTANTS)
+    _check_transform(temperature, softcap, logit_scale)
     n = hidden.shape[0]
     return (hidden.new_empty((n,), dtype=torch.float32), hidden.new_empty((n if return_entropy else 0,), dtype=torch.float32),
-            hidden.new_empty((n, 2), dtype=torch.float32))
+            hidden.new_empty((n, 2), dtype=torch.float64))
+
+
+def _check_transform(temperature, softcap, logit_scale):
+    checks.check_logit_transform("linear_logp", softcap, logit_scale)
+    checks.check_effective_temperature("linear_logp", temperature, softcap, logit_scale)
 
 
 @torch.library.register_fake("fused_logp::linear_logp_entropy_backward")
 def _linear_logp_entropy_backward_fake(grad_logp, grad_entropy, hidden, weight, labels, temperature,
                                        token_temperature, bias, stats, ignore_index, output_mask, grad_weight_fp32,
-                                       batch_invariant=False):
+                                       batch_invariant=False, softcap=None, logit_scale=1.0):
     checks.check_linear_logp_entropy_backward_args(grad_logp, grad_entropy, hidden, weight, labels, temperature,
                                                    token_temperature, bias, stats, _CONSTANTS)
+    _check_transform(temperature, softcap, logit_scale)
     gh = hidden.new_empty(hidden.shape) if output_mask[0] else hidden.new_empty((0,))
     gw = (hidden.new_empty(weight.shape, dtype=torch.float32 if grad_weight_fp32 else hidden.dtype)
           if output_mask[1] else hidden.new_empty((0,)))
@@ -121,22 +129,24 @@ def _setup_context(ctx, inputs, output):
     ctx.return_entropy = return_entropy
     ctx.has_bias = bias is not None
     ctx.batch_invariant = bool(inputs[8]) if len(inputs) > 8 else False
+    ctx.softcap = inputs[9] if len(inputs) > 9 else None
+    ctx.logit_scale = inputs[10] if len(inputs) > 10 else 1.0
 
 
 def _backward(ctx, grad_logp, grad_entropy, grad_stats):
     hidden, weight, labels, token_temperature, bias, stats = ctx.saved_tensors
     mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[5]]
     if not any(mask):
-        return (None,) * 9
+        return (None,) * 11
     if grad_logp is None:
         grad_logp = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     if not ctx.return_entropy:
         grad_entropy = None
     gh, gw, gb = _ops.linear_logp_entropy_backward(grad_logp, grad_entropy, hidden, weight, labels, ctx.temperature,
                                                    token_temperature, bias, stats, ctx.ignore_index, mask, False,
-                                                   ctx.batch_invariant)
+                                                   ctx.batch_invariant, ctx.softcap, ctx.logit_scale)
     return (gh if mask[0] else None, gw if mask[1] else None, None, None, None, gb if mask[2] else None, None, None,
-            None)
+            None, None, None)
 
 
 torch.library.register_autograd("fused_logp::linear_logp_entropy", _backward, setup_context=_setup_context)
@@ -170,10 +180,11 @@ def _flatten(hidden, weight, labels, temperature, bias):
     l1 = labels.reshape(-1)
     token_temperature = None
     if isinstance(temperature, torch.Tensor):
+        temperature = checks.temperature_as_float32(fn, temperature)
         if temperature.dim() == 0:
-            token_temperature = temperature.to(torch.float32).expand(l1.shape[0]).contiguous()
+            token_temperature = temperature.expand(l1.shape[0]).contiguous()
         elif tuple(temperature.shape) == tuple(labels.shape):
-            token_temperature = temperature.to(torch.float32).reshape(-1)
+            token_temperature = temperature.reshape(-1)
         else:
             raise ValueError(f"temperature must be a float, a 0-d tensor or a tensor of labels' shape "
                              f"{tuple(labels.shape)}, got shape {tuple(temperature.shape)}")
@@ -189,11 +200,17 @@ def linear_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
                         temperature: float | torch.Tensor = 1.0, *, bias: torch.Tensor | None = None,
                         ignore_index: int = -100, return_entropy: bool = True, fallback: str | None = None,
                         chunk_size: int = 8192, batch_invariant: bool = False, process_group=None,
-                        vocab_start: int | None = None):
+                        vocab_start: int | None = None, softcap: float | None = None, logit_scale: float = 1.0):
     """(logp, entropy) of shape labels.shape, fp32; entropy is None when return_entropy is False.
 
     hidden [..., H] and weight [V, H] in bfloat16/float16 (float32 on CPU), labels [...] integer, temperature a float
-    or an fp32 tensor (0-d or labels' shape; not differentiated). Ignored tokens give 0 and no gradient.
+    or a floating-point tensor used as float32 (0-d or labels' shape; bf16/fp16 convert exactly, float64 rounds; not
+    differentiated). Ignored tokens give 0 and no gradient.
+    softcap, logit_scale: the logit transform applied to x = hidden @ weight.T + bias, in this order: logit_scale * x
+    (Cohere's ``logit_scale``; Granite: ``1 / logits_scaling``), then softcap * tanh(x / softcap) (Gemma 2/3's
+    ``final_logit_softcapping``), then the temperature; both finite and > 0, and temperature / softcap (or
+    temperature / logit_scale without a softcap) a normal float32. On CUDA a logit_scale alone costs nothing (it is
+    folded into the temperature); a softcap adds a tanh per logit in the epilogues (docs/integrations.md).
     Every other token needs a label in [0, V) and a temperature that is finite and > 0: on CPU either raises, naming
     the first offending position; on CUDA (no sync) the token gets NaN logp and entropy (a bad temperature also NaN
     gradients). Gradients come in the inputs' dtypes (autograd casts each to its input's); for an fp32 grad_weight
@@ -216,13 +233,17 @@ def linear_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     """
     checks.require_ignore_index("linear_logp_entropy", ignore_index)
     checks.require_process_group("linear_logp_entropy", process_group)
+    checks.require_logit_transform("linear_logp_entropy", softcap, logit_scale)
+    softcap = None if softcap is None else float(softcap)
+    logit_scale = float(logit_scale)
     if process_group is not None:
         from .vocab_parallel import linear_logp_entropy_vocab_parallel
 
         return linear_logp_entropy_vocab_parallel(hidden, weight, labels, temperature, bias=bias,
                                                   ignore_index=ignore_index, return_entropy=return_entropy,
                                                   fallback=fallback, process_group=process_group,
-                                                  vocab_start=vocab_start, batch_invariant=batch_invariant)
+                                                  vocab_start=vocab_start, batch_invariant=batch_invariant,
+                                                  softcap=softcap, logit_scale=logit_scale)
     if vocab_start is not None:
         raise ValueError("linear_logp_entropy: vocab_start needs a process_group (it is the first vocab id of this "
                          "rank's shard)")
@@ -240,15 +261,17 @@ def linear_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
         if batch_invariant:
             raise UnsupportedShapeError(f"linear_logp_entropy: {reason}, and batch_invariant=True needs the fused "
                                         f"kernel (the chunked fallback's cuBLAS logits GEMM is not batch-invariant)")
-        logp, entropy = _chunked(h2, weight, l1, temp, token_temperature, bias, ignore_index, chunk_size)
+        logp, entropy = _chunked(h2, weight, l1, temp, token_temperature, bias, ignore_index, chunk_size, softcap,
+                                 logit_scale)
     else:
         logp, entropy, _ = _ops.linear_logp_entropy(h2, weight, l1, temp, token_temperature, bias, ignore_index,
-                                                    return_entropy, bool(batch_invariant))
+                                                    return_entropy, bool(batch_invariant), softcap, logit_scale)
     shape = labels.shape
     return logp.reshape(shape), (entropy.reshape(shape) if return_entropy else None)
 
 
-def _chunked(h2, weight, l1, temperature, token_temperature, bias, ignore_index, chunk_size):
+def _chunked(h2, weight, l1, temperature, token_temperature, bias, ignore_index, chunk_size, softcap=None,
+             logit_scale=1.0):
     """The fallback: per vocab chunk, logits -> fused_logp::logp_entropy, merged by logsumexp (checkpointed chunks).
     A label outside [0, V) that is not ignore_index gives NaN logp and entropy, as the CUDA kernel (no sync)."""
     from torch.utils.checkpoint import checkpoint
@@ -269,10 +292,11 @@ def _chunked(h2, weight, l1, temperature, token_temperature, bias, ignore_index,
         # A token whose logits in this chunk are all -inf (e.g. a -inf bias on padded vocab rows) has no softmax here:
         # the op would give NaN (and NaN gradients). It runs as ignored instead (0, zero gradient), so its lse is
         # zsel = -inf and the merge gives the chunk weight 0; its sum p z must then be finite, not -inf (0 * -inf).
-        dead = logits.amax(1) == float("-inf")
+        # (A softcap maps -inf to -softcap: such a chunk is an ordinary one.)
+        dead = (logits.amax(1) == float("-inf")) & (softcap is None)
         lp, ent, _ = _ops.logp_entropy(logits, torch.where(dead, -1, local), temperature, token_temperature, -1, True,
-                                       False)
-        zsel = logits.gather(1, local[:, None]).squeeze(1).float() / tvec
+                                       False, False, softcap, logit_scale)
+        zsel = reference.transform(logits.gather(1, local[:, None]).squeeze(1).float(), softcap, logit_scale) / tvec
         lse = zsel - lp
         return lse, torch.where(dead, 0.0, lse - ent), zsel  # logsumexp, sum p z, the selected logit
 
@@ -298,22 +322,24 @@ def _chunked(h2, weight, l1, temperature, token_temperature, bias, ignore_index,
 
 def linear_logp_entropy_backward(grad_logp, grad_entropy, hidden, weight, labels, temperature=1.0, *, bias=None,
                                  stats, ignore_index=-100, needs=(True, True, True), grad_weight_fp32=False,
-                                 batch_invariant=False):
+                                 batch_invariant=False, softcap=None, logit_scale=1.0):
     """The backward op directly, for what autograd cannot return: ``grad_weight_fp32=True`` gives grad_weight in fp32
     (accumulated in fp32 and never rounded to weight's dtype), e.g. for fp32 master gradients; autograd casts every
     gradient to its input's dtype. ``stats``: the third output of ``torch.ops.fused_logp.linear_logp_entropy`` on the
     same inputs (2-D hidden). Returns (grad_hidden, grad_weight, grad_bias), None where not requested. Example:
     docs/notes/linear_logp.md, "fp32 grad_weight". ``batch_invariant``: as in ``linear_logp_entropy`` (pair it with
-    stats from a batch-invariant forward)."""
+    stats from a batch-invariant forward). ``softcap``, ``logit_scale``: those of the forward."""
     checks.require_tensor("linear_logp_entropy_backward", "grad_logp", grad_logp)
     checks.require_tensor("linear_logp_entropy_backward", "grad_entropy", grad_entropy, optional=True)
     checks.require_tensor("linear_logp_entropy_backward", "stats", stats)
     checks.require_ignore_index("linear_logp_entropy_backward", ignore_index)
     checks.require_needs("linear_logp_entropy_backward", needs)
+    checks.require_logit_transform("linear_logp_entropy_backward", softcap, logit_scale)
     h2, l1, temp, token_temperature = _flatten(hidden, weight, labels, temperature, bias)
     ge = None if grad_entropy is None else grad_entropy.reshape(-1)
     mask = [bool(needs[0]), bool(needs[1]), bool(needs[2]) and bias is not None]
     gh, gw, gb = _ops.linear_logp_entropy_backward(grad_logp.reshape(-1), ge, h2, weight, l1, temp, token_temperature,
                                                    bias, stats, ignore_index, mask, grad_weight_fp32,
-                                                   bool(batch_invariant))
+                                                   bool(batch_invariant), None if softcap is None else float(softcap),
+                                                   float(logit_scale))
     return (gh.reshape(hidden.shape) if mask[0] else None, gw if mask[1] else None, gb if mask[2] else None)

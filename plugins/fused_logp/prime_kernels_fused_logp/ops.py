@@ -44,8 +44,9 @@ def unsupported_shape_reason(vocab_size: int, num_tokens: int = 1) -> str | None
 # ---- fake (meta) implementations, for torch.compile / FakeTensor --------------------------------------------------
 @torch.library.register_fake("fused_logp::logp_entropy")
 def _logp_entropy_fake(logits, labels, temperature, token_temperature, ignore_index, return_entropy, check_labels,
-                       batch_invariant=False):
+                       batch_invariant=False, softcap=None, logit_scale=1.0):
     checks.check_logp_entropy_args(logits, labels, temperature, token_temperature, CONSTANTS)
+    checks.check_logit_transform("fused_logp", softcap, logit_scale)
     n = logits.shape[0]
     logp = logits.new_empty((n,), dtype=torch.float32)
     entropy = logits.new_empty((n if return_entropy else 0,), dtype=torch.float32)
@@ -55,10 +56,12 @@ def _logp_entropy_fake(logits, labels, temperature, token_temperature, ignore_in
 
 @torch.library.register_fake("fused_logp::logp_entropy_backward")
 def _logp_entropy_backward_fake(
-    grad_logp, grad_entropy, logits, labels, temperature, token_temperature, stats, ignore_index, batch_invariant=False
+    grad_logp, grad_entropy, logits, labels, temperature, token_temperature, stats, ignore_index, batch_invariant=False,
+    softcap=None, logit_scale=1.0
 ):
     checks.check_logp_entropy_backward_args(grad_logp, grad_entropy, logits, labels, temperature, token_temperature,
                                             stats, CONSTANTS)
+    checks.check_logit_transform("fused_logp", softcap, logit_scale)
     return logits.new_empty(logits.shape)
 
 
@@ -70,6 +73,8 @@ def _setup_context(ctx, inputs, output):
     ctx.ignore_index = ignore_index
     ctx.return_entropy = return_entropy
     ctx.batch_invariant = bool(inputs[7]) if len(inputs) > 7 else False
+    ctx.softcap = inputs[8] if len(inputs) > 8 else None
+    ctx.logit_scale = inputs[9] if len(inputs) > 9 else 1.0
 
 
 def _backward(ctx, grad_logp, grad_entropy, _grad_stats):
@@ -86,9 +91,12 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_stats):
             stats,
             ctx.ignore_index,
             ctx.batch_invariant,
+            ctx.softcap,
+            ctx.logit_scale,
         )
-    # No gradient for labels, temperatures (the per-token temperature is treated as a constant) or the flags.
-    return grad_logits, None, None, None, None, None, None, None
+    # No gradient for labels, temperatures (the per-token temperature is treated as a constant), the transforms or the
+    # flags.
+    return grad_logits, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("fused_logp::logp_entropy", _backward, setup_context=_setup_context)
@@ -107,20 +115,24 @@ def logp_entropy(
     batch_invariant: bool = False,
     process_group=None,
     vocab_start: int | None = None,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probability of each label and entropy of each token's distribution, at a sampling temperature.
 
-    With z = logits / temperature: ``logp = z[label] - logsumexp(z)`` and ``entropy = logsumexp(z) - sum softmax(z) z``,
-    both float32 with logits' leading shape (entropy is None when ``return_entropy`` is false). Differentiable w.r.t.
-    logits (the gradient has logits' dtype); the backward re-reads logits instead of saving probabilities.
+    With z = g(logits) / temperature (g: the logit transform, identity by default; see softcap, logit_scale):
+    ``logp = z[label] - logsumexp(z)`` and ``entropy = logsumexp(z) - sum softmax(z) z``, both float32 with logits'
+    leading shape (entropy is None when ``return_entropy`` is false). Differentiable w.r.t. logits (the gradient has
+    logits' dtype); the backward re-reads logits instead of saving probabilities.
 
     logits: [..., V] float32/bfloat16/float16 (a last dim that is not stride-1 is made contiguous).
     labels: int64/int32 with logits' leading shape. Tokens whose label is ``ignore_index`` get logp 0, entropy 0 and a
         zero gradient. Any other label outside [0, V) raises, naming the first offending flat position; on CUDA this
         check reads one device word back (a stream sync). ``check_labels=False`` skips that read (no sync, CUDA-graph
         capturable); such tokens then get NaN instead of an error. On CPU labels are always checked.
-    temperature: a positive float, or a float32 tensor (no gradient flows to it): 0-d (one temperature for every
-        token, broadcast on its device without a host read) or with logits' leading shape (one per token). A token's
+    temperature: a positive float, or a floating-point tensor used as float32 (bf16/fp16 convert exactly, float64
+        rounds to float32; no gradient flows to it): 0-d (one temperature for every token, broadcast on its device
+        without a host read) or with logits' leading shape (one per token). A token's
         temperature must be finite and > 0 unless the token is ignored: on CPU any other raises, naming the first
         offending position; on CUDA that token gets NaN and, with ``check_labels``, the same read-back raises naming
         it.
@@ -137,21 +149,28 @@ def logp_entropy(
         entropy (module ``vocab_parallel``, docs/notes/vocab_parallel.md). None (default): single rank, unchanged.
     vocab_start: with a process_group, this rank's first global vocab id; None derives it from the ranks' local vocab
         sizes in group-rank order.
+    softcap, logit_scale: the logit transform g, in this order: x -> logit_scale * x (Cohere's ``logit_scale``;
+        Granite's ``logits_scaling`` is ``logit_scale = 1 / logits_scaling``), then x -> softcap * tanh(x / softcap)
+        (Gemma 2/3's ``final_logit_softcapping``), then the temperature. Both finite and > 0 (normal float32 values);
+        None / 1.0 (default): g(x) = x, the kernels without any transform work. Differentiated through (the gradient
+        carries g'(x) = logit_scale / cosh^2(logit_scale * x / softcap)); docs/integrations.md lists the model fields.
     """
     checks.require_ignore_index("logp_entropy", ignore_index)
+    checks.require_logit_transform("logp_entropy", softcap, logit_scale)
     checks.require_process_group("logp_entropy", process_group)
     if process_group is not None:
         from .vocab_parallel import logp_entropy_vocab_parallel
 
         return logp_entropy_vocab_parallel(logits, labels, temperature, ignore_index=ignore_index,
                                            return_entropy=return_entropy, process_group=process_group,
-                                           vocab_start=vocab_start, batch_invariant=batch_invariant)
+                                           vocab_start=vocab_start, batch_invariant=batch_invariant,
+                                           softcap=softcap, logit_scale=logit_scale)
     if vocab_start is not None:
         raise ValueError("fused_logp: vocab_start needs a process_group (the first vocab id of this rank's shard)")
     x, labels1, scalar_t, token_temperature, lead = _flatten(logits, labels, temperature)
     logp, entropy, _stats = _op(
         x, labels1, scalar_t, token_temperature, int(ignore_index), bool(return_entropy), bool(check_labels),
-        bool(batch_invariant)
+        bool(batch_invariant), None if softcap is None else float(softcap), float(logit_scale)
     )
     logp = logp.reshape(lead)
     return logp, (entropy.reshape(lead) if return_entropy else None)
@@ -187,9 +206,7 @@ def _flatten(logits, labels, temperature):
     if vocab > 1 and x.stride(-1) != 1:
         x = x.contiguous()
     if isinstance(temperature, torch.Tensor):
-        if temperature.dtype != torch.float32:
-            raise TypeError(f"fused_logp: a temperature tensor must be float32, got {temperature.dtype}")
-        temperature = temperature.detach()
+        temperature = checks.temperature_as_float32("logp_entropy", temperature)
         if temperature.dim() == 0:
             token_temperature = temperature.expand(x.shape[0]).contiguous()
         elif temperature.shape != lead:

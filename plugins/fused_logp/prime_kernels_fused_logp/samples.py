@@ -23,19 +23,23 @@ def _logits_op_samples(device):
         ("logp_entropy_backward", (grad, torch.randn_like(entropy), logits.detach(), labels, 0.7, None, stats, -100), {}),
         ("logp_entropy_backward", (grad, None, logits.detach(), labels, 0.7, None, stats, -100), {}),
         ("logp_entropy_backward", (grad, None, logits.detach(), labels, 0.7, None, stats, -100, True), {}),
+        ("logp_entropy", (logits, labels, 0.7, token_t, -100, True, True, False, 5.0, 0.5), {}),
+        ("logp_entropy_backward",
+         (grad, torch.randn_like(entropy), logits.detach(), labels, 0.7, None, stats, -100, False, 5.0, 0.5), {}),
     ]
 
 
 def _logits_surface_samples(device):
     from . import ops
 
-    def step(logits, labels, temperature):
-        return ops.logp_entropy(logits, labels, temperature)
+    def step(logits, labels, temperature, softcap=None):
+        return ops.logp_entropy(logits, labels, temperature, softcap=softcap)
 
     logits, labels = _inputs(device, dtype=torch.float32)
     per_token = torch.full((2, 3), 0.9, device=device)
     return [(step, (logits.view(2, 3, -1), labels.view(2, 3), 0.7), {}),
-            (step, (logits.view(2, 3, -1), labels.view(2, 3), per_token), {})]
+            (step, (logits.view(2, 3, -1), labels.view(2, 3), per_token), {}),
+            (step, (logits.view(2, 3, -1), labels.view(2, 3), per_token), {"softcap": 4.0})]
 
 
 def _linear_op_samples(device):
@@ -61,6 +65,10 @@ def _linear_op_samples(device):
          (glp, None, hidden, weight, labels, 0.7, tt, None, stats, -100, [True, False, False], True), {}),
         ("linear_logp_entropy_backward",
          (glp, gent, hidden, weight, labels, 0.7, tt, bias, stats, -100, [True, True, True], False, True), {}),
+        ("linear_logp_entropy", fwd + (False, 2.0, 0.5), {}),
+        ("linear_logp_entropy_backward",
+         (glp, gent, hidden, weight, labels, 0.7, tt, bias, stats, -100, [True, True, True], False, False, 2.0, 0.5),
+         {}),
     ]
 
 
@@ -71,7 +79,8 @@ def _linear_surface_samples(device):
     hidden = torch.randn(2, 3, 16, generator=g).to(torch.bfloat16).to(device)
     weight = torch.randn(37, 16, generator=g).to(torch.bfloat16).to(device)
     labels = torch.randint(0, 37, (2, 3), generator=g).to(device)
-    return [(linear_ops.linear_logp_entropy, (hidden, weight, labels, 0.7), {})]
+    return [(linear_ops.linear_logp_entropy, (hidden, weight, labels, 0.7), {}),
+            (linear_ops.linear_logp_entropy, (hidden, weight, labels, 0.7), {"softcap": 3.0, "logit_scale": 0.5})]
 
 
 def op_samples(kernel, device):

@@ -27,6 +27,8 @@ import struct
 import torch
 import torch.distributed as dist
 
+from . import reference
+
 _ops = torch.ops.fused_logp
 _LOCAL_IGNORE = -1  # local label of ignored tokens; every other local label is in [0, V_local)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -34,7 +36,7 @@ _I64_MAX = 2**63 - 1
 # The int64 row each rank contributes to the all_gather of _agree.
 _FIELDS = ("error", "num_tokens", "local_vocab", "vocab_start", "hidden_size", "temperature_kind",
            "temperature_bits", "ignore_index", "return_entropy", "grad_hidden", "labels_checksum", "label_min",
-           "label_max", "temperature_checksum", "batch_invariant")
+           "label_max", "temperature_checksum", "batch_invariant", "softcap_bits", "logit_scale_bits")
 _F = {name: i for i, name in enumerate(_FIELDS)}
 
 
@@ -45,6 +47,15 @@ def _temperature_code(temperature) -> tuple[int, int]:
     if isinstance(temperature, torch.Tensor):
         return (-2, 0) if temperature.dim() == 0 else (temperature.numel(), 0)
     return -1, struct.unpack("<q", struct.pack("<d", float(temperature)))[0]
+
+
+def _float_bits(value) -> int:
+    """A float's float64 bit pattern as an int64 (None: -1, which no positive float has)."""
+    return -1 if value is None else struct.unpack("<q", struct.pack("<d", float(value)))[0]
+
+
+def _describe_float_bits(bits: int) -> str:
+    return "None" if bits == -1 else repr(struct.unpack("<d", struct.pack("<q", bits))[0])
 
 
 def _describe_temperature(kind: int, bits: int) -> str:
@@ -60,7 +71,7 @@ def _checksum(values: torch.Tensor) -> torch.Tensor:
 
 
 def _agree(group, device, error, n, local_vocab, vocab_start, hidden_size, temperature, ignore_index, return_entropy,
-           grad_hidden, labels, batch_invariant=False):
+           grad_hidden, labels, batch_invariant=False, softcap=None, logit_scale=1.0):
     """One all_gather of a small int64 row per rank, then one host read; every rank checks the same table.
 
     Returns (this rank's vocab_start, global vocab size). Raises on every rank when any rank failed its local argument
@@ -83,7 +94,8 @@ def _agree(group, device, error, n, local_vocab, vocab_start, hidden_size, tempe
             temperature_checksum,
         ])
         row = torch.cat([torch.tensor(host, dtype=torch.int64, device=device), dev,
-                         torch.tensor([int(batch_invariant)], dtype=torch.int64, device=device)])
+                         torch.tensor([int(batch_invariant), _float_bits(softcap), _float_bits(logit_scale)],
+                                      dtype=torch.int64, device=device)])
     else:
         row = torch.zeros(len(_FIELDS), dtype=torch.int64, device=device)
         row[_F["error"]] = 1
@@ -122,6 +134,8 @@ def _agree(group, device, error, n, local_vocab, vocab_start, hidden_size, tempe
     same("labels_checksum", "the labels (position-weighted checksum)")
     same("batch_invariant", "batch_invariant (the invariant mode gathers partials instead of all-reducing them)",
          lambda r: str(bool(table[r][_F["batch_invariant"]])))
+    same("softcap_bits", "softcap", lambda r: _describe_float_bits(table[r][_F["softcap_bits"]]))
+    same("logit_scale_bits", "logit_scale", lambda r: _describe_float_bits(table[r][_F["logit_scale_bits"]]))
 
     sizes, starts = col("local_vocab"), col("vocab_start")
     total = sum(sizes)
@@ -229,19 +243,22 @@ def _round_like_op(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class _LogitsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, local_labels, owned, nonowned, valid, temperature, token_temperature, return_entropy,
-                group, batch_invariant):
+                group, batch_invariant, softcap, logit_scale):
         _, _, stats = _ops.logp_entropy(logits, local_labels, temperature, token_temperature, _LOCAL_IGNORE,
-                                        return_entropy, False, batch_invariant)  # local labels: in range
+                                        return_entropy, False, batch_invariant, softcap,
+                                        logit_scale)  # local labels: in range
         n = logits.shape[0]
         tvec = _token_temperature(temperature, token_temperature, n, logits.device)
         col = local_labels.clamp_min(0)[:, None]
-        zy = logits.gather(1, col).squeeze(1).double() / tvec  # exactly the op's z_y (float -> double / T)
+        x = logits.gather(1, col).squeeze(1).double()  # the logits as the op reads them (float -> double)
+        zy = reference.transform(x, softcap, logit_scale) / tvec  # the op's z_y
         lse, spz, logp, entropy = _combine(stats[:, 0], stats[:, 1], zy, owned, valid, return_entropy, group,
                                            batch_invariant)
         ctx.save_for_backward(logits, local_labels, nonowned, token_temperature, torch.stack([lse, spz], 1), tvec)
         ctx.temperature = temperature
         ctx.return_entropy = return_entropy
         ctx.batch_invariant = batch_invariant
+        ctx.softcap, ctx.logit_scale = softcap, logit_scale
         if not return_entropy:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -249,29 +266,32 @@ class _LogitsFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         if not ctx.needs_input_grad[0]:
-            return (None,) * 10
+            return (None,) * 12
         logits, local_labels, nonowned, token_temperature, stats, tvec = ctx.saved_tensors
         g = grad_logp.float().contiguous()
         ge = grad_entropy.float().contiguous() if ctx.return_entropy else None
         grad = _ops.logp_entropy_backward(g, ge, logits, local_labels, ctx.temperature, token_temperature, stats,
-                                          _LOCAL_IGNORE, ctx.batch_invariant)
-        # Rows whose label another rank owns: the op added g/T at the dummy column. Overwrite that one element with
-        # the value without the onehot term, -p (g + g_ent (z - sum_pz)) / T, recomputed in float64 and rounded as
-        # the op rounds (subtracting g/T after rounding would lose the small -p g/T to cancellation).
+                                          _LOCAL_IGNORE, ctx.batch_invariant, ctx.softcap, ctx.logit_scale)
+        # Rows whose label another rank owns: the op added g g'(x)/T at the dummy column. Overwrite that one element
+        # with the value without the onehot term, -p (g + g_ent (z - sum_pz)) g'(x) / T, recomputed in float64 and
+        # rounded as the op rounds (subtracting after rounding would lose the small -p g/T to cancellation).
         col = local_labels.clamp_min(0)[:, None]
-        z = logits.gather(1, col).squeeze(1).double() / tvec
+        x = logits.gather(1, col).squeeze(1).double()
+        z = reference.transform(x, ctx.softcap, ctx.logit_scale) / tvec
+        slope = reference.transform_slope(x, ctx.softcap, ctx.logit_scale)
         p = torch.exp(z - stats[:, 0])
         value = -(g.double() / tvec) * p
         if ge is not None:
             zero = torch.zeros_like(p)
             value = value - torch.where(p == 0, zero, (ge.double() / tvec) * p * (z - stats[:, 1]))
+        value = value * slope
         current = grad.gather(1, col).squeeze(1)
         grad.scatter_(1, col, torch.where(nonowned, _round_like_op(value, grad.dtype), current)[:, None])
-        return grad, None, None, None, None, None, None, None, None, None
+        return (grad,) + (None,) * 11
 
 
 def logp_entropy_vocab_parallel(logits, labels, temperature=1.0, *, ignore_index=-100, return_entropy=True,
-                                process_group, vocab_start=None, batch_invariant=False):
+                                process_group, vocab_start=None, batch_invariant=False, softcap=None, logit_scale=1.0):
     """``ops.logp_entropy`` with logits sharded over the vocabulary: this rank's [..., V_local], global labels."""
     from .ops import _flatten
 
@@ -296,10 +316,10 @@ def logp_entropy_vocab_parallel(logits, labels, temperature=1.0, *, ignore_index
     except Exception as e:  # raised on every rank by _agree, after the one collective
         error = e
     start, _total = _agree(group, device, error, n, v_local, vocab_start, 0, temperature, int(ignore_index),
-                           return_entropy, False, l1, batch_invariant)
+                           return_entropy, False, l1, batch_invariant, softcap, logit_scale)
     local, owned, nonowned = _local_labels(l1, int(ignore_index), start, v_local)
     logp, entropy = _LogitsFn.apply(x, local, owned, nonowned, l1.long() != int(ignore_index), scalar_t, tt,
-                                    bool(return_entropy), group, bool(batch_invariant))
+                                    bool(return_entropy), group, bool(batch_invariant), softcap, logit_scale)
     lead = logits.shape[:-1]
     return logp.reshape(lead), (entropy.reshape(lead) if return_entropy else None)
 
@@ -308,15 +328,17 @@ def logp_entropy_vocab_parallel(logits, labels, temperature=1.0, *, ignore_index
 class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, local_labels, owned, nonowned, valid, temperature, token_temperature,
-                return_entropy, group, batch_invariant):
+                return_entropy, group, batch_invariant, softcap, logit_scale):
         logp_l, _, stats = _ops.linear_logp_entropy(hidden, weight, local_labels, temperature, token_temperature, bias,
-                                                     _LOCAL_IGNORE, return_entropy, batch_invariant)
-        lse_l = stats[:, 0].double()
-        zy = logp_l.double() + lse_l  # the owner's z_y (stats are fp32 in this op)
-        lse, spz, logp, entropy = _combine(lse_l, stats[:, 1].double(), zy, owned, valid, return_entropy, group,
+                                                     _LOCAL_IGNORE, return_entropy, batch_invariant, softcap,
+                                                     logit_scale)
+        lse_l = stats[:, 0]
+        zy = logp_l.double() + lse_l  # the owner's z_y (to the fp32 rounding of its logp)
+        lse, spz, logp, entropy = _combine(lse_l, stats[:, 1], zy, owned, valid, return_entropy, group,
                                            batch_invariant)
         ctx.save_for_backward(hidden, weight, bias, local_labels, nonowned, token_temperature,
-                              torch.stack([lse, spz], 1).float())
+                              torch.stack([lse, spz], 1))
+        ctx.softcap, ctx.logit_scale = softcap, logit_scale
         ctx.temperature = temperature
         ctx.return_entropy = return_entropy
         ctx.has_bias = bias is not None
@@ -331,7 +353,7 @@ class _LinearFn(torch.autograd.Function):
         hidden, weight, bias, local_labels, nonowned, token_temperature, stats = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = ctx.has_bias and ctx.needs_input_grad[2]
-        none = (None,) * 9
+        none = (None,) * 11
         if not (need_h or need_w or need_b):
             return (None, None, None) + none
         g = grad_logp.float().contiguous()
@@ -347,7 +369,7 @@ class _LinearFn(torch.autograd.Function):
         labels = torch.where(nonowned, weight.shape[0], local_labels)
         gh, gw, gb = _ops.linear_logp_entropy_backward(g, ge, h_in, w_in, labels, ctx.temperature, token_temperature,
                                                        bias, stats, _LOCAL_IGNORE, [need_h, need_w, need_b], False,
-                                                       ctx.batch_invariant)
+                                                       ctx.batch_invariant, ctx.softcap, ctx.logit_scale)
         grad_hidden = grad_weight = grad_bias = None
         if need_w:
             grad_weight = gw.to(weight.dtype)
@@ -363,7 +385,7 @@ class _LinearFn(torch.autograd.Function):
 
 def linear_logp_entropy_vocab_parallel(hidden, weight, labels, temperature=1.0, *, bias=None, ignore_index=-100,
                                        return_entropy=True, fallback=None, process_group, vocab_start=None,
-                                       batch_invariant=False):
+                                       batch_invariant=False, softcap=None, logit_scale=1.0):
     """``linear_ops.linear_logp_entropy`` with the lm_head sharded over the vocabulary: weight [V_local, H] (and bias
     [V_local]) of this rank, hidden [..., H] and global labels identical on every rank."""
     from prime_kernels_core.contracts import UnsupportedShapeError
@@ -395,14 +417,15 @@ def linear_logp_entropy_vocab_parallel(hidden, weight, labels, temperature=1.0, 
             raise ValueError(f"linear_logp_entropy: labels dtype must be int64 or int32, got {l1.dtype}")
         if not (temp > 0 and temp < float("inf")):
             raise ValueError(f"linear_logp_entropy: temperature must be finite and > 0, got {temp}")
+        linear_ops._check_transform(temp, softcap, logit_scale)
         grad_hidden = torch.is_grad_enabled() and h2.requires_grad
     except Exception as e:  # raised on every rank by _agree, after the one collective
         error = e
     start, _total = _agree(group, device, error, n, v_local, vocab_start, h_size, temperature, int(ignore_index),
-                           return_entropy, grad_hidden, l1, batch_invariant)
+                           return_entropy, grad_hidden, l1, batch_invariant, softcap, logit_scale)
     local, owned, nonowned = _local_labels(l1, int(ignore_index), start, v_local)
     logp, entropy = _LinearFn.apply(h2, weight, bias, local, owned, nonowned, l1.long() != int(ignore_index), temp, tt,
-                                    bool(return_entropy), group, bool(batch_invariant))
+                                    bool(return_entropy), group, bool(batch_invariant), softcap, logit_scale)
     shape = labels.shape
     return logp.reshape(shape), (entropy.reshape(shape) if return_entropy else None)
 

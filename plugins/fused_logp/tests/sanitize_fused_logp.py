@@ -6,14 +6,16 @@
 Covers fp32/bf16/fp16, int64/int32 labels, odd V (scalar head/tail), rows that are not 16-byte aligned, the
 split-vocab path (few rows, large V) and its combine, ignored tokens, an out-of-range label with check_labels=False
 (NaN, no read out of bounds), per-token temperature, with and without entropy; batch_invariant=True (V-fixed splits;
-unaligned rows through the gather path). Exits non-zero on a wrong result."""
+unaligned rows through the gather path); the softcap kernels (with logit_scale: int32 labels widened, gather forward,
+per-element backward, split-vocab combine). Exits non-zero on a wrong result."""
 import torch
 
 from prime_kernels_fused_logp import reference
 from prime_kernels_fused_logp.ops import logp_entropy
 
 
-def run(n, v, dtype, offset=0, label_dtype=torch.int64, per_token=False, entropy=True, invariant=False):
+def run(n, v, dtype, offset=0, label_dtype=torch.int64, per_token=False, entropy=True, invariant=False, tf=None):
+    tf = tf or {}
     base = (torch.randn(n, v + offset, device="cuda") * 3).to(dtype)
     x = base[:, offset:].detach().requires_grad_()
     y = torch.randint(0, v, (n,), device="cuda")
@@ -22,13 +24,13 @@ def run(n, v, dtype, offset=0, label_dtype=torch.int64, per_token=False, entropy
         y[1] = v + 5  # out of range: NaN for that token, never an out-of-bounds read
     y = y.to(label_dtype)
     t = (torch.rand(n, device="cuda") + 0.5) if per_token else 0.8
-    lp, ent = logp_entropy(x, y, t, return_entropy=entropy, check_labels=False, batch_invariant=invariant)
+    lp, ent = logp_entropy(x, y, t, return_entropy=entropy, check_labels=False, batch_invariant=invariant, **tf)
     loss = lp.nan_to_num().sum() + (ent.nan_to_num().sum() if entropy else 0)
     loss.backward()
     torch.cuda.synchronize()
     ok = y != -100
     ok &= (y >= 0) & (y < v)
-    lp64, ent64 = reference.logp_entropy_float64(x.detach(), torch.where(ok | (y == -100), y, -100), t)
+    lp64, ent64 = reference.logp_entropy_float64(x.detach(), torch.where(ok | (y == -100), y, -100), t, **tf)
     assert torch.allclose(lp[ok].double(), lp64[ok], rtol=1e-4, atol=1e-4), (n, v, dtype)
     if n > 4:
         assert torch.isnan(lp[1])
@@ -48,6 +50,10 @@ def main():
         (7, 70001, torch.bfloat16, 1, torch.int64, True, True, True),  # invariant: 2 splits, gathered rows
         (6, 131, torch.float16, 3, torch.int32, False, False, True),  # invariant: gathered rows, V < a split
         (5, 65536, torch.float32, 0, torch.int64, False, True, True),  # invariant: aligned rows, 2 splits
+        (7, 257, torch.bfloat16, 1, torch.int32, True, True, False, dict(softcap=5.0, logit_scale=0.5)),
+        (6, 131, torch.float16, 3, torch.int64, False, False, True, dict(softcap=30.0)),
+        (2, 40000, torch.float32, 0, torch.int64, False, True, False, dict(softcap=3.0)),  # split-vocab + combine
+        (5, 1031, torch.bfloat16, 0, torch.int64, True, True, False, dict(logit_scale=0.0625)),
     ]
     for case in cases:
         if case[0] > 0 and case[1] > 1:

@@ -5,6 +5,7 @@ Inputs are fresh random draws each run; the seed is printed (``pytest -s``) so a
 FUSED_LOGP_TEST_SEED=<seed>. Error margins print as ``<label>: error ..., PyTorch path ..., ratio ...``."""
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -37,13 +38,14 @@ def make_labels(n, v, device="cpu", ignore_frac=0.2, dtype=torch.int64):
 
 
 def check_against_float64(label, logits, labels, temperature=1.0, grads=True, ignore_index=-100,
-                          batch_invariant=False):
+                          batch_invariant=False, softcap=None, logit_scale=1.0):
     """Our logp / entropy / gradient vs the fp32 PyTorch path, both against float64: error ratio <= 1."""
     x_ours = logits.detach().clone().requires_grad_(grads)
     x_ref = logits.detach().clone().requires_grad_(grads)
-    lp, ent = logp_entropy(x_ours, labels, temperature, ignore_index=ignore_index, batch_invariant=batch_invariant)
-    lp_ref, ent_ref = reference.logp_entropy_reference(x_ref, labels, temperature, ignore_index=ignore_index)
-    lp64, ent64 = reference.logp_entropy_float64(logits.detach(), labels, temperature, ignore_index=ignore_index)
+    tf = dict(softcap=softcap, logit_scale=logit_scale)
+    lp, ent = logp_entropy(x_ours, labels, temperature, ignore_index=ignore_index, batch_invariant=batch_invariant, **tf)
+    lp_ref, ent_ref = reference.logp_entropy_reference(x_ref, labels, temperature, ignore_index=ignore_index, **tf)
+    lp64, ent64 = reference.logp_entropy_float64(logits.detach(), labels, temperature, ignore_index=ignore_index, **tf)
     assert lp.dtype == torch.float32 and ent.dtype == torch.float32
     assert lp.shape == labels.shape and ent.shape == labels.shape
     assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
@@ -55,7 +57,8 @@ def check_against_float64(label, logits, labels, temperature=1.0, grads=True, ig
     g_ent = torch.randn_like(ent)
     torch.autograd.backward((lp, ent), (g_lp, g_ent))
     torch.autograd.backward((lp_ref, ent_ref), (g_lp, g_ent))
-    g64 = reference.logp_entropy_grad_float64(logits.detach(), labels, g_lp, g_ent, temperature, ignore_index=ignore_index)
+    g64 = reference.logp_entropy_grad_float64(logits.detach(), labels, g_lp, g_ent, temperature, ignore_index=ignore_index,
+                                              **tf)
     assert x_ours.grad.dtype == logits.dtype and x_ours.grad.shape == logits.shape
     assert torch.isfinite(x_ours.grad).all()
     assert_error_ratio(f"{label} grad", x_ours.grad, x_ref.grad, g64)
@@ -85,6 +88,97 @@ def test_cpu_temperature(dtype):
     broadcast = logp_entropy(logits, labels, torch.tensor(0.7))
     expanded = logp_entropy(logits, labels, torch.full((32,), 0.7))
     assert torch.equal(broadcast[0], expanded[0]) and torch.equal(broadcast[1], expanded[1])
+
+
+# Gemma 2/3's final_logit_softcapping is 30 (logits of a few tens reach it); 4 saturates most of these logits (x ~ 3
+# randn, peaked + 30). logit_scale 0.0625 is Cohere Command-R's, 1 / 8 a Granite logits_scaling.
+TRANSFORMS = [(30.0, 1.0), (4.0, 1.0), (None, 0.0625), (None, 1 / 8), (30.0, 0.5)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["random", "peaked"])
+@pytest.mark.parametrize("softcap, logit_scale", TRANSFORMS, ids=str)
+def test_cpu_logit_transforms(dtype, kind, softcap, logit_scale):
+    n, v = 64, 257
+    logits, labels = make_logits(n, v, dtype, kind=kind), make_labels(n, v)
+    tag = f"cpu {dtype} {kind} softcap={softcap} logit_scale={logit_scale}"
+    tf = dict(softcap=softcap, logit_scale=logit_scale)
+    check_against_float64(f"{tag} T=1", logits, labels, **tf)
+    check_against_float64(f"{tag} T=0.7", logits, labels, 0.7, **tf)
+    check_against_float64(f"{tag} per-token T", logits, labels, torch.rand(n) * 1.5 + 0.25, **tf)
+
+
+def test_cpu_logit_transform_defaults_are_bitwise_the_plain_op():
+    logits, labels = make_logits(16, 131, torch.bfloat16).requires_grad_(), make_labels(16, 131)
+    plain = logp_entropy(logits, labels, 0.7)
+    explicit = logp_entropy(logits, labels, 0.7, softcap=None, logit_scale=1.0)
+    assert all(torch.equal(a, b) for a, b in zip(plain, explicit))
+    # a logit_scale is a temperature: z = s x / T exactly in double on CPU
+    scaled = logp_entropy(logits, labels, 0.7, logit_scale=0.5)
+    halved = logp_entropy(logits, labels, 1.4)
+    torch.testing.assert_close(scaled[0], halved[0], rtol=1e-6, atol=1e-6)
+
+
+def test_cpu_softcap_keeps_nan():
+    logits, labels = make_logits(6, 40, torch.bfloat16), make_labels(6, 40, ignore_frac=0.0)
+    logits[2, 7] = float("nan")
+    x = logits.clone().requires_grad_()
+    lp, ent = logp_entropy(x, labels, softcap=5.0)
+    (lp.sum() + ent.sum()).backward()
+    assert torch.isnan(lp[2]) and torch.isnan(ent[2]) and torch.isnan(x.grad[2]).all()
+    others = [0, 1, 3, 4, 5]
+    assert torch.isfinite(lp[others]).all() and torch.isfinite(x.grad[others]).all()
+
+
+def test_cpu_softcap_maps_neg_inf_to_minus_cap():
+    """softcap * tanh(-inf / softcap) = -softcap: a -inf logit is an ordinary (small) one after the cap."""
+    logits = make_logits(8, 33, torch.float32)
+    labels = make_labels(8, 33, ignore_frac=0.0)
+    logits[:, 5] = float("-inf")
+    x = logits.clone().requires_grad_()
+    lp, ent = logp_entropy(x, labels, softcap=3.0)
+    lp64, ent64 = reference.logp_entropy_float64(logits, labels, softcap=3.0)
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
+    torch.testing.assert_close(lp.double(), lp64, rtol=1e-6, atol=1e-6)
+    (lp.sum() + ent.sum()).backward()
+    assert torch.isfinite(x.grad).all() and (x.grad[:, 5] == 0).all()  # d tanh at -inf = 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(softcap=0.0), "softcap must be finite and > 0"),
+    (dict(softcap=-30.0), "softcap must be finite and > 0"),
+    (dict(softcap=float("inf")), "softcap must be finite and > 0"),
+    (dict(softcap=float("nan")), "softcap must be finite and > 0"),
+    (dict(softcap=1e-39), "softcap must be finite and > 0 .a normal float32"),
+    (dict(logit_scale=0.0), "logit_scale must be finite and > 0"),
+    (dict(logit_scale=-1.0), "logit_scale must be finite and > 0"),
+    (dict(logit_scale=float("nan")), "logit_scale must be finite and > 0"),
+    (dict(logit_scale=1e39), "logit_scale must be finite and > 0"),
+])
+def test_cpu_bad_logit_transform_names_the_argument(kwargs, match):
+    logits, labels = make_logits(4, 9, torch.float32), make_labels(4, 9)
+    with pytest.raises(ValueError, match=match):
+        logp_entropy(logits, labels, **kwargs)
+    op_args = (logits, labels, 1.0, None, -100, True, True, False, kwargs.get("softcap"), kwargs.get("logit_scale", 1.0))
+    with pytest.raises(RuntimeError, match="fused_logp: " + match.split(" must")[0]):
+        torch.ops.fused_logp.logp_entropy(*op_args)
+    with pytest.raises(TypeError, match="softcap must be None or a float, got str"):
+        logp_entropy(logits, labels, softcap="30")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_cpu_temperature_tensor_of_any_float_dtype_is_used_as_float32(dtype):
+    """The one temperature rule (both ops): a floating temperature tensor is converted to float32."""
+    logits, labels = make_logits(12, 50, torch.float32), make_labels(12, 50)
+    t = (torch.rand(12) + 0.5).to(dtype)
+    got = logp_entropy(logits, labels, t)
+    want = logp_entropy(logits, labels, t.float())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    got0 = logp_entropy(logits, labels, torch.tensor(0.7, dtype=dtype))
+    want0 = logp_entropy(logits, labels, torch.tensor(0.7, dtype=dtype).float())
+    assert torch.equal(got0[0], want0[0])
+    with pytest.raises(TypeError, match="temperature tensor must be floating point"):
+        logp_entropy(logits, labels, torch.ones(12, dtype=torch.int64))
 
 
 def test_cpu_large_vocab():
@@ -252,7 +346,6 @@ def test_cpu_bad_token_temperature_names_first_position(bad, shown):
         (lambda: logp_entropy(torch.randn(3, 8), torch.zeros(3, dtype=torch.long), 0.0), "temperature must be finite and > 0, got 0"),
         (lambda: logp_entropy(torch.randn(3, 8), torch.zeros(3, dtype=torch.long), -2.0), "temperature must be finite and > 0, got -2"),
         (lambda: logp_entropy(torch.randn(3, 8), torch.zeros(3, dtype=torch.long), float("nan")), "temperature must be finite and > 0, got nan"),
-        (lambda: logp_entropy(torch.randn(3, 8), torch.zeros(3, dtype=torch.long), torch.ones(3).double()), "a temperature tensor must be float32, got torch.float64"),
         (lambda: logp_entropy(torch.randn(3, 8), torch.zeros(3, dtype=torch.long), torch.ones(4)), r"per-token temperature shape \(4,\) must equal logits' leading shape \(3,\)"),
         # one tensor on meta would run the fake implementation: uninitialised outputs instead of an error
         (lambda: logp_entropy(torch.randn(3, 8), torch.zeros(3, dtype=torch.long, device="meta")), "labels must be on logits' device cpu, got meta"),
@@ -304,6 +397,9 @@ def _op_samples(device):
         labels = make_labels(n, v, device, dtype=lab_dtype)
         temp = torch.rand(n, device=device) + 0.5 if tt else None
         samples.append((logits, labels, 0.9, temp, -100, ent, True))
+    logits = make_logits(6, 37, torch.bfloat16, device).requires_grad_()
+    for softcap, scale in ((5.0, 1.0), (None, 0.25), (30.0, 0.5)):
+        samples.append((logits, make_labels(6, 37, device), 0.9, None, -100, True, True, False, softcap, scale))
     return samples
 
 
@@ -311,14 +407,15 @@ def _op_samples(device):
 def test_opcheck(device):
     for args in _op_samples(device):
         torch.library.opcheck(torch.ops.fused_logp.logp_entropy.default, args)
-        logits, labels, t, tt, ii, ent, _ = args
+        logits, labels, t, tt, ii, ent, _ = args[:7]
+        tail = args[7:]  # batch_invariant, softcap, logit_scale when given
         x = logits.detach()
-        _, _, stats = torch.ops.fused_logp.logp_entropy(x, labels, t, tt, ii, ent, True)
+        _, _, stats = torch.ops.fused_logp.logp_entropy(x, labels, t, tt, ii, ent, True, *tail)
         n = x.shape[0]
         g_ent = torch.randn(n, device=device) if ent else None
         torch.library.opcheck(
             torch.ops.fused_logp.logp_entropy_backward.default,
-            (torch.randn(n, device=device), g_ent, x, labels, t, tt, stats, ii),
+            (torch.randn(n, device=device), g_ent, x, labels, t, tt, stats, ii, *tail),
         )
 
 
@@ -326,18 +423,20 @@ def test_opcheck(device):
 def test_compile_fullgraph(device):
     torch._dynamo.reset()
 
-    def f(x, y, t):
-        lp, ent = logp_entropy(x, y, t)
+    def f(x, y, t, **tf):
+        lp, ent = logp_entropy(x, y, t, **tf)
         return lp.sum() * 0.5 + ent.sum()
 
     logits = make_logits(12, 97, torch.bfloat16, device).reshape(3, 4, 97)
     labels = make_labels(12, 97, device).reshape(3, 4)
     per_token = torch.rand(3, 4, device=device) + 0.5
-    for t in (0.7, per_token, torch.tensor(0.7, device=device)):
+    for t, tf in ((0.7, {}), (per_token, {}), (torch.tensor(0.7, device=device), {}),
+                  (per_token, dict(softcap=5.0, logit_scale=0.5)), (0.7, dict(logit_scale=0.25))):
+        f_tf = functools.partial(f, **tf)
         x1 = logits.clone().requires_grad_()
         x2 = logits.clone().requires_grad_()
-        out_eager = f(x1, labels, t)
-        out_comp = torch.compile(f, fullgraph=True, backend="aot_eager")(x2, labels, t)
+        out_eager = f_tf(x1, labels, t)
+        out_comp = torch.compile(f_tf, fullgraph=True, backend="aot_eager")(x2, labels, t)
         torch.testing.assert_close(out_comp, out_eager)
         out_eager.backward()
         out_comp.backward()
@@ -365,6 +464,23 @@ class TestCUDA:
                               batch_invariant=invariant)
 
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    @pytest.mark.parametrize("kind", ["random", "peaked"])
+    @pytest.mark.parametrize("softcap, logit_scale", TRANSFORMS, ids=str)
+    @pytest.mark.parametrize("shape", [(256, 4099), (64, 151936)], ids=str)
+    def test_logit_transforms(self, dtype, kind, softcap, logit_scale, shape):
+        n, v = shape
+        logits, labels = make_logits(n, v, dtype, "cuda", kind=kind), make_labels(n, v, "cuda")
+        tag = f"cuda {dtype} {kind} {shape} softcap={softcap} logit_scale={logit_scale}"
+        tf = dict(softcap=softcap, logit_scale=logit_scale)
+        check_against_float64(f"{tag} T=0.7", logits, labels, 0.7, **tf)
+        check_against_float64(f"{tag} per-token T", logits, labels, torch.rand(n, device="cuda") + 0.4, **tf)
+        check_against_float64(f"{tag} invariant", logits, labels, 0.7, batch_invariant=True, **tf)
+        # int32 labels (widened on the host for the softcap kernels) and odd-aligned rows (the gather path)
+        check_against_float64(f"{tag} int32 labels", logits, labels.int(), 0.7, **tf)
+        odd = make_logits(n, v + 1, dtype, "cuda", kind=kind)[:, 1:]
+        check_against_float64(f"{tag} unaligned rows", odd, labels, 0.7, **tf)
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
     def test_temperature(self, dtype):
         logits, labels = make_logits(128, 4099, dtype, "cuda"), make_labels(128, 4099, "cuda")
         check_against_float64(f"cuda {dtype} T=0.7", logits, labels, 0.7)
@@ -374,7 +490,10 @@ class TestCUDA:
     # v = 1031: rows of single vectors per thread; 40000: rows long enough for the forward's grouped path
     # (VEC_UNROLL vectors per max test), whose -inf / NaN fallback is then exercised too.
     @pytest.mark.parametrize("v", [1031, 40000])
-    def test_matches_cpu_and_edge_cases(self, v):
+    @pytest.mark.parametrize("tf", [{}, dict(softcap=5.0, logit_scale=0.5)], ids=["plain", "softcap"])
+    def test_matches_cpu_and_edge_cases(self, v, tf):
+        """NaN (that token NaN), all -inf, half -inf and +inf rows, int32 labels; with a softcap, -inf / +inf logits are
+        -softcap / +softcap (finite results) and a NaN logit still makes its token NaN."""
         n = 64
         logits = make_logits(n, v, torch.bfloat16)
         labels = make_labels(n, v, dtype=torch.int32)
@@ -383,17 +502,20 @@ class TestCUDA:
         logits[6, ::2] = float("-inf")
         labels[6] = 1
         logits[7] = float("inf")
-        cpu = logp_entropy(logits, labels, 1.3)
-        cuda = logp_entropy(logits.cuda(), labels.cuda(), 1.3)
+        cpu = logp_entropy(logits, labels, 1.3, **tf)
+        cuda = logp_entropy(logits.cuda(), labels.cuda(), 1.3, **tf)
         for a, b in zip(cpu, cuda):
             torch.testing.assert_close(b.cpu(), a, equal_nan=True, rtol=2e-6, atol=2e-6)
         x_c = logits.clone().requires_grad_()
         x_g = logits.cuda().requires_grad_()
         g = torch.randn(n), torch.randn(n)
-        torch.autograd.backward(logp_entropy(x_c, labels, 1.3), g)
-        torch.autograd.backward(logp_entropy(x_g, labels.cuda(), 1.3), tuple(t.cuda() for t in g))
+        torch.autograd.backward(logp_entropy(x_c, labels, 1.3, **tf), g)
+        torch.autograd.backward(logp_entropy(x_g, labels.cuda(), 1.3, **tf), tuple(t.cuda() for t in g))
         torch.testing.assert_close(x_g.grad.cpu(), x_c.grad, equal_nan=True, rtol=1e-2, atol=1e-6)
         assert torch.isfinite(cuda[0][[0, 1, 2, 4, 6]]).all()
+        assert torch.isnan(cuda[0][3]) and torch.isnan(cuda[1][3])
+        if tf:
+            assert torch.isfinite(cuda[0][[5, 7]]).all() and torch.isfinite(x_g.grad[[5, 7]]).all()
 
     def test_misaligned_rows_and_splits(self):
         for n, v, offset in [(3, 151936, 1), (5, 100003, 3), (1, 40000, 0), (300, 1001, 5)]:

@@ -70,7 +70,7 @@ def test_linear_logp_entropy_backward_with_one_meta_tensor_raises(name):
     ("logp_entropy_backward", 1, lambda t: t[:, None]),
     ("linear_logp_entropy", 1, lambda t: t[:, :-1]),
     ("linear_logp_entropy", 5, lambda t: t[:-1]),
-    ("linear_logp_entropy_backward", 8, lambda t: t.double()),
+    ("linear_logp_entropy_backward", 8, lambda t: t.float()),
     ("linear_logp_entropy_backward", 0, lambda t: t[:-1]),
 ])
 def test_fake_raises_what_the_op_raises(name, index, bad):
@@ -165,12 +165,36 @@ def test_temperatures_of_the_wrong_kind_are_named(temperature):
 
 
 def test_temperature_tensor_of_another_dtype_names_temperature():
+    """Floating temperature tensors of any dtype are used as float32 (the one rule of both ops); others are named."""
     logits, labels = torch.randn(N, V), torch.randint(0, V, (N,))
-    with pytest.raises(TypeError, match="a temperature tensor must be float32, got torch.float64") as info:
-        logp_entropy(logits, labels, torch.ones(N, dtype=torch.float64))
-    assert "token_temperature" not in str(info.value)
-    with pytest.raises(TypeError, match="temperature tensor must be floating point"):
+    got, want = logp_entropy(logits, labels, torch.full((N,), 0.7, dtype=torch.float64)), logp_entropy(logits, labels, 0.7)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+    with pytest.raises(TypeError, match="temperature tensor must be floating point") as info:
         logp_entropy(logits, labels, torch.ones(N, dtype=torch.int64))
+    assert "token_temperature" not in str(info.value)
+
+
+@pytest.mark.parametrize("name, softcap, logit_scale", [
+    ("logp_entropy", -1.0, 1.0),
+    ("logp_entropy_backward", None, 0.0),
+    ("linear_logp_entropy", float("inf"), 1.0),
+    ("linear_logp_entropy_backward", None, -2.0),
+])
+def test_fake_raises_what_the_op_raises_for_transforms(name, softcap, logit_scale):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op, args = next((op, list(args)) for n, op, args in raw_op_calls() if n == name)
+    args = args + [False, softcap, logit_scale]  # batch_invariant, then the transforms
+
+    def message(call):
+        with pytest.raises(RuntimeError) as info:
+            call()
+        return str(info.value).split("\n")[0]
+
+    real = message(lambda: op(*args))
+    with FakeTensorMode() as mode:
+        fake = message(lambda: op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]))
+    assert real == fake and ("softcap" in real or "logit_scale" in real)
 
 
 @pytest.mark.parametrize("ignore_index, error", [(2**64, ValueError), (-(2**63) - 1, ValueError), (1.5, TypeError),

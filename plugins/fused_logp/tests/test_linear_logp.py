@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from prime_kernels_core.testing import assert_conforms, assert_error_ratio
-from prime_kernels_fused_logp import linear_ops
+from prime_kernels_fused_logp import linear_ops, reference
 from prime_kernels_fused_logp.linear_ops import linear_logp_entropy, unsupported_shape_reason
 
 SEED = int(os.environ.get("LINEAR_LOGP_TEST_SEED", time.time_ns() % 2**31))
@@ -20,8 +20,9 @@ gpu = [pytest.mark.gpu, pytest.mark.kernel("linear_logp")]
 MAX_RATIO = 1.5
 
 
-def _paths(h, w, y, T, bias=None, ignore_index=-100, dtype64=False):
-    """(logp, entropy) of the PyTorch path: 16-bit matmul + fp32 softmax; with dtype64, the float64 reference."""
+def _paths(h, w, y, T, bias=None, ignore_index=-100, dtype64=False, softcap=None, logit_scale=1.0):
+    """(logp, entropy) of the PyTorch path: 16-bit matmul + fp32 transform and softmax; with dtype64, the float64
+    reference."""
     if dtype64:
         z = h.double() @ w.double().t()
         if bias is not None:
@@ -29,6 +30,7 @@ def _paths(h, w, y, T, bias=None, ignore_index=-100, dtype64=False):
     else:
         z = h @ w.t() if bias is None else torch.addmm(bias.to(h.dtype), h, w.t())
         z = z.float()
+    z = reference.transform(z, softcap, logit_scale)
     Tt = T if not isinstance(T, torch.Tensor) else T.to(z.dtype).reshape(-1, 1)
     ls = torch.log_softmax(z / Tt, dim=-1)
     ok = y != ignore_index
@@ -48,19 +50,23 @@ def _inputs(n, h, v, dtype, device, scale=1.0, ignore=0.0, ignore_index=-100):
 
 
 def check_numerics(n, h, v, dtype=torch.bfloat16, device="cpu", T=0.7, scale=1.0, bias=False, ignore=0.1,
-                   per_token=False, ignore_index=-100, grads=True, label="", batch_invariant=False):
+                   per_token=False, ignore_index=-100, grads=True, label="", batch_invariant=False, softcap=None,
+                   logit_scale=1.0):
     hid, w, y = _inputs(n, h, v, dtype, device, scale, ignore, ignore_index)
     b = torch.randn(v, device=device) if bias else None
     if per_token:
         T = torch.rand(n, device=device) + 0.4
     tag = f"{label or 'case'} n={n} h={h} v={v} {str(dtype)[6:]} {device}"
+    tf = dict(softcap=softcap, logit_scale=logit_scale)
+    if softcap is not None or logit_scale != 1.0:
+        tag += f" softcap={softcap} logit_scale={logit_scale}"
     leaves = [t.detach().requires_grad_() for t in (hid, w)] + ([b.detach().requires_grad_()] if bias else [])
     lp, ent = linear_logp_entropy(leaves[0], leaves[1], y, T, bias=leaves[2] if bias else None,
-                                  ignore_index=ignore_index, batch_invariant=batch_invariant)
+                                  ignore_index=ignore_index, batch_invariant=batch_invariant, **tf)
     refs = [t.detach().double().requires_grad_() for t in leaves]
-    lp64, ent64 = _paths(refs[0], refs[1], y, T, refs[2] if bias else None, ignore_index, dtype64=True)
+    lp64, ent64 = _paths(refs[0], refs[1], y, T, refs[2] if bias else None, ignore_index, dtype64=True, **tf)
     base = [t.detach().requires_grad_() for t in leaves]
-    lpb, entb = _paths(base[0], base[1], y, T, base[2] if bias else None, ignore_index)
+    lpb, entb = _paths(base[0], base[1], y, T, base[2] if bias else None, ignore_index, **tf)
     assert_error_ratio(f"{tag} logp", lp, lpb, lp64, MAX_RATIO)
     assert_error_ratio(f"{tag} entropy", ent, entb, ent64, MAX_RATIO)
     assert lp.dtype == torch.float32 and ent.dtype == torch.float32
@@ -218,16 +224,75 @@ def test_backward_label_outside_vocab_adds_no_onehot(device):
     torch.testing.assert_close(gh_in.double() - gh_out.double(), onehot @ w.double(), rtol=2e-2, atol=2e-2)
 
 
+# Gemma's final_logit_softcapping 30, a softcap saturating most logits (4; scale 12: peaked rows), Cohere's
+# logit_scale 0.0625, Granite's 1 / logits_scaling = 1 / 8, both transforms.
+TRANSFORMS = [(30.0, 1.0), (4.0, 1.0), (None, 0.0625), (None, 0.125), (30.0, 0.5)]
+
+
+@pytest.mark.parametrize("softcap, logit_scale", TRANSFORMS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_logit_transforms(softcap, logit_scale, dtype):
+    tf = dict(softcap=softcap, logit_scale=logit_scale)
+    check_numerics(40, 64, 300, dtype=dtype, label="transform", bias=True, **tf)
+    check_numerics(40, 64, 300, dtype=dtype, label="transform per-token T", per_token=True, **tf)
+    check_numerics(40, 64, 300, dtype=dtype, label="transform peaked T=0.5", scale=12.0, T=0.5, **tf)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[*gpu, pytest.mark.skipif(not CUDA,
+                                                                                              reason="needs CUDA")])])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_vocab_one_gradients_are_exactly_zero(device, softcap):
+    """V = 1: p = 1, so logp = entropy = 0 and every gradient is 0 (the float64 stats make the backward's p exactly 1)."""
+    hid, w, y = _inputs(20, 64, 1, torch.bfloat16, device, ignore=0.2)
+    leaves = [hid.requires_grad_(), w.requires_grad_(), torch.randn(1, device=device, requires_grad=True)]
+    T = torch.rand(20, device=device) + 0.5
+    lp, ent = linear_logp_entropy(leaves[0], leaves[1], y, T, bias=leaves[2], softcap=softcap)
+    assert (lp == 0).all() and (ent == 0).all()
+    (lp * torch.randn(20, device=device) + ent * torch.randn(20, device=device)).sum().backward()
+    for name, leaf in zip(("grad_hidden", "grad_weight", "grad_bias"), leaves):
+        assert (leaf.grad == 0).all(), f"{name}: max |grad| {leaf.grad.abs().max().item()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_temperature_tensor_of_any_float_dtype_is_used_as_float32(dtype):
+    """The one temperature rule (as ops.logp_entropy's): a floating temperature tensor is converted to float32."""
+    hid, w, y = _inputs(6, 16, 30, torch.bfloat16, "cpu")
+    t = (torch.rand(6) + 0.5).to(dtype)
+    got, want = linear_logp_entropy(hid, w, y, t), linear_logp_entropy(hid, w, y, t.float())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(TypeError, match="temperature tensor must be floating point"):
+        linear_logp_entropy(hid, w, y, torch.ones(6, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(softcap=0.0), "softcap must be finite and > 0"),
+    (dict(softcap=-30.0), "softcap must be finite and > 0"),
+    (dict(softcap=float("nan")), "softcap must be finite and > 0"),
+    (dict(logit_scale=0.0), "logit_scale must be finite and > 0"),
+    (dict(logit_scale=float("inf")), "logit_scale must be finite and > 0"),
+])
+def test_bad_logit_transform_names_the_argument(kwargs, match):
+    hid, w, y = _inputs(4, 16, 30, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match=match):
+        linear_logp_entropy(hid, w, y, 1.0, **kwargs)
+    with pytest.raises(RuntimeError, match="linear_logp: " + match.split(" must")[0]):
+        torch.ops.fused_logp.linear_logp_entropy(hid, w, y, 1.0, None, None, -100, True, False,
+                                                 kwargs.get("softcap"), kwargs.get("logit_scale", 1.0))
+    with pytest.raises(RuntimeError, match=r"temperature / softcap = .* must be a normal float32"):
+        linear_logp_entropy(hid, w, y, 1e-30, softcap=1e10)  # each fine alone, their ratio a denormal
+
+
 def test_conforms():
     assert_conforms("linear_logp")
 
 
-def test_compile_fullgraph():
+@pytest.mark.parametrize("tf", [{}, dict(softcap=5.0, logit_scale=0.5)], ids=["plain", "softcap+scale"])
+def test_compile_fullgraph(tf):
     hid, w, y = _inputs(8, 16, 40, torch.bfloat16, "cpu")
     T = torch.rand(8) + 0.5
 
     def fn(h, w):
-        lp, ent = linear_logp_entropy(h, w, y, T, ignore_index=-100)
+        lp, ent = linear_logp_entropy(h, w, y, T, ignore_index=-100, **tf)
         return (lp * 2 + ent).sum()
 
     torch._dynamo.reset()
@@ -307,15 +372,17 @@ def test_shape_contract():
     assert isinstance(linear_ops, ShapeContract)
 
 
-def test_chunked_fallback_matches():
+@pytest.mark.parametrize("tf", [{}, dict(softcap=4.0, logit_scale=0.5)], ids=["plain", "softcap+scale"])
+def test_chunked_fallback_matches(tf):
     pytest.importorskip("prime_kernels_fused_logp.ops")
     hid, w, y = _inputs(10, 16, 300, torch.bfloat16, "cpu", ignore=0.2)
     b = torch.randn(300)
     a = [t.clone().requires_grad_() for t in (hid, w, b)]
     c = [t.clone().requires_grad_() for t in (hid, w, b)]
-    lp, ent = linear_logp_entropy(a[0], a[1], y, 0.7, bias=a[2])
+    lp, ent = linear_logp_entropy(a[0], a[1], y, 0.7, bias=a[2], **tf)
     h2, l1, temp, tt = linear_ops._flatten(c[0], c[1], y, 0.7, c[2])
-    lpc, entc = linear_ops._chunked(h2, c[1], l1, temp, tt, c[2], -100, 128)
+    lpc, entc = linear_ops._chunked(h2, c[1], l1, temp, tt, c[2], -100, 128, tf.get("softcap"),
+                                    tf.get("logit_scale", 1.0))
     torch.testing.assert_close(lpc, lp, rtol=2e-2, atol=2e-2)  # chunked rounds logits to bf16
     torch.testing.assert_close(entc, ent, rtol=2e-2, atol=2e-2)
     (lp + ent).sum().backward()
@@ -378,6 +445,46 @@ def test_gpu_small(dtype, inv):
                    batch_invariant=inv)
     check_numerics(50, 64, 500, dtype=dtype, device="cuda", scale=12.0, T=0.5, label="gpu peaked",
                    batch_invariant=inv)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("softcap, logit_scale", TRANSFORMS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_logit_transforms(softcap, logit_scale, dtype):
+    tf = dict(softcap=softcap, logit_scale=logit_scale)
+    check_numerics(64, 64, 1000, dtype=dtype, device="cuda", label="gpu transform", **tf)
+    check_numerics(linear_ops.BLOCK_N + 5, 128, 32001, dtype=dtype, device="cuda", label="gpu transform N=BLOCK_N+5",
+                   bias=True, per_token=True, **tf)
+    check_numerics(50, 64, 500, dtype=dtype, device="cuda", scale=12.0, T=0.5, label="gpu transform peaked",
+                   batch_invariant=True, **tf)
+    check_numerics(256, 4096, 151936, dtype=dtype, device="cuda", T=0.7, label="gpu transform V=151936", **tf)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_softcap_nan_and_inf_match_cpu():
+    """A NaN hidden row makes its token NaN (the epilogue's tanh keeps NaN); -inf / +inf bias entries are -softcap /
+    +softcap, finite, as on CPU."""
+    hid, w, y = _inputs(40, 64, 700, torch.bfloat16, "cpu", ignore=0.1)
+    hid[3, 5] = float("nan")
+    b = torch.randn(700)
+    b[::7] = float("-inf")
+    b[3::11] = float("inf")
+    T = torch.rand(40) + 0.5
+    outs = []
+    for dev in ("cpu", "cuda"):
+        h = hid.to(dev).requires_grad_()
+        lp, ent = linear_logp_entropy(h, w.to(dev), y.to(dev), T.to(dev), bias=b.to(dev), softcap=5.0)
+        (lp.nan_to_num() + ent.nan_to_num()).sum().backward()
+        outs.append((lp.detach().cpu(), ent.detach().cpu(), h.grad.cpu()))
+    (lp_c, ent_c, g_c), (lp_g, ent_g, g_g) = outs
+    assert torch.isnan(lp_g[3]) and torch.isnan(ent_g[3])
+    others = torch.arange(40) != 3
+    assert torch.isfinite(lp_g[others]).all() and torch.isfinite(g_g[others]).all()
+    torch.testing.assert_close(lp_g, lp_c, rtol=1e-3, atol=1e-3, equal_nan=True)
+    torch.testing.assert_close(ent_g, ent_c, rtol=1e-3, atol=1e-3, equal_nan=True)
+    torch.testing.assert_close(g_g[others], g_c[others], rtol=2e-2, atol=2e-3)
 
 
 @pytest.mark.gpu

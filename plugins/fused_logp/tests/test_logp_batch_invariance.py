@@ -49,9 +49,10 @@ def _lead_shape(n):
 
 # ---- logits op -------------------------------------------------------------------------------------------------------
 class _LogitsProbes:
-    def __init__(self, v, dtype, device, row_pad=0):
+    def __init__(self, v, dtype, device, row_pad=0, tf=None):
         g = _gen(device, v + 17 * row_pad)
         self.v, self.dtype, self.device, self.row_pad = v, dtype, device, row_pad
+        self.tf = tf or {}  # the logit transforms (softcap, logit_scale)
         x = torch.randn(PROBES, v, device=device, generator=g) * 3
         x[1, int(torch.randint(0, v, (1,), generator=g, device=device))] += 25.0  # a peaked row
         self.x = x.to(dtype)
@@ -78,14 +79,15 @@ class _LogitsProbes:
         buf.requires_grad_()
         x = buf[:, self.row_pad:]
         lead = _lead_shape(n)
-        lp, ent = logp_entropy(x.reshape(*lead, self.v), y.reshape(lead), temps.reshape(lead), batch_invariant=True)
+        lp, ent = logp_entropy(x.reshape(*lead, self.v), y.reshape(lead), temps.reshape(lead), batch_invariant=True,
+                               **self.tf)
         (lp.reshape(-1) * gl + ent.reshape(-1) * ge).sum().backward()
         grad = buf.grad[:, self.row_pad:]
         return lp.reshape(-1)[pos].detach(), ent.reshape(-1)[pos].detach(), grad[pos].detach()
 
 
-def check_logits_invariance(v, dtype, device, batches, row_pad=0):
-    probes = _LogitsProbes(v, dtype, device, row_pad)
+def check_logits_invariance(v, dtype, device, batches, row_pad=0, tf=None):
+    probes = _LogitsProbes(v, dtype, device, row_pad, tf)
     alone = [_alone_logits(probes, i) for i in range(PROBES)]
     for n in batches:
         lp, ent, grad = probes.run(n, salt=n)
@@ -102,7 +104,7 @@ def _alone_logits(probes, i):
     from prime_kernels_fused_logp.ops import logp_entropy
 
     x = probes.x[i:i + 1].clone().requires_grad_()
-    lp, ent = logp_entropy(x, probes.y[i:i + 1], probes.t[i:i + 1], batch_invariant=True)
+    lp, ent = logp_entropy(x, probes.y[i:i + 1], probes.t[i:i + 1], batch_invariant=True, **probes.tf)
     (lp * probes.gl[i] + ent * probes.ge[i]).sum().backward()
     return lp[0].detach(), ent[0].detach(), x.grad[0]
 
@@ -122,6 +124,15 @@ def test_cpu_logits_unaligned_rows():
     check_logits_invariance(32001, torch.bfloat16, "cpu", (1, 7, 64), row_pad=3)
 
 
+TRANSFORMS = [dict(softcap=30.0), dict(softcap=30.0, logit_scale=0.5), dict(logit_scale=0.0625)]
+SOFTCAPS = TRANSFORMS[:2]  # on the GPU: a logit_scale alone only changes the temperature the kernels see
+
+
+@pytest.mark.parametrize("tf", TRANSFORMS, ids=str)
+def test_cpu_logits_transforms(tf):
+    check_logits_invariance(32000, torch.bfloat16, "cpu", CPU_BATCHES[:3], tf=tf)
+
+
 @pytest.mark.parametrize("v", [32000, 151936])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.gpu
@@ -139,11 +150,21 @@ def test_gpu_logits_unaligned_rows(v, pad, dtype):
     check_logits_invariance(v, dtype, "cuda", (1, 7, 64, 1500, 16384), row_pad=pad)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device; none is visible")
+@pytest.mark.parametrize("tf", SOFTCAPS, ids=str)
+@pytest.mark.parametrize("v, pad", [(151936, 0), (32001, 3)])
+def test_gpu_logits_transforms(tf, v, pad):
+    """The transform is elementwise: with it on, the invariant forward and backward stay bitwise invariant."""
+    check_logits_invariance(v, torch.bfloat16, "cuda", (1, 7, 64, 1500, 16384), row_pad=pad, tf=tf)
+
+
 # ---- linear op -------------------------------------------------------------------------------------------------------
 class _LinearProbes:
-    def __init__(self, v, h, dtype, device, bias=True):
+    def __init__(self, v, h, dtype, device, bias=True, tf=None):
         g = _gen(device, 3 * v + h)
         self.v, self.h, self.dtype, self.device = v, h, dtype, device
+        self.tf = tf or {}
         self.w = (torch.randn(v, h, device=device, generator=g) / h**0.25).to(dtype)
         self.b = torch.randn(v, device=device, generator=g) if bias else None
         self.x = (torch.randn(PROBES, h, device=device, generator=g) * 2 / h**0.25).to(dtype)
@@ -173,13 +194,13 @@ class _LinearProbes:
         w = self.w.clone().requires_grad_()
         b = None if self.b is None else self.b.clone().requires_grad_()
         lp, ent = linear_logp_entropy(h.reshape(*lead, self.h), w, y.reshape(lead), temps.reshape(lead), bias=b,
-                                      batch_invariant=True)
+                                      batch_invariant=True, **self.tf)
         (lp.reshape(-1) * gl + ent.reshape(-1) * ge).sum().backward()
         return lp.reshape(-1).detach(), ent.reshape(-1).detach(), h.grad, w.grad, None if b is None else b.grad
 
 
-def check_linear_invariance(v, h, dtype, device, batches):
-    probes = _LinearProbes(v, h, dtype, device)
+def check_linear_invariance(v, h, dtype, device, batches, tf=None):
+    probes = _LinearProbes(v, h, dtype, device, tf=tf)
     alone = []
     for i in range(PROBES):
         s = slice(i, i + 1)
@@ -208,6 +229,18 @@ CPU_LINEAR_CASES = [(32000, 16, torch.bfloat16, CPU_BATCHES), (32000, 16, torch.
 @pytest.mark.parametrize("v, h, dtype, batches", CPU_LINEAR_CASES, ids=lambda c: str(c))
 def test_cpu_linear(v, h, dtype, batches):
     check_linear_invariance(v, h, dtype, "cpu", batches)
+
+
+@pytest.mark.parametrize("tf", TRANSFORMS, ids=str)
+def test_cpu_linear_transforms(tf):
+    check_linear_invariance(32000, 16, torch.bfloat16, "cpu", CPU_BATCHES[:3], tf=tf)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device; none is visible")
+@pytest.mark.parametrize("tf", SOFTCAPS, ids=str)
+def test_gpu_linear_transforms(tf):
+    check_linear_invariance(151936, 4096, torch.bfloat16, "cuda", GPU_BATCHES[:5], tf=tf)
 
 
 @pytest.mark.gpu

@@ -58,13 +58,13 @@ def build_cases(world: int, seed: int) -> list[dict]:
     cases = []
 
     def add(name, kind, n, dtype, sizes, T=1.0, entropy=True, explicit=False, h=0, bias=False, scale=3.0, peaked=False,
-            max_ratio=1.0, invariant=False):
+            max_ratio=1.0, invariant=False, tf=None):
         v = sum(sizes)
         y = _labels(n, sizes, 0.2, gen)
         if isinstance(T, str):
             T = (torch.rand(n, generator=gen) * 1.5 + 0.25).float()
         case = dict(name=name, kind=kind, labels=y, T=T, entropy=entropy, sizes=sizes, max_ratio=max_ratio,
-                    invariant=invariant,
+                    invariant=invariant, tf=tf or {},
                     g_logp=torch.randn(n, generator=gen), g_ent=torch.randn(n, generator=gen))
         # explicit vocab_start: shards assigned to ranks in reverse order (rank 0 holds the last shard)
         starts = [sum(sizes[:r]) for r in range(world)]
@@ -102,6 +102,12 @@ def build_cases(world: int, seed: int) -> list[dict]:
     # grad_weight error, seed 1574422387). On 64 rows: at most 1.07x over 36 seeds x R = 1, 2, 3 x logp, entropy and
     # both gradients. The 1.5x rule.
     add("linear fp32 T=1.1", "linear", 64, torch.float32, sizes, T=1.1, h=32, max_ratio=1.5)
+    # the logit transforms (softcap, logit_scale): through the local ops and the float64 combine / dummy-label fix-up
+    add("logits bf16 softcap+scale per-token T", "logits", 64, torch.bfloat16, sizes, T="per-token",
+        tf=dict(softcap=5.0, logit_scale=0.5))
+    add("logits fp32 logit_scale", "logits", 64, torch.float32, sizes, T=0.7, tf=dict(logit_scale=0.125))
+    add("linear bf16 softcap bias per-token T", "linear", 16, torch.bfloat16, sizes, T="per-token", h=64, bias=True,
+        tf=dict(softcap=4.0))
     if world == 3:
         add("logits bf16 V=151936", "logits", 6, torch.bfloat16, BIG_LAYOUT, T=1.0)
         add("linear bf16 V=151936", "linear", 4, torch.bfloat16, BIG_LAYOUT, T=0.8, h=32, bias=True)
@@ -121,7 +127,7 @@ def _worker_case(case, rank, group, device):
 
     start, size = _shard(case, rank)
     kw = dict(process_group=group, vocab_start=start if case["explicit"] else None, return_entropy=case["entropy"],
-              batch_invariant=case["invariant"])
+              batch_invariant=case["invariant"], **case["tf"])
     T = case["T"].to(device) if isinstance(case["T"], torch.Tensor) else case["T"]
     y = case["labels"].to(device)
     out = {}
@@ -184,6 +190,12 @@ def _error_cases(rank, world, group, device):
             torch.randn(4, 16, device=device), torch.randn(v, 16, device=device),
             torch.zeros(4, dtype=torch.long, device=device), torch.tensor(1.0 + rank, device=device),
             process_group=group),
+        "softcap differs (logits)": lambda: logp_entropy(
+            torch.randn(6, v, device=device), torch.zeros(6, dtype=torch.long, device=device), process_group=group,
+            softcap=None if rank == 0 else 30.0),
+        "logit_scale differs (linear)": lambda: linear_logp_entropy(
+            torch.randn(4, 16, device=device), torch.randn(v, 16, device=device),
+            torch.zeros(4, dtype=torch.long, device=device), process_group=group, logit_scale=1.0 + rank),
     }
     messages = {}
     for name, fn in cases.items():
@@ -276,13 +288,13 @@ def _single_rank(case, device="cpu"):
     y = case["labels"].to(device)
     if case["kind"] == "logits":
         x = case["logits"].to(device, copy=True).requires_grad_()
-        lp, ent = logp_entropy(x, y, T, return_entropy=case["entropy"])
+        lp, ent = logp_entropy(x, y, T, return_entropy=case["entropy"], **case["tf"])
         leaves = {"grad_logits": x}
     else:
         h = case["hidden"].to(device, copy=True).requires_grad_()
         w = case["weight"].to(device, copy=True).requires_grad_()
         b = None if case["bias"] is None else case["bias"].to(device, copy=True).requires_grad_()
-        lp, ent = linear_logp_entropy(h, w, y, T, bias=b, return_entropy=case["entropy"])
+        lp, ent = linear_logp_entropy(h, w, y, T, bias=b, return_entropy=case["entropy"], **case["tf"])
         leaves = {"grad_hidden": h, "grad_weight": w} | ({"grad_bias": b} if b is not None else {})
     loss = (lp * case["g_logp"].to(device)).sum() + (0 if ent is None else (ent * case["g_ent"].to(device)).sum())
     loss.backward()
@@ -309,7 +321,7 @@ def _paths(case, dtype64):
             leaves["grad_bias"] = b
         z = h @ w.t() if b is None else (torch.addmm(b.to(h.dtype), h, w.t()) if not dtype64 else h @ w.t() + b)
     fn = reference.logp_entropy_float64 if dtype64 else reference.logp_entropy_reference
-    lp, ent = fn(z if dt is None else z.to(dt), y, T)
+    lp, ent = fn(z if dt is None else z.to(dt), y, T, **case["tf"])
     loss = (lp * case["g_logp"].to(lp.dtype)).sum()
     if case["entropy"]:
         loss = loss + (ent * case["g_ent"].to(ent.dtype)).sum()
@@ -414,6 +426,10 @@ def test_gloo_errors_instead_of_hanging(runs, world):
         for case in ("per-token temperature differs (logits)", "0-d temperature differs (linear)"):
             t = msgs[case]
             assert t and "ranks disagree on the temperature tensor's values" in t, t
+        c = msgs["softcap differs (logits)"]
+        assert c and "ranks disagree on softcap" in c and ("has None" in c and "has 30.0" in c), c
+        c = msgs["logit_scale differs (linear)"]
+        assert c and "ranks disagree on logit_scale" in c and f"rank {rank} has {1.0 + rank}" in c, c
         o = msgs["overlapping shards"]
         assert o and f"the shards must tile [0, {10 * world}) without gaps or overlaps" in o, o
 

@@ -15,6 +15,13 @@
 // A token temperature that is not finite and > 0 (of a token that is not ignored) takes the same path: NaN, the row
 // in the device word, and with check_labels an error naming token_temperature at that position.
 //
+// Logit transforms: z = v(x) * w / T, v(x) = tanh(x * logit_scale / softcap) and w = softcap, or v(x) = x and
+// w = logit_scale. The host folds w into the temperature (T / w: a logit_scale alone costs nothing per element); a
+// softcap instantiates the kernels with the Softcap transform, applied to each logit where it is loaded (forward) and
+// with its derivative at each gradient element (backward). Softcap kernels exist for int64 labels only (int32 labels
+// are widened on the host), run the forward's gather form and the backward's per-element form: a quarter of the
+// instantiations, each correct in either mode.
+//
 // Host code on the LibTorch stable ABI, as ../fused_logp.cpp (kernel.toml: stable_abi); the device code is unchanged.
 #include <prime_kernels/stable.h>
 #include <torch/csrc/stable/accelerator.h>
@@ -31,6 +38,9 @@
 #include <atomic>
 #include <optional>
 #include <type_traits>
+
+#include "../cpu_common.h"
+#include "softcap.cuh"
 
 #ifndef FUSED_LOGP_BLOCK_THREADS
 #error "FUSED_LOGP_BLOCK_THREADS must come from kernel.toml ([fused_logp.constants])"
@@ -192,6 +202,40 @@ __device__ __forceinline__ uint4 load_vec(const T* x, const uint4* xv, int v, bo
   return r;
 }
 
+// ---- logit transforms (see the top): applied to each logit as it is loaded ----------------------------------------
+struct NoTransform {
+  __device__ __forceinline__ explicit NoTransform(double) {}
+  __device__ __forceinline__ float operator()(float x) const { return x; }
+  // The gradient w.r.t. the loaded logit, from grad_at(v), the gradient w.r.t. the transformed one.
+  template <class G>
+  __device__ __forceinline__ float grad(float x, G&& grad_at) const { return grad_at(x); }
+};
+// v = tanh(x k), k = logit_scale / softcap; monotone, so the max of v is v of the max. The backward's row constants
+// carry the factor k of dv/dx (k1, k2), grad multiplies the rest, 1 / cosh^2(x k).
+struct Softcap {
+  float k_hi, k_lo;
+  __device__ __forceinline__ explicit Softcap(double k) {
+    k_hi = static_cast<float>(k);
+    k_lo = static_cast<float>(k - static_cast<double>(k_hi));
+  }
+  __device__ __forceinline__ float operator()(float x) const { return fused_logp_softcap::tanh_of(x, k_hi, k_lo); }
+  template <class G>
+  __device__ __forceinline__ float grad(float x, G&& grad_at) const {
+    const float v = (*this)(x);
+    return grad_at(v) * fused_logp_softcap::slope_of(x, v, k_hi, k_lo);
+  }
+};
+template <bool kSoftcap>
+using TransformOf = std::conditional_t<kSoftcap, Softcap, NoTransform>;
+
+// The label's transformed logit in double (once per row; exact to double where the sums use float): the forward's
+// z_y * T.
+template <bool kSoftcap>
+__device__ __forceinline__ double label_logit(float x, double softcap_k) {
+  if constexpr (kSoftcap) return tanh(static_cast<double>(x) * softcap_k);
+  return static_cast<double>(x);
+}
+
 // ---- forward ----------------------------------------------------------------------------------------------------
 // Per-thread online state: m the running max (raw logit units), s = sum 2^a, t = sum 2^a * a, a = (x - m) * c,
 // c = log2(e) / T. A NaN logit turns s and t into NaN and m into +inf (so later vectors take the fast path).
@@ -242,14 +286,14 @@ __device__ __forceinline__ void acc_update_clamped(Acc& A, const float (&f)[kN],
 // of them in kChains chains, one double add. No per-element clamp: a -inf logit gives e = 0 and e * a = NaN, which
 // the check at the end catches, redoing these vectors through the clamped path (rare). The partial sums add at most
 // kNV * kVec / kChains terms <= 1 per chain, each already carrying ex2.approx's ~2-ulp error.
-template <class E, int kNV, bool kWithT>
-__device__ __forceinline__ void acc_update(Acc& A, const uint4 (&r)[kNV], float c_hi, float c_lo) {
+template <class E, int kNV, bool kWithT, class Xf>
+__device__ __forceinline__ void acc_update(Acc& A, const uint4 (&r)[kNV], float c_hi, float c_lo, const Xf& xf) {
   constexpr int kVec = E::kVec;
   constexpr int kChains = kNV * kVec >= 16 ? 4 : 2;
   float vm = E::vmax(r[0]);
 #pragma unroll
   for (int u = 1; u < kNV; ++u) vm = fmax_nan(vm, E::vmax(r[u]));
-  const float mn = fmax_nan(A.m, vm);
+  const float mn = fmax_nan(A.m, xf(vm));  // xf is monotone
   if (mn != A.m) acc_rescale<kWithT>(A, mn, c_hi, c_lo);
   const float m = A.m;
   float s[kChains], t[kChains];
@@ -260,7 +304,7 @@ __device__ __forceinline__ void acc_update(Acc& A, const uint4 (&r)[kNV], float 
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       const int i = u * kVec + k, chain = i % kChains;
-      const float d = f[k] - m;  // exact for logits within 2^24 ulps of the max
+      const float d = xf(f[k]) - m;  // exact for logits within 2^24 ulps of the max
       const float a = fmaf(d, c_hi, d * c_lo);
       const float e = ex2(a);
       if (i < kChains) {  // start each chain without adding to 0 (which the compiler may not fold away)
@@ -285,7 +329,7 @@ __device__ __forceinline__ void acc_update(Acc& A, const uint4 (&r)[kNV], float 
       float g[kVec];
       E::unpack(r[u], g);
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) f[u * kVec + k] = g[k];
+      for (int k = 0; k < kVec; ++k) f[u * kVec + k] = xf(g[k]);
     }
     acc_update_clamped<kNV * kVec, kWithT>(A, f, c_hi, c_lo);
     return;
@@ -303,13 +347,14 @@ struct FwdParams {
   int vec_per_split;
   const label_t* labels;
   const float* token_temperature;  // nullable
-  double temperature;
+  double temperature;  // T / w (the transform's weight: see the top)
   int64_t ignore_index;
   float* logp;
   float* entropy;  // nullable
   double* stats;   // [N, 2]
   double* partial; // [N, splits, 3] when splits > 1
   unsigned long long* bad;  // nullable: smallest row with an out-of-range label or temperature
+  double softcap_k;  // logit_scale / softcap, 0 without a softcap
 };
 
 __device__ __forceinline__ double row_temperature(double temperature, const float* tt, int64_t row) {
@@ -317,7 +362,7 @@ __device__ __forceinline__ double row_temperature(double temperature, const floa
 }
 
 // Final per-row outputs from (M, s, t) relative to M.
-template <typename scalar_t, typename label_t>
+template <typename scalar_t, typename label_t, bool kSoftcap>
 __device__ void finalize_row(const FwdParams<label_t>& p, int64_t row, int64_t y, double M, double s, double t,
                              double T) {
   const double nan = __longlong_as_double(0x7ff8000000000000ll);
@@ -346,7 +391,7 @@ __device__ void finalize_row(const FwdParams<label_t>& p, int64_t row, int64_t y
     ent = ls - mean;
   }
   const scalar_t* x = reinterpret_cast<const scalar_t*>(p.logits) + row * p.row_stride;
-  const double zy = static_cast<double>(Elem<scalar_t>::load(x + y)) / T;
+  const double zy = label_logit<kSoftcap>(Elem<scalar_t>::load(x + y), p.softcap_k) / T;
   p.logp[row] = static_cast<float>(zy - lse);
   if (p.entropy) p.entropy[row] = static_cast<float>(ent);
   p.stats[2 * row] = lse;
@@ -364,9 +409,10 @@ __device__ __forceinline__ void write_ignored(const FwdParams<label_t>& p, int64
 // kGather (batch-invariant forward over rows that are not all 16-byte aligned): vectors start at row offset 0 whatever
 // the row's address, rows that are not aligned gathered element-wise (load_vec), so that a row's sums never depend on
 // where it sits in memory. Otherwise a scalar head up to the row's first 16-byte boundary (aligned rows have none).
-template <typename scalar_t, typename label_t, bool kWithT, bool kGather>
+template <typename scalar_t, typename label_t, bool kWithT, bool kGather, bool kSoftcap = false>
 __global__ void __launch_bounds__(kThreads) fused_logp_fwd_kernel(const FwdParams<label_t> p) {
   using E = Elem<scalar_t>;
+  const TransformOf<kSoftcap> xf(p.softcap_k);
   constexpr int kVec = E::kVec;
   const int64_t row = blockIdx.x;
   const int split = blockIdx.y;
@@ -390,11 +436,11 @@ __global__ void __launch_bounds__(kThreads) fused_logp_fwd_kernel(const FwdParam
 
   Acc A{__int_as_float(0xff800000), 0.0, 0.0};
   if (split == 0 && tid < head) {
-    const float f[1] = {E::load(x + tid)};
+    const float f[1] = {xf(E::load(x + tid))};
     acc_update_clamped<1, kWithT>(A, f, c_hi, c_lo);
   }
   if (split == p.splits - 1 && tid < V - tail0) {
-    const float f[1] = {E::load(x + tail0 + tid)};
+    const float f[1] = {xf(E::load(x + tail0 + tid))};
     acc_update_clamped<1, kWithT>(A, f, c_hi, c_lo);
   }
   const uint4* xv = reinterpret_cast<const uint4*>(x + head);
@@ -405,11 +451,11 @@ __global__ void __launch_bounds__(kThreads) fused_logp_fwd_kernel(const FwdParam
     uint4 r[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) r[u] = load_vec<scalar_t, kVec>(x, xv, v + u * kThreads, gather);
-    acc_update<E, kUnroll, kWithT>(A, r, c_hi, c_lo);
+    acc_update<E, kUnroll, kWithT>(A, r, c_hi, c_lo, xf);
   }
   for (; v < ve; v += kThreads) {
     const uint4 r[1] = {load_vec<scalar_t, kVec>(x, xv, v, gather)};
-    acc_update<E, 1, kWithT>(A, r, c_hi, c_lo);
+    acc_update<E, 1, kWithT>(A, r, c_hi, c_lo, xf);
   }
 
   // Block combine: the max first, then every thread rescales its (s, t) to it once (double), then two sums.
@@ -454,7 +500,7 @@ __global__ void __launch_bounds__(kThreads) fused_logp_fwd_kernel(const FwdParam
       t += sh_t[w];
     }
     if (p.splits == 1) {
-      finalize_row<scalar_t>(p, row, y, static_cast<double>(M), s, t, T);
+      finalize_row<scalar_t, label_t, kSoftcap>(p, row, y, static_cast<double>(M), s, t, T);
     } else {
       double* q = p.partial + (row * p.splits + split) * 3;
       q[0] = static_cast<double>(M);
@@ -465,7 +511,7 @@ __global__ void __launch_bounds__(kThreads) fused_logp_fwd_kernel(const FwdParam
 }
 
 // Split-vocab combine: one thread per row merges the row's partial (M, s, t).
-template <typename scalar_t, typename label_t, bool kWithT>
+template <typename scalar_t, typename label_t, bool kWithT, bool kSoftcap = false>
 __global__ void __launch_bounds__(128) fused_logp_combine_kernel(const FwdParams<label_t> p, int64_t N) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (row >= N) return;
@@ -493,7 +539,7 @@ __global__ void __launch_bounds__(128) fused_logp_combine_kernel(const FwdParams
       if (kWithT) t += r * (q[3 * k + 2] + da * q[3 * k + 1]);
     }
   }
-  finalize_row<scalar_t>(p, row, y, M, s, t, T);
+  finalize_row<scalar_t, label_t, kSoftcap>(p, row, y, M, s, t, T);
 }
 
 // ---- backward ---------------------------------------------------------------------------------------------------
@@ -507,11 +553,12 @@ struct BwdParams {
   int vec_per_split;
   const label_t* labels;
   const float* token_temperature;
-  double temperature;
+  double temperature;  // T / w, as the forward's
   int64_t ignore_index;
   const float* grad_logp;
   const float* grad_entropy;  // nullable
   const double* stats;
+  double softcap_k;  // as the forward's
 };
 
 // Per-row constants of the backward, all in fp32 pairs: exponent of p is x * c - L, with c = c_hi + c_lo and
@@ -583,9 +630,10 @@ __device__ __forceinline__ float grad_elem(const BwdRow& R, float x_in, float& h
   return -fmaf(R.k2, p * b, R.k1 * p);
 }
 
-template <typename scalar_t, typename label_t, bool kWithEnt, bool kPerElement>
+template <typename scalar_t, typename label_t, bool kWithEnt, bool kPerElement, bool kSoftcap = false>
 __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParams<label_t> p) {
   using E = Elem<scalar_t>;
+  const TransformOf<kSoftcap> xf(p.softcap_k);
   constexpr int kVec = E::kVec;
   const int64_t row = blockIdx.x;
   const int split = blockIdx.y;
@@ -610,16 +658,21 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
     R.S_hi = static_cast<float>(S);
     R.S_lo = static_cast<float>(S - static_cast<double>(R.S_hi));
     const double nan = __longlong_as_double(0x7ff8000000000000ll);
-    R.k1 = static_cast<float>(bad ? nan : static_cast<double>(p.grad_logp[row]) / T);
-    R.k2 = kWithEnt ? static_cast<float>(static_cast<double>(p.grad_entropy[row]) * kLn2 / T) : 0.f;
+    // With a softcap, dv/dx = k / cosh^2(x k): the factor k here (Softcap::grad multiplies the rest).
+    const double k = kSoftcap ? p.softcap_k : 1.0;
+    R.k1 = static_cast<float>(bad ? nan : static_cast<double>(p.grad_logp[row]) / T * k);
+    R.k2 = kWithEnt ? static_cast<float>(static_cast<double>(p.grad_entropy[row]) * kLn2 / T * k) : 0.f;
   }
   // fp32 logits always take the accurate exp2; bf16/fp16 ex2.approx except near p > ~0.35 (grad_elem).
   constexpr bool kAlwaysAccurate = std::is_same<scalar_t, float>::value;
   // The scalar head/tail: per element as the vector body when kPerElement, else always accurate (a few elements).
-  auto one = [&](int j, float xv) -> float {
-    float hi;
-    return j == y ? grad_elem<kWithEnt, true, true>(R, xv, hi)
-                  : grad_elem<kWithEnt, kPerElement ? kAlwaysAccurate : true, false, kPerElement>(R, xv, hi);
+  auto one = [&](int j, float x_loaded) -> float {
+    const bool is_label = j == y;  // outside the transform's lambda: the default kernels' SASS stays main's
+    return xf.grad(x_loaded, [&](float xv) {
+      float hi;
+      return is_label ? grad_elem<kWithEnt, true, true>(R, xv, hi)
+                      : grad_elem<kWithEnt, kPerElement ? kAlwaysAccurate : true, false, kPerElement>(R, xv, hi);
+    });
   };
 
   const int head = head_elems(x, V);
@@ -652,7 +705,8 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       float hi;
-      f[k] = grad_elem<kWithEnt, kAlwaysAccurate, false, kPerElement>(R, f[k], hi);
+      f[k] = xf.grad(f[k],
+                     [&](float xv) { return grad_elem<kWithEnt, kAlwaysAccurate, false, kPerElement>(R, xv, hi); });
       hmax = fmaxf(hmax, hi);
     }
     // Without kPerElement, bf16/fp16 redo accurately the (at most one per row) vector holding a probability above
@@ -662,7 +716,7 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
         float hi;
-        f[k] = grad_elem<kWithEnt, true>(R, f[k], hi);
+        f[k] = xf.grad(f[k], [&](float xv) { return grad_elem<kWithEnt, true>(R, xv, hi); });
       }
     }
     const int j0 = head + v * kVec;
@@ -672,7 +726,7 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
         if (j0 + k == y) {
           float xk[kVec], hi;
           E::unpack(r, xk);
-          f[k] = grad_elem<kWithEnt, true, true>(R, xk[k], hi);
+          f[k] = xf.grad(xk[k], [&](float xv) { return grad_elem<kWithEnt, true, true>(R, xv, hi); });
         }
     }
     __stcs(gv + v, E::pack(f));
@@ -751,8 +805,10 @@ T read_back(const Tensor& tensor, int64_t index, cudaStream_t stream) {
 std::tuple<Tensor, Tensor, Tensor> logp_entropy_cuda(const Tensor& logits_in, const Tensor& labels_in,
                                                      double temperature, const std::optional<Tensor>& token_temperature,
                                                      int64_t ignore_index, bool return_entropy, bool check_labels,
-                                                     bool batch_invariant) {
+                                                     bool batch_invariant, std::optional<double> softcap,
+                                                     double logit_scale) {
   fused_logp_detail::check_forward_args(logits_in, labels_in, temperature, token_temperature);
+  fused_logp_cpu::check_logit_transform("fused_logp", softcap, logit_scale);
   PK_CHECK(logits_in.is_cuda(), "fused_logp: CUDA implementation got logits on ", pks::device(logits_in));
   const int device = logits_in.get_device_index();
   const torch::stable::accelerator::DeviceGuard guard(device);
@@ -763,7 +819,7 @@ std::tuple<Tensor, Tensor, Tensor> logp_entropy_cuda(const Tensor& logits_in, co
   if (N == 0) return {logp, entropy, stats};
 
   const Tensor logits = V == 1 ? pks::contiguous(logits_in) : logits_in;
-  const Tensor labels = pks::contiguous(labels_in);
+  const Tensor labels = pks::contiguous(softcap ? pks::to(labels_in, ScalarType::Long) : labels_in);
   Tensor tt;
   if (token_temperature.has_value()) tt = pks::contiguous(*token_temperature);
   const cudaStream_t stream = pks::current_cuda_stream(device);
@@ -794,7 +850,8 @@ std::tuple<Tensor, Tensor, Tensor> logp_entropy_cuda(const Tensor& logits_in, co
       p.vec_per_split = static_cast<int>((V / kVec + splits - 1) / splits);
       p.labels = labels.const_data_ptr<label_t>();
       p.token_temperature = tt.defined() ? tt.const_data_ptr<float>() : nullptr;
-      p.temperature = temperature;
+      p.temperature = temperature / fused_logp_cpu::logit_weight(softcap, logit_scale);
+      p.softcap_k = softcap ? logit_scale / *softcap : 0.0;
       p.ignore_index = ignore_index;
       p.logp = logp.mutable_data_ptr<float>();
       p.entropy = return_entropy ? entropy.mutable_data_ptr<float>() : nullptr;
@@ -803,21 +860,25 @@ std::tuple<Tensor, Tensor, Tensor> logp_entropy_cuda(const Tensor& logits_in, co
       p.bad = check_labels ? reinterpret_cast<unsigned long long*>(bad.mutable_data_ptr<int64_t>()) : nullptr;
       const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>(splits));
       // The entropy gradient needs sum p*z, so t is tracked whenever entropy is requested.
-      auto run = [&](auto with_t, auto gather) {
-        fused_logp_fwd_kernel<scalar_t, label_t, with_t(), gather()><<<grid, kThreads, 0, stream>>>(p);
+      auto run = [&](auto with_t, auto gather, auto softcap_tag) {
+        fused_logp_fwd_kernel<scalar_t, label_t, with_t(), gather(), softcap_tag()><<<grid, kThreads, 0, stream>>>(p);
         STD_CUDA_KERNEL_LAUNCH_CHECK();
         if (splits > 1) {
-          fused_logp_combine_kernel<scalar_t, label_t, with_t()>
+          fused_logp_combine_kernel<scalar_t, label_t, with_t(), softcap_tag()>
               <<<static_cast<unsigned>((N + 127) / 128), 128, 0, stream>>>(p, N);
           STD_CUDA_KERNEL_LAUNCH_CHECK();
         }
       };
       using yes = std::true_type;
       using no = std::false_type;
-      if (return_entropy)
-        gather ? run(yes{}, yes{}) : run(yes{}, no{});
-      else
-        gather ? run(no{}, yes{}) : run(no{}, no{});
+      if (softcap) {
+        if constexpr (std::is_same_v<label_t, int64_t>)
+          return_entropy ? run(yes{}, yes{}, yes{}) : run(no{}, yes{}, yes{});
+      } else if (return_entropy) {
+        gather ? run(yes{}, yes{}, no{}) : run(yes{}, no{}, no{});
+      } else {
+        gather ? run(no{}, yes{}, no{}) : run(no{}, no{}, no{});
+      }
     });
   });
 
@@ -837,9 +898,11 @@ std::tuple<Tensor, Tensor, Tensor> logp_entropy_cuda(const Tensor& logits_in, co
 Tensor logp_entropy_backward_cuda(const Tensor& grad_logp_in, const std::optional<Tensor>& grad_entropy_in,
                                   const Tensor& logits_in, const Tensor& labels_in, double temperature,
                                   const std::optional<Tensor>& token_temperature, const Tensor& stats_in,
-                                  int64_t ignore_index, bool batch_invariant) {
+                                  int64_t ignore_index, bool batch_invariant, std::optional<double> softcap,
+                                  double logit_scale) {
   fused_logp_detail::check_backward_args(grad_logp_in, grad_entropy_in, logits_in, labels_in, temperature,
                                          token_temperature, stats_in);
+  fused_logp_cpu::check_logit_transform("fused_logp", softcap, logit_scale);
   PK_CHECK(logits_in.is_cuda(), "fused_logp: CUDA implementation got logits on ", pks::device(logits_in));
   const int device = logits_in.get_device_index();
   const torch::stable::accelerator::DeviceGuard guard(device);
@@ -847,7 +910,7 @@ Tensor logp_entropy_backward_cuda(const Tensor& grad_logp_in, const std::optiona
   Tensor grad = pks::empty(logits_in, {N, V}, logits_in.scalar_type());
   if (N == 0) return grad;
   const Tensor logits = V == 1 ? pks::contiguous(logits_in) : logits_in;
-  const Tensor labels = pks::contiguous(labels_in);
+  const Tensor labels = pks::contiguous(softcap ? pks::to(labels_in, ScalarType::Long) : labels_in);
   const Tensor g = pks::contiguous(pks::to(grad_logp_in, ScalarType::Float));
   Tensor ge;
   if (grad_entropy_in.has_value()) ge = pks::contiguous(pks::to(*grad_entropy_in, ScalarType::Float));
@@ -871,20 +934,28 @@ Tensor logp_entropy_backward_cuda(const Tensor& grad_logp_in, const std::optiona
       p.vec_per_split = static_cast<int>((V / kVec + splits - 1) / splits);
       p.labels = labels.const_data_ptr<label_t>();
       p.token_temperature = tt.defined() ? tt.const_data_ptr<float>() : nullptr;
-      p.temperature = temperature;
+      p.temperature = temperature / fused_logp_cpu::logit_weight(softcap, logit_scale);
+      p.softcap_k = softcap ? logit_scale / *softcap : 0.0;
       p.ignore_index = ignore_index;
       p.grad_logp = g.const_data_ptr<float>();
       p.grad_entropy = ge.defined() ? ge.const_data_ptr<float>() : nullptr;
       p.stats = stats.const_data_ptr<double>();
       const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>(splits));
-      auto launch = [&](auto with_entropy, auto per_element) {
-        fused_logp_bwd_kernel<scalar_t, label_t, decltype(with_entropy)::value, decltype(per_element)::value>
-            <<<grid, kThreads, 0, stream>>>(p);
+      auto launch = [&](auto with_entropy, auto per_element, auto softcap_tag) {
+        fused_logp_bwd_kernel<scalar_t, label_t, decltype(with_entropy)::value, decltype(per_element)::value,
+                              decltype(softcap_tag)::value><<<grid, kThreads, 0, stream>>>(p);
       };
-      if (ge.defined())
-        batch_invariant ? launch(std::true_type{}, std::true_type{}) : launch(std::true_type{}, std::false_type{});
-      else
-        batch_invariant ? launch(std::false_type{}, std::true_type{}) : launch(std::false_type{}, std::false_type{});
+      if (softcap) {
+        if constexpr (std::is_same_v<label_t, int64_t>)
+          ge.defined() ? launch(std::true_type{}, std::true_type{}, std::true_type{})
+                       : launch(std::false_type{}, std::true_type{}, std::true_type{});
+      } else if (ge.defined()) {
+        batch_invariant ? launch(std::true_type{}, std::true_type{}, std::false_type{})
+                        : launch(std::true_type{}, std::false_type{}, std::false_type{});
+      } else {
+        batch_invariant ? launch(std::false_type{}, std::true_type{}, std::false_type{})
+                        : launch(std::false_type{}, std::false_type{}, std::false_type{});
+      }
       STD_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });

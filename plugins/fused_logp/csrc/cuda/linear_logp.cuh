@@ -6,8 +6,11 @@
 // each), then runs the epilogue on the accumulator registers:
 //   forward:  per-row online (max, sum exp, sum exp * (z - max)) in log2 units and the label logit, flushed once per
 //             CTA as per-split partials that linear_logp_combine merges;
-//   backward: dZ = [g_logp (onehot - p) - g_ent p (z - sum_pz)] / T written as a bf16/fp16 tile of a bounded chunk
-//             buffer that the host then multiplies with cuBLAS (grad_hidden += dZ W_chunk, grad_W_chunk = dZ^T h).
+//   backward: dZ = [g_logp (onehot - p) - g_ent p (z - sum_pz)] g'(x) / T written as a bf16/fp16 tile of a bounded
+//             chunk buffer that the host then multiplies with cuBLAS (grad_hidden += dZ W_chunk, grad_W_chunk = dZ^T h).
+// Logit transforms: a logit_scale alone is folded into the temperature (T / logit_scale: no work per element); a
+// softcap (kSoftcap) makes z = tanh(x * logit_scale / softcap) * softcap / T, the tanh applied to the accumulator in
+// the epilogue, and its derivative multiplied into dZ there.
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
@@ -19,9 +22,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 
 #include <prime_kernels/sm90.cuh>
 #include <prime_kernels/tma.h>
+
+#include "softcap.cuh"
 
 #ifndef LINEAR_LOGP_BLOCK_N
 #error "LINEAR_LOGP_BLOCK_N must come from kernel.toml ([linear_logp.constants])"
@@ -68,6 +74,8 @@ constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024 /* alignment slack */ + 2 * STAGES * 8 /* mbarriers */;
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
+constexpr double kLog2eD = 1.4426950408889634074;
+constexpr double kLn2D = 0.69314718055994530942;
 
 struct Params {
   // shapes
@@ -85,7 +93,7 @@ struct Params {
   const int64_t* labels;
   const float* token_temperature;  // nullable
   const float* bias;               // nullable, fp32 [V]
-  float temperature;
+  float temperature;  // the effective temperature: T / softcap, or T / logit_scale without a softcap
   int64_t ignore_index;
   // forward outputs: partials [S, n_rows] (log2 units) and the label logit (log2 units) [n_rows]
   float* part_m;
@@ -93,11 +101,12 @@ struct Params {
   float* part_u;
   float* zy;
   // backward inputs/outputs
-  const float* stats;       // [N, 2] (lse, sum_pz), natural units
+  const double* stats;      // [N, 2] (lse, sum_pz), natural units
   const float* grad_logp;   // [N] fp32
   const float* grad_ent;    // [N] fp32, nullable
   void* dz;                 // [n_rows, ldz] of the input dtype; column c holds vocab vt_begin * BV + c
   int64_t ldz;
+  float softcap_k;  // kSoftcap: logit_scale / softcap
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -150,7 +159,7 @@ __device__ __forceinline__ void merge_state(float& m, float& s, float& u, float 
 
 // Accumulator register i of a thread holds row (warp * 16 + lane / 4 + 8 * ((i / 2) % 2)) and column
 // (8 * (i / 4) + 2 * (lane % 4) + i % 2) of its warpgroup's 64 x 256 tile.
-template <typename T, bool BWD>
+template <typename T, bool BWD, bool kSoftcap>
 __global__ void __launch_bounds__(NUM_THREADS, 1)
     linear_logp_kernel(const __grid_constant__ CUtensorMap tm_h, const __grid_constant__ CUtensorMap tm_w,
                        const Params p) {
@@ -245,7 +254,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
 
   int row[2];
   bool row_ok[2];
-  float c[2];      // log2(e) / T: z (log2 units) = acc * c + bias * c
+  float c[2];      // log2(e) / T (T the effective temperature): z (log2 units) = (acc + bias) * c, or tanh(...) * c
   int64_t y[2];
   float lse2[2], spz2[2], k1[2], k2[2];  // backward only
   float m[2], s[2], u[2];                 // forward only
@@ -267,10 +276,15 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
         k1[h] = 0.f;
         k2[h] = 0.f;
       } else {
-        lse2[h] = p.stats[2 * rr] * LOG2E;
+        // from the float64 stats: back to exactly the forward's float m + log2(s) where that is exact (e.g. V = 1)
+        lse2[h] = static_cast<float>(p.stats[2 * rr] * kLog2eD);
         k1[h] = p.grad_logp[rr] / temp;
-        spz2[h] = p.grad_ent ? p.stats[2 * rr + 1] * LOG2E : 0.f;
+        spz2[h] = p.grad_ent ? static_cast<float>(p.stats[2 * rr + 1] * kLog2eD) : 0.f;
         k2[h] = p.grad_ent ? p.grad_ent[rr] * (LN2 / temp) : 0.f;
+        if constexpr (kSoftcap) {  // dz/dx = k / cosh^2(x k) * softcap / T: k here, 1 / cosh^2 per element
+          k1[h] *= p.softcap_k;
+          k2[h] *= p.softcap_k;
+        }
       }
     }
   }
@@ -326,8 +340,14 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float z0 = (acc[4 * j + 2 * h] + b0) * c[h];
-        float z1 = (acc[4 * j + 2 * h + 1] + b1) * c[h];
+        // the softcap's backward keeps the logit x (its tanh and slope are formed per element below)
+        auto logit2 = [&](float x) {
+          if constexpr (!kSoftcap) return x * c[h];
+          else if constexpr (BWD) return x;
+          else return fused_logp_softcap::fast_tanh_of(x, p.softcap_k) * c[h];
+        };
+        float z0 = logit2(acc[4 * j + 2 * h] + b0);
+        float z1 = logit2(acc[4 * j + 2 * h + 1] + b1);
         if (partial) {
           z0 = col < lim ? z0 : -INFINITY;
           z1 = col + 1 < lim ? z1 : -INFINITY;
@@ -386,11 +406,15 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
           float g[2];
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float z = acc[4 * j + 2 * h + e];
+            float z = acc[4 * j + 2 * h + e], slope = 1.f;
+            if constexpr (kSoftcap) {  // z held the logit x: its tanh and slope now (x dead after this)
+              z = fused_logp_softcap::fast_tanh_of(z, p.softcap_k, &slope) * c[h];
+            }
             const float pr = ex2(z - lse2[h]);
             const float t = fmaxf(z - spz2[h], -1e30f);
             g[e] = -pr * fmaf(k2[h], t, k1[h]);
             if (col + e == ly) g[e] += k1[h];
+            if constexpr (kSoftcap) g[e] *= slope;
           }
           if (!partial) {
             *reinterpret_cast<uint32_t*>(out + 2 * col) = Mma<T>::pack(g[0], g[1]);
@@ -439,9 +463,9 @@ inline int make_tmap(CUtensorMap* map, const void* ptr, bool bf16, int64_t rows,
 }
 
 // One launch of the kernel (forward, or the backward's dZ pass): token_tiles x splits CTAs.
-template <typename T, bool kBackward>
+template <typename T, bool kBackward, bool kSoftcap>
 void launch(const CUtensorMap& tm_h, const CUtensorMap& tm_w, const Params& p, cudaStream_t stream) {
-  auto kernel = linear_logp_kernel<T, kBackward>;
+  auto kernel = linear_logp_kernel<T, kBackward, kSoftcap>;
   const bool configured =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES) == cudaSuccess;
   TORCH_CHECK(configured, "linear_logp: cannot reserve ", SMEM_BYTES, " bytes of shared memory for the ",
@@ -450,6 +474,25 @@ void launch(const CUtensorMap& tm_h, const CUtensorMap& tm_w, const Params& p, c
   const int64_t grid = (static_cast<int64_t>(p.token_tiles) * p.splits + kPairCtas - 1) / kPairCtas * kPairCtas;
   C10_CUDA_CHECK(launch_in_clusters(kernel, static_cast<unsigned>(grid), NUM_THREADS, SMEM_BYTES, stream, kPairCtas,
                                     tm_h, tm_w, p));
+}
+
+// The forward or backward launch for the input dtype, with or without the softcap epilogue.
+template <bool kBackward>
+void launch_for(bool bf16, bool softcap, const CUtensorMap& tm_h, const CUtensorMap& tm_w, const Params& p,
+                cudaStream_t stream) {
+  if (bf16)
+    softcap ? launch<__nv_bfloat16, kBackward, true>(tm_h, tm_w, p, stream)
+            : launch<__nv_bfloat16, kBackward, false>(tm_h, tm_w, p, stream);
+  else
+    softcap ? launch<__half, kBackward, true>(tm_h, tm_w, p, stream)
+            : launch<__half, kBackward, false>(tm_h, tm_w, p, stream);
+}
+
+// Host side of the transforms: the effective temperature T / w and the softcap's k = logit_scale / softcap as a
+// float pair (the kernels' arguments were checked by check_logit_transform / check_effective_temperature).
+inline void set_transform(Params& p, double temperature, const std::optional<double>& softcap, double logit_scale) {
+  p.temperature = static_cast<float>(temperature / (softcap.has_value() ? *softcap : logit_scale));
+  p.softcap_k = static_cast<float>(softcap.has_value() ? logit_scale / *softcap : 0.0);
 }
 
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }

@@ -20,6 +20,7 @@
 #include <optional>
 #include <tuple>
 
+#include "../cpu_common.h"
 #include "linear_logp.cuh"
 
 #ifndef LINEAR_LOGP_DZ_CHUNK_ELEMS
@@ -49,9 +50,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_backward_cuda
     const at::Tensor& weight, const at::Tensor& labels_in, double temperature,
     const std::optional<at::Tensor>& token_temperature, const std::optional<at::Tensor>& bias,
     const at::Tensor& stats_in, int64_t ignore_index, std::array<bool, 3> output_mask, bool grad_weight_fp32,
-    bool batch_invariant) {
+    bool batch_invariant, std::optional<double> softcap, double logit_scale) {
   linear_logp_detail::check_backward_args(grad_logp, grad_entropy, hidden, weight, labels_in, temperature,
                                           token_temperature, bias, stats_in);
+  fused_logp_cpu::check_logit_transform("linear_logp", softcap, logit_scale);
+  fused_logp_cpu::check_effective_temperature("linear_logp", temperature, softcap, logit_scale);
   linear_logp_detail::check_cuda_contract(hidden, weight);
   const c10::cuda::CUDAGuard guard(hidden.device());
   const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0);
@@ -76,7 +79,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_backward_cuda
   if (N == 0 || !(need_h || need_w || need_b)) return finish();
 
   const at::Tensor labels = labels_in.to(at::kLong).contiguous();
-  const at::Tensor stats = stats_in.to(at::kFloat).contiguous();
+  const at::Tensor stats = stats_in.contiguous();
   const at::Tensor glp = grad_logp.to(at::kFloat).contiguous();
   std::optional<at::Tensor> gent, tt, b32;
   if (grad_entropy.has_value()) gent = grad_entropy->to(at::kFloat).contiguous();
@@ -122,9 +125,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_backward_cuda
   p.labels = labels.data_ptr<int64_t>();
   p.token_temperature = tt ? tt->data_ptr<float>() : nullptr;
   p.bias = b32 ? b32->data_ptr<float>() : nullptr;
-  p.temperature = static_cast<float>(temperature);
+  set_transform(p, temperature, softcap, logit_scale);
   p.ignore_index = ignore_index;
-  p.stats = stats.data_ptr<float>();
+  p.stats = stats.data_ptr<double>();
   p.grad_logp = glp.data_ptr<float>();
   p.grad_ent = gent ? gent->data_ptr<float>() : nullptr;
   p.dz = dz.data_ptr();
@@ -144,10 +147,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_backward_cuda
       p.tiles_per_split =
           choose_tiles_per_split(p.token_tiles, static_cast<int>(vt_end - vt), sms, LINEAR_LOGP_MAX_SPLITS);
       p.splits = ceil_div(vt_end - vt, p.tiles_per_split);
-      if (bf16)
-        launch<__nv_bfloat16, true>(tm_h, tm_w, p, stream);
-      else
-        launch<__half, true>(tm_h, tm_w, p, stream);
+      launch_for<true>(bf16, softcap.has_value(), tm_h, tm_w, p, stream);
 
       const at::Tensor dzc = dz.narrow(0, 0, nr).narrow(1, 0, vc);
       const at::Tensor h_rows = hidden.narrow(0, r0, nr);

@@ -8,6 +8,7 @@
 #include <optional>
 #include <tuple>
 
+#include "../cpu_common.h"
 #include "linear_logp.cuh"
 
 namespace linear_logp_detail {
@@ -20,15 +21,15 @@ void check_cuda_contract(const at::Tensor& hidden, const at::Tensor& weight);
 namespace linear_logp {
 
 // Merge the S per-split partials of each row (in split order: deterministic) into logp, entropy and stats.
-__global__ void linear_logp_combine(Params p, int N, float* logp, float* entropy, float* stats) {
+__global__ void linear_logp_combine(Params p, int N, float* logp, float* entropy, double* stats) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= N) return;
   const int64_t y = p.labels[i];
   if (y == p.ignore_index) {
     logp[i] = 0.f;
     if (entropy) entropy[i] = 0.f;
-    stats[2 * i] = 0.f;
-    stats[2 * i + 1] = 0.f;
+    stats[2 * i] = 0.0;
+    stats[2 * i + 1] = 0.0;
     return;
   }
   float m = -INFINITY, s = 0.f, u = 0.f;
@@ -46,8 +47,8 @@ __global__ void linear_logp_combine(Params p, int N, float* logp, float* entropy
   if (entropy) entropy[i] = bad ? NAN : (log2s - mean_dev) * LN2;
   // NaN stats make that token's gradients NaN as well; a bad label keeps them: the vocabulary-parallel backward
   // passes labels outside [0, V) on purpose.
-  stats[2 * i] = bad_temperature ? NAN : lse2 * LN2;
-  stats[2 * i + 1] = bad_temperature ? NAN : (m + mean_dev) * LN2;
+  stats[2 * i] = bad_temperature ? NAN : static_cast<double>(lse2) * kLn2D;
+  stats[2 * i + 1] = bad_temperature ? NAN : static_cast<double>(m + mean_dev) * kLn2D;
 }
 
 }  // namespace linear_logp
@@ -57,16 +58,18 @@ namespace {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_cuda(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels_in, double temperature,
     const std::optional<at::Tensor>& token_temperature, const std::optional<at::Tensor>& bias, int64_t ignore_index,
-    bool return_entropy, bool batch_invariant) {
+    bool return_entropy, bool batch_invariant, std::optional<double> softcap, double logit_scale) {
   using namespace linear_logp;
   linear_logp_detail::check_forward_args(hidden, weight, labels_in, temperature, token_temperature, bias);
+  fused_logp_cpu::check_logit_transform("linear_logp", softcap, logit_scale);
+  fused_logp_cpu::check_effective_temperature("linear_logp", temperature, softcap, logit_scale);
   linear_logp_detail::check_cuda_contract(hidden, weight);
   const c10::cuda::CUDAGuard guard(hidden.device());
   const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0);
   const auto f32 = hidden.options().dtype(at::kFloat);
   at::Tensor logp = at::empty({N}, f32);
   at::Tensor entropy = at::empty({return_entropy ? N : 0}, f32);
-  at::Tensor stats = at::empty({N, 2}, f32);
+  at::Tensor stats = at::empty({N, 2}, hidden.options().dtype(at::kDouble));
   if (N == 0) return {logp, entropy, stats};
 
   const at::Tensor labels = labels_in.to(at::kLong).contiguous();
@@ -100,7 +103,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_cuda(
   p.labels = labels.data_ptr<int64_t>();
   p.token_temperature = tt ? tt->data_ptr<float>() : nullptr;
   p.bias = b32 ? b32->data_ptr<float>() : nullptr;
-  p.temperature = static_cast<float>(temperature);
+  set_transform(p, temperature, softcap, logit_scale);
   p.ignore_index = ignore_index;
   // workspace: 3 partials per (split, row) + the label logit per row
   at::Tensor ws = at::empty({(3 * static_cast<int64_t>(p.splits) + 1) * N}, f32);
@@ -111,13 +114,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_cuda(
   p.zy = w + 3 * p.splits * N;
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (bf16)
-    launch<__nv_bfloat16, false>(tm_h, tm_w, p, stream);
-  else
-    launch<__half, false>(tm_h, tm_w, p, stream);
+  launch_for<false>(bf16, softcap.has_value(), tm_h, tm_w, p, stream);
   linear_logp_combine<<<ceil_div(N, 256), 256, 0, stream>>>(p, static_cast<int>(N), logp.data_ptr<float>(),
                                                             return_entropy ? entropy.data_ptr<float>() : nullptr,
-                                                            stats.data_ptr<float>());
+                                                            stats.data_ptr<double>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {logp, entropy, stats};
 }
