@@ -8,8 +8,8 @@ memory floor from the copy bandwidth measured in the same run, and peers where i
 --invariant-ab: default vs batch_invariant=True at the issue-25 shapes (N = 16384 and 1024, V = 151936 and 32000; and N
 = 16384, V = 32001, whose rows are not 16-byte aligned; N = 5: latency, data in L2, the floor meaningless), alternating
 rounds in one run, medians, ratios invariant / default and the floors; plus whether 5 probe tokens keep their bits
-between a batch of 5 and the benchmark batch in each mode (informational; the tests assert it). The forward is one
-kernel in both modes, so its cost against the previous default needs another build in the same call: ``bench/ab.py
+between a batch of 5 and the benchmark batch in each mode (informational; the tests assert it). ``--shapes NxV,...``
+and ``--rounds R`` narrow it for a short device call. A kernel change against another build, same call: ``bench/ab.py
 --variant main=SITE -- bench/bench_fused_logp.py --invariant-ab`` (rows are labelled by shape, timings
 ``default_fwd_ms`` etc.).
 
