@@ -282,12 +282,17 @@ def test_the_installed_example_runs_under_this_torch():
     _, spec = _installed_example()
     assert prime_kernels.unavailable_reason("residual_rmsnorm", "cpu") is None
     ops = prime_kernels.load("residual_rmsnorm", "cpu")
-    x, residual, weight = torch.randn(3, 40), torch.randn(3, 40), torch.rand(40) + 0.5
+    # the example's own rule (tests/test_residual_rmsnorm.py): enough elements for the ratio to settle, 2% room for a
+    # summation order that flips an odd rounding (120 unseeded elements once measured 1.105x in CI)
+    g = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(64, 1000, generator=g), torch.randn(64, 1000, generator=g)
+    weight = torch.rand(1000, generator=g) + 0.5
     y, new_residual = ops.residual_rmsnorm(x, residual, weight, 1e-6)
     reference, _ = ops.residual_rmsnorm_reference(x.double(), residual.double(), weight.double(), 1e-6)
     baseline, _ = ops.residual_rmsnorm_reference(x, residual, weight, 1e-6)
     assert torch.equal(new_residual, x + residual)
-    assert_error_ratio("stable-ABI y", y, baseline, reference)
+    assert_error_ratio("stable-ABI y", y, baseline, reference, max_ratio=1.02)
+    x, residual = x[:3, :40], residual[:3, :40]
     with pytest.raises(RuntimeError, match=r"^residual_rmsnorm: residual must have x's shape \[3, 40\], got \[3, 4\]$"):
         ops.residual_rmsnorm(x, residual[:, :4], weight, 1e-6)  # the exact-ABI build's words, nothing prefixed
 
