@@ -13,8 +13,8 @@ and ``--rounds R`` narrow it for a short device call. A kernel change against an
 --variant main=SITE -- bench/bench_fused_logp.py --invariant-ab`` (rows are labelled by shape, timings
 ``default_fwd_ms`` etc.).
 
---softcap-ab: the logit transforms' cost at N = 16384, V = 151936 bf16: none, softcap=30.0, logit_scale=0.0625 (folded
-into the temperature: expected free), alternating rounds, medians, ratios to none and the floors.
+--softcap-ab: the logit transforms' cost at N = 16384, V = 151936, bf16 and fp32: none, softcap=30.0, logit_scale=0.0625
+(folded into the temperature: expected free), alternating rounds, medians, ratios to none and the floors.
 
 Timing: triton.testing.do_bench median; data larger than L2; fresh randn*3 bf16 logits per shape.
 Floor: fwd reads logits once; fwd+bwd reads them twice and writes the gradient once (bytes / copy bandwidth).
@@ -224,35 +224,41 @@ TRANSFORM_VARIANTS = {"none": {}, "softcap=30": {"softcap": 30.0}, "logit_scale=
 def softcap_ab(bw, results, n=16384, v=151936, rounds=AB_ROUNDS):
     from prime_kernels_fused_logp.ops import logp_entropy
 
-    floor_fwd, floor_fb = n * v * 2 / bw * 1e3, 3 * n * v * 2 / bw * 1e3
-    x = torch.randn(n, v, device="cuda", dtype=torch.bfloat16) * 3
-    y = torch.randint(0, v, (n,), device="cuda")
-    xg = x.detach().requires_grad_()
-    times = {name: {"fwd": [], "fb": []} for name in TRANSFORM_VARIANTS}
-    for _ in range(rounds):
-        for name, tf in TRANSFORM_VARIANTS.items():
-            def fwd():
-                return logp_entropy(x, y, 0.7, check_labels=False, **tf)
+    for dtype in (torch.bfloat16, torch.float32):  # fp32 logits take a double tanh (fused_logp.cu, Softcap)
+        size = torch.finfo(dtype).bits // 8
+        floor_fwd, floor_fb = n * v * size / bw * 1e3, 3 * n * v * size / bw * 1e3
+        x = (torch.randn(n, v, device="cuda") * 3).to(dtype)
+        y = torch.randint(0, v, (n,), device="cuda")
+        xg = x.detach().requires_grad_()
+        times = {name: {"fwd": [], "fb": []} for name in TRANSFORM_VARIANTS}
+        for _ in range(rounds):
+            for name, tf in TRANSFORM_VARIANTS.items():
+                def fwd():
+                    return logp_entropy(x, y, 0.7, check_labels=False, **tf)
 
-            def fb():
-                lp, ent = logp_entropy(xg, y, 0.7, check_labels=False, **tf)
-                (lp.sum() + ent.sum()).backward()
+                def fb():
+                    lp, ent = logp_entropy(xg, y, 0.7, check_labels=False, **tf)
+                    (lp.sum() + ent.sum()).backward()
 
-            times[name]["fwd"].append(do_bench(fwd))
-            times[name]["fb"].append(do_bench(fb, grad_to_none=[xg]))
-            xg.grad = None
-    print(f"N={n} V={v} bf16 T=0.7; floors fwd {floor_fwd:.3f} ms, fwd+bwd {floor_fb:.3f} ms (medians of {rounds} "
-          f"alternating rounds)")
-    print("| transform | fwd ms | fwd / none | fwd / floor | fwd+bwd ms | fwd+bwd / none | fwd+bwd / floor |")
-    print("|---|---|---|---|---|---|---|")
-    med = {name: (sorted(t["fwd"])[rounds // 2], sorted(t["fb"])[rounds // 2]) for name, t in times.items()}
-    for name, (f, b) in med.items():
-        rf, rb = f / med["none"][0], b / med["none"][1]
-        print(f"| {name} | {f:.3f} | x{rf:.3f} | {f / floor_fwd:.3f} | {b:.3f} | x{rb:.3f} | {b / floor_fb:.3f} |",
-              flush=True)
-        results.append({"transform": name, "N": n, "V": v, "fwd_ms": f, "fwd_bwd_ms": b, "ratio_fwd": rf,
-                        "ratio_fwd_bwd": rb, "floor_fwd_ms": floor_fwd, "floor_fwd_bwd_ms": floor_fb,
-                        "fwd_rounds": times[name]["fwd"], "fwd_bwd_rounds": times[name]["fb"]})
+                times[name]["fwd"].append(do_bench(fwd))
+                times[name]["fb"].append(do_bench(fb, grad_to_none=[xg]))
+                xg.grad = None
+        tag = str(dtype).removeprefix("torch.")
+        print(f"N={n} V={v} {tag} T=0.7; floors fwd {floor_fwd:.3f} ms, fwd+bwd {floor_fb:.3f} ms (medians of "
+              f"{rounds} alternating rounds)")
+        print("| transform | fwd ms | fwd / none | fwd / floor | fwd+bwd ms | fwd+bwd / none | fwd+bwd / floor |")
+        print("|---|---|---|---|---|---|---|")
+        med = {name: (sorted(t["fwd"])[rounds // 2], sorted(t["fb"])[rounds // 2]) for name, t in times.items()}
+        for name, (f, b) in med.items():
+            rf, rb = f / med["none"][0], b / med["none"][1]
+            print(f"| {name} | {f:.3f} | x{rf:.3f} | {f / floor_fwd:.3f} | {b:.3f} | x{rb:.3f} | {b / floor_fb:.3f} |",
+                  flush=True)
+            results.append({"transform": name, "dtype": tag, "N": n, "V": v, "fwd_ms": f, "fwd_bwd_ms": b,
+                            "ratio_fwd": rf, "ratio_fwd_bwd": rb, "floor_fwd_ms": floor_fwd,
+                            "floor_fwd_bwd_ms": floor_fb,
+                            "fwd_rounds": times[name]["fwd"], "fwd_bwd_rounds": times[name]["fb"]})
+        del x, xg, y
+        free()
 
 
 def main(argv=None):

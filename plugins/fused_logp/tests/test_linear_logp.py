@@ -474,7 +474,7 @@ def test_gpu_softcap_nan_and_inf_match_cpu():
     T = torch.rand(40) + 0.5
     outs = []
     for dev in ("cpu", "cuda"):
-        h = hid.to(dev).requires_grad_()
+        h = hid.to(dev).detach().requires_grad_()  # a leaf: on the CPU .to returns hid itself
         lp, ent = linear_logp_entropy(h, w.to(dev), y.to(dev), T.to(dev), bias=b.to(dev), softcap=5.0)
         (lp.nan_to_num() + ent.nan_to_num()).sum().backward()
         outs.append((lp.detach().cpu(), ent.detach().cpu(), h.grad.cpu()))

@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
         auto logit2 = [&](float x) {
           if constexpr (!kSoftcap) return x * c[h];
           else if constexpr (BWD) return x;
-          else return fused_logp_softcap::fast_tanh_of(x, p.softcap_k) * c[h];
+          else return __fmul_rn(fused_logp_softcap::fast_tanh_of(x, p.softcap_k), c[h]);
         };
         float z0 = logit2(acc[4 * j + 2 * h] + b0);
         float z1 = logit2(acc[4 * j + 2 * h + 1] + b1);
@@ -408,7 +408,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1)
           for (int e = 0; e < 2; ++e) {
             float z = acc[4 * j + 2 * h + e], slope = 1.f;
             if constexpr (kSoftcap) {  // z held the logit x: its tanh and slope now (x dead after this)
-              z = fused_logp_softcap::fast_tanh_of(z, p.softcap_k, &slope) * c[h];
+              z = __fmul_rn(fused_logp_softcap::fast_tanh_of(z, p.softcap_k, &slope), c[h]);
             }
             const float pr = ex2(z - lse2[h]);
             const float t = fmaxf(z - spz2[h], -1e30f);

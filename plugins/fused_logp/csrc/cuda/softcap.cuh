@@ -1,8 +1,10 @@
 // The softcap logit transform on the device: v = tanh(x * k), k = logit_scale / softcap, and its derivative, for the
-// logits op (fused_logp.cu: CUDA's tanhf, k as an unevaluated float pair k_hi + k_lo, since a single rounded float
-// would scale every logit by the same relative error, a systematic shift of its double-exact temperature) and the
-// lm_head op (linear_logp.cuh: a cheaper tanh from one exp2 and one reciprocal). Each op runs the same instructions
-// in its forward and backward, so both see the same z.
+// logits op (fused_logp.cu: CUDA's tanhf for 16-bit logits, k as an unevaluated float pair k_hi + k_lo, since a single
+// rounded float would scale every logit by the same relative error, a systematic shift of its double-exact
+// temperature; tanh in double for fp32 logits) and the lm_head op (linear_logp.cuh: a cheaper tanh from one exp2 and
+// one reciprocal). Each op runs the same instructions in its forward and backward, so both see the same z: the lm_head
+// op's arithmetic is spelled out with __fmul_rn / __fsub_rn, since the compiler may contract a * b + c into an FMA in
+// one kernel and not in the other (V = 1 then has p != 1 in the backward and a nonzero gradient).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -41,14 +43,15 @@ __device__ __forceinline__ float slope_of(float x, float t, float k_hi, float k_
 // 16-bit inputs carry far more (the PyTorch path rounds every logit to bf16). Forward and backward run the same
 // instructions, so both see the same z.
 __device__ __forceinline__ float fast_tanh_of(float x, float k, float* sech2 = nullptr) {
-  const float u = x * k, a = fabsf(u);
+  const float u = __fmul_rn(x, k), a = fabsf(u);
   float e, r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(-2.8853900817779268f * a));
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.f + e));
-  const float u2 = u * u;
-  const float series = a * fmaf(u2, fmaf(u2, 0.13333333333333333f, -0.3333333333333333f), 1.f);
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(__fmul_rn(-2.8853900817779268f, a)));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(__fadd_rn(1.f, e)));
+  const float u2 = __fmul_rn(u, u);
+  const float series = __fmul_rn(a, fmaf(u2, fmaf(u2, 0.13333333333333333f, -0.3333333333333333f), 1.f));
   if (sech2) *sech2 = 4.f * e * r * r;
-  return copysignf(a < 0.0625f ? series : (1.f - e) * r, u);  // NaN: e, r and the result NaN; +-inf: +-1
+  // NaN: e, r and the result NaN; +-inf: +-1
+  return copysignf(a < 0.0625f ? series : __fmul_rn(__fsub_rn(1.f, e), r), u);
 }
 
 }  // namespace fused_logp_softcap
