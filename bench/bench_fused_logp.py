@@ -224,7 +224,7 @@ TRANSFORM_VARIANTS = {"none": {}, "softcap=30": {"softcap": 30.0}, "logit_scale=
 def softcap_ab(bw, results, n=16384, v=151936, rounds=AB_ROUNDS):
     from prime_kernels_fused_logp.ops import logp_entropy
 
-    for dtype in (torch.bfloat16, torch.float32):  # fp32 logits take a double tanh (fused_logp.cu, Softcap)
+    for dtype in (torch.bfloat16, torch.float32):
         size = torch.finfo(dtype).bits // 8
         floor_fwd, floor_fb = n * v * size / bw * 1e3, 3 * n * v * size / bw * 1e3
         x = (torch.randn(n, v, device="cuda") * 3).to(dtype)

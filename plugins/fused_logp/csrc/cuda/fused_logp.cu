@@ -208,37 +208,29 @@ struct NoTransform {
   __device__ __forceinline__ float grad(float x, G&& grad_at) const { return grad_at(x); }
 };
 // v = tanh(x k), k = logit_scale / softcap; monotone, so the max of v is v of the max. The backward's row constants
-// carry the factor k of dv/dx (k1, k2), grad multiplies the rest, 1 / cosh^2(x k). kExact (fp32 logits): v is tanh in
-// double rounded once; tanhf's ~1-2 ulp error, times c = log2(e) w / T in every exponent, otherwise puts fp32
-// gradients at parity with the fp32 PyTorch path (measured 1.0-1.2x its error on the H200) instead of below it. fp32
-// rows are memory-bound at twice the bytes of 16-bit ones, which pays for the double tanh (bench --softcap-ab).
-template <bool kExact>
+// carry the factor k of dv/dx (k1, k2), grad multiplies the rest, 1 / cosh^2(x k).
 struct Softcap {
-  double k;
   float k_hi, k_lo;
-  __device__ __forceinline__ explicit Softcap(double k_) : k(k_) {
+  __device__ __forceinline__ explicit Softcap(double k) {
     k_hi = static_cast<float>(k);
     k_lo = static_cast<float>(k - static_cast<double>(k_hi));
   }
-  __device__ __forceinline__ float operator()(float x) const {
-    if constexpr (kExact) return static_cast<float>(tanh(static_cast<double>(x) * k));
-    return fused_logp_softcap::tanh_of(x, k_hi, k_lo);
-  }
+  __device__ __forceinline__ float operator()(float x) const { return fused_logp_softcap::tanh_of(x, k_hi, k_lo); }
   template <class G>
   __device__ __forceinline__ float grad(float x, G&& grad_at) const {
     const float v = (*this)(x);
     return grad_at(v) * fused_logp_softcap::slope_of(x, v, k_hi, k_lo);
   }
 };
-template <bool kSoftcap, typename scalar_t>
-using TransformOf = std::conditional_t<kSoftcap, Softcap<std::is_same<scalar_t, float>::value>, NoTransform>;
+template <bool kSoftcap>
+using TransformOf = std::conditional_t<kSoftcap, Softcap, NoTransform>;
 
-// The label's transformed logit, as the row's sums and the backward see it (the same float v): the forward's z_y * T.
-// (A double-exact z_y beside sums over fp32 tanhf values would not cancel tanhf's bias as the PyTorch path's
-// log_softmax does: 1.03-1.24x its logp error on the H200.)
-template <bool kSoftcap, typename scalar_t>
+// The label's transformed logit in double (once per row; exact to double where the sums use float): the forward's
+// z_y * T.
+template <bool kSoftcap>
 __device__ __forceinline__ double label_logit(float x, double softcap_k) {
-  return static_cast<double>(TransformOf<kSoftcap, scalar_t>(softcap_k)(x));
+  if constexpr (kSoftcap) return tanh(static_cast<double>(x) * softcap_k);
+  return static_cast<double>(x);
 }
 
 // ---- forward ----------------------------------------------------------------------------------------------------
@@ -396,7 +388,7 @@ __device__ void finalize_row(const FwdParams<label_t>& p, int64_t row, int64_t y
     ent = ls - mean;
   }
   const scalar_t* x = reinterpret_cast<const scalar_t*>(p.logits) + row * p.row_stride;
-  const double zy = label_logit<kSoftcap, scalar_t>(Elem<scalar_t>::load(x + y), p.softcap_k) / T;
+  const double zy = label_logit<kSoftcap>(Elem<scalar_t>::load(x + y), p.softcap_k) / T;
   p.logp[row] = static_cast<float>(zy - lse);
   if (p.entropy) p.entropy[row] = static_cast<float>(ent);
   p.stats[2 * row] = lse;
@@ -417,7 +409,7 @@ __device__ __forceinline__ void write_ignored(const FwdParams<label_t>& p, int64
 template <typename scalar_t, typename label_t, bool kWithT, bool kGather, bool kSoftcap = false>
 __global__ void __launch_bounds__(kThreads) fused_logp_fwd_kernel(const FwdParams<label_t> p) {
   using E = Elem<scalar_t>;
-  const TransformOf<kSoftcap, scalar_t> xf(p.softcap_k);
+  const TransformOf<kSoftcap> xf(p.softcap_k);
   constexpr int kVec = E::kVec;
   const int64_t row = blockIdx.x;
   const int split = blockIdx.y;
@@ -568,11 +560,8 @@ struct BwdParams {
 
 // Per-row constants of the backward, all in fp32 pairs: exponent of p is x * c - L, with c = c_hi + c_lo and
 // L = lse * log2(e) = L_hi + L_lo; the entropy factor (z - sum_pz) * log2(e) is x * c - S likewise.
-// k1 and k2 carry their low parts too (fp32 gradients): one rounded float would scale a whole row's gradient by the
-// same relative error, as large as the output's own rounding (1.07x the PyTorch path's fp32 error on the H200).
 struct BwdRow {
   float c_hi, c_lo, L_hi, L_lo, S_hi, S_lo, k1, k2;  // k1 = g_logp / T, k2 = g_ent * ln2 / T
-  float k1_lo, k2_lo;
 };
 
 // 2^(hi + lo), |lo| << 1, to about 1 ulp: range reduction by rint, degree-7 Taylor polynomial of 2^f on |f| <= 1/2
@@ -604,8 +593,8 @@ constexpr float kAccurateAbove = -1.5f;
 // label). kPerElement: bf16/fp16 take the accurate exp2 exactly where p > ~0.35, a function of the element alone, so a
 // row's gradient never depends on its alignment (batch invariance of unaligned rows); otherwise the caller redoes
 // a whole vector accurately when one of its elements is there (fewer instructions per element: 9% faster fwd+bwd at
-// 16384 x 151936 bf16 on the H200). kPairs: k1, k2 as float pairs (fp32 gradients).
-template <bool kWithEnt, bool kAccurateExp, bool kIsLabel = false, bool kPerElement = false, bool kPairs = false>
+// 16384 x 151936 bf16 on the H200).
+template <bool kWithEnt, bool kAccurateExp, bool kIsLabel = false, bool kPerElement = false>
 __device__ __forceinline__ float grad_elem(const BwdRow& R, float x_in, float& hi_out) {
   // A -inf logit becomes -1e30 (p = 0 exactly, every intermediate finite). NaN needs no care here: a NaN logit made
   // the row's lse NaN in the forward, so the whole row's gradient is NaN anyway.
@@ -633,20 +622,19 @@ __device__ __forceinline__ float grad_elem(const BwdRow& R, float x_in, float& h
     const float q = kWithEnt ? p * fmaxf((ph - R.S_hi) + (w - R.S_lo), -3.0e38f) : 0.f;
     return fmaf(R.k1, 1.f - p, -R.k2 * q);
   }
-  if constexpr (kPairs) {  // fp32 gradients: the row constants as pairs
-    if (!kWithEnt) return -fmaf(R.k1, p, R.k1_lo * p);
-    const float pb = p * fmaxf((ph - R.S_hi) + (w - R.S_lo), -3.0e38f);
-    return -fmaf(R.k1, p, fmaf(R.k2, pb, fmaf(R.k1_lo, p, R.k2_lo * pb)));
-  }
   if (!kWithEnt) return -R.k1 * p;
   const float b = fmaxf((ph - R.S_hi) + (w - R.S_lo), -3.0e38f);  // -inf logit: p = 0 and p * b = 0
   return -fmaf(R.k2, p * b, R.k1 * p);
 }
 
-template <typename scalar_t, typename label_t, bool kWithEnt, bool kPerElement, bool kSoftcap = false>
+// kGather (batch-invariant backward of a launch whose gradient rows are 16-byte aligned, i.e. V * element size a
+// multiple of 16): a logits row that is not aligned is gathered element-wise into the aligned vector layout, so its
+// elements share vectors, and head / tail, exactly as in an aligned row, and the per-vector rule stays invariant.
+template <typename scalar_t, typename label_t, bool kWithEnt, bool kPerElement, bool kSoftcap = false,
+          bool kGather = false>
 __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParams<label_t> p) {
   using E = Elem<scalar_t>;
-  const TransformOf<kSoftcap, scalar_t> xf(p.softcap_k);
+  const TransformOf<kSoftcap> xf(p.softcap_k);
   constexpr int kVec = E::kVec;
   const int64_t row = blockIdx.x;
   const int split = blockIdx.y;
@@ -673,13 +661,8 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
     const double nan = __longlong_as_double(0x7ff8000000000000ll);
     // With a softcap, dv/dx = k / cosh^2(x k): the factor k here (Softcap::grad multiplies the rest).
     const double k = kSoftcap ? p.softcap_k : 1.0;
-    const double k1 = bad ? nan : static_cast<double>(p.grad_logp[row]) / T * k;
-    const double k2 = kWithEnt ? static_cast<double>(p.grad_entropy[row]) * kLn2 / T * k : 0.0;
-    R.k1 = static_cast<float>(k1);
-    R.k2 = static_cast<float>(k2);
-    // (0 for an infinite high part, whose difference would turn the gradient into NaN)
-    R.k1_lo = isfinite(R.k1) ? static_cast<float>(k1 - static_cast<double>(R.k1)) : 0.f;
-    R.k2_lo = isfinite(R.k2) ? static_cast<float>(k2 - static_cast<double>(R.k2)) : 0.f;
+    R.k1 = static_cast<float>(bad ? nan : static_cast<double>(p.grad_logp[row]) / T * k);
+    R.k2 = kWithEnt ? static_cast<float>(static_cast<double>(p.grad_entropy[row]) * kLn2 / T * k) : 0.f;
   }
   // fp32 logits always take the accurate exp2; bf16/fp16 ex2.approx except near p > ~0.35 (grad_elem).
   constexpr bool kAlwaysAccurate = std::is_same<scalar_t, float>::value;
@@ -689,13 +672,14 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
     return xf.grad(x_loaded, [&](float xv) {
       float hi;
       return is_label ? grad_elem<kWithEnt, true, true>(R, xv, hi)
-                      : grad_elem<kWithEnt, kPerElement ? kAlwaysAccurate : true, false, kPerElement, kAlwaysAccurate>(
-                            R, xv, hi);
+                      : grad_elem<kWithEnt, kPerElement ? kAlwaysAccurate : true, false, kPerElement>(R, xv, hi);
     });
   };
 
-  const int head = head_elems(x, V);
-  if ((reinterpret_cast<uintptr_t>(x) & 15u) != (reinterpret_cast<uintptr_t>(g) & 15u)) {
+  const bool gather = kGather && (reinterpret_cast<uintptr_t>(x) & 15u) != 0 &&
+                      (reinterpret_cast<uintptr_t>(g) & 15u) == 0;
+  const int head = gather ? 0 : head_elems(x, V);
+  if (!gather && (reinterpret_cast<uintptr_t>(x) & 15u) != (reinterpret_cast<uintptr_t>(g) & 15u)) {
     // Input and output rows differ in 16-byte alignment (strided logits): scalar path over this split's range.
     const int64_t span = static_cast<int64_t>(p.vec_per_split) * kVec;
     const int64_t lo = imin64(V, split * span);
@@ -724,9 +708,8 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       float hi;
-      f[k] = xf.grad(f[k], [&](float xv) {
-        return grad_elem<kWithEnt, kAlwaysAccurate, false, kPerElement, kAlwaysAccurate>(R, xv, hi);
-      });
+      f[k] = xf.grad(f[k],
+                     [&](float xv) { return grad_elem<kWithEnt, kAlwaysAccurate, false, kPerElement>(R, xv, hi); });
       hmax = fmaxf(hmax, hi);
     }
     // Without kPerElement, bf16/fp16 redo accurately the (at most one per row) vector holding a probability above
@@ -755,11 +738,11 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
   for (; v + (kUnroll - 1) * kThreads < ve; v += kUnroll * kThreads) {
     uint4 r[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) r[u] = __ldg(xv + v + u * kThreads);
+    for (int u = 0; u < kUnroll; ++u) r[u] = load_vec<scalar_t, kVec>(x, xv, v + u * kThreads, gather);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) process(v + u * kThreads, r[u]);
   }
-  for (; v < ve; v += kThreads) process(v, __ldg(xv + v));
+  for (; v < ve; v += kThreads) process(v, load_vec<scalar_t, kVec>(x, xv, v, gather));
 }
 
 // ---- host -------------------------------------------------------------------------------------------------------
@@ -786,9 +769,9 @@ void dispatch_label(ScalarType st, F&& f) {
 
 // Blocks per row: 1 when the rows alone fill the GPU (two waves of resident blocks), else enough splits for that,
 // each at least SPLIT_MIN_ELEMS logits, at most MAX_SPLITS. The forward's sums depend on the split count, so the
-// batch-invariant forward always takes the large-N choice, one block per row: free where rows fill the GPU (the
-// splits from V alone it replaced cost 1.21x at 16384 x 151936 on the H200), slower only for small N.
-// (The backward's elements do not depend on it: any split count gives the same gradient.)
+// batch-invariant forward always takes the large-N choice, one block per row: the same kernel where rows fill the GPU,
+// and measured no slower at N = 1024 and 5 (V = 151936, H200; the splits from V alone it replaced cost 1.19x at
+// 16384 x 151936). (The backward's elements do not depend on it: any split count gives the same gradient.)
 // The current device's SM count, asked of the driver once per device (ATen caches its device properties likewise).
 int multiprocessor_count(int device) {
   constexpr int kMaxDevices = 64;
@@ -961,20 +944,25 @@ Tensor logp_entropy_backward_cuda(const Tensor& grad_logp_in, const std::optiona
       p.grad_entropy = ge.defined() ? ge.const_data_ptr<float>() : nullptr;
       p.stats = stats.const_data_ptr<double>();
       const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>(splits));
-      auto launch = [&](auto with_entropy, auto per_element, auto softcap_tag) {
+      auto launch = [&](auto with_entropy, auto per_element, auto softcap_tag, auto gather) {
         fused_logp_bwd_kernel<scalar_t, label_t, decltype(with_entropy)::value, decltype(per_element)::value,
-                              decltype(softcap_tag)::value><<<grid, kThreads, 0, stream>>>(p);
+                              decltype(softcap_tag)::value, decltype(gather)::value><<<grid, kThreads, 0, stream>>>(p);
       };
+      // Invariant: the per-vector rule with unaligned logits rows gathered where the gradient rows are aligned (a
+      // function of V and the dtype alone: the same form for every batch), else the per-element rule (measured 1.11x
+      // the default's forward+backward at 16384 x 151936 bf16 on the H200).
+      const bool gather = batch_invariant && (V * static_cast<int64_t>(sizeof(scalar_t))) % 16 == 0;
+      const std::false_type no;
+      const std::true_type yes;
       if (softcap) {
         if constexpr (std::is_same_v<label_t, int64_t>)
-          ge.defined() ? launch(std::true_type{}, std::true_type{}, std::true_type{})
-                       : launch(std::false_type{}, std::true_type{}, std::true_type{});
+          ge.defined() ? launch(yes, yes, yes, no) : launch(no, yes, yes, no);
+      } else if (gather) {
+        ge.defined() ? launch(yes, no, no, yes) : launch(no, no, no, yes);
       } else if (ge.defined()) {
-        batch_invariant ? launch(std::true_type{}, std::true_type{}, std::false_type{})
-                        : launch(std::true_type{}, std::false_type{}, std::false_type{});
+        batch_invariant ? launch(yes, yes, no, no) : launch(yes, no, no, no);
       } else {
-        batch_invariant ? launch(std::false_type{}, std::true_type{}, std::false_type{})
-                        : launch(std::false_type{}, std::false_type{}, std::false_type{});
+        batch_invariant ? launch(no, yes, no, no) : launch(no, no, no, no);
       }
       STD_CUDA_KERNEL_LAUNCH_CHECK();
     });

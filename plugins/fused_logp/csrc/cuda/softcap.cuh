@@ -1,10 +1,10 @@
 // The softcap logit transform on the device: v = tanh(x * k), k = logit_scale / softcap, and its derivative, for the
-// logits op (fused_logp.cu: CUDA's tanhf for 16-bit logits, k as an unevaluated float pair k_hi + k_lo, since a single
-// rounded float would scale every logit by the same relative error, a systematic shift of its double-exact
-// temperature; tanh in double for fp32 logits) and the lm_head op (linear_logp.cuh: a cheaper tanh from one exp2 and
-// one reciprocal). Each op runs the same instructions in its forward and backward, so both see the same z: the lm_head
-// op's arithmetic is spelled out with __fmul_rn / __fsub_rn, since the compiler may contract a * b + c into an FMA in
-// one kernel and not in the other (V = 1 then has p != 1 in the backward and a nonzero gradient).
+// logits op (fused_logp.cu: CUDA's tanhf, k as an unevaluated float pair k_hi + k_lo, since a single rounded float
+// would scale every logit by the same relative error, a systematic shift of its double-exact temperature) and the
+// lm_head op (linear_logp.cuh: a cheaper tanh from one exp2 and one reciprocal). Each op runs the same instructions in
+// its forward and backward, so both see the same z: the lm_head op's arithmetic is spelled out with __fmul_rn /
+// __fsub_rn, since the compiler may contract a * b + c into an FMA in one kernel and not in the other (V = 1 then had
+// p != 1 in the backward and a nonzero gradient, measured on the H200).
 #pragma once
 
 #include <cuda_runtime.h>
