@@ -648,8 +648,9 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
   const int y = (ignored || bad) ? -1 : static_cast<int>(y64);
 
   BwdRow R;
+  double T = 1.0;
   if (!ignored) {
-    const double T = row_temperature(p.temperature, p.token_temperature, row);
+    T = row_temperature(p.temperature, p.token_temperature, row);
     const double c = kLog2e / T;
     R.c_hi = static_cast<float>(c);
     R.c_lo = static_cast<float>(c - static_cast<double>(R.c_hi));
@@ -667,8 +668,27 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
   // fp32 logits always take the accurate exp2; bf16/fp16 ex2.approx except near p > ~0.35 (grad_elem).
   constexpr bool kAlwaysAccurate = std::is_same<scalar_t, float>::value;
   // The scalar head/tail: per element as the vector body when kPerElement, else always accurate (a few elements).
+  // fp32 logits: the label's gradient in double, (g_logp (1 - p) - g_ent p (z - sum p z)) g'(x) / T from the float64
+  // stats, rounded once. With p spread it holds nearly all of a row's gradient norm, and formed in float (k1 rounded,
+  // 1 - p from a float p) it was at parity with the fp32 PyTorch path's error, not below it (H200, session 14:
+  // docs/notes/fused_logp.md). Once per row; 16-bit gradients round far above either.
+  auto label_exact = [&](float x_loaded) -> float {
+    const double xd = fmax(static_cast<double>(x_loaded), -1.0e30);  // -inf: p = 0, the product below stays 0
+    const double z = (kSoftcap ? tanh(xd * p.softcap_k) : xd) / T;
+    const double pr = exp(z - p.stats[2 * row]);
+    double grad = static_cast<double>(p.grad_logp[row]) * (1.0 - pr);
+    if (kWithEnt) grad -= static_cast<double>(p.grad_entropy[row]) * pr * (z - p.stats[2 * row + 1]);
+    if (kSoftcap) {
+      const double ch = cosh(xd * p.softcap_k);
+      grad *= p.softcap_k / (ch * ch);
+    }
+    return static_cast<float>(grad / T);
+  };
   auto one = [&](int j, float x_loaded) -> float {
     const bool is_label = j == y;  // outside the transform's lambda: the default kernels' SASS stays main's
+    if constexpr (kAlwaysAccurate) {
+      if (is_label) return label_exact(x_loaded);
+    }
     return xf.grad(x_loaded, [&](float xv) {
       float hi;
       return is_label ? grad_elem<kWithEnt, true, true>(R, xv, hi)
@@ -729,7 +749,10 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
         if (j0 + k == y) {
           float xk[kVec], hi;
           E::unpack(r, xk);
-          f[k] = xf.grad(xk[k], [&](float xv) { return grad_elem<kWithEnt, true, true>(R, xv, hi); });
+          if constexpr (kAlwaysAccurate)
+            f[k] = label_exact(xk[k]);
+          else
+            f[k] = xf.grad(xk[k], [&](float xv) { return grad_elem<kWithEnt, true, true>(R, xv, hi); });
         }
     }
     __stcs(gv + v, E::pack(f));
