@@ -57,6 +57,12 @@ inline void check_logit_transform(const char* op, const std::optional<double>& s
   if (softcap.has_value() && !(*softcap >= kMin && *softcap <= kMax))
     fail(op, ": softcap must be None or finite and > 0 (a normal float32, in [", kMin, ", ", kMax, "]), got ",
          *softcap);
+  // The CUDA kernels form x * k (k = logit_scale / softcap) as a float pair whose low part multiplies a logit clamped
+  // to +-1e30: k must be a normal float32 and that product finite.
+  constexpr double kMaxSlope = 1e15;
+  if (softcap.has_value() && !(logit_scale / *softcap >= kMin && logit_scale / *softcap <= kMaxSlope))
+    fail(op, ": logit_scale / softcap must be in [", kMin, ", ", kMaxSlope, "], got ", logit_scale, " / ", *softcap,
+         " = ", logit_scale / *softcap);
 }
 
 // The transform's weight w: z = v(x) * w / T with v(x) = tanh(x * logit_scale / softcap) (softcap) or x (none). The
@@ -65,8 +71,9 @@ inline double logit_weight(const std::optional<double>& softcap, double logit_sc
   return softcap.has_value() ? *softcap : logit_scale;
 }
 
-// The linear op's CUDA kernels take the effective temperature T / w as one float32 (w: logit_weight): it must stay a
-// normal float32 (checked on every device, so that CPU and CUDA accept the same calls).
+// The CUDA kernels take the effective temperature T / w (w: logit_weight) as one float32 (linear op) or form
+// log2(e) w / T as a float pair (logits op): it must stay a normal float32 (checked on every device and both ops, so
+// that CPU and CUDA accept the same calls).
 inline void check_effective_temperature(const char* op, double temperature, const std::optional<double>& softcap,
                                         double logit_scale) {
   constexpr double kMin = std::numeric_limits<float>::min(), kMax = std::numeric_limits<float>::max();

@@ -83,6 +83,9 @@ def check_logp_entropy_backward_args(grad_logp, grad_entropy, logits, labels, te
 
 
 # ---- the logit transforms (cpu_common.h: check_logit_transform, check_effective_temperature) ------------------------
+_MAX_SOFTCAP_SLOPE = 1e15  # cpu_common.h's kMaxSlope: the CUDA kernels' x * logit_scale / softcap as a float pair
+
+
 def check_logit_transform(p: str, softcap, logit_scale) -> None:
     lo, hi = f"{_FLOAT32_MIN:g}", f"{_FLOAT32_MAX:g}"  # numbers as TORCH_CHECK prints doubles
     _require(_FLOAT32_MIN <= logit_scale <= _FLOAT32_MAX,
@@ -90,6 +93,9 @@ def check_logit_transform(p: str, softcap, logit_scale) -> None:
     if softcap is not None:
         _require(_FLOAT32_MIN <= softcap <= _FLOAT32_MAX,
                  f"{p}: softcap must be None or finite and > 0 (a normal float32, in [{lo}, {hi}]), got {softcap:g}")
+        _require(_FLOAT32_MIN <= logit_scale / softcap <= _MAX_SOFTCAP_SLOPE,
+                 f"{p}: logit_scale / softcap must be in [{lo}, {_MAX_SOFTCAP_SLOPE:g}], got {logit_scale:g} / "
+                 f"{softcap:g} = {logit_scale / softcap:g}")
 
 
 def check_effective_temperature(p: str, temperature, softcap, logit_scale) -> None:
@@ -198,6 +204,9 @@ def require_logit_transform(fn: str, softcap, logit_scale) -> None:
         if not _FLOAT32_MIN <= value <= _FLOAT32_MAX:
             raise ValueError(f"{fn}: {name} must be finite and > 0 (a normal float32, in [{_FLOAT32_MIN}, "
                              f"{_FLOAT32_MAX}]), got {value}")
+    if softcap is not None and not _FLOAT32_MIN <= logit_scale / softcap <= _MAX_SOFTCAP_SLOPE:
+        raise ValueError(f"{fn}: logit_scale / softcap must be in [{_FLOAT32_MIN}, {_MAX_SOFTCAP_SLOPE:g}], got "
+                         f"{logit_scale} / {softcap} = {logit_scale / softcap}")
 
 
 def temperature_as_float32(fn: str, temperature: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@ def _logp_entropy_fake(logits, labels, temperature, token_temperature, ignore_in
                        batch_invariant=False, softcap=None, logit_scale=1.0):
     checks.check_logp_entropy_args(logits, labels, temperature, token_temperature, CONSTANTS)
     checks.check_logit_transform("fused_logp", softcap, logit_scale)
+    checks.check_effective_temperature("fused_logp", temperature, softcap, logit_scale)
     n = logits.shape[0]
     logp = logits.new_empty((n,), dtype=torch.float32)
     entropy = logits.new_empty((n if return_entropy else 0,), dtype=torch.float32)
@@ -61,6 +62,7 @@ def _logp_entropy_backward_fake(
     checks.check_logp_entropy_backward_args(grad_logp, grad_entropy, logits, labels, temperature, token_temperature,
                                             stats, CONSTANTS)
     checks.check_logit_transform("fused_logp", softcap, logit_scale)
+    checks.check_effective_temperature("fused_logp", temperature, softcap, logit_scale)
     return logits.new_empty(logits.shape)
 
 
@@ -137,9 +139,10 @@ def logp_entropy(
         it.
     batch_invariant: every token's logp, entropy and gradient row are then bitwise identical whatever the other
         tokens (their number, labels, temperatures, ignored ones), the token's position and the leading shape. CPU is
-        always batch-invariant; CUDA then takes its split-vocab count from V alone (the default picks it from the
-        number of rows) and reads rows that are not 16-byte aligned element-wise into the same vector layout. The
-        gradient is batch-invariant in either mode. Not guaranteed: equal bits between CPU and CUDA, between GPU
+        always batch-invariant; CUDA then runs one block per row (the default splits rows over blocks when few rows
+        fill the GPU) and reads rows that are not 16-byte aligned element-wise into the same vector layout, in the
+        forward and the backward. In the default mode only rows that are not 16-byte aligned (odd V, strided views)
+        can change their gradient bits with their position. Not guaranteed: equal bits between CPU and CUDA, between GPU
         architectures or builds (e.g. the 9.0a build and a generic-arch one), or between the two modes
         (docs/notes/batch_invariance.md). With a process_group: bitwise identical for a given world size and shard
         layout (the ranks' partials are gathered and summed in rank order).
@@ -150,8 +153,9 @@ def logp_entropy(
         sizes in group-rank order.
     softcap, logit_scale: the logit transform g, in this order: x -> logit_scale * x (Cohere's ``logit_scale``;
         Granite's ``logits_scaling`` is ``logit_scale = 1 / logits_scaling``), then x -> softcap * tanh(x / softcap)
-        (Gemma 2/3's ``final_logit_softcapping``), then the temperature. Both finite and > 0 (normal float32 values);
-        None / 1.0 (default): g(x) = x, the kernels without any transform work. Differentiated through (the gradient
+        (Gemma 2/3's ``final_logit_softcapping``), then the temperature. Both finite and > 0 (normal float32 values),
+        logit_scale / softcap at most 1e15, and temperature / softcap (or temperature / logit_scale without a softcap)
+        a normal float32, as for linear_logp_entropy; None / 1.0 (default): g(x) = x, the kernels without any transform work. Differentiated through (the gradient
         carries g'(x) = logit_scale / cosh^2(logit_scale * x / softcap)); docs/integrations.md lists the model fields.
     """
     checks.require_ignore_index("logp_entropy", ignore_index)

@@ -244,14 +244,20 @@ class _LogitsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, local_labels, owned, nonowned, valid, temperature, token_temperature, return_entropy,
                 group, batch_invariant, softcap, logit_scale):
-        _, _, stats = _ops.logp_entropy(logits, local_labels, temperature, token_temperature, _LOCAL_IGNORE,
-                                        return_entropy, False, batch_invariant, softcap,
-                                        logit_scale)  # local labels: in range
+        logp_l, _, stats = _ops.logp_entropy(logits, local_labels, temperature, token_temperature, _LOCAL_IGNORE,
+                                             return_entropy, False, batch_invariant, softcap,
+                                             logit_scale)  # local labels: in range
         n = logits.shape[0]
         tvec = _token_temperature(temperature, token_temperature, n, logits.device)
-        col = local_labels.clamp_min(0)[:, None]
-        x = logits.gather(1, col).squeeze(1).double()  # the logits as the op reads them (float -> double)
-        zy = reference.transform(x, softcap, logit_scale) / tvec  # the op's z_y
+        if softcap is not None and logits.is_cuda:
+            # The CUDA op's z_y is its float tanh of the label's logit (fused_logp.cu, label_logit), which no float64
+            # transform here reproduces: recovered from its own logp (to that float's rounding), as the lm_head form
+            # does, so that logp stays <= 0.
+            zy = logp_l.double() + stats[:, 0]
+        else:
+            col = local_labels.clamp_min(0)[:, None]
+            x = logits.gather(1, col).squeeze(1).double()  # the logits as the op reads them (float -> double)
+            zy = reference.transform(x, softcap, logit_scale) / tvec  # the op's z_y
         lse, spz, logp, entropy = _combine(stats[:, 0], stats[:, 1], zy, owned, valid, return_entropy, group,
                                            batch_invariant)
         ctx.save_for_backward(logits, local_labels, nonowned, token_temperature, torch.stack([lse, spz], 1), tvec)
@@ -274,7 +280,9 @@ class _LogitsFn(torch.autograd.Function):
                                           _LOCAL_IGNORE, ctx.batch_invariant, ctx.softcap, ctx.logit_scale)
         # Rows whose label another rank owns: the op added g g'(x)/T at the dummy column. Overwrite that one element
         # with the value without the onehot term, -p (g + g_ent (z - sum_pz)) g'(x) / T, recomputed in float64 and
-        # rounded as the op rounds (subtracting after rounding would lose the small -p g/T to cancellation).
+        # rounded as the op rounds (subtracting after rounding would lose the small -p g/T to cancellation). With a
+        # softcap on CUDA, z here is the float64 tanh where the op used its float one: p off by that tanh's error
+        # (~1e-6 relative) in this one element per row.
         col = local_labels.clamp_min(0)[:, None]
         x = logits.gather(1, col).squeeze(1).double()
         z = reference.transform(x, ctx.softcap, ctx.logit_scale) / tvec

@@ -154,6 +154,7 @@ def test_cpu_softcap_maps_neg_inf_to_minus_cap():
     (dict(logit_scale=-1.0), "logit_scale must be finite and > 0"),
     (dict(logit_scale=float("nan")), "logit_scale must be finite and > 0"),
     (dict(logit_scale=1e39), "logit_scale must be finite and > 0"),
+    (dict(softcap=1e-20, logit_scale=1e20), "logit_scale / softcap must be in"),
 ])
 def test_cpu_bad_logit_transform_names_the_argument(kwargs, match):
     logits, labels = make_logits(4, 9, torch.float32), make_labels(4, 9)
@@ -164,6 +165,19 @@ def test_cpu_bad_logit_transform_names_the_argument(kwargs, match):
         torch.ops.fused_logp.logp_entropy(*op_args)
     with pytest.raises(TypeError, match="softcap must be None or a float, got str"):
         logp_entropy(logits, labels, softcap="30")
+
+
+def test_cpu_effective_temperature_must_stay_a_normal_float32():
+    """T / logit_scale (or T / softcap): the CUDA kernels form log2(e) w / T as floats; the same rule on every device
+    and for both ops."""
+    logits, labels = make_logits(4, 9, torch.float32), make_labels(4, 9)
+    with pytest.raises(RuntimeError, match=r"fused_logp: temperature / logit_scale = .* must be a normal float32"):
+        logp_entropy(logits, labels, 1e-2, logit_scale=1e37)
+    with pytest.raises(RuntimeError, match=r"fused_logp: temperature / softcap = .* must be a normal float32"):
+        logp_entropy(logits, labels, 1e-30, softcap=1e10)
+    with pytest.raises(RuntimeError, match=r"temperature / logit_scale = .* must be a normal float32"):  # the fake
+        torch.ops.fused_logp.logp_entropy(logits.to("meta"), labels.to("meta"), 1e-2, None, -100, True, False, False,
+                                          None, 1e37)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
@@ -526,15 +540,19 @@ class TestCUDA:
             labels[0] = v - 1
             check_against_float64(f"cuda strided {n}x{v}+{offset}", view, labels)
 
-    def test_vocab_one_and_empty(self):
-        x = torch.randn(4, 1, device="cuda", requires_grad=True)
-        lp, ent = logp_entropy(x, torch.zeros(4, dtype=torch.long, device="cuda"))
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    @pytest.mark.parametrize("tf", [{}, dict(softcap=30.0)], ids=["plain", "softcap"])
+    def test_vocab_one_and_empty(self, tf, dtype):
+        """V = 1: p = 1, logp = entropy = 0 exactly (the label's z is the one the sums saw: with a softcap, its float
+        tanh), gradient 0."""
+        x = (torch.randn(4, 1, device="cuda") * 10).to(dtype).requires_grad_()
+        lp, ent = logp_entropy(x, torch.zeros(4, dtype=torch.long, device="cuda"), 0.7, **tf)
         assert (lp == 0).all() and (ent == 0).all()
         (lp.sum() + ent.sum()).backward()
         # z - sum p z is formed from float64 stats split into fp32 pairs: ~1e-16 residue instead of an exact 0
-        torch.testing.assert_close(x.grad, torch.zeros_like(x), rtol=0, atol=1e-12)
+        torch.testing.assert_close(x.grad.float(), torch.zeros_like(x, dtype=torch.float32), rtol=0, atol=1e-12)
         x = torch.randn(0, 50, device="cuda", requires_grad=True)
-        lp, ent = logp_entropy(x, torch.zeros(0, dtype=torch.long, device="cuda"))
+        lp, ent = logp_entropy(x, torch.zeros(0, dtype=torch.long, device="cuda"), **tf)
         (lp.sum() + ent.sum()).backward()
         assert x.grad.shape == (0, 50)
 

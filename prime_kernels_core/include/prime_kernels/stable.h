@@ -21,7 +21,6 @@
 
 namespace prime_kernels::stable {
 
-// "[2, 3, 64]", as c10 prints an IntArrayRef.
 // a.sizes() == b.sizes() (torch 2.11's IntHeaderOnlyArrayRef has no operator==).
 inline bool same_sizes(const torch::stable::Tensor& a, const torch::stable::Tensor& b) {
   if (a.dim() != b.dim()) return false;
@@ -30,6 +29,7 @@ inline bool same_sizes(const torch::stable::Tensor& a, const torch::stable::Tens
   return true;
 }
 
+// "[2, 3, 64]", as c10 prints an IntArrayRef.
 inline std::string shape(const torch::stable::Tensor& t) {
   std::ostringstream out;
   out << "[";

@@ -225,17 +225,18 @@ struct Softcap {
 template <bool kSoftcap>
 using TransformOf = std::conditional_t<kSoftcap, Softcap, NoTransform>;
 
-// The label's transformed logit in double (once per row; exact to double where the sums use float): the forward's
-// z_y * T.
+// The label's transformed logit as the row's sums see it (the same float tanh), in double: the forward's z_y * T. A
+// double tanh here would let logp exceed 0 (V = 1: logp = (tanh - tanhf) softcap / T, up to ~1e-6) and leave the
+// backward's p != 1 there; its accuracy measured no better (H200, session 14).
 template <bool kSoftcap>
 __device__ __forceinline__ double label_logit(float x, double softcap_k) {
-  if constexpr (kSoftcap) return tanh(static_cast<double>(x) * softcap_k);
-  return static_cast<double>(x);
+  return static_cast<double>(TransformOf<kSoftcap>(softcap_k)(x));
 }
 
 // ---- forward ----------------------------------------------------------------------------------------------------
-// Per-thread online state: m the running max (raw logit units), s = sum 2^a, t = sum 2^a * a, a = (x - m) * c,
-// c = log2(e) / T. A NaN logit turns s and t into NaN and m into +inf (so later vectors take the fast path).
+// Per-thread online state: m the running max (of the transformed logits v), s = sum 2^a, t = sum 2^a * a,
+// a = (v - m) * c, c = log2(e) / T. A NaN logit turns s and t into NaN and m into +inf (so later vectors take the fast
+// path).
 struct Acc {
   float m;
   double s, t;
@@ -674,7 +675,7 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
   // docs/notes/fused_logp.md). Once per row; 16-bit gradients round far above either.
   auto label_exact = [&](float x_loaded) -> float {
     const double xd = fmax(static_cast<double>(x_loaded), -1.0e30);  // -inf: p = 0, the product below stays 0
-    const double z = (kSoftcap ? tanh(xd * p.softcap_k) : xd) / T;
+    const double z = static_cast<double>(xf(static_cast<float>(xd))) / T;  // the forward's z_y (label_logit)
     const double pr = exp(z - p.stats[2 * row]);
     double grad = static_cast<double>(p.grad_logp[row]) * (1.0 - pr);
     if (kWithEnt) grad -= static_cast<double>(p.grad_entropy[row]) * pr * (z - p.stats[2 * row + 1]);
@@ -835,6 +836,7 @@ std::tuple<Tensor, Tensor, Tensor> logp_entropy_cuda(const Tensor& logits_in, co
                                                      double logit_scale) {
   fused_logp_detail::check_forward_args(logits_in, labels_in, temperature, token_temperature);
   fused_logp_cpu::check_logit_transform("fused_logp", softcap, logit_scale);
+  fused_logp_cpu::check_effective_temperature("fused_logp", temperature, softcap, logit_scale);
   PK_CHECK(logits_in.is_cuda(), "fused_logp: CUDA implementation got logits on ", pks::device(logits_in));
   const int device = logits_in.get_device_index();
   const torch::stable::accelerator::DeviceGuard guard(device);
@@ -900,6 +902,8 @@ std::tuple<Tensor, Tensor, Tensor> logp_entropy_cuda(const Tensor& logits_in, co
       if (softcap) {
         if constexpr (std::is_same_v<label_t, int64_t>)
           return_entropy ? run(yes{}, yes{}, yes{}) : run(no{}, yes{}, yes{});
+        else
+          pks::fail("fused_logp: the softcap kernels take int64 labels (widened on the host), got int32");
       } else if (return_entropy) {
         gather ? run(yes{}, yes{}, no{}) : run(yes{}, no{}, no{});
       } else {
@@ -929,6 +933,7 @@ Tensor logp_entropy_backward_cuda(const Tensor& grad_logp_in, const std::optiona
   fused_logp_detail::check_backward_args(grad_logp_in, grad_entropy_in, logits_in, labels_in, temperature,
                                          token_temperature, stats_in);
   fused_logp_cpu::check_logit_transform("fused_logp", softcap, logit_scale);
+  fused_logp_cpu::check_effective_temperature("fused_logp", temperature, softcap, logit_scale);
   PK_CHECK(logits_in.is_cuda(), "fused_logp: CUDA implementation got logits on ", pks::device(logits_in));
   const int device = logits_in.get_device_index();
   const torch::stable::accelerator::DeviceGuard guard(device);
@@ -974,18 +979,20 @@ Tensor logp_entropy_backward_cuda(const Tensor& grad_logp_in, const std::optiona
       // Invariant: the per-vector rule with unaligned logits rows gathered where the gradient rows are aligned (a
       // function of V and the dtype alone: the same form for every batch), else the per-element rule (measured 1.11x
       // the default's forward+backward at 16384 x 151936 bf16 on the H200).
-      const bool gather = batch_invariant && (V * static_cast<int64_t>(sizeof(scalar_t))) % 16 == 0;
-      const std::false_type no;
-      const std::true_type yes;
+      const bool invariant_per_vector = batch_invariant && (V * static_cast<int64_t>(sizeof(scalar_t))) % 16 == 0;
+      using yes = std::true_type;
+      using no = std::false_type;
       if (softcap) {
         if constexpr (std::is_same_v<label_t, int64_t>)
-          ge.defined() ? launch(yes, yes, yes, no) : launch(no, yes, yes, no);
-      } else if (gather) {
-        ge.defined() ? launch(yes, no, no, yes) : launch(no, no, no, yes);
+          ge.defined() ? launch(yes{}, yes{}, yes{}, no{}) : launch(no{}, yes{}, yes{}, no{});
+        else
+          pks::fail("fused_logp: the softcap kernels take int64 labels (widened on the host), got int32");
+      } else if (invariant_per_vector) {
+        ge.defined() ? launch(yes{}, no{}, no{}, yes{}) : launch(no{}, no{}, no{}, yes{});
       } else if (ge.defined()) {
-        batch_invariant ? launch(yes, yes, no, no) : launch(yes, no, no, no);
+        batch_invariant ? launch(yes{}, yes{}, no{}, no{}) : launch(yes{}, no{}, no{}, no{});
       } else {
-        batch_invariant ? launch(no, yes, no, no) : launch(no, no, no, no);
+        batch_invariant ? launch(no{}, yes{}, no{}, no{}) : launch(no{}, no{}, no{}, no{});
       }
       STD_CUDA_KERNEL_LAUNCH_CHECK();
     });
