@@ -3,6 +3,7 @@
 -> silu * up -> grouped_mm down -> weighted index_add) and the bf16 matmul ceiling, all measured in the same run.
 
     python bench/bench_flash_moe.py [--json PATH] [--quick] [--mxfp8-only] [--no-mxfp8] [--shapes NAME,NAME]
+    python bench/bench_flash_moe.py --sonicmoe --no-mxfp8 [--shapes NAME,NAME]   (peer wheels: scripts/peer_wheels.sh)
 
 Timing: triton.testing.do_bench median. FLOPs = 2 T k dim 2 hidden + 2 T k hidden dim (forward); forward+backward
 counts 3x that plus the recomputed gate/up (2 T k dim 2 hidden). The backward alone (autograd.grad on a kept graph,
@@ -144,6 +145,66 @@ def problem(T, E, k, dim, hidden, grad=False):
     return x, w1, w2, w3, ids, tw
 
 
+def bench_sonicmoe(ops, shapes, ceiling):
+    """SonicMoE (sonic-moe 0.1.2.post1 on the CuTe DSL: scripts/peer_wheels.sh) on each shape: the same x, weights and
+    routing (its layout built once, outside the timing: w1|w3 as (2I, H, E) and w2 as (H, I, E) views of E-major
+    memory, [gate; up] concatenated), forward and forward+backward against ours, same run, with its output's error
+    against the grouped-mm path as a layout check; or the exact error that stopped it."""
+    from prime_kernels_flash_moe.reference import moe_grouped_mm
+
+    try:
+        from sonicmoe import moe_general_routing_inputs
+        from sonicmoe.enums import ActivationType
+    except Exception as exc:  # noqa: BLE001: any import failure is the row's result
+        print(f"sonicmoe: unavailable: {type(exc).__name__}: {exc}")
+        return [{"peer": "sonicmoe", "error": f"{type(exc).__name__}: {exc}"}]
+    rows = []
+    for name, T, E, k, dim, hidden in shapes:
+        flops = 2 * T * k * dim * 2 * hidden + 2 * T * k * hidden * dim
+        x, w1, w2, w3, ids, tw = problem(T, E, k, dim, hidden)
+        w13 = torch.cat([w1, w3], 1).permute(1, 2, 0).detach().requires_grad_()
+        w2s = w2.permute(1, 2, 0).detach().requires_grad_()
+        tokens = torch.arange(T, device="cuda", dtype=torch.int32).repeat_interleave(k)
+        experts, scores = ids.reshape(-1).contiguous(), tw.reshape(-1).float().requires_grad_()
+        xg = x.detach().requires_grad_()
+
+        def sonic():
+            return moe_general_routing_inputs(xg, scores, tokens, experts, w13, None, w2s, None, E,
+                                              torch.cuda.current_stream().cuda_stream, ActivationType.SWIGLU, False,
+                                              True)[0]
+        row = {"peer": "sonicmoe", "shape": name}
+        try:
+            out = sonic()  # the first call compiles its kernels (minutes)
+            ref = moe_grouped_mm(x, w1, w2, w3, ids, tw).float()
+            row["rel_err_vs_grouped_mm"] = ((out.float() - ref).norm() / ref.norm()).item()
+            go = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
+            leaves = [xg, w13, w2s, scores]
+            with torch.no_grad():
+                row["fwd_ms"] = do_bench(sonic)
+                row["ours_fwd_ms"] = do_bench(lambda: ops.moe(x, w1, w2, w3, ids, tw))
+            row["fwd_bwd_ms"] = do_bench(lambda: sonic().backward(go), grad_to_none=leaves)
+            p = problem(T, E, k, dim, hidden, grad=True)
+            row["ours_fwd_bwd_ms"] = do_bench(lambda: ops.moe(*p).backward(go),
+                                              grad_to_none=[p[i] for i in (0, 1, 2, 3, 5)])
+            for t in leaves:
+                t.grad = None
+            row["peak_gib"] = peak_extra(lambda: sonic().backward(go)) / 2**30
+            row.update(fwd_tflops=flops / row["fwd_ms"] / 1e9, fwd_ratio=row["fwd_ms"] / row["ours_fwd_ms"],
+                       fwd_bwd_ratio=row["fwd_bwd_ms"] / row["ours_fwd_bwd_ms"], ceiling_tflops=ceiling / 1e12)
+            print(f"sonicmoe {name:24s} fwd {row['fwd_ms']:7.3f} ms ({row['fwd_tflops']:5.0f} TFLOP/s) vs ours "
+                  f"{row['ours_fwd_ms']:7.3f} (sonic / ours x{row['fwd_ratio']:.2f}) | fwd+bwd {row['fwd_bwd_ms']:7.3f}"
+                  f" vs {row['ours_fwd_bwd_ms']:7.3f} ms (x{row['fwd_bwd_ratio']:.2f}) | peak {row['peak_gib']:.2f} GiB"
+                  f" | output vs grouped-mm rel err {row['rel_err_vs_grouped_mm']:.2e}", flush=True)
+            del p
+        except Exception as exc:  # noqa: BLE001: its exact error is the row's result
+            row["error"] = f"{type(exc).__name__}: {exc}"
+            print(f"sonicmoe {name}: {row['error']}", flush=True)
+        rows.append(row)
+        del x, w1, w2, w3, ids, tw, w13, w2s, tokens, experts, scores, xg
+        free()
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
@@ -152,6 +213,8 @@ def main():
     parser.add_argument("--no-mxfp8", action="store_true", help="skip the mxfp8 rows")
     parser.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
     parser.add_argument("--parts", action="store_true", help="time each piece of the backward alone first")
+    parser.add_argument("--sonicmoe", action="store_true",
+                        help="only SonicMoE against ours on the shapes (its first call compiles for minutes)")
     args = parser.parse_args()
     import prime_kernels
     from prime_kernels_flash_moe.reference import moe_grouped_mm
@@ -159,14 +222,20 @@ def main():
     ops = prime_kernels.load("flash_moe")
     ceiling = matmul_ceiling()
     print(f"bf16 matmul ceiling 8192^3: {ceiling / 1e12:.0f} TFLOP/s")
-    fp8_peak = None if args.no_mxfp8 else fp8_ceiling()
+    fp8_peak = None if args.no_mxfp8 or args.sonicmoe else fp8_ceiling()
     if fp8_peak is not None:
         print(f"fp8 (e4m3 torch._scaled_mm) ceiling 8192^3: {fp8_peak / 1e12:.0f} TFLOP/s")
     summary = []
-    mxfp8_rows = [] if args.no_mxfp8 else bench_mxfp8(ops, fp8_peak, ceiling)
     shapes = [] if args.mxfp8_only else SHAPES[:3] if args.quick else SHAPES
     if args.shapes:
         shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
+    if args.sonicmoe:
+        rows = bench_sonicmoe(ops, shapes, ceiling)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"ceiling_tflops": ceiling / 1e12, "sonicmoe": rows}, f, indent=2)
+        return
+    mxfp8_rows = [] if args.no_mxfp8 else bench_mxfp8(ops, fp8_peak, ceiling)
     for name, T, E, k, dim, hidden in shapes if args.parts else []:
         bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling)
     for name, T, E, k, dim, hidden in shapes:

@@ -34,10 +34,20 @@ phase() { case " $phases " in *" $1 "*) return 0;; *) return 1;; esac; }
 results="$out/phases.tsv"; : > "$results"
 record() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$results"; }
 
-if [ -d .peers ]; then
-  for part in .peers/*.part_aa; do [ -e "$part" ] && cat "${part%.part_aa}".part_* > "${part%.part_aa}"; done
-  "$py" -m pip install -q --no-index --no-deps --target /tmp/peers .peers/*.whl >/dev/null 2>&1
-  export PYTHONPATH=/tmp/peers:/tmp/peers/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+# Peer wheels: .peers/ (../shared/bench/peer-wheels.sh) or .peers1/ .peers2/ ... (scripts/peer_wheels.sh, carried one
+# per call while the machine stays warm); a wheel split into parts may have them in several of those folders.
+if ls -d .peers*/ > /dev/null 2>&1; then
+  mkdir -p /tmp/peer_wheels
+  cp .peers*/*.whl /tmp/peer_wheels/ 2>/dev/null
+  for first in .peers*/*.part_aa; do
+    [ -e "$first" ] || continue
+    wheel=$(basename "${first%.part_aa}")
+    for part in .peers*/"$wheel".part_*; do echo "$(basename "$part") $part"; done | sort | cut -d' ' -f2 \
+      | xargs cat > "/tmp/peer_wheels/$wheel"
+  done
+  "$py" -m pip install -q --no-index --no-deps --target /tmp/peers /tmp/peer_wheels/*.whl > "$out/peers-install.log" 2>&1
+  record peers "install $(ls /tmp/peer_wheels | tr '\n' ' ')" "exit $?"
+  export PYTHONPATH=/tmp/peers:/tmp/peers/nvidia_cutlass_dsl/dsl_packages:/tmp/peers/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}
 fi
 
 if phase build; then
