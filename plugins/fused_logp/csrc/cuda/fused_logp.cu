@@ -199,6 +199,71 @@ __device__ __forceinline__ uint4 load_vec(const T* x, const uint4* xv, int v, bo
   return r;
 }
 
+// 2^(hi + lo), |lo| << 1, to about 1 ulp: range reduction by rint, degree-7 Taylor polynomial of 2^f on |f| <= 1/2
+// (truncation < 1e-8 relative). Used for fp32 logits, whose fp32 gradient shows ex2.approx's ~2-ulp error (e.g. at a
+// dominant logit, where p rounds to 1; bf16/fp16 gradients round far above that, so they keep ex2.approx), and by
+// accurate_tanh.
+__device__ __forceinline__ float exp2_accurate(float hi, float lo) {
+  const bool under = hi < -200.f;  // result 0 (false for NaN, which stays NaN)
+  hi = fmax_nan(hi, -200.f);
+  const float j = rintf(hi);
+  const float f = under ? 0.f : __fadd_rn(__fsub_rn(hi, j), lo);  // hi - j is exact
+  float q = 1.5252733804059841e-05f;         // ln2^7 / 7!
+  q = fmaf(q, f, 1.5403530393381606e-04f);   // ln2^6 / 6!
+  q = fmaf(q, f, 1.3333558146428443e-03f);   // ln2^5 / 5!
+  q = fmaf(q, f, 9.6181291076284772e-03f);   // ln2^4 / 4!
+  q = fmaf(q, f, 5.5504108664821580e-02f);   // ln2^3 / 3!
+  q = fmaf(q, f, 2.4022650695910071e-01f);   // ln2^2 / 2!
+  q = fmaf(q, f, 6.9314718055994531e-01f);   // ln2
+  q = fmaf(q, f, 1.0f);
+  const int ji = static_cast<int>(j);
+  const float scale = ji < -126 ? 0.f : __int_as_float((ji + 127) << 23);  // p <= 1: ji <= 0 here (-200 when under)
+  return q * scale;
+}
+
+// tanh(x k) for the logits op's softcap, k = k_hi + k_lo: 0.25 ulp mean error, 1.1 at most (emulated in float32 with
+// exact FMAs against float64: 10^7 bf16-valued logits at k = 1/60 ... 1), where CUDA's tanhf is within 2 ulps and its
+// error, times c = log2(e) softcap / T in every exponent, dominated the op's logp error (H200, session 14:
+// docs/notes/fused_logp.md). u = x k as an unevaluated pair uh + ul. |u| < 0.625: u + u^3 P(u^2), P a degree-4 minimax
+// fit (relative error 1.3e-7; the correction is at most 12 % of t), ul carried as ul (1 - u^2). Beyond: 1 - q,
+// q = 2E / (1 + E), E = 2^(-2 log2(e) |u|) from exp2_accurate on the pair, the quotient corrected once. +-inf logits
+// give +-1 (|u| >= 16 rounds to 1), NaN stays NaN.
+__device__ __forceinline__ float accurate_tanh_finite(float x, float k_hi, float k_lo, float ph) {
+  const float sl = fmaf(x, k_lo, fmaf(x, k_hi, -ph));  // x k_hi = ph + its FMA residual, exactly
+  const float uh = __fadd_rn(ph, sl);
+  const float ul = __fadd_rn(__fsub_rn(ph, uh), sl);
+  const float a = fabsf(uh);
+  if (a < 0.625f) {
+    const float s = __fmul_rn(uh, uh);
+    float p = -0.00609693f;
+    p = fmaf(p, s, 0.02099735f);
+    p = fmaf(p, s, -0.05385095f);
+    p = fmaf(p, s, 0.13332771f);
+    p = fmaf(p, s, -0.33333328f);
+    return __fadd_rn(uh, fmaf(__fmul_rn(uh, s), p, fmaf(-ul, s, ul)));
+  }
+  constexpr double kTwoLog2e = 2.0 * kLog2e;
+  constexpr float kC_hi = static_cast<float>(kTwoLog2e);
+  constexpr float kC_lo = static_cast<float>(kTwoLog2e - static_cast<double>(kC_hi));
+  const float al = uh < 0.f ? -ul : ul;  // |u| = a + al
+  const float yh = __fmul_rn(-kC_hi, a);
+  const float yl = __fadd_rn(fmaf(-kC_hi, a, -yh), fmaf(-kC_hi, al, __fmul_rn(-kC_lo, a)));
+  const float e = exp2_accurate(yh, yl);
+  const float d = __fadd_rn(1.f, e);
+  const float dl = __fadd_rn(__fsub_rn(1.f, d), e);  // 1 + e = d + dl exactly (e <= 1)
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  r = fmaf(r, fmaf(-d, r, 1.f), r);
+  const float h = __fmul_rn(e, r);  // e / (1 + e) = q / 2, corrected by its residual below
+  const float residual = fmaf(-h, dl, fmaf(-h, d, e));
+  return copysignf(__fsub_rn(1.f, __fmul_rn(2.f, fmaf(r, residual, h))), uh);
+}
+__device__ __forceinline__ float accurate_tanh(float x, float k_hi, float k_lo) {
+  const float ph = __fmul_rn(x, k_hi);
+  const float t = accurate_tanh_finite(x, k_hi, k_lo, ph);  // NaN for an infinite ph: selected away below
+  return fabsf(ph) < 16.f ? t : (ph != ph ? ph : copysignf(1.f, ph));
+}
+
 // ---- logit transforms (see the top): applied to each logit as it is loaded ----------------------------------------
 struct NoTransform {
   __device__ __forceinline__ explicit NoTransform(double) {}
@@ -215,7 +280,7 @@ struct Softcap {
     k_hi = static_cast<float>(k);
     k_lo = static_cast<float>(k - static_cast<double>(k_hi));
   }
-  __device__ __forceinline__ float operator()(float x) const { return fused_logp_softcap::tanh_of(x, k_hi, k_lo); }
+  __device__ __forceinline__ float operator()(float x) const { return accurate_tanh(x, k_hi, k_lo); }
   template <class G>
   __device__ __forceinline__ float grad(float x, G&& grad_at) const {
     const float v = (*this)(x);
@@ -226,8 +291,8 @@ template <bool kSoftcap>
 using TransformOf = std::conditional_t<kSoftcap, Softcap, NoTransform>;
 
 // The label's transformed logit as the row's sums see it (the same float tanh), in double: the forward's z_y * T. A
-// double tanh here would let logp exceed 0 (V = 1: logp = (tanh - tanhf) softcap / T, up to ~1e-6) and leave the
-// backward's p != 1 there; its accuracy measured no better (H200, session 14).
+// double tanh here would let logp exceed 0 (V = 1: logp = (tanh - its float) softcap / T, ~1e-6 with tanhf) and
+// leave the backward's p != 1 there; its accuracy measured no better (H200, session 14).
 template <bool kSoftcap>
 __device__ __forceinline__ double label_logit(float x, double softcap_k) {
   return static_cast<double>(TransformOf<kSoftcap>(softcap_k)(x));
@@ -564,27 +629,6 @@ struct BwdParams {
 struct BwdRow {
   float c_hi, c_lo, L_hi, L_lo, S_hi, S_lo, k1, k2;  // k1 = g_logp / T, k2 = g_ent * ln2 / T
 };
-
-// 2^(hi + lo), |lo| << 1, to about 1 ulp: range reduction by rint, degree-7 Taylor polynomial of 2^f on |f| <= 1/2
-// (truncation < 1e-8 relative). Used for fp32 logits, whose fp32 gradient shows ex2.approx's ~2-ulp error (e.g. at a
-// dominant logit, where p rounds to 1); bf16/fp16 gradients round far above that, so they keep ex2.approx.
-__device__ __forceinline__ float exp2_accurate(float hi, float lo) {
-  const bool under = hi < -200.f;  // result 0 (false for NaN, which stays NaN)
-  hi = fmax_nan(hi, -200.f);
-  const float j = rintf(hi);
-  const float f = under ? 0.f : __fadd_rn(__fsub_rn(hi, j), lo);  // hi - j is exact
-  float q = 1.5252733804059841e-05f;         // ln2^7 / 7!
-  q = fmaf(q, f, 1.5403530393381606e-04f);   // ln2^6 / 6!
-  q = fmaf(q, f, 1.3333558146428443e-03f);   // ln2^5 / 5!
-  q = fmaf(q, f, 9.6181291076284772e-03f);   // ln2^4 / 4!
-  q = fmaf(q, f, 5.5504108664821580e-02f);   // ln2^3 / 3!
-  q = fmaf(q, f, 2.4022650695910071e-01f);   // ln2^2 / 2!
-  q = fmaf(q, f, 6.9314718055994531e-01f);   // ln2
-  q = fmaf(q, f, 1.0f);
-  const int ji = static_cast<int>(j);
-  const float scale = ji < -126 ? 0.f : __int_as_float((ji + 127) << 23);  // p <= 1: ji <= 0 here (-200 when under)
-  return q * scale;
-}
 
 // Exponents above this (p > 2^-1.5 ~ 0.35: at most two elements of a row) take the accurate exp2 even for bf16/fp16:
 // there ex2.approx's ~2-ulp error would show in 1 - p at the label and in p at a dominant logit.

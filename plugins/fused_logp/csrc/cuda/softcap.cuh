@@ -1,5 +1,5 @@
 // The softcap logit transform on the device: v = tanh(x * k), k = logit_scale / softcap, and its derivative, for the
-// logits op (fused_logp.cu: CUDA's tanhf, k as an unevaluated float pair k_hi + k_lo, since a single rounded float
+// logits op (fused_logp.cu: accurate_tanh, k as an unevaluated float pair k_hi + k_lo, since a single rounded float
 // would scale every logit by the same relative error, a systematic shift of its double-exact temperature) and the
 // lm_head op (linear_logp.cuh: a cheaper tanh from one exp2 and one reciprocal). Each op runs the same instructions in
 // its forward and backward, so both see the same z: the lm_head op's arithmetic is spelled out with __fmul_rn /
@@ -17,10 +17,7 @@ __device__ __forceinline__ float scaled(float x, float k_hi, float k_lo) {
   return fmaf(x, k_hi, fminf(fmaxf(x, -1e30f), 1e30f) * k_lo);
 }
 
-// tanh(x k): +-inf logits give +-1, NaN stays NaN.
-__device__ __forceinline__ float tanh_of(float x, float k_hi, float k_lo) { return tanhf(scaled(x, k_hi, k_lo)); }
-
-// The logits op's d tanh(x k) / dx / k = 1 - t^2 = 1 / cosh^2(x k), t = tanh_of(x), for fp32 gradients too:
+// The logits op's d tanh(x k) / dx / k = 1 - t^2 = 1 / cosh^2(x k), t = its tanh(x k), for fp32 gradients too:
 // fma(-t, t, 1) while |t| < 3/4 (1 - t^2 rounded once: 5e-8 relative below |x k| = 0.5, 1.3e-7 below 0.97), else
 // 4 E / (1 + E)^2 with E = exp(-2 |x k|), where 1 - t^2 cancels (tanh saturates: the fp32 PyTorch path's 1 - t * t
 // is off by 3e-4 relative at |x k| = 5) and this stays within 4.2e-7 below |x k| = 2 and 1.7e-6 up to 12 (emulated in
