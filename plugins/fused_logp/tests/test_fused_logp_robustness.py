@@ -74,10 +74,15 @@ def test_linear_logp_entropy_backward_with_one_meta_tensor_raises(name):
     ("linear_logp_entropy_backward", 0, lambda t: t[:-1]),
 ])
 def test_fake_raises_what_the_op_raises(name, index, bad):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     op, args = next((op, list(args)) for n, op, args in raw_op_calls() if n == name)
     args[index] = bad(args[index])
+    real, fake = _real_and_fake_messages(op, args)
+    assert real == fake
+
+
+def _real_and_fake_messages(op, args):
+    """The first line of the RuntimeError the op raises on real tensors, and on the same arguments as fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     def message(call):
         with pytest.raises(RuntimeError) as info:
@@ -86,9 +91,8 @@ def test_fake_raises_what_the_op_raises(name, index, bad):
 
     real = message(lambda: op(*args))
     with FakeTensorMode() as mode:
-        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-        fake = message(lambda: op(*fake_args))
-    assert real == fake
+        fake = message(lambda: op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]))
+    return real, fake
 
 
 # ---- second derivatives -----------------------------------------------------------------------------------------
@@ -181,19 +185,8 @@ def test_temperature_tensor_of_another_dtype_names_temperature():
     ("linear_logp_entropy_backward", None, -2.0),
 ])
 def test_fake_raises_what_the_op_raises_for_transforms(name, softcap, logit_scale):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     op, args = next((op, list(args)) for n, op, args in raw_op_calls() if n == name)
-    args = args + [False, softcap, logit_scale]  # batch_invariant, then the transforms
-
-    def message(call):
-        with pytest.raises(RuntimeError) as info:
-            call()
-        return str(info.value).split("\n")[0]
-
-    real = message(lambda: op(*args))
-    with FakeTensorMode() as mode:
-        fake = message(lambda: op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]))
+    real, fake = _real_and_fake_messages(op, args + [False, softcap, logit_scale])  # batch_invariant, transforms
     assert real == fake and ("softcap" in real or "logit_scale" in real)
 
 
