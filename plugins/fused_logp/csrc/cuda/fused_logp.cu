@@ -224,24 +224,31 @@ __device__ __forceinline__ float exp2_accurate(float hi, float lo) {
 // tanh(x k) for the logits op's softcap, k = k_hi + k_lo: 0.25 ulp mean error, 1.1 at most (emulated in float32 with
 // exact FMAs against float64: 10^7 bf16-valued logits at k = 1/60 ... 1), where CUDA's tanhf is within 2 ulps and its
 // error, times c = log2(e) softcap / T in every exponent, dominated the op's logp error (H200, session 14:
-// docs/notes/fused_logp.md). u = x k as an unevaluated pair uh + ul. |u| < 0.625: u + u^3 P(u^2), P a degree-4 minimax
-// fit (relative error 1.3e-7; the correction is at most 12 % of t), ul carried as ul (1 - u^2). Beyond: 1 - q,
+// docs/notes/fused_logp.md). u = x k as an unevaluated pair uh + ul. |u| < kTanhSeriesBound: tanh_series. Beyond: 1 - q,
 // q = 2E / (1 + E), E = 2^(-2 log2(e) |u|) from exp2_accurate on the pair, the quotient corrected once. +-inf logits
 // give +-1 (|u| >= 16 rounds to 1), NaN stays NaN.
-__device__ __forceinline__ float accurate_tanh_finite(float x, float k_hi, float k_lo, float ph) {
+constexpr float kTanhSeriesBound = 0.625f;
+__device__ __forceinline__ void tanh_argument(float x, float k_hi, float k_lo, float ph, float& uh, float& ul) {
   const float sl = fmaf(x, k_lo, fmaf(x, k_hi, -ph));  // x k_hi = ph + its FMA residual, exactly
-  const float uh = __fadd_rn(ph, sl);
-  const float ul = __fadd_rn(__fsub_rn(ph, uh), sl);
+  uh = __fadd_rn(ph, sl);
+  ul = __fadd_rn(__fsub_rn(ph, uh), sl);
+}
+// u + u^3 P(u^2), P a degree-4 minimax fit on |u| < kTanhSeriesBound (relative error 1.3e-7; the correction is at
+// most 12 % of t), ul carried as ul (1 - u^2).
+__device__ __forceinline__ float tanh_series(float uh, float ul) {
+  const float s = __fmul_rn(uh, uh);
+  float p = -0.00609693f;
+  p = fmaf(p, s, 0.02099735f);
+  p = fmaf(p, s, -0.05385095f);
+  p = fmaf(p, s, 0.13332771f);
+  p = fmaf(p, s, -0.33333328f);
+  return __fadd_rn(uh, fmaf(__fmul_rn(uh, s), p, fmaf(-ul, s, ul)));
+}
+__device__ __forceinline__ float accurate_tanh_finite(float x, float k_hi, float k_lo, float ph) {
+  float uh, ul;
+  tanh_argument(x, k_hi, k_lo, ph, uh, ul);
   const float a = fabsf(uh);
-  if (a < 0.625f) {
-    const float s = __fmul_rn(uh, uh);
-    float p = -0.00609693f;
-    p = fmaf(p, s, 0.02099735f);
-    p = fmaf(p, s, -0.05385095f);
-    p = fmaf(p, s, 0.13332771f);
-    p = fmaf(p, s, -0.33333328f);
-    return __fadd_rn(uh, fmaf(__fmul_rn(uh, s), p, fmaf(-ul, s, ul)));
-  }
+  if (a < kTanhSeriesBound) return tanh_series(uh, ul);
   constexpr double kTwoLog2e = 2.0 * kLog2e;
   constexpr float kC_hi = static_cast<float>(kTwoLog2e);
   constexpr float kC_lo = static_cast<float>(kTwoLog2e - static_cast<double>(kC_hi));
@@ -268,9 +275,16 @@ __device__ __forceinline__ float accurate_tanh(float x, float k_hi, float k_lo) 
 struct NoTransform {
   __device__ __forceinline__ explicit NoTransform(double) {}
   __device__ __forceinline__ float operator()(float x) const { return x; }
+  template <int N>
+  __device__ __forceinline__ void apply(float (&)[N]) const {}
   // The gradient w.r.t. the loaded logit, from grad_at(v), the gradient w.r.t. the transformed one.
   template <class G>
   __device__ __forceinline__ float grad(float x, G&& grad_at) const { return grad_at(x); }
+  template <int N, class G>
+  __device__ __forceinline__ void grad_apply(float (&f)[N], G&& grad_at) const {
+#pragma unroll
+    for (int k = 0; k < N; ++k) f[k] = grad_at(f[k]);
+  }
 };
 // v = tanh(x k), k = logit_scale / softcap; monotone, so the max of v is v of the max. The backward's row constants
 // carry the factor k of dv/dx (k1, k2), grad multiplies the rest, 1 / cosh^2(x k).
@@ -281,10 +295,48 @@ struct Softcap {
     k_lo = static_cast<float>(k - static_cast<double>(k_hi));
   }
   __device__ __forceinline__ float operator()(float x) const { return accurate_tanh(x, k_hi, k_lo); }
+  // A vector in place, bitwise as operator() per element: the series for every element without a branch, the rest of
+  // accurate_tanh only where some |x k| >= kTanhSeriesBound (or is inf / NaN), rare for logits. Branching per
+  // element serialized the elements' dependency chains: the forward ran 1.9x tanhf's (H200, session 15). True when
+  // the series covered all of them.
+  template <int N>
+  __device__ __forceinline__ bool apply(float (&f)[N]) const {
+    float v[N];
+    bool series = true;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      float uh, ul;
+      tanh_argument(f[k], k_hi, k_lo, __fmul_rn(f[k], k_hi), uh, ul);
+      v[k] = tanh_series(uh, ul);
+      series &= fabsf(uh) < kTanhSeriesBound;  // false for NaN
+    }
+    if (!series) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) v[k] = accurate_tanh(f[k], k_hi, k_lo);
+    }
+#pragma unroll
+    for (int k = 0; k < N; ++k) f[k] = v[k];
+    return series;
+  }
   template <class G>
   __device__ __forceinline__ float grad(float x, G&& grad_at) const {
     const float v = (*this)(x);
     return grad_at(v) * fused_logp_softcap::slope_of(x, v, k_hi, k_lo);
+  }
+  // grad per element of a vector in place, bitwise as grad: within the series' range |t| < tanh(kTanhSeriesBound)
+  // < 3/4, where slope_of is fma(-t, t, 1).
+  template <int N, class G>
+  __device__ __forceinline__ void grad_apply(float (&f)[N], G&& grad_at) const {
+    float v[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = f[k];
+    if (apply(v)) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) f[k] = grad_at(v[k]) * fmaf(-v[k], v[k], 1.f);
+    } else {
+#pragma unroll
+      for (int k = 0; k < N; ++k) f[k] = grad_at(v[k]) * fused_logp_softcap::slope_of(f[k], v[k], k_hi, k_lo);
+    }
   }
 };
 template <bool kSoftcap>
@@ -364,10 +416,11 @@ __device__ __forceinline__ void acc_update(Acc& A, const uint4 (&r)[kNV], float 
   for (int u = 0; u < kNV; ++u) {
     float f[kVec];
     E::unpack(r[u], f);
+    xf.apply(f);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       const int i = u * kVec + k, chain = i % kChains;
-      const float d = xf(f[k]) - m;  // exact for logits within 2^24 ulps of the max
+      const float d = f[k] - m;  // exact for logits within 2^24 ulps of the max
       const float a = fmaf(d, c_hi, d * c_lo);
       const float e = ex2(a);
       if (i < kChains) {  // start each chain without adding to 0 (which the compiler may not fold away)
@@ -770,13 +823,12 @@ __global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParam
     float f[kVec];
     E::unpack(r, f);
     float hmax = -3.0e38f;
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) {
+    xf.grad_apply(f, [&](float xv) {
       float hi;
-      f[k] = xf.grad(f[k],
-                     [&](float xv) { return grad_elem<kWithEnt, kAlwaysAccurate, false, kPerElement>(R, xv, hi); });
+      const float gx = grad_elem<kWithEnt, kAlwaysAccurate, false, kPerElement>(R, xv, hi);
       hmax = fmaxf(hmax, hi);
-    }
+      return gx;
+    });
     // Without kPerElement, bf16/fp16 redo accurately the (at most one per row) vector holding a probability above
     // ~0.35, where ex2.approx's ~2-ulp error would show in 1 - p at the label and in p at a dominant logit.
     if (!kPerElement && !kAlwaysAccurate && hmax > kAccurateAbove) {
