@@ -590,7 +590,7 @@ def _check_moe_args(x, w1, w2, w3, topk_ids, topk_weights):
 
 def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, topk_ids: torch.Tensor,
         topk_weights: torch.Tensor, *, expert_start: int = 0, deterministic: bool = False,
-        num_experts: int | None = None, mxfp8: bool = False, recompute_gate_up: bool = True) -> torch.Tensor:
+        num_experts: int | None = None, mxfp8: bool = False, recompute_gate_up: bool = False) -> torch.Tensor:
     """SwiGLU MoE experts: sum_k topk_weights[t, k] * (silu(x W1[e]^T) * (x W3[e]^T)) W2[e]^T, differentiable.
 
     x (..., dim) bf16; w1 (gate), w3 (up): (E_local, hidden, dim) bf16; w2 (E_local, dim, hidden) bf16; topk_ids
@@ -601,17 +601,19 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, t
     expert_start is 0, unchecked above otherwise).
     Forward: ``moe_align`` (experts aligned to CLUSTER_BLOCKS blocks) + ``moe_forward`` (the fused kernels; w1 and w3
     are read in place, never concatenated).
-    Backward: closed form: the gate/up projections recomputed by the fused gate/up kernel (``moe_gate_up``), the
+    Backward: closed form: the gate/up projections g | u saved by the forward (or recomputed: below), the
     grad_h = grad_out W2 with the SwiGLU derivative and d topk_weights in its epilogue (``moe_grad_gate_up``), dx in one
     GEMM summed over each token's slots (``moe_grad_x``), the weight gradients with ``torch._grouped_mm``; gradients
     only for the inputs that need them.
     ``deterministic=True``: fixed-order combines (forward output, dx: a token's slots in k order): bitwise
     reproducible end to end; False: on CUDA the forward combine and dx's sum use fp32 atomics (not bitwise
     reproducible; the other gradients are).
-    ``recompute_gate_up=False`` (bf16 path, when a gradient is needed): the forward's gate/up kernel also stores the
-    pre-activations g | u (top_k * tokens x 2 hidden bf16, e.g. 0.94 GB for Mixtral at 8192 tokens) and the backward
-    uses them instead of recomputing them: the gate/up GEMM, two thirds of the forward's FLOPs, traded for that
-    memory. Same gradients, bitwise. (The mxfp8 path always recomputes.)
+    Saved for the backward (bf16 path, when a gradient is needed): x, the routing and the pre-activations g | u
+    (top_k * tokens x 2 hidden bf16, the forward's gate/up kernel stores them: e.g. 384 MiB per layer for Qwen3-30B-A3B
+    at 16384 tokens; SonicMoE saves the same). ``recompute_gate_up=True`` saves only x and the routing and recomputes
+    g | u in the backward (``moe_gate_up``: the gate/up GEMM, two thirds of the forward's FLOPs, for that memory;
+    forward+backward 9-19 % slower on the H200 at the benchmark's shapes: BENCHMARKS.md). Same gradients, bitwise. (The mxfp8 path always
+    recomputes.)
 
     ``mxfp8=True``: x is quantized to mxfp8 on every call, the weights once per weight version, both with one
     exponent per MXFP8_ALIGN = 128 of K (``quantize_mxfp8(..., exponent_block=MXFP8_ALIGN)``: the kernels' fast

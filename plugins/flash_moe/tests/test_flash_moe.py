@@ -380,21 +380,22 @@ GRADIENT_INPUTS = ("x", "w1", "w2", "w3", "topk_weights")
 @cpu
 @pytest.mark.parametrize("needed, gemms", [(("w2",), 1), (("x",), 0), (("w1",), 1), (("topk_weights",), 0),
                                            (("x", "w2", "topk_weights"), 1), (GRADIENT_INPUTS, 3)])
-def test_backward_runs_only_what_the_needed_gradients_take(needed, gemms):
-    """Grouped GEMMs: one each for dW2, dW1, dW3; dx in one moe_grad_x; the gate/up recomputation once, and grad_h
-    with the SwiGLU derivative in one moe_grad_gate_up unless w2's gradient alone is needed (then swiglu_backward
-    gives p h). ("x", "w2", "topk_weights"): frozen w1 / w3."""
+@pytest.mark.parametrize("recompute", [False, True])
+def test_backward_runs_only_what_the_needed_gradients_take(needed, gemms, recompute):
+    """Grouped GEMMs: one each for dW2, dW1, dW3; dx in one moe_grad_x; g | u from the forward (default) or its
+    recomputation once, and grad_h with the SwiGLU derivative in one moe_grad_gate_up unless w2's gradient alone is
+    needed (then swiglu_backward gives p h). ("x", "w2", "topk_weights"): frozen w1 / w3."""
     x, w1, w2, w3, ids, tw = make(32, 128, 64, 4, 2, seed=8)
     inputs = dict(zip(GRADIENT_INPUTS, (x, w1, w2, w3, tw)))
     for name in needed:
         inputs[name].requires_grad_()
-    out = ops.moe(*(inputs[n] for n in GRADIENT_INPUTS[:4]), ids, inputs["topk_weights"])
+    out = ops.moe(*(inputs[n] for n in GRADIENT_INPUTS[:4]), ids, inputs["topk_weights"], recompute_gate_up=recompute)
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(out.dtype)
     with OpCalls() as calls:
         grads = torch.autograd.grad(out, [inputs[n] for n in needed], grad_out)
     assert calls.counts["aten::_grouped_mm"] == gemms
     w2_alone = needed == ("w2",)
-    assert calls.counts["flash_moe::moe_gate_up"] == 1
+    assert calls.counts["flash_moe::moe_gate_up"] == (1 if recompute else 0)
     assert calls.counts["flash_moe::moe_grad_gate_up"] == (0 if w2_alone else 1)
     assert calls.counts["flash_moe::swiglu_backward"] == (1 if w2_alone else 0)
     assert calls.counts["flash_moe::moe_grad_x"] == (1 if "x" in needed else 0)

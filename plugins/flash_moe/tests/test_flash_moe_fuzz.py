@@ -40,7 +40,7 @@ def cpu_targets() -> dict:
                   row_weights=tw.reshape(-1), valid=torch.ones(M * TOP_K, dtype=torch.bool))
     return {
         "moe": (ops.moe, dict(x=x, w1=w1, w2=w2, w3=w3, topk_ids=ids, topk_weights=tw, expert_start=0,
-                              deterministic=False, num_experts=None, mxfp8=False, recompute_gate_up=True)),
+                              deterministic=False, num_experts=None, mxfp8=False, recompute_gate_up=False)),
         "moe(mxfp8)": (ops.moe, dict(x=x, w1=w1, w2=w2, w3=w3, topk_ids=ids, topk_weights=tw, mxfp8=True)),
         "moe_align": (ops.moe_align, dict(topk_ids=ids, num_experts=E, block_m=ops.BLOCK_M, bpc=1, expert_start=0,
                                           num_local_experts=None, block_align=1)),
