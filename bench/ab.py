@@ -19,19 +19,28 @@ import sys
 import tempfile
 
 
-def timings(report, path=()):
-    """(row label, field) -> ms for every *_ms field, rows labelled by their 'shape' where they have one."""
+def row_label(row: dict) -> tuple:
+    """A row's name: its 'shape', else its identifying fields (str and int values: transform, dtype, N, V...)."""
+    if "shape" in row:
+        return (str(row["shape"]),)
+    ids = [str(v) for v in row.values() if isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool))]
+    return (" ".join(ids),) if ids else ()
+
+
+def timings(report, path=(), in_list=False):
+    """(row label, field) -> ms for every *_ms field, rows labelled by row_label where they have one."""
     found = {}
     if isinstance(report, dict):
-        label = path + ((report["shape"],) if "shape" in report else ())
+        own = row_label(report) if in_list or "shape" in report else ()
+        label = path + own
         for key, value in report.items():
             if key.endswith("_ms") and isinstance(value, (int, float)):
                 found[(" / ".join(label) or "-", key)] = float(value)
             elif isinstance(value, (dict, list)):
-                found.update(timings(value, label if "shape" in report else path + (key,)))
+                found.update(timings(value, label if own else path + (key,)))
     elif isinstance(report, list):
         for item in report:
-            found.update(timings(item, path))
+            found.update(timings(item, path, in_list=True))
     return found
 
 
