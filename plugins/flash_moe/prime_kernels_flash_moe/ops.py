@@ -506,10 +506,12 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
                                                                   tw.reshape(-1)[order], ok)
     if need_w2:
         grad_w2 = _gmm(go[tok].t(), weighted_h, offs)
+    del weighted_h  # S x hidden: freed before the x gather and the dW1 / dW3 outputs are allocated
     if need_w1 or need_w3:
         xs = x[tok]
         grad_w1 = _gmm(grad_gate.t(), xs, offs) if need_w1 else None
         grad_w3 = _gmm(grad_up.t(), xs, offs) if need_w3 else None
+        del xs
     if need_x:
         grad_x = torch.ops.flash_moe.moe_grad_x(grad_gate, grad_up, w1, w3, *align, top_k, BLOCK_M, deterministic)
     return grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw
