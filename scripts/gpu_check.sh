@@ -46,7 +46,8 @@ if ls -d .peers*/ > /dev/null 2>&1; then
       | xargs cat > "/tmp/peer_wheels/$wheel"
   done
   "$py" -m pip install -q --no-index --no-deps --target /tmp/peers /tmp/peer_wheels/*.whl > "$out/peers-install.log" 2>&1
-  record peers "install $(ls /tmp/peer_wheels | tr '\n' ' ')" "exit $?"
+  code=$?  # an invalid wheel here is one whose parts are not all carried yet (they come one .peers folder per call)
+  record peers "install $(ls /tmp/peer_wheels | tr '\n' ' ')" "exit $code; $(head -n 1 "$out/peers-install.log")"
   export PYTHONPATH=/tmp/peers:/tmp/peers/nvidia_cutlass_dsl/dsl_packages:/tmp/peers/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}
 fi
 
