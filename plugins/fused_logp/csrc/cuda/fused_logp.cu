@@ -296,23 +296,25 @@ struct Softcap {
   }
   __device__ __forceinline__ float operator()(float x) const { return accurate_tanh(x, k_hi, k_lo); }
   // A vector in place, bitwise as operator() per element: the series for every element without a branch, the rest of
-  // accurate_tanh only where some |x k| >= kTanhSeriesBound (or is inf / NaN), rare for logits. Branching per
-  // element serialized the elements' dependency chains: the forward ran 1.9x tanhf's (H200, session 15). True when
-  // the series covered all of them.
+  // accurate_tanh only for the elements past kTanhSeriesBound (or inf / NaN), behind one branch per vector. Branching
+  // per element serialized the elements' dependency chains: the forward ran 1.9x tanhf's (H200, session 15). True
+  // when the series covered all of them.
   template <int N>
   __device__ __forceinline__ bool apply(float (&f)[N]) const {
     float v[N];
-    bool series = true;
+    bool in_series[N], series = true;
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       float uh, ul;
       tanh_argument(f[k], k_hi, k_lo, __fmul_rn(f[k], k_hi), uh, ul);
       v[k] = tanh_series(uh, ul);
-      series &= fabsf(uh) < kTanhSeriesBound;  // false for NaN
+      in_series[k] = fabsf(uh) < kTanhSeriesBound;  // false for NaN
+      series &= in_series[k];
     }
     if (!series) {
 #pragma unroll
-      for (int k = 0; k < N; ++k) v[k] = accurate_tanh(f[k], k_hi, k_lo);
+      for (int k = 0; k < N; ++k)
+        if (!in_series[k]) v[k] = accurate_tanh(f[k], k_hi, k_lo);
     }
 #pragma unroll
     for (int k = 0; k < N; ++k) f[k] = v[k];
