@@ -19,25 +19,26 @@ import sys
 import tempfile
 
 
+# The fields that name a benchmark row (never a measurement: peak bytes and the like change from run to run).
+ROW_KEYS = ("shape", "impl", "transform", "dtype", "N", "H", "V", "T", "rank")
+
+
 def row_label(row: dict) -> tuple:
-    """A row's name: its 'shape', else its identifying fields (str and int values: transform, dtype, N, V...)."""
-    if "shape" in row:
-        return (str(row["shape"]),)
-    ids = [str(v) for v in row.values() if isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool))]
+    ids = [str(row[k]) for k in ROW_KEYS if k in row and not isinstance(row[k], (dict, list))]
     return (" ".join(ids),) if ids else ()
 
 
 def timings(report, path=(), in_list=False):
-    """(row label, field) -> ms for every *_ms field, rows labelled by row_label where they have one."""
+    """(row label, field) -> ms for every *_ms field; rows in a list (or with a 'shape') named by row_label, nested
+    dicts by their key."""
     found = {}
     if isinstance(report, dict):
-        own = row_label(report) if in_list or "shape" in report else ()
-        label = path + own
+        label = path + (row_label(report) if in_list or "shape" in report else ())
         for key, value in report.items():
             if key.endswith("_ms") and isinstance(value, (int, float)):
                 found[(" / ".join(label) or "-", key)] = float(value)
             elif isinstance(value, (dict, list)):
-                found.update(timings(value, label if own else path + (key,)))
+                found.update(timings(value, label + (key,)))
     elif isinstance(report, list):
         for item in report:
             found.update(timings(item, path, in_list=True))

@@ -6,8 +6,8 @@
     python bench/bench_flash_moe.py --sonicmoe --no-mxfp8 [--shapes NAME,NAME]   (peer wheels: scripts/peer_wheels.sh)
 
 Timing: triton.testing.do_bench median. FLOPs = 2 T k dim 2 hidden + 2 T k hidden dim (forward); forward+backward
-counts 3x that (``recompute_gate_up=True``'s recomputed gate/up not counted). The backward alone (autograd.grad on a kept graph,
-both paths) is reported in model FLOPs (2x the forward's: the recomputation not counted, so the TFLOP/s of both paths
+counts 3x that (``recompute_gate_up=True``'s recomputed gate/up not counted). The backward alone (autograd.grad on a
+kept graph, both paths) is reported in model FLOPs (2x the forward's: the recomputation not counted, so the TFLOP/s of both paths
 compare). Peak memory: allocated at the peak of one forward+backward above the inputs (gradients included).
 Routing: uniform random top-k ids, softmax weights. ``sonicmoe-7b``: SonicMoE's fine-grained 7B shape.
 
@@ -94,8 +94,8 @@ def bench_mxfp8(ops, fp8_peak, bf16_peak):
 
 
 def bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling):
-    """Each piece of moe()'s backward alone (same inputs; "recompute gate_up" only with recompute_gate_up=True), beside what it replaced: grad_h by
-    torch._grouped_mm + swiglu_backward, dx by two grouped GEMMs + the slot sum. TFLOP/s in each piece's own FLOPs."""
+    """Each piece of moe()'s backward alone (same inputs; "recompute gate_up" only with recompute_gate_up=True),
+    beside what it replaced: grad_h by torch._grouped_mm + swiglu_backward, dx by two grouped GEMMs + the slot sum. TFLOP/s in each piece's own FLOPs."""
     from prime_kernels_flash_moe.ops import _gmm
 
     x, w1, w2, w3, ids, tw = problem(T, E, k, dim, hidden)
@@ -279,8 +279,8 @@ def main():
             for t in leaves:
                 t.grad = None
             row.update(peak_gib=mem["ours"], peak_recompute_gib=mem["recompute"], peer_peak_gib=mem["peer"])
-            row.update(fwd_bwd_ms=fb, fwd_bwd_recompute_ms=fb_recompute, peer_fwd_bwd_ms=fb_peer, fwd_bwd_speedup=fb_peer / fb,
-                       fwd_bwd_recompute_speedup=fb_peer / fb_recompute,
+            row.update(fwd_bwd_ms=fb, fwd_bwd_recompute_ms=fb_recompute, peer_fwd_bwd_ms=fb_peer,
+                       fwd_bwd_speedup=fb_peer / fb, fwd_bwd_recompute_speedup=fb_peer / fb_recompute,
                        fwd_bwd_tflops=3 * flops / fb / 1e9,
                        bwd_ms=bwd, peer_bwd_ms=bwd_peer, bwd_speedup=bwd_peer / bwd, bwd_tflops=2 * flops / bwd / 1e9,
                        peer_bwd_tflops=2 * flops / bwd_peer / 1e9, floor_bwd_ms=2 * flops / ceiling * 1e3)
@@ -291,7 +291,8 @@ def main():
         print(f"{name:24s} fwd {ours:7.3f} ms ({row['fwd_tflops']:5.0f} TFLOP/s, det {det:7.3f}, fused op {fused:7.3f},"
               f" align {align:6.3f}) | grouped-mm {peer:7.3f} ms ({row['peer_fwd_tflops']:5.0f}) | x{row['fwd_speedup']:.2f}"
               f" (target {row['target']})" + (f" | fwd+bwd {row['fwd_bwd_ms']:7.3f} vs {row['peer_fwd_bwd_ms']:7.3f} ms"
-                                               f" x{row['fwd_bwd_speedup']:.2f}; recompute g|u {row['fwd_bwd_recompute_ms']:7.3f}"
+                                               f" x{row['fwd_bwd_speedup']:.2f}; recompute g|u "
+                                               f"{row['fwd_bwd_recompute_ms']:7.3f}"
                                                f" x{row['fwd_bwd_recompute_speedup']:.2f} | bwd {row['bwd_ms']:7.3f} "
                                                f"({row['bwd_tflops']:5.0f} TFLOP/s) vs {row['peer_bwd_ms']:7.3f} ms "
                                                f"({row['peer_bwd_tflops']:5.0f}) x{row['bwd_speedup']:.2f}, floor "

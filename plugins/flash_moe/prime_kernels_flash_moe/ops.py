@@ -614,8 +614,9 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, t
     (top_k * tokens x 2 hidden bf16, the forward's gate/up kernel stores them: e.g. 384 MiB per layer for Qwen3-30B-A3B
     at 16384 tokens; SonicMoE saves the same). ``recompute_gate_up=True`` saves only x and the routing and recomputes
     g | u in the backward (``moe_gate_up``: the gate/up GEMM, two thirds of the forward's FLOPs, for that memory;
-    forward+backward 9-19 % slower on the H200 at the benchmark's shapes: BENCHMARKS.md). Same gradients, bitwise. (The mxfp8 path always
-    recomputes.)
+    forward+backward 9-19 % slower on the H200 at the benchmark's shapes: BENCHMARKS.md). Same gradients, bitwise.
+    Nothing is stored under ``torch.no_grad()`` / ``inference_mode`` or without an input that requires grad. (The
+    mxfp8 path always recomputes.)
 
     ``mxfp8=True``: x is quantized to mxfp8 on every call, the weights once per weight version, both with one
     exponent per MXFP8_ALIGN = 128 of K (``quantize_mxfp8(..., exponent_block=MXFP8_ALIGN)``: the kernels' fast
@@ -653,6 +654,9 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, t
                               topk_weights.reshape(-1, top_k), wq, ws, w2q, w2s, expert_start, num_experts,
                               deterministic)
     else:
+        # grad mode read here: inside Function.forward it is always off, and needs_input_grad stays True under
+        # no_grad / inference_mode, where a stored g | u would never be used
         out = _MoE.apply(x.reshape(-1, x.shape[-1]), w1, w2, w3, topk_ids.reshape(-1, top_k),
-                         topk_weights.reshape(-1, top_k), expert_start, num_experts, deterministic, recompute_gate_up)
+                         topk_weights.reshape(-1, top_k), expert_start, num_experts, deterministic,
+                         recompute_gate_up or not torch.is_grad_enabled())
     return out.view(*lead, x.shape[-1])

@@ -5,6 +5,7 @@ the shape contract and argument checks, the conformance kit, torch.compile. CPU 
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import weakref
 
@@ -403,6 +404,28 @@ def test_backward_runs_only_what_the_needed_gradients_take(needed, gemms, recomp
     every = torch.autograd.grad(ops.moe(*leaves[:4], ids, leaves[4]), leaves, grad_out)
     for name, grad in zip(needed, grads):  # the same gradients as when every input needs one
         assert torch.equal(grad, every[GRADIENT_INPUTS.index(name)]), name
+
+
+@cpu
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode", "no input needs grad"])
+def test_forward_stores_gate_up_only_for_a_backward(mode):
+    """The default keeps g | u (moe_forward's save flag) only where a backward can use it: with grad mode on and an
+    input that requires grad (needs_input_grad stays True under no_grad, so moe() reads the grad mode itself)."""
+    x, w1, w2, w3, ids, tw = make(32, 128, 64, 4, 2, seed=12)
+    if mode != "no input needs grad":
+        w1.requires_grad_()
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(mode, contextlib.nullcontext)
+    saves = []
+
+    class Saves(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.name() == "flash_moe::moe_forward":
+                saves.append(args[-1])
+            return func(*args, **(kwargs or {}))
+
+    with context(), Saves():
+        ops.moe(x, w1, w2, w3, ids, tw)
+    assert saves == [mode == "grad"]
 
 
 @cpu

@@ -224,9 +224,9 @@ __device__ __forceinline__ float exp2_accurate(float hi, float lo) {
 // tanh(x k) for the logits op's softcap, k = k_hi + k_lo: 0.25 ulp mean error, 1.1 at most (emulated in float32 with
 // exact FMAs against float64: 10^7 bf16-valued logits at k = 1/60 ... 1), where CUDA's tanhf is within 2 ulps and its
 // error, times c = log2(e) softcap / T in every exponent, dominated the op's logp error (H200, session 14:
-// docs/notes/fused_logp.md). u = x k as an unevaluated pair uh + ul. |u| < kTanhSeriesBound: tanh_series. Beyond: 1 - q,
-// q = 2E / (1 + E), E = 2^(-2 log2(e) |u|) from exp2_accurate on the pair, the quotient corrected once. +-inf logits
-// give +-1 (|u| >= 16 rounds to 1), NaN stays NaN.
+// docs/notes/fused_logp.md). u = x k as an unevaluated pair uh + ul. |u| < kTanhSeriesBound: tanh_series. Beyond:
+// 1 - q, q = 2E / (1 + E), E = 2^(-2 log2(e) |u|) from exp2_accurate on the pair, the quotient corrected once.
+// +-inf logits give +-1 (|u| >= 16 rounds to 1), NaN stays NaN.
 constexpr float kTanhSeriesBound = 0.625f;
 __device__ __forceinline__ void tanh_argument(float x, float k_hi, float k_lo, float ph, float& uh, float& ul) {
   const float sl = fmaf(x, k_lo, fmaf(x, k_hi, -ph));  // x k_hi = ph + its FMA residual, exactly
