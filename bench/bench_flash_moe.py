@@ -187,6 +187,16 @@ def bench_sonicmoe(ops, shapes, ceiling):
             p = problem(T, E, k, dim, hidden, grad=True)
             row["ours_fwd_bwd_ms"] = do_bench(lambda: ops.moe(*p).backward(go),
                                               grad_to_none=[p[i] for i in (0, 1, 2, 3, 5)])
+            # the backward alone, autograd.grad on a kept graph, as the main rows time ours
+            try:
+                kept = sonic()
+                row["bwd_ms"] = do_bench(lambda: torch.autograd.grad(kept, leaves, go, retain_graph=True))
+                kept = ops.moe(*p)
+                ours_leaves = [p[i] for i in (0, 1, 2, 3, 5)]
+                row["ours_bwd_ms"] = do_bench(lambda: torch.autograd.grad(kept, ours_leaves, go, retain_graph=True))
+                del kept
+            except Exception as exc:  # noqa: BLE001: the other timings of the row stand
+                row["bwd_error"] = f"{type(exc).__name__}: {exc}"
             for t in leaves:
                 t.grad = None
             row["peak_gib"] = peak_extra(lambda: sonic().backward(go)) / 2**30
@@ -194,7 +204,9 @@ def bench_sonicmoe(ops, shapes, ceiling):
                        fwd_bwd_ratio=row["fwd_bwd_ms"] / row["ours_fwd_bwd_ms"], ceiling_tflops=ceiling / 1e12)
             print(f"sonicmoe {name:24s} fwd {row['fwd_ms']:7.3f} ms ({row['fwd_tflops']:5.0f} TFLOP/s) vs ours "
                   f"{row['ours_fwd_ms']:7.3f} (sonic / ours x{row['fwd_ratio']:.2f}) | fwd+bwd {row['fwd_bwd_ms']:7.3f}"
-                  f" vs {row['ours_fwd_bwd_ms']:7.3f} ms (x{row['fwd_bwd_ratio']:.2f}) | peak {row['peak_gib']:.2f} GiB"
+                  f" vs {row['ours_fwd_bwd_ms']:7.3f} ms (x{row['fwd_bwd_ratio']:.2f}) | bwd "
+                  + (f"{row['bwd_ms']:7.3f} vs {row['ours_bwd_ms']:7.3f} ms" if "bwd_error" not in row else row["bwd_error"])
+                  + f" | peak {row['peak_gib']:.2f} GiB"
                   f" | output vs grouped-mm rel err {row['rel_err_vs_grouped_mm']:.2e}", flush=True)
             del p
         except Exception as exc:  # noqa: BLE001: its exact error is the row's result
