@@ -7,8 +7,8 @@
 
 Timing: triton.testing.do_bench median. FLOPs = 2 T k dim 2 hidden + 2 T k hidden dim (forward); forward+backward
 counts 3x that (``recompute_gate_up=True``'s recomputed gate/up not counted). The backward alone (autograd.grad on a
-kept graph, both paths) is reported in model FLOPs (2x the forward's: the recomputation not counted, so the TFLOP/s of both paths
-compare). Peak memory: allocated at the peak of one forward+backward above the inputs (gradients included).
+kept graph, both paths) is reported in model FLOPs (2x the forward's: the recomputation not counted, so the TFLOP/s
+of both paths compare). Peak memory: allocated at the peak of one forward+backward above the inputs (gradients included).
 Routing: uniform random top-k ids, softmax weights. ``sonicmoe-7b``: SonicMoE's fine-grained 7B shape.
 
 mxfp8 rows (DeepSeek-V3 and Qwen3-30B-A3B): ``moe(mxfp8=True)`` forward (x quantized per call, weights cached;
@@ -95,7 +95,8 @@ def bench_mxfp8(ops, fp8_peak, bf16_peak):
 
 def bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling):
     """Each piece of moe()'s backward alone (same inputs; "recompute gate_up" only with recompute_gate_up=True),
-    beside what it replaced: grad_h by torch._grouped_mm + swiglu_backward, dx by two grouped GEMMs + the slot sum. TFLOP/s in each piece's own FLOPs."""
+    beside what it replaced: grad_h by torch._grouped_mm + swiglu_backward, dx by two grouped GEMMs + the slot sum.
+    TFLOP/s in each piece's own FLOPs."""
     from prime_kernels_flash_moe.ops import _gmm
 
     x, w1, w2, w3, ids, tw = problem(T, E, k, dim, hidden)
@@ -149,8 +150,8 @@ def problem(T, E, k, dim, hidden, grad=False):
 def bench_sonicmoe(ops, shapes, ceiling):
     """SonicMoE (sonic-moe 0.1.2.post1 on the CuTe DSL: scripts/peer_wheels.sh) on each shape: the same x, weights and
     routing (its layout built once, outside the timing: w1|w3 as (2I, H, E) and w2 as (H, I, E) views of E-major
-    memory, [gate; up] concatenated), forward and forward+backward against ours, same run, with its output's error
-    against the grouped-mm path as a layout check; or the exact error that stopped it."""
+    memory, [gate; up] concatenated), forward, forward+backward and the backward alone against ours, same run, with
+    its output's error against the grouped-mm path as a layout check; or the exact error that stopped it."""
     from prime_kernels_flash_moe.reference import moe_grouped_mm
 
     try:
@@ -205,7 +206,8 @@ def bench_sonicmoe(ops, shapes, ceiling):
             print(f"sonicmoe {name:24s} fwd {row['fwd_ms']:7.3f} ms ({row['fwd_tflops']:5.0f} TFLOP/s) vs ours "
                   f"{row['ours_fwd_ms']:7.3f} (sonic / ours x{row['fwd_ratio']:.2f}) | fwd+bwd {row['fwd_bwd_ms']:7.3f}"
                   f" vs {row['ours_fwd_bwd_ms']:7.3f} ms (x{row['fwd_bwd_ratio']:.2f}) | bwd "
-                  + (f"{row['bwd_ms']:7.3f} vs {row['ours_bwd_ms']:7.3f} ms" if "bwd_error" not in row else row["bwd_error"])
+                  + (row["bwd_error"] if "bwd_error" in row else
+                     f"{row['bwd_ms']:7.3f} vs {row['ours_bwd_ms']:7.3f} ms")
                   + f" | peak {row['peak_gib']:.2f} GiB"
                   f" | output vs grouped-mm rel err {row['rel_err_vs_grouped_mm']:.2e}", flush=True)
             del p
