@@ -8,8 +8,8 @@
 Timing: triton.testing.do_bench median. FLOPs = 2 T k dim 2 hidden + 2 T k hidden dim (forward); forward+backward
 counts 3x that (``recompute_gate_up=True``'s recomputed gate/up not counted). The backward alone (autograd.grad on a
 kept graph, both paths) is reported in model FLOPs (2x the forward's: the recomputation not counted, so the TFLOP/s
-of both paths compare). Peak memory: allocated at the peak of one forward+backward above the inputs (gradients included).
-Routing: uniform random top-k ids, softmax weights. ``sonicmoe-7b``: SonicMoE's fine-grained 7B shape.
+of both paths compare). Peak memory: allocated at the peak of one forward+backward above the inputs (gradients
+included). Routing: uniform random top-k ids, softmax weights. ``sonicmoe-7b``: SonicMoE's fine-grained 7B shape.
 
 mxfp8 rows (DeepSeek-V3 and Qwen3-30B-A3B): ``moe(mxfp8=True)`` forward (x quantized per call, weights cached;
 both with one exponent per 128 of K), the ``fused_moe_mxfp8`` op on pre-quantized operands with those shared
