@@ -86,6 +86,10 @@ def check_logp_entropy_backward_args(grad_logp, grad_entropy, logits, labels, te
 _MAX_SOFTCAP_SLOPE = 1e15  # cpu_common.h's kMaxSlope: the CUDA kernels' x * logit_scale / softcap as a float pair
 
 
+def _slope_in_range(softcap, logit_scale) -> bool:
+    return _FLOAT32_MIN <= logit_scale / softcap <= _MAX_SOFTCAP_SLOPE
+
+
 def check_logit_transform(p: str, softcap, logit_scale) -> None:
     lo, hi = f"{_FLOAT32_MIN:g}", f"{_FLOAT32_MAX:g}"  # numbers as TORCH_CHECK prints doubles
     _require(_FLOAT32_MIN <= logit_scale <= _FLOAT32_MAX,
@@ -93,7 +97,7 @@ def check_logit_transform(p: str, softcap, logit_scale) -> None:
     if softcap is not None:
         _require(_FLOAT32_MIN <= softcap <= _FLOAT32_MAX,
                  f"{p}: softcap must be None or finite and > 0 (a normal float32, in [{lo}, {hi}]), got {softcap:g}")
-        _require(_FLOAT32_MIN <= logit_scale / softcap <= _MAX_SOFTCAP_SLOPE,
+        _require(_slope_in_range(softcap, logit_scale),
                  f"{p}: logit_scale / softcap must be in [{lo}, {_MAX_SOFTCAP_SLOPE:g}], got {logit_scale:g} / "
                  f"{softcap:g} = {logit_scale / softcap:g}")
 
@@ -204,7 +208,7 @@ def require_logit_transform(fn: str, softcap, logit_scale) -> None:
         if not _FLOAT32_MIN <= value <= _FLOAT32_MAX:
             raise ValueError(f"{fn}: {name} must be finite and > 0 (a normal float32, in [{_FLOAT32_MIN}, "
                              f"{_FLOAT32_MAX}]), got {value}")
-    if softcap is not None and not _FLOAT32_MIN <= logit_scale / softcap <= _MAX_SOFTCAP_SLOPE:
+    if softcap is not None and not _slope_in_range(softcap, logit_scale):
         raise ValueError(f"{fn}: logit_scale / softcap must be in [{_FLOAT32_MIN}, {_MAX_SOFTCAP_SLOPE:g}], got "
                          f"{logit_scale} / {softcap} = {logit_scale / softcap}")
 

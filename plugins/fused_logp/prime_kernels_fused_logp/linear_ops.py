@@ -209,8 +209,8 @@ def linear_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     softcap, logit_scale: the logit transform applied to x = hidden @ weight.T + bias, in this order: logit_scale * x
     (Cohere's ``logit_scale``; Granite: ``1 / logits_scaling``), then softcap * tanh(x / softcap) (Gemma 2/3's
     ``final_logit_softcapping``), then the temperature; both finite and > 0, logit_scale / softcap at most 1e15, and
-    temperature / softcap (or temperature / logit_scale without a softcap) a normal float32. On CUDA a logit_scale alone costs nothing (it is
-    folded into the temperature); a softcap adds a tanh per logit in the epilogues (docs/integrations.md).
+    temperature / softcap (or temperature / logit_scale without a softcap) a normal float32. On CUDA a logit_scale
+    alone costs nothing (it is folded into the temperature); a softcap adds a tanh per logit in the epilogues (docs/integrations.md).
     Every other token needs a label in [0, V) and a temperature that is finite and > 0: on CPU either raises, naming
     the first offending position; on CUDA (no sync) the token gets NaN logp and entropy (a bad temperature also NaN
     gradients). Gradients come in the inputs' dtypes (autograd casts each to its input's); for an fp32 grad_weight

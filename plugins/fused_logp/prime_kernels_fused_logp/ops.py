@@ -154,9 +154,10 @@ def logp_entropy(
     softcap, logit_scale: the logit transform g, in this order: x -> logit_scale * x (Cohere's ``logit_scale``;
         Granite's ``logits_scaling`` is ``logit_scale = 1 / logits_scaling``), then x -> softcap * tanh(x / softcap)
         (Gemma 2/3's ``final_logit_softcapping``), then the temperature. Both finite and > 0 (normal float32 values),
-        logit_scale / softcap at most 1e15, and temperature / softcap (or temperature / logit_scale without a softcap)
-        a normal float32, as for linear_logp_entropy; None / 1.0 (default): g(x) = x, the kernels without any transform work. Differentiated through (the gradient
-        carries g'(x) = logit_scale / cosh^2(logit_scale * x / softcap)); docs/integrations.md lists the model fields.
+        logit_scale / softcap at most 1e15, and temperature / softcap (or temperature / logit_scale without a
+        softcap) a normal float32, as for linear_logp_entropy; None / 1.0 (default): g(x) = x, the kernels without
+        any transform work. Differentiated through (the gradient carries g'(x) = logit_scale / cosh^2(logit_scale * x
+        / softcap)); docs/integrations.md lists the model fields.
     """
     checks.require_ignore_index("logp_entropy", ignore_index)
     checks.require_logit_transform("logp_entropy", softcap, logit_scale)
