@@ -51,6 +51,9 @@
 #ifndef FUSED_LOGP_SPLIT_MIN_ELEMS
 #error "FUSED_LOGP_SPLIT_MIN_ELEMS must come from kernel.toml ([fused_logp.constants])"
 #endif
+#ifndef FUSED_LOGP_SOFTCAP_MIN_BLOCKS
+#error "FUSED_LOGP_SOFTCAP_MIN_BLOCKS must come from kernel.toml ([fused_logp.constants])"
+#endif
 #ifndef FUSED_LOGP_MAX_SPLITS
 #error "FUSED_LOGP_MAX_SPLITS must come from kernel.toml ([fused_logp.constants])"
 #endif
@@ -72,8 +75,10 @@ namespace {
 constexpr int kThreads = FUSED_LOGP_BLOCK_THREADS;
 constexpr int kUnroll = FUSED_LOGP_VEC_UNROLL;
 constexpr int kWarps = kThreads / 32;
+constexpr int kSoftcapMinBlocks = FUSED_LOGP_SOFTCAP_MIN_BLOCKS;
 static_assert(kThreads % 32 == 0 && kThreads >= 64 && kThreads <= 1024, "BLOCK_THREADS: a multiple of 32 in [64, 1024]");
 static_assert(kUnroll >= 1 && kUnroll <= 8, "VEC_UNROLL in [1, 8]");
+static_assert(kSoftcapMinBlocks >= 1 && kSoftcapMinBlocks * kThreads <= 2048, "SOFTCAP_MIN_BLOCKS: 1 to 2048 / BLOCK_THREADS");
 static_assert(FUSED_LOGP_MAX_SPLITS >= 1 && FUSED_LOGP_MAX_SPLITS <= 65535, "MAX_SPLITS in [1, 65535]");
 
 constexpr double kLog2e = 1.4426950408889634074;
@@ -244,14 +249,12 @@ __device__ __forceinline__ float tanh_series(float uh, float ul) {
   p = fmaf(p, s, -0.33333328f);
   return __fadd_rn(uh, fmaf(__fmul_rn(uh, s), p, fmaf(-ul, s, ul)));
 }
-__device__ __forceinline__ float accurate_tanh_finite(float x, float k_hi, float k_lo, float ph) {
-  float uh, ul;
-  tanh_argument(x, k_hi, k_lo, ph, uh, ul);
-  const float a = fabsf(uh);
-  if (a < kTanhSeriesBound) return tanh_series(uh, ul);
+// tanh(|u|) past the series' range, sign restored: 1 - q as above. NaN for NaN or infinite uh.
+__device__ __forceinline__ float tanh_exp_form(float uh, float ul) {
   constexpr double kTwoLog2e = 2.0 * kLog2e;
   constexpr float kC_hi = static_cast<float>(kTwoLog2e);
   constexpr float kC_lo = static_cast<float>(kTwoLog2e - static_cast<double>(kC_hi));
+  const float a = fabsf(uh);
   const float al = uh < 0.f ? -ul : ul;  // |u| = a + al
   const float yh = __fmul_rn(-kC_hi, a);
   const float yl = __fadd_rn(fmaf(-kC_hi, a, -yh), fmaf(-kC_hi, al, __fmul_rn(-kC_lo, a)));
@@ -265,10 +268,15 @@ __device__ __forceinline__ float accurate_tanh_finite(float x, float k_hi, float
   const float residual = fmaf(-h, dl, fmaf(-h, d, e));
   return copysignf(__fsub_rn(1.f, __fmul_rn(2.f, fmaf(r, residual, h))), uh);
 }
+// t where the argument's high part ph = x k_hi is finite and below 16; +-1 beyond, NaN for NaN.
+__device__ __forceinline__ float tanh_saturated(float ph, float t) {
+  return fabsf(ph) < 16.f ? t : (ph != ph ? ph : copysignf(1.f, ph));
+}
 __device__ __forceinline__ float accurate_tanh(float x, float k_hi, float k_lo) {
   const float ph = __fmul_rn(x, k_hi);
-  const float t = accurate_tanh_finite(x, k_hi, k_lo, ph);  // NaN for an infinite ph: selected away below
-  return fabsf(ph) < 16.f ? t : (ph != ph ? ph : copysignf(1.f, ph));
+  float uh, ul;
+  tanh_argument(x, k_hi, k_lo, ph, uh, ul);
+  return tanh_saturated(ph, fabsf(uh) < kTanhSeriesBound ? tanh_series(uh, ul) : tanh_exp_form(uh, ul));
 }
 
 // ---- logit transforms (see the top): applied to each logit as it is loaded ----------------------------------------
@@ -311,10 +319,15 @@ struct Softcap {
       in_series[k] = fabsf(uh) < kTanhSeriesBound;  // false for NaN
       series &= in_series[k];
     }
-    if (!series) {
+    if (!series) {  // the exp form for every element, selected: a branch per element serialized the elements
 #pragma unroll
-      for (int k = 0; k < N; ++k)
-        if (!in_series[k]) v[k] = accurate_tanh(f[k], k_hi, k_lo);
+      for (int k = 0; k < N; ++k) {
+        const float ph = __fmul_rn(f[k], k_hi);
+        float uh, ul;
+        tanh_argument(f[k], k_hi, k_lo, ph, uh, ul);
+        const float t = tanh_saturated(ph, tanh_exp_form(uh, ul));
+        v[k] = in_series[k] ? v[k] : t;
+      }
     }
 #pragma unroll
     for (int k = 0; k < N; ++k) f[k] = v[k];
@@ -528,7 +541,7 @@ __device__ __forceinline__ void write_ignored(const FwdParams<label_t>& p, int64
 // the row's address, rows that are not aligned gathered element-wise (load_vec), so that a row's sums never depend on
 // where it sits in memory. Otherwise a scalar head up to the row's first 16-byte boundary (aligned rows have none).
 template <typename scalar_t, typename label_t, bool kWithT, bool kGather, bool kSoftcap = false>
-__global__ void __launch_bounds__(kThreads) fused_logp_fwd_kernel(const FwdParams<label_t> p) {
+__global__ void __launch_bounds__(kThreads, kSoftcap ? kSoftcapMinBlocks : 1) fused_logp_fwd_kernel(const FwdParams<label_t> p) {
   using E = Elem<scalar_t>;
   const TransformOf<kSoftcap> xf(p.softcap_k);
   constexpr int kVec = E::kVec;
@@ -732,7 +745,7 @@ __device__ __forceinline__ float grad_elem(const BwdRow& R, float x_in, float& h
 // elements share vectors, and head / tail, exactly as in an aligned row, and the per-vector rule stays invariant.
 template <typename scalar_t, typename label_t, bool kWithEnt, bool kPerElement, bool kSoftcap = false,
           bool kGather = false>
-__global__ void __launch_bounds__(kThreads) fused_logp_bwd_kernel(const BwdParams<label_t> p) {
+__global__ void __launch_bounds__(kThreads, kSoftcap ? kSoftcapMinBlocks : 1) fused_logp_bwd_kernel(const BwdParams<label_t> p) {
   using E = Elem<scalar_t>;
   const TransformOf<kSoftcap> xf(p.softcap_k);
   constexpr int kVec = E::kVec;
