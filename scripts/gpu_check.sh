@@ -11,8 +11,8 @@
 # (/tmp/variants/NAME, kept while the machine stays warm). ab: runs bench/ab.py on each ';'-separated command of
 # AB_BENCH (e.g. AB_BENCH="bench/bench_flash_moe.py --mxfp8-only") for the tree and each built variant (AB_VARIANTS
 # names a subset).
-# BENCHES="bench_a bench_b" limits the bench phase to those scripts (default: every bench/bench_*.py); TEST_SUITES,
-# SANITIZE_SCRIPTS and STABLE_SUITES (space-separated paths) limit the test, sanitize and stable phases likewise.
+# BENCHES="bench_a bench_b" limits the bench phase to those scripts (default: every bench/bench_*.py); TEST_SUITES
+# (test folders or files), SANITIZE_SCRIPTS and STABLE_SUITES (space-separated paths) limit the test, sanitize and stable phases likewise.
 # stable: installs the stable-ABI wheels built elsewhere by scripts/stable_abi_wheels.sh (carry .stable_wheels, or
 # STABLE_WHEELS=DIR) into their own site dir (/tmp/stable_site) under this machine's torch, requires the ported
 # kernels to be available from it, and runs their gpu-marked tests and sanitizer scripts against it; a later ab phase
@@ -84,7 +84,7 @@ fi
 if phase test; then
   # One pytest process per suite: a kernel fault poisons its CUDA context, and must not fail the other plugins' tests.
   for suite in ${TEST_SUITES:-tests plugins/*/tests examples/*/tests}; do
-    [ -d "$suite" ] || continue
+    [ -e "$suite" ] || { record test "$suite" "not found"; continue; }
     name=$(echo "$suite" | tr / _)
     ( timeout 420 "$py" -m pytest -m gpu "$suite" -q -p no:cacheprovider -rs \
         --junitxml="$out/gpu-tests-$name.xml" > "$out/gpu-tests-$name.log" 2>&1

@@ -40,7 +40,6 @@
 #include <type_traits>
 
 #include "../cpu_common.h"
-#include "softcap.cuh"
 
 #ifndef FUSED_LOGP_BLOCK_THREADS
 #error "FUSED_LOGP_BLOCK_THREADS must come from kernel.toml ([fused_logp.constants])"
@@ -251,8 +250,9 @@ __device__ __forceinline__ float tanh_series(float uh, float ul) {
   p = fmaf(p, s, -0.33333328f);
   return __fadd_rn(uh, fmaf(__fmul_rn(uh, s), p, fmaf(-ul, s, ul)));
 }
-// tanh(|u|) past the series' range, sign restored: 1 - q as above. NaN for NaN or infinite uh.
-__device__ __forceinline__ float tanh_exp_form(float uh, float ul) {
+// tanh(|u|) past the series' range, sign restored: 1 - 2h, h = q / 2 = E / (1 + E) (set for the slope). NaN for NaN
+// or infinite uh.
+__device__ __forceinline__ float tanh_exp_form(float uh, float ul, float& h) {
   constexpr double kTwoLog2e = 2.0 * kLog2e;
   constexpr float kC_hi = static_cast<float>(kTwoLog2e);
   constexpr float kC_lo = static_cast<float>(kTwoLog2e - static_cast<double>(kC_hi));
@@ -266,19 +266,30 @@ __device__ __forceinline__ float tanh_exp_form(float uh, float ul) {
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
   r = fmaf(r, fmaf(-d, r, 1.f), r);
-  const float h = __fmul_rn(e, r);  // e / (1 + e) = q / 2, corrected by its residual below
-  const float residual = fmaf(-h, dl, fmaf(-h, d, e));
-  return copysignf(__fsub_rn(1.f, __fmul_rn(2.f, fmaf(r, residual, h))), uh);
+  const float h0 = __fmul_rn(e, r);  // e / (1 + e), corrected by its residual below
+  const float residual = fmaf(-h0, dl, fmaf(-h0, d, e));
+  h = fmaf(r, residual, h0);
+  return copysignf(__fsub_rn(1.f, __fmul_rn(2.f, h)), uh);
 }
 // t where the argument's high part ph = x k_hi is finite and below 16; +-1 beyond, NaN for NaN.
 __device__ __forceinline__ float tanh_saturated(float ph, float t) {
   return fabsf(ph) < 16.f ? t : (ph != ph ? ph : copysignf(1.f, ph));
 }
-__device__ __forceinline__ float accurate_tanh(float x, float k_hi, float k_lo) {
+// h: the exp form's E / (1 + E) where it ran, else 0.
+__device__ __forceinline__ float accurate_tanh(float x, float k_hi, float k_lo, float& h) {
   const float ph = __fmul_rn(x, k_hi);
   float uh, ul;
   tanh_argument(x, k_hi, k_lo, ph, uh, ul);
-  return tanh_saturated(ph, fabsf(uh) < kTanhSeriesBound ? tanh_series(uh, ul) : tanh_exp_form(uh, ul));
+  h = 0.f;
+  return tanh_saturated(ph, fabsf(uh) < kTanhSeriesBound ? tanh_series(uh, ul) : tanh_exp_form(uh, ul, h));
+}
+// d tanh(u) / du = 1 / cosh^2(u) = 1 - t^2 from t = tanh(u) and h (accurate_tanh's): fma(-t, t, 1) while |t| < 3/4
+// (1 - t^2 rounded once: 5e-8 relative below |u| = 0.5, 1.3e-7 below 0.97), else 4 h (1 - h), where 1 - t^2 cancels
+// (tanh saturates: the fp32 PyTorch path's 1 - t * t is off by 3e-4 relative at |u| = 5); with h from E within an ulp,
+// 2.4e-7 relative at most from |u| = 0.97 to 12 (emulated in float32 against float64); 0 once E underflows. |t| >= 3/4
+// only past the series' range (tanh(kTanhSeriesBound) < 0.56), where the exp form set h.
+__device__ __forceinline__ float tanh_slope(float t, float h) {
+  return fabsf(t) < 0.75f ? fmaf(-t, t, 1.f) : __fmul_rn(__fmul_rn(4.f, h), __fsub_rn(1.f, h));
 }
 
 // ---- logit transforms (see the top): applied to each logit as it is loaded ----------------------------------------
@@ -304,13 +315,16 @@ struct Softcap {
     k_hi = static_cast<float>(k);
     k_lo = static_cast<float>(k - static_cast<double>(k_hi));
   }
-  __device__ __forceinline__ float operator()(float x) const { return accurate_tanh(x, k_hi, k_lo); }
-  // A vector in place, bitwise as operator() per element: the series for every element without a branch, the rest of
-  // accurate_tanh only for the elements past kTanhSeriesBound (or inf / NaN), behind one branch per vector. Branching
-  // per element serialized the elements' dependency chains: the forward ran 1.9x tanhf's (H200, session 15). True
-  // when the series covered all of them.
+  __device__ __forceinline__ float operator()(float x) const {
+    float h;
+    return accurate_tanh(x, k_hi, k_lo, h);
+  }
+  // A vector in place, bitwise as operator() per element: the series for every element without a branch; where some
+  // element leaves the series' range (or is inf / NaN), the exp form for every element, selected, behind one branch
+  // per vector (a branch per element serialized the elements' dependency chains: the forward ran 1.9x tanhf's, H200,
+  // session 15). h as accurate_tanh's. True when the series covered all of them.
   template <int N>
-  __device__ __forceinline__ bool apply(float (&f)[N]) const {
+  __device__ __forceinline__ bool apply(float (&f)[N], float (&h)[N]) const {
     float v[N];
     bool in_series[N], series = true;
 #pragma unroll
@@ -318,41 +332,47 @@ struct Softcap {
       float uh, ul;
       tanh_argument(f[k], k_hi, k_lo, __fmul_rn(f[k], k_hi), uh, ul);
       v[k] = tanh_series(uh, ul);
+      h[k] = 0.f;
       in_series[k] = fabsf(uh) < kTanhSeriesBound;  // false for NaN
       series &= in_series[k];
     }
-    if (!series) {  // the exp form for every element, selected: a branch per element serialized the elements
+    if (!series) {
 #pragma unroll
       for (int k = 0; k < N; ++k) {
         const float ph = __fmul_rn(f[k], k_hi);
-        float uh, ul;
+        float uh, ul, he;
         tanh_argument(f[k], k_hi, k_lo, ph, uh, ul);
-        const float t = tanh_saturated(ph, tanh_exp_form(uh, ul));
+        const float t = tanh_saturated(ph, tanh_exp_form(uh, ul, he));
         v[k] = in_series[k] ? v[k] : t;
+        h[k] = in_series[k] ? 0.f : he;
       }
     }
 #pragma unroll
     for (int k = 0; k < N; ++k) f[k] = v[k];
     return series;
   }
+  template <int N>
+  __device__ __forceinline__ void apply(float (&f)[N]) const {
+    float h[N];
+    apply(f, h);
+  }
   template <class G>
   __device__ __forceinline__ float grad(float x, G&& grad_at) const {
-    const float v = (*this)(x);
-    return grad_at(v) * fused_logp_softcap::slope_of(x, v, k_hi, k_lo);
+    float h;
+    const float t = accurate_tanh(x, k_hi, k_lo, h);
+    return grad_at(t) * tanh_slope(t, h);
   }
   // grad per element of a vector in place, bitwise as grad: within the series' range |t| < tanh(kTanhSeriesBound)
-  // < 3/4, where slope_of is fma(-t, t, 1).
+  // < 3/4, where tanh_slope is fma(-t, t, 1).
   template <int N, class G>
   __device__ __forceinline__ void grad_apply(float (&f)[N], G&& grad_at) const {
-    float v[N];
+    float h[N];
+    if (apply(f, h)) {
 #pragma unroll
-    for (int k = 0; k < N; ++k) v[k] = f[k];
-    if (apply(v)) {
-#pragma unroll
-      for (int k = 0; k < N; ++k) f[k] = grad_at(v[k]) * fmaf(-v[k], v[k], 1.f);
+      for (int k = 0; k < N; ++k) f[k] = grad_at(f[k]) * fmaf(-f[k], f[k], 1.f);
     } else {
 #pragma unroll
-      for (int k = 0; k < N; ++k) f[k] = grad_at(v[k]) * fused_logp_softcap::slope_of(f[k], v[k], k_hi, k_lo);
+      for (int k = 0; k < N; ++k) f[k] = grad_at(f[k]) * tanh_slope(f[k], h[k]);
     }
   }
 };
