@@ -227,28 +227,35 @@ __device__ __forceinline__ float exp2_accurate(float hi, float lo) {
   return q * scale;
 }
 
-// tanh(x k) for the logits op's softcap, k = k_hi + k_lo: 0.25 ulp mean error, 1.1 at most (emulated in float32 with
-// exact FMAs against float64: 10^7 bf16-valued logits at k = 1/60 ... 1), where CUDA's tanhf is within 2 ulps and its
-// error, times c = log2(e) softcap / T in every exponent, dominated the op's logp error (H200, session 14:
-// docs/notes/fused_logp.md). u = x k as an unevaluated pair uh + ul. |u| < kTanhSeriesBound: tanh_series. Beyond:
-// 1 - q, q = 2E / (1 + E), E = 2^(-2 log2(e) |u|) from exp2_accurate on the pair, the quotient corrected once.
-// +-inf logits give +-1 (|u| >= 16 rounds to 1), NaN stays NaN.
-constexpr float kTanhSeriesBound = 0.625f;
+// tanh(x k) for the logits op's softcap, k = k_hi + k_lo: 0.26 ulp mean error, 1.1 at most (emulated in float32 with
+// exact FMAs against float64, bf16- and fp32-valued logits at k = 1/60 ... 1; correctly rounded: 0.25), where CUDA's
+// tanhf is within 2 ulps and its error, times c = log2(e) softcap / T in every exponent, dominated the op's logp error
+// (H200, session 14: docs/notes/fused_logp.md). u = x k as an unevaluated pair uh + ul. |u| < kTanhSeriesBound:
+// tanh_series. Beyond: 1 - q, q = 2E / (1 + E), E = 2^(-2 log2(e) |u|) from exp2_accurate on the pair, the quotient
+// corrected once. +-inf logits give +-1 (|u| >= 16 rounds to 1), NaN stays NaN. The series reaches |u| = 1 (|logit|
+// < softcap / logit_scale) so that a vector rarely needs the exp form: a warp runs it whenever one of its 256 logits
+// does (session 16: at 0.625, softcap 10 on randn x 3 logits cost 2.2x softcap 30).
+constexpr float kTanhSeriesBound = 1.f;
 __device__ __forceinline__ void tanh_argument(float x, float k_hi, float k_lo, float ph, float& uh, float& ul) {
   const float sl = fmaf(x, k_lo, fmaf(x, k_hi, -ph));  // x k_hi = ph + its FMA residual, exactly
   uh = __fadd_rn(ph, sl);
   ul = __fadd_rn(__fsub_rn(ph, uh), sl);
 }
-// u + u^3 P(u^2), P a degree-4 minimax fit on |u| < kTanhSeriesBound (relative error 1.3e-7; the correction is at
-// most 12 % of t), ul carried as ul (1 - u^2).
+// u + u^3 P(u^2), P a degree-6 fit on |u| < kTanhSeriesBound, minimax in t's relative error with each coefficient
+// rounded to float before the next is fitted (4.7e-9; the correction u^3 P is at most 31 % of t); ul carried as
+// ul (1 - t0^2), t0 the series without it. Emulated (as above) within 1.03 ulps, 0.26 mean.
 __device__ __forceinline__ float tanh_series(float uh, float ul) {
   const float s = __fmul_rn(uh, uh);
-  float p = -0.00609693f;
-  p = fmaf(p, s, 0.02099735f);
-  p = fmaf(p, s, -0.05385095f);
-  p = fmaf(p, s, 0.13332771f);
-  p = fmaf(p, s, -0.33333328f);
-  return __fadd_rn(uh, fmaf(__fmul_rn(uh, s), p, fmaf(-ul, s, ul)));
+  float p = -0.000358611229f;
+  p = fmaf(p, s, 0.00230192975f);
+  p = fmaf(p, s, -0.00794689357f);
+  p = fmaf(p, s, 0.0214871988f);
+  p = fmaf(p, s, -0.0538799912f);
+  p = fmaf(p, s, 0.133323476f);
+  p = fmaf(p, s, -0.333332956f);
+  const float q = __fmul_rn(uh, s);
+  const float t0 = __fadd_rn(uh, __fmul_rn(q, p));
+  return __fadd_rn(uh, fmaf(q, p, __fmul_rn(ul, fmaf(-t0, t0, 1.f))));
 }
 // tanh(|u|) past the series' range, sign restored: 1 - 2h, h = q / 2 = E / (1 + E) (set for the slope). NaN for NaN
 // or infinite uh.
@@ -283,13 +290,13 @@ __device__ __forceinline__ float accurate_tanh(float x, float k_hi, float k_lo, 
   h = 0.f;
   return tanh_saturated(ph, fabsf(uh) < kTanhSeriesBound ? tanh_series(uh, ul) : tanh_exp_form(uh, ul, h));
 }
-// d tanh(u) / du = 1 / cosh^2(u) = 1 - t^2 from t = tanh(u) and h (accurate_tanh's): fma(-t, t, 1) while |t| < 3/4
-// (1 - t^2 rounded once: 5e-8 relative below |u| = 0.5, 1.3e-7 below 0.97), else 4 h (1 - h), where 1 - t^2 cancels
-// (tanh saturates: the fp32 PyTorch path's 1 - t * t is off by 3e-4 relative at |u| = 5); with h from E within an ulp,
-// 2.4e-7 relative at most from |u| = 0.97 to 12 (emulated in float32 against float64); 0 once E underflows. |t| >= 3/4
-// only past the series' range (tanh(kTanhSeriesBound) < 0.56), where the exp form set h.
+// d tanh(u) / du = 1 / cosh^2(u) = 1 - t^2 from t = tanh(u) and h (accurate_tanh's): within the series' range
+// (h = 0) fma(-t, t, 1), 1 - t^2 rounded once, within 2.3e-7 relative (t's error grows 3.6x at |u| = 1); past it
+// 4 h (1 - h), where 1 - t^2 cancels (tanh saturates: the fp32 PyTorch path's 1 - t * t is off by 3e-4 relative at
+// |u| = 5): with h from E within an ulp, 2.4e-7 relative at most up to |u| = 12 (both emulated in float32 against
+// float64). 0 once E underflows (t = +-1 there). NaN stays NaN.
 __device__ __forceinline__ float tanh_slope(float t, float h) {
-  return fabsf(t) < 0.75f ? fmaf(-t, t, 1.f) : __fmul_rn(__fmul_rn(4.f, h), __fsub_rn(1.f, h));
+  return h > 0.f ? __fmul_rn(__fmul_rn(4.f, h), __fsub_rn(1.f, h)) : fmaf(-t, t, 1.f);
 }
 
 // ---- logit transforms (see the top): applied to each logit as it is loaded ----------------------------------------
@@ -362,8 +369,7 @@ struct Softcap {
     const float t = accurate_tanh(x, k_hi, k_lo, h);
     return grad_at(t) * tanh_slope(t, h);
   }
-  // grad per element of a vector in place, bitwise as grad: within the series' range |t| < tanh(kTanhSeriesBound)
-  // < 3/4, where tanh_slope is fma(-t, t, 1).
+  // grad per element of a vector in place, bitwise as grad: within the series' range tanh_slope is fma(-t, t, 1).
   template <int N, class G>
   __device__ __forceinline__ void grad_apply(float (&f)[N], G&& grad_at) const {
     float h[N];
