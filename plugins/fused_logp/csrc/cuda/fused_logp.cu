@@ -40,6 +40,7 @@
 #include <type_traits>
 
 #include "../cpu_common.h"
+#include "softcap.cuh"
 
 #ifndef FUSED_LOGP_BLOCK_THREADS
 #error "FUSED_LOGP_BLOCK_THREADS must come from kernel.toml ([fused_logp.constants])"
@@ -227,39 +228,31 @@ __device__ __forceinline__ float exp2_accurate(float hi, float lo) {
   return q * scale;
 }
 
-// tanh(x k) for the logits op's softcap, k = k_hi + k_lo: 0.26 ulp mean error, 1.1 at most (emulated in float32 with
-// exact FMAs against float64, bf16- and fp32-valued logits at k = 1/60 ... 1; correctly rounded: 0.25), where CUDA's
-// tanhf is within 2 ulps and its error, times c = log2(e) softcap / T in every exponent, dominated the op's logp error
-// (H200, session 14: docs/notes/fused_logp.md). u = x k as an unevaluated pair uh + ul. |u| < kTanhSeriesBound:
-// tanh_series. Beyond: 1 - q, q = 2E / (1 + E), E = 2^(-2 log2(e) |u|) from exp2_accurate on the pair, the quotient
-// corrected once. +-inf logits give +-1 (|u| >= 16 rounds to 1), NaN stays NaN. The series reaches |u| = 1 (|logit|
-// < softcap / logit_scale) so that a vector rarely needs the exp form: a warp runs it whenever one of its 256 logits
-// does (session 16: at 0.625, softcap 10 on randn x 3 logits cost 2.2x softcap 30).
-constexpr float kTanhSeriesBound = 1.f;
+// tanh(x k) for the logits op's softcap, k = k_hi + k_lo: 0.25 ulp mean error, 1.1 at most (emulated in float32 with
+// exact FMAs against float64: 10^7 bf16-valued logits at k = 1/60 ... 1), where CUDA's tanhf is within 2 ulps and its
+// error, times c = log2(e) softcap / T in every exponent, dominated the op's logp error (H200, session 14:
+// docs/notes/fused_logp.md). u = x k as an unevaluated pair uh + ul. |u| < kTanhSeriesBound: tanh_series. Beyond:
+// 1 - q, q = 2E / (1 + E), E = 2^(-2 log2(e) |u|) from exp2_accurate on the pair, the quotient corrected once.
+// +-inf logits give +-1 (|u| >= 16 rounds to 1), NaN stays NaN.
+constexpr float kTanhSeriesBound = 0.625f;
 __device__ __forceinline__ void tanh_argument(float x, float k_hi, float k_lo, float ph, float& uh, float& ul) {
   const float sl = fmaf(x, k_lo, fmaf(x, k_hi, -ph));  // x k_hi = ph + its FMA residual, exactly
   uh = __fadd_rn(ph, sl);
   ul = __fadd_rn(__fsub_rn(ph, uh), sl);
 }
-// u + u^3 P(u^2), P a degree-6 fit on |u| < kTanhSeriesBound, minimax in t's relative error with each coefficient
-// rounded to float before the next is fitted (4.7e-9; the correction u^3 P is at most 31 % of t); ul carried as
-// ul (1 - t0^2), t0 the series without it. Emulated (as above) within 1.03 ulps, 0.26 mean.
+// u + u^3 P(u^2), P a degree-4 minimax fit on |u| < kTanhSeriesBound (relative error 1.3e-7; the correction is at
+// most 12 % of t), ul carried as ul (1 - u^2).
 __device__ __forceinline__ float tanh_series(float uh, float ul) {
   const float s = __fmul_rn(uh, uh);
-  float p = -0.000358611229f;
-  p = fmaf(p, s, 0.00230192975f);
-  p = fmaf(p, s, -0.00794689357f);
-  p = fmaf(p, s, 0.0214871988f);
-  p = fmaf(p, s, -0.0538799912f);
-  p = fmaf(p, s, 0.133323476f);
-  p = fmaf(p, s, -0.333332956f);
-  const float q = __fmul_rn(uh, s);
-  const float t0 = __fadd_rn(uh, __fmul_rn(q, p));
-  return __fadd_rn(uh, fmaf(q, p, __fmul_rn(ul, fmaf(-t0, t0, 1.f))));
+  float p = -0.00609693f;
+  p = fmaf(p, s, 0.02099735f);
+  p = fmaf(p, s, -0.05385095f);
+  p = fmaf(p, s, 0.13332771f);
+  p = fmaf(p, s, -0.33333328f);
+  return __fadd_rn(uh, fmaf(__fmul_rn(uh, s), p, fmaf(-ul, s, ul)));
 }
-// tanh(|u|) past the series' range, sign restored: 1 - 2h, h = q / 2 = E / (1 + E) (set for the slope). NaN for NaN
-// or infinite uh.
-__device__ __forceinline__ float tanh_exp_form(float uh, float ul, float& h) {
+// tanh(|u|) past the series' range, sign restored: 1 - q as above. NaN for NaN or infinite uh.
+__device__ __forceinline__ float tanh_exp_form(float uh, float ul) {
   constexpr double kTwoLog2e = 2.0 * kLog2e;
   constexpr float kC_hi = static_cast<float>(kTwoLog2e);
   constexpr float kC_lo = static_cast<float>(kTwoLog2e - static_cast<double>(kC_hi));
@@ -273,30 +266,19 @@ __device__ __forceinline__ float tanh_exp_form(float uh, float ul, float& h) {
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
   r = fmaf(r, fmaf(-d, r, 1.f), r);
-  const float h0 = __fmul_rn(e, r);  // e / (1 + e), corrected by its residual below
-  const float residual = fmaf(-h0, dl, fmaf(-h0, d, e));
-  h = fmaf(r, residual, h0);
-  return copysignf(__fsub_rn(1.f, __fmul_rn(2.f, h)), uh);
+  const float h = __fmul_rn(e, r);  // e / (1 + e) = q / 2, corrected by its residual below
+  const float residual = fmaf(-h, dl, fmaf(-h, d, e));
+  return copysignf(__fsub_rn(1.f, __fmul_rn(2.f, fmaf(r, residual, h))), uh);
 }
 // t where the argument's high part ph = x k_hi is finite and below 16; +-1 beyond, NaN for NaN.
 __device__ __forceinline__ float tanh_saturated(float ph, float t) {
   return fabsf(ph) < 16.f ? t : (ph != ph ? ph : copysignf(1.f, ph));
 }
-// h: the exp form's E / (1 + E) where it ran, else 0.
-__device__ __forceinline__ float accurate_tanh(float x, float k_hi, float k_lo, float& h) {
+__device__ __forceinline__ float accurate_tanh(float x, float k_hi, float k_lo) {
   const float ph = __fmul_rn(x, k_hi);
   float uh, ul;
   tanh_argument(x, k_hi, k_lo, ph, uh, ul);
-  h = 0.f;
-  return tanh_saturated(ph, fabsf(uh) < kTanhSeriesBound ? tanh_series(uh, ul) : tanh_exp_form(uh, ul, h));
-}
-// d tanh(u) / du = 1 / cosh^2(u) = 1 - t^2 from t = tanh(u) and h (accurate_tanh's): within the series' range
-// (h = 0) fma(-t, t, 1), 1 - t^2 rounded once, within 2.3e-7 relative (t's error grows 3.6x at |u| = 1); past it
-// 4 h (1 - h), where 1 - t^2 cancels (tanh saturates: the fp32 PyTorch path's 1 - t * t is off by 3e-4 relative at
-// |u| = 5): with h from E within an ulp, 2.4e-7 relative at most up to |u| = 12 (both emulated in float32 against
-// float64). 0 once E underflows (t = +-1 there). NaN stays NaN.
-__device__ __forceinline__ float tanh_slope(float t, float h) {
-  return h > 0.f ? __fmul_rn(__fmul_rn(4.f, h), __fsub_rn(1.f, h)) : fmaf(-t, t, 1.f);
+  return tanh_saturated(ph, fabsf(uh) < kTanhSeriesBound ? tanh_series(uh, ul) : tanh_exp_form(uh, ul));
 }
 
 // ---- logit transforms (see the top): applied to each logit as it is loaded ----------------------------------------
@@ -322,16 +304,13 @@ struct Softcap {
     k_hi = static_cast<float>(k);
     k_lo = static_cast<float>(k - static_cast<double>(k_hi));
   }
-  __device__ __forceinline__ float operator()(float x) const {
-    float h;
-    return accurate_tanh(x, k_hi, k_lo, h);
-  }
-  // A vector in place, bitwise as operator() per element: the series for every element without a branch; where some
-  // element leaves the series' range (or is inf / NaN), the exp form for every element, selected, behind one branch
-  // per vector (a branch per element serialized the elements' dependency chains: the forward ran 1.9x tanhf's, H200,
-  // session 15). h as accurate_tanh's. True when the series covered all of them.
+  __device__ __forceinline__ float operator()(float x) const { return accurate_tanh(x, k_hi, k_lo); }
+  // A vector in place, bitwise as operator() per element: the series for every element without a branch, the rest of
+  // accurate_tanh only for the elements past kTanhSeriesBound (or inf / NaN), behind one branch per vector. Branching
+  // per element serialized the elements' dependency chains: the forward ran 1.9x tanhf's (H200, session 15). True
+  // when the series covered all of them.
   template <int N>
-  __device__ __forceinline__ bool apply(float (&f)[N], float (&h)[N]) const {
+  __device__ __forceinline__ bool apply(float (&f)[N]) const {
     float v[N];
     bool in_series[N], series = true;
 #pragma unroll
@@ -339,46 +318,41 @@ struct Softcap {
       float uh, ul;
       tanh_argument(f[k], k_hi, k_lo, __fmul_rn(f[k], k_hi), uh, ul);
       v[k] = tanh_series(uh, ul);
-      h[k] = 0.f;
       in_series[k] = fabsf(uh) < kTanhSeriesBound;  // false for NaN
       series &= in_series[k];
     }
-    if (!series) {
+    if (!series) {  // the exp form for every element, selected: a branch per element serialized the elements
 #pragma unroll
       for (int k = 0; k < N; ++k) {
         const float ph = __fmul_rn(f[k], k_hi);
-        float uh, ul, he;
+        float uh, ul;
         tanh_argument(f[k], k_hi, k_lo, ph, uh, ul);
-        const float t = tanh_saturated(ph, tanh_exp_form(uh, ul, he));
+        const float t = tanh_saturated(ph, tanh_exp_form(uh, ul));
         v[k] = in_series[k] ? v[k] : t;
-        h[k] = in_series[k] ? 0.f : he;
       }
     }
 #pragma unroll
     for (int k = 0; k < N; ++k) f[k] = v[k];
     return series;
   }
-  template <int N>
-  __device__ __forceinline__ void apply(float (&f)[N]) const {
-    float h[N];
-    apply(f, h);
-  }
   template <class G>
   __device__ __forceinline__ float grad(float x, G&& grad_at) const {
-    float h;
-    const float t = accurate_tanh(x, k_hi, k_lo, h);
-    return grad_at(t) * tanh_slope(t, h);
+    const float v = (*this)(x);
+    return grad_at(v) * fused_logp_softcap::slope_of(x, v, k_hi, k_lo);
   }
-  // grad per element of a vector in place, bitwise as grad: within the series' range tanh_slope is fma(-t, t, 1).
+  // grad per element of a vector in place, bitwise as grad: within the series' range |t| < tanh(kTanhSeriesBound)
+  // < 3/4, where slope_of is fma(-t, t, 1).
   template <int N, class G>
   __device__ __forceinline__ void grad_apply(float (&f)[N], G&& grad_at) const {
-    float h[N];
-    if (apply(f, h)) {
+    float v[N];
 #pragma unroll
-      for (int k = 0; k < N; ++k) f[k] = grad_at(f[k]) * fmaf(-f[k], f[k], 1.f);
+    for (int k = 0; k < N; ++k) v[k] = f[k];
+    if (apply(v)) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) f[k] = grad_at(v[k]) * fmaf(-v[k], v[k], 1.f);
     } else {
 #pragma unroll
-      for (int k = 0; k < N; ++k) f[k] = grad_at(f[k]) * tanh_slope(f[k], h[k]);
+      for (int k = 0; k < N; ++k) f[k] = grad_at(v[k]) * fused_logp_softcap::slope_of(f[k], v[k], k_hi, k_lo);
     }
   }
 };

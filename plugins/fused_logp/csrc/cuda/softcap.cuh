@@ -1,13 +1,34 @@
-// The lm_head op's softcap transform on the device (linear_logp.cuh): v = tanh(x * k), k = logit_scale / softcap, and
-// its derivative, from one exp2 and one reciprocal (the logits op's, exact to ~0.25 ulp on average, is accurate_tanh
-// in fused_logp.cu). The op runs the same instructions in its forward and backward, so both see the same z: the
-// arithmetic is spelled out with __fmul_rn / __fsub_rn, since the compiler may contract a * b + c into an FMA in one
-// kernel and not in the other (V = 1 then had p != 1 in the backward and a nonzero gradient, measured on the H200).
+// The softcap logit transform on the device: v = tanh(x * k), k = logit_scale / softcap, and its derivative, for the
+// logits op (fused_logp.cu: accurate_tanh, k as an unevaluated float pair k_hi + k_lo, since a single rounded float
+// would scale every logit by the same relative error, a systematic shift of its double-exact temperature) and the
+// lm_head op (linear_logp.cuh: a cheaper tanh from one exp2 and one reciprocal). Each op runs the same instructions in
+// its forward and backward, so both see the same z: the lm_head op's arithmetic is spelled out with __fmul_rn /
+// __fsub_rn, since the compiler may contract a * b + c into an FMA in one kernel and not in the other (V = 1 then had
+// p != 1 in the backward and a nonzero gradient, measured on the H200).
 #pragma once
 
 #include <cuda_runtime.h>
 
 namespace fused_logp_softcap {
+
+// x k as fma(x, k_hi, x' k_lo): exact to ~2^-48 for finite x; x' = x clamped to +-1e30 in the low part only, so that
+// +-inf gives +-inf (inf * k_lo alone would be NaN for k_lo = 0) while a NaN logit stays NaN (through x k_hi).
+__device__ __forceinline__ float scaled(float x, float k_hi, float k_lo) {
+  return fmaf(x, k_hi, fminf(fmaxf(x, -1e30f), 1e30f) * k_lo);
+}
+
+// The logits op's d tanh(x k) / dx / k = 1 - t^2 = 1 / cosh^2(x k), t = its tanh(x k), for fp32 gradients too:
+// fma(-t, t, 1) while |t| < 3/4 (1 - t^2 rounded once: 5e-8 relative below |x k| = 0.5, 1.3e-7 below 0.97), else
+// 4 E / (1 + E)^2 with E = exp(-2 |x k|), where 1 - t^2 cancels (tanh saturates: the fp32 PyTorch path's 1 - t * t
+// is off by 3e-4 relative at |x k| = 5) and this stays within 4.2e-7 below |x k| = 2 and 1.7e-6 up to 12 (emulated in
+// float32 against float64); 0 once E underflows.
+__device__ __forceinline__ float slope_of(float x, float t, float k_hi, float k_lo) {
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(-2.8853900817779268f * fabsf(scaled(x, k_hi, k_lo))));
+  const float r = 1.f / (1.f + e);
+  const float saturated = 4.f * e * r * r;
+  return fabsf(t) < 0.75f ? fmaf(-t, t, 1.f) : saturated;
+}
 
 // The lm_head op's tanh(x k) (and, when asked, 1 / cosh^2(x k)) from one ex2.approx and one rcp.approx: with
 // E = exp(-2 |x k|), tanh = (1 - E) / (1 + E) and 1 / cosh^2 = 4 E / (1 + E)^2; below |x k| = 1/16, where 1 - E
