@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU harness, for a bare H200 machine (torch preinstalled, no network):
-#   bash scripts/gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [stable] [bench] [ab]
+#   bash scripts/gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [stable] [bench] [profile] [ab]
 #   (default: build test sanitize bench)
 # One device call runs at most 10 minutes: run "build test sanitize" in one call and "bench" in the next (the machine
 # keeps what the first installed while it stays warm, 30 s after a call).
@@ -10,7 +10,8 @@
 # variants: builds each revision staged by scripts/stage_variant.sh under .variants/ (carry it) into its own site dir
 # (/tmp/variants/NAME, kept while the machine stays warm). ab: runs bench/ab.py on each ';'-separated command of
 # AB_BENCH (e.g. AB_BENCH="bench/bench_flash_moe.py --mxfp8-only") for the tree and each built variant (AB_VARIANTS
-# names a subset).
+# names a subset). profile: Nsight Compute on one script (PROFILE, PROFILE_KERNELS, PROFILE_COUNT, PROFILE_SET; e.g.
+# PROFILE="bench/profile_fused_logp.py" PROFILE_KERNELS="fused_logp_(fwd|bwd)_kernel" PROFILE_COUNT=6).
 # BENCHES="bench_a bench_b" limits the bench phase to those scripts (default: every bench/bench_*.py); TEST_SUITES
 # (test folders or files), SANITIZE_SCRIPTS and STABLE_SUITES (space-separated paths) limit the test, sanitize and stable phases likewise.
 # stable: installs the stable-ABI wheels built elsewhere by scripts/stable_abi_wheels.sh (carry .stable_wheels, or
@@ -19,7 +20,7 @@
 # on the warm machine adds that site as the variant "stable-wheel" (AB_ROUNDS: rounds, default 2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [stable] [bench] [ab]}; shift
+out=${1:?usage: gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [stable] [bench] [profile] [ab]}; shift
 phases=${*:-build test sanitize bench}
 mkdir -p "$out"
 py=${PYTHON:-python3}
@@ -157,6 +158,17 @@ if phase bench; then
     timeout 420 "$py" "$bench" --json "$out/$name.json" 2>&1 | tee "$out/$name.log"
     record bench "$name" "exit ${PIPESTATUS[0]}"
   done
+fi
+
+if phase profile; then
+  # Nsight Compute on PROFILE (a script and its arguments), the kernels matching PROFILE_KERNELS (a regex), at most
+  # PROFILE_COUNT launches, PROFILE_SET sections; the report and its details page go to OUT (clocks left alone).
+  # shellcheck disable=SC2086
+  timeout 540 ncu --clock-control none --set "${PROFILE_SET:-full}" -c "${PROFILE_COUNT:-8}" \
+    -k "regex:${PROFILE_KERNELS:?PROFILE_KERNELS: a regex}" --export "$out/profile" --force-overwrite \
+    "$py" ${PROFILE:?PROFILE: a script and its arguments} > "$out/profile.log" 2>&1
+  record profile "$PROFILE" "exit $?; $(tail -n 1 "$out/profile.log")"
+  ncu --import "$out/profile.ncu-rep" --page details > "$out/profile.txt" 2>&1
 fi
 
 if phase ab; then
