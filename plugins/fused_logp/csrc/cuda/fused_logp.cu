@@ -51,9 +51,6 @@
 #ifndef FUSED_LOGP_SPLIT_MIN_ELEMS
 #error "FUSED_LOGP_SPLIT_MIN_ELEMS must come from kernel.toml ([fused_logp.constants])"
 #endif
-#ifndef FUSED_LOGP_SOFTCAP_VEC_UNROLL
-#error "FUSED_LOGP_SOFTCAP_VEC_UNROLL must come from kernel.toml ([fused_logp.constants])"
-#endif
 #ifndef FUSED_LOGP_SOFTCAP_MIN_BLOCKS
 #error "FUSED_LOGP_SOFTCAP_MIN_BLOCKS must come from kernel.toml ([fused_logp.constants])"
 #endif
@@ -77,14 +74,12 @@ namespace {
 
 constexpr int kThreads = FUSED_LOGP_BLOCK_THREADS;
 constexpr int kUnroll = FUSED_LOGP_VEC_UNROLL;
-constexpr int kSoftcapUnroll = FUSED_LOGP_SOFTCAP_VEC_UNROLL;
 constexpr int kWarps = kThreads / 32;
 // Launch bounds' minimum blocks per SM: 0 states none, which leaves ptxas its own register choice (an explicit 1 took
 // the plain bf16 forward from 48 to 96 registers: sm_90, nvcc 13.0).
 constexpr int kSoftcapMinBlocks = FUSED_LOGP_SOFTCAP_MIN_BLOCKS;
 static_assert(kThreads % 32 == 0 && kThreads >= 64 && kThreads <= 1024, "BLOCK_THREADS: a multiple of 32 in [64, 1024]");
 static_assert(kUnroll >= 1 && kUnroll <= 8, "VEC_UNROLL in [1, 8]");
-static_assert(kSoftcapUnroll >= 1 && kSoftcapUnroll <= 8, "SOFTCAP_VEC_UNROLL in [1, 8]");
 static_assert(kSoftcapMinBlocks >= 0 && kSoftcapMinBlocks * kThreads <= 2048, "SOFTCAP_MIN_BLOCKS: 0 to 2048 / BLOCK_THREADS");
 static_assert(FUSED_LOGP_MAX_SPLITS >= 1 && FUSED_LOGP_MAX_SPLITS <= 65535, "MAX_SPLITS in [1, 65535]");
 
@@ -585,12 +580,11 @@ __global__ void __launch_bounds__(kThreads, kSoftcap ? kSoftcapMinBlocks : 0) fu
   const int vb = split * p.vec_per_split;
   const int ve = min(nvec, vb + p.vec_per_split);
   int v = vb + tid;
-  constexpr int kU = kSoftcap ? kSoftcapUnroll : kUnroll;
-  for (; v + (kU - 1) * kThreads < ve; v += kU * kThreads) {
-    uint4 r[kU];
+  for (; v + (kUnroll - 1) * kThreads < ve; v += kUnroll * kThreads) {
+    uint4 r[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kU; ++u) r[u] = load_vec<scalar_t, kVec>(x, xv, v + u * kThreads, gather);
-    acc_update<E, kU, kWithT>(A, r, c_hi, c_lo, xf);
+    for (int u = 0; u < kUnroll; ++u) r[u] = load_vec<scalar_t, kVec>(x, xv, v + u * kThreads, gather);
+    acc_update<E, kUnroll, kWithT>(A, r, c_hi, c_lo, xf);
   }
   for (; v < ve; v += kThreads) {
     const uint4 r[1] = {load_vec<scalar_t, kVec>(x, xv, v, gather)};
@@ -878,13 +872,12 @@ __global__ void __launch_bounds__(kThreads, kSoftcap ? kSoftcapMinBlocks : 0) fu
     __stcs(gv + v, E::pack(f));
   };
   int v = vb + tid;
-  constexpr int kU = kSoftcap ? kSoftcapUnroll : kUnroll;
-  for (; v + (kU - 1) * kThreads < ve; v += kU * kThreads) {
-    uint4 r[kU];
+  for (; v + (kUnroll - 1) * kThreads < ve; v += kUnroll * kThreads) {
+    uint4 r[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kU; ++u) r[u] = load_vec<scalar_t, kVec>(x, xv, v + u * kThreads, gather);
+    for (int u = 0; u < kUnroll; ++u) r[u] = load_vec<scalar_t, kVec>(x, xv, v + u * kThreads, gather);
 #pragma unroll
-    for (int u = 0; u < kU; ++u) process(v + u * kThreads, r[u]);
+    for (int u = 0; u < kUnroll; ++u) process(v + u * kThreads, r[u]);
   }
   for (; v < ve; v += kThreads) process(v, load_vec<scalar_t, kVec>(x, xv, v, gather));
 }
