@@ -75,12 +75,13 @@ namespace {
 constexpr int kThreads = FUSED_LOGP_BLOCK_THREADS;
 constexpr int kUnroll = FUSED_LOGP_VEC_UNROLL;
 constexpr int kWarps = kThreads / 32;
-// Launch bounds' minimum blocks per SM: 0 states none, which leaves ptxas its own register choice (an explicit 1 took
-// the plain bf16 forward from 48 to 96 registers: sm_90, nvcc 13.0).
+// Launch bounds' minimum blocks per SM: 0 states none, which leaves ptxas its own register choice (an explicit 1
+// took the plain bf16 forward from 48 to 96 registers: sm_90, nvcc 13.0).
 constexpr int kSoftcapMinBlocks = FUSED_LOGP_SOFTCAP_MIN_BLOCKS;
 static_assert(kThreads % 32 == 0 && kThreads >= 64 && kThreads <= 1024, "BLOCK_THREADS: a multiple of 32 in [64, 1024]");
 static_assert(kUnroll >= 1 && kUnroll <= 8, "VEC_UNROLL in [1, 8]");
-static_assert(kSoftcapMinBlocks >= 0 && kSoftcapMinBlocks * kThreads <= 2048, "SOFTCAP_MIN_BLOCKS: 0 to 2048 / BLOCK_THREADS");
+static_assert(kSoftcapMinBlocks >= 0 && kSoftcapMinBlocks * kThreads <= 2048,
+              "SOFTCAP_MIN_BLOCKS: 0 to 2048 / BLOCK_THREADS");
 static_assert(FUSED_LOGP_MAX_SPLITS >= 1 && FUSED_LOGP_MAX_SPLITS <= 65535, "MAX_SPLITS in [1, 65535]");
 
 constexpr double kLog2e = 1.4426950408889634074;
@@ -305,10 +306,10 @@ struct Softcap {
     k_lo = static_cast<float>(k - static_cast<double>(k_hi));
   }
   __device__ __forceinline__ float operator()(float x) const { return accurate_tanh(x, k_hi, k_lo); }
-  // A vector in place, bitwise as operator() per element: the series for every element without a branch, the rest of
-  // accurate_tanh only for the elements past kTanhSeriesBound (or inf / NaN), behind one branch per vector. Branching
-  // per element serialized the elements' dependency chains: the forward ran 1.9x tanhf's (H200, session 15). True
-  // when the series covered all of them.
+  // A vector in place, bitwise as operator() per element: the series for every element without a branch; where an
+  // element is past kTanhSeriesBound (or inf / NaN), behind one branch per vector, the exp form for every element,
+  // selected. A branch per element serialized the elements' dependency chains: the forward ran 1.9x tanhf's (H200,
+  // session 15), and a warp's 256 bf16 logits leave the series together often. True when the series covered all.
   template <int N>
   __device__ __forceinline__ bool apply(float (&f)[N]) const {
     float v[N];
@@ -321,7 +322,7 @@ struct Softcap {
       in_series[k] = fabsf(uh) < kTanhSeriesBound;  // false for NaN
       series &= in_series[k];
     }
-    if (!series) {  // the exp form for every element, selected: a branch per element serialized the elements
+    if (!series) {
 #pragma unroll
       for (int k = 0; k < N; ++k) {
         const float ph = __fmul_rn(f[k], k_hi);
@@ -543,7 +544,8 @@ __device__ __forceinline__ void write_ignored(const FwdParams<label_t>& p, int64
 // the row's address, rows that are not aligned gathered element-wise (load_vec), so that a row's sums never depend on
 // where it sits in memory. Otherwise a scalar head up to the row's first 16-byte boundary (aligned rows have none).
 template <typename scalar_t, typename label_t, bool kWithT, bool kGather, bool kSoftcap = false>
-__global__ void __launch_bounds__(kThreads, kSoftcap ? kSoftcapMinBlocks : 0) fused_logp_fwd_kernel(const FwdParams<label_t> p) {
+__global__ void __launch_bounds__(kThreads, kSoftcap ? kSoftcapMinBlocks : 0)
+    fused_logp_fwd_kernel(const FwdParams<label_t> p) {
   using E = Elem<scalar_t>;
   const TransformOf<kSoftcap> xf(p.softcap_k);
   constexpr int kVec = E::kVec;
@@ -747,7 +749,8 @@ __device__ __forceinline__ float grad_elem(const BwdRow& R, float x_in, float& h
 // elements share vectors, and head / tail, exactly as in an aligned row, and the per-vector rule stays invariant.
 template <typename scalar_t, typename label_t, bool kWithEnt, bool kPerElement, bool kSoftcap = false,
           bool kGather = false>
-__global__ void __launch_bounds__(kThreads, kSoftcap ? kSoftcapMinBlocks : 0) fused_logp_bwd_kernel(const BwdParams<label_t> p) {
+__global__ void __launch_bounds__(kThreads, kSoftcap ? kSoftcapMinBlocks : 0)
+    fused_logp_bwd_kernel(const BwdParams<label_t> p) {
   using E = Elem<scalar_t>;
   const TransformOf<kSoftcap> xf(p.softcap_k);
   constexpr int kVec = E::kVec;
