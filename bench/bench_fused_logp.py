@@ -14,7 +14,8 @@ and ``--rounds R`` narrow it for a short device call. A kernel change against an
 ``default_fwd_ms`` etc.).
 
 --softcap-ab: the logit transforms' cost at N = 16384, V = 151936, bf16 and fp32: none, softcap=30.0, softcap=10.0,
-logit_scale=0.0625 (folded into the temperature: expected free), alternating rounds, medians, ratios to none and the floors.
+softcap=3.0, logit_scale=0.0625 (folded into the temperature: expected free), alternating rounds, medians, ratios to
+none and the floors.
 
 Timing: triton.testing.do_bench median; data larger than L2; fresh randn*3 bf16 logits per shape.
 Floor: fwd reads logits once; fwd+bwd reads them twice and writes the gradient once (bytes / copy bandwidth).
