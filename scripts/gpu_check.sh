@@ -13,7 +13,8 @@
 # names a subset). profile: Nsight Compute on one script (PROFILE, PROFILE_KERNELS, PROFILE_COUNT, PROFILE_SET; e.g.
 # PROFILE="bench/profile_fused_logp.py" PROFILE_KERNELS="fused_logp_(fwd|bwd)_kernel" PROFILE_COUNT=6).
 # BENCHES="bench_a bench_b" limits the bench phase to those scripts (default: every bench/bench_*.py); TEST_SUITES
-# (test folders or files), SANITIZE_SCRIPTS and STABLE_SUITES (space-separated paths) limit the test, sanitize and stable phases likewise.
+# (test folders or files), SANITIZE_SCRIPTS and STABLE_SUITES (space-separated paths) limit the test, sanitize and
+# stable phases likewise.
 # stable: installs the stable-ABI wheels built elsewhere by scripts/stable_abi_wheels.sh (carry .stable_wheels, or
 # STABLE_WHEELS=DIR) into their own site dir (/tmp/stable_site) under this machine's torch, requires the ported
 # kernels to be available from it, and runs their gpu-marked tests and sanitizer scripts against it; a later ab phase

@@ -324,7 +324,7 @@ struct Softcap {
     }
     if (!series) {
 #pragma unroll
-      for (int k = 0; k < N; ++k) {
+      for (int k = 0; k < N; ++k) {  // the argument recomputed, not kept live from the loop above (registers)
         const float ph = __fmul_rn(f[k], k_hi);
         float uh, ul;
         tanh_argument(f[k], k_hi, k_lo, ph, uh, ul);
