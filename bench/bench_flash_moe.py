@@ -95,9 +95,11 @@ def bench_mxfp8(ops, fp8_peak, bf16_peak):
 
 def bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling):
     """Each piece of moe()'s backward alone (same inputs; "recompute gate_up" only with recompute_gate_up=True),
-    beside what it replaced: grad_h by torch._grouped_mm + swiglu_backward, dx by two grouped GEMMs + the slot sum.
+    beside what it replaced: grad_h by torch._grouped_mm + swiglu_backward, dx by two grouped GEMMs + the slot sum,
+    the weight gradients by gathers + grouped GEMMs.
     TFLOP/s in each piece's own FLOPs."""
-    from prime_kernels_flash_moe.ops import _gmm
+    def _gmm(a, b, offs):
+        return torch._grouped_mm(a, b, offs=offs)
 
     x, w1, w2, w3, ids, tw = problem(T, E, k, dim, hidden)
     go = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
@@ -106,6 +108,7 @@ def bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling):
     order = torch.sort(ids.reshape(-1).long(), stable=True).indices
     offs = torch.cumsum(torch.bincount(ids.reshape(-1).long(), minlength=E), 0).to(torch.int32)
     tok = order // k
+    row_token = tok.to(torch.int32)
     with torch.no_grad():
         gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, k, ops.BLOCK_M)
         dg, du, ph, _ = torch.ops.flash_moe.moe_grad_gate_up(go, w2, gate_up, *align, tw, k, ops.BLOCK_M)
@@ -125,6 +128,9 @@ def bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling):
             "dW1+dW3 (gather+2 gmm)": (lambda: (_gmm(dg.t(), x[tok], offs), _gmm(du.t(), x[tok], offs)), 2),
             "dW1|dW3 (cat+gather+gmm)": (lambda: _gmm(torch.cat([dg, du], 1).t(), x[tok], offs), 2),
             "dW2 (gather+gmm)": (lambda: _gmm(go[tok].t(), ph, offs), 1),
+            "dW1+dW3 (fused)": (lambda: (torch.ops.flash_moe.moe_grad_weight(dg, x, row_token, offs, False),
+                                         torch.ops.flash_moe.moe_grad_weight(du, x, row_token, offs, False)), 2),
+            "dW2 (fused)": (lambda: torch.ops.flash_moe.moe_grad_weight(ph, go, row_token, offs, True), 1),
         }
         for part, (fn, units) in parts.items():
             ms = do_bench(fn)

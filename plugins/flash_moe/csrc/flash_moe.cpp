@@ -440,6 +440,38 @@ at::Tensor moe_grad_x_cpu(const at::Tensor& grad_gate, const at::Tensor& grad_up
   return per_slot.view({s.M, s.top_k, s.dim}).sum(1).to(at::kBFloat16);
 }
 
+// The reference: per expert, its rows and their gathered source rows in fp32, one product, rounded once.
+at::Tensor moe_grad_weight_cpu(const at::Tensor& rows, const at::Tensor& source, const at::Tensor& row_token,
+                               const at::Tensor& expert_ends, bool source_major, bool fp32) {
+  const char* op = "moe_grad_weight";
+  const GradWeightShape s = check_grad_weight_args(rows, source, row_token, expert_ends);
+  TORCH_CHECK(rows.device().is_cpu(), op, " (CPU): rows must be a CPU tensor, got ", rows.device());
+  auto out = at::zeros(source_major ? at::IntArrayRef{s.E, s.K, s.N} : at::IntArrayRef{s.E, s.N, s.K},
+                       rows.options().dtype(at::kFloat));
+  const auto ends = expert_ends.contiguous();
+  const auto tokens = row_token.to(at::kLong);
+  const int* end_of = ends.const_data_ptr<int>();
+  int64_t first = 0;
+  for (int64_t e = 0; e < s.E; ++e) {
+    const int64_t end = end_of[e];
+    TORCH_CHECK(end >= first && end <= s.S, op, ": expert_ends must be non-decreasing within [0, S=", s.S,
+                "], got expert_ends[", e, "]=", end, " after ", first);
+    const int64_t n = end - first;
+    if (n == 0) continue;
+    const auto tok = tokens.narrow(0, first, n);
+    const auto bad = tok.lt(-1).logical_or_(tok.ge(s.T));
+    TORCH_CHECK(!bad.any().item<bool>(), op, ": row_token must hold source rows in [0, T=", s.T,
+                ") or -1 (no source row), got ", tok.masked_select(bad)[0].item<int64_t>());
+    const auto valid = tok.ge(0).unsqueeze(1);
+    // selected, not multiplied: a -1 row contributes zeros even where source holds NaN or inf
+    const auto src = at::where(valid, source.index_select(0, tok.clamp_min(0)).to(at::kFloat), 0.f);
+    const auto r = rows.narrow(0, first, n).to(at::kFloat);
+    out[e].copy_(source_major ? src.t().mm(r) : r.t().mm(src));
+    first = end;
+  }
+  return fp32 ? out : out.to(at::kBFloat16);
+}
+
 }  // namespace
 }  // namespace flash_moe
 
@@ -461,6 +493,8 @@ TORCH_LIBRARY(flash_moe, m) {
         "Tensor grad_up, Tensor weighted_h, Tensor grad_topk_weights)");
   m.def("moe_grad_x(Tensor grad_gate, Tensor grad_up, Tensor w1, Tensor w3, Tensor sorted_token_ids, "
         "Tensor expert_ids, Tensor num_tokens_post_padded, int top_k, int block_m, bool deterministic) -> Tensor");
+  m.def("moe_grad_weight(Tensor rows, Tensor source, Tensor row_token, Tensor expert_ends, bool source_major, "
+        "bool fp32=False) -> Tensor");
   m.def("quantize_mxfp8(Tensor t, int block) -> (Tensor data, Tensor scales)");
   m.def("share_exponents_mxfp8(Tensor data, Tensor scales) -> (Tensor data, Tensor scales)");
   m.def("fused_moe_mxfp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tensor w2, Tensor w2_scales, "
@@ -479,6 +513,7 @@ TORCH_LIBRARY_IMPL(flash_moe, CPU, m) {
   m.impl("swiglu_backward", &flash_moe::swiglu_backward_cpu);
   m.impl("moe_grad_gate_up", &flash_moe::moe_grad_gate_up_cpu);
   m.impl("moe_grad_x", &flash_moe::moe_grad_x_cpu);
+  m.impl("moe_grad_weight", &flash_moe::moe_grad_weight_cpu);
   m.impl("quantize_mxfp8", &flash_moe::quantize_mxfp8_cpu);
   m.impl("share_exponents_mxfp8", &flash_moe::share_exponents_mxfp8_cpu);
   m.impl("fused_moe_mxfp8", &flash_moe::fused_moe_mxfp8_cpu);

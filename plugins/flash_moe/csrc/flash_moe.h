@@ -320,6 +320,41 @@ inline MoeShape check_grad_x_args(const char* op, const at::Tensor& grad_gate, c
                         block_m, "w1/w3");
 }
 
+// moe_grad_weight: rows (S, N) bf16 (a per-slot tensor in the alignment's compact, expert-sorted order: dg, du or
+// p h), source (T, K) bf16 (a per-token tensor: x or grad_out), row_token (S,) int32 (the source row of each slot
+// row), expert_ends (E,) int32 (expert e owns rows [expert_ends[e - 1], expert_ends[e])), all on rows' device.
+struct GradWeightShape {
+  int64_t S, N, T, K, E;
+};
+inline GradWeightShape check_grad_weight_args(const at::Tensor& rows, const at::Tensor& source,
+                                              const at::Tensor& row_token, const at::Tensor& expert_ends) {
+  const char* op = "moe_grad_weight";
+  TORCH_CHECK(rows.scalar_type() == at::kBFloat16 && rows.dim() == 2, op,
+              ": rows must be a 2-D bfloat16 tensor (S, N), got ", rows.scalar_type(), " of shape ", rows.sizes());
+  TORCH_CHECK(source.scalar_type() == at::kBFloat16 && source.dim() == 2, op,
+              ": source must be a 2-D bfloat16 tensor (T, K), got ", source.scalar_type(), " of shape ",
+              source.sizes());
+  GradWeightShape s{rows.size(0), rows.size(1), source.size(0), source.size(1), expert_ends.numel()};
+  // whole 16-byte units per row: the kernel copies rows in 16-byte pieces
+  TORCH_CHECK(s.N % 8 == 0 && s.K % 8 == 0, op, ": rows' and source's widths must be multiples of 8, got N=", s.N,
+              ", K=", s.K);
+  TORCH_CHECK(s.S <= kInt32Max && s.T <= kInt32Max && s.N <= kInt32Max && s.K <= kInt32Max, op,
+              ": rows and source must have fewer than 2^31 rows and columns, got ", rows.sizes(), " and ",
+              source.sizes());
+  TORCH_CHECK(row_token.scalar_type() == at::kInt && row_token.dim() == 1 && row_token.size(0) == s.S, op,
+              ": row_token must be a 1-D int32 tensor of S=", s.S, " entries (rows' first dimension), got ",
+              row_token.scalar_type(), " of shape ", row_token.sizes());
+  TORCH_CHECK(expert_ends.scalar_type() == at::kInt && expert_ends.dim() == 1 && s.E >= 1, op,
+              ": expert_ends must be a 1-D int32 tensor with one entry per expert, got ", expert_ends.scalar_type(),
+              " of shape ", expert_ends.sizes());
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"source", &source}, {"row_token", &row_token},
+                         {"expert_ends", &expert_ends}}) {
+    TORCH_CHECK(t->device() == rows.device(), op, ": ", name, " must be on rows' device ", rows.device(), ", got ",
+                t->device());
+  }
+  return s;
+}
+
 // swiglu_backward: gate_up (S, 2 hidden) bf16, grad_h (S, hidden) bf16, row_weights (S) float32, valid (S) bool, all
 // on one device; returns hidden.
 inline int64_t check_swiglu_backward_args(const at::Tensor& gate_up, const at::Tensor& grad_h,

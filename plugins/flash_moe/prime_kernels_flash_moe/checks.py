@@ -288,3 +288,26 @@ def check_grad_x_args(op, grad_gate, grad_up, w1, w3, sorted_token_ids, expert_i
     x = grad_gate.new_empty(1, 1).expand(grad_gate.shape[0] // top_k, w1.shape[2])
     return check_moe_args(op, x, w1, w3, None, sorted_token_ids, expert_ids, num_tokens_post_padded, None, top_k,
                           block_m, "w1/w3", constants)
+
+
+def check_grad_weight_args(rows, source, row_token, expert_ends):
+    """check_grad_weight_args: returns (S, N, T, K, E)."""
+    op = "moe_grad_weight"
+    require(rows.dtype == torch.bfloat16 and rows.dim() == 2,
+            f"{op}: rows must be a 2-D bfloat16 tensor (S, N), got {_name(rows.dtype)} of shape {_shape(rows)}")
+    require(source.dtype == torch.bfloat16 and source.dim() == 2,
+            f"{op}: source must be a 2-D bfloat16 tensor (T, K), got {_name(source.dtype)} of shape {_shape(source)}")
+    (S, N), (T, K), E = rows.shape, source.shape, expert_ends.numel()
+    require(N % 8 == 0 and K % 8 == 0, f"{op}: rows' and source's widths must be multiples of 8, got N={N}, K={K}")
+    require(S <= _INT32_MAX and T <= _INT32_MAX and N <= _INT32_MAX and K <= _INT32_MAX,
+            f"{op}: rows and source must have fewer than 2^31 rows and columns, got {_shape(rows)} and "
+            f"{_shape(source)}")
+    require(row_token.dtype == torch.int32 and row_token.dim() == 1 and row_token.shape[0] == S,
+            f"{op}: row_token must be a 1-D int32 tensor of S={S} entries (rows' first dimension), got "
+            f"{_name(row_token.dtype)} of shape {_shape(row_token)}")
+    require(expert_ends.dtype == torch.int32 and expert_ends.dim() == 1 and E >= 1,
+            f"{op}: expert_ends must be a 1-D int32 tensor with one entry per expert, got "
+            f"{_name(expert_ends.dtype)} of shape {_shape(expert_ends)}")
+    for name, t in (("source", source), ("row_token", row_token), ("expert_ends", expert_ends)):
+        require(t.device == rows.device, f"{op}: {name} must be on rows' device {rows.device}, got {t.device}")
+    return S, N, T, K, E

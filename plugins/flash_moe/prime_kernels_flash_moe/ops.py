@@ -137,6 +137,12 @@ def _(grad_gate, grad_up, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_
     return grad_gate.new_empty((M, dim))
 
 
+@torch.library.register_fake("flash_moe::moe_grad_weight")
+def _(rows, source, row_token, expert_ends, source_major, fp32=False):
+    _, N, _, K, E = checks.check_grad_weight_args(rows, source, row_token, expert_ends)
+    return rows.new_empty((E, K, N) if source_major else (E, N, K), dtype=torch.float32 if fp32 else rows.dtype)
+
+
 @torch.library.register_fake("flash_moe::quantize_mxfp8")
 def _(t, block):
     checks.check_quantize_args(t, block)
@@ -409,11 +415,7 @@ def _cached_quantized_weights(w1, w2, w3):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# moe(): forward through the fused kernels, backward in closed form with grouped GEMMs
-def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    return torch._grouped_mm(a, b, offs=offs)
-
-
+# moe(): forward through the fused kernels, backward in closed form through the backward's kernels
 class _FirstOrderOnly(torch.autograd.Function):
     """Passes moe's gradients through unchanged and raises if they are differentiated: the closed-form backward is
     first-order only. Anchored on the tensors the gradients depend on (``anchors``), so the error comes from the
@@ -472,7 +474,8 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     Per routed slot s (token t, expert e, weight p): g | u = x_t [W1; W3]^T recomputed by the fused gate/up kernel
     (``moe_gate_up``) unless the forward kept it (``gate_up``); ``moe_grad_gate_up`` (one GEMM kernel on CUDA) forms
     grad_h = grad_out_t W2[e] (unweighted, fp32, never stored) and from it dg, du, p h and dL/dp = grad_h . h; the
-    weight gradients are grouped GEMMs over the slots sorted by expert; ``moe_grad_x`` (one GEMM kernel on CUDA)
+    weight gradients are per-expert GEMMs over the slots sorted by expert with x / grad_out gathered by token
+    (``moe_grad_weight``: one kernel each, fp32 accumulation in slot order); ``moe_grad_x`` (one GEMM kernel on CUDA)
     gives dx = sum over a token's slots of dg W1[e] + du W3[e] in fp32: in k order when ``deterministic`` (bitwise
     reproducible), else with fp32 atomics on CUDA. When w2's gradient alone is needed, the grad_h GEMM is skipped
     (``swiglu_backward`` on zeros gives p h).
@@ -504,14 +507,16 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     else:  # w2's gradient alone takes only p h, which swiglu_backward computes without reading grad_h
         _, _, weighted_h, _ = torch.ops.flash_moe.swiglu_backward(gate_up, go.new_zeros(S, w2.shape[2]),
                                                                   tw.reshape(-1)[order], ok)
+    # the weight gradients: per expert, its rows of dg / du / p h against x / grad_out gathered by token (inside the
+    # kernel on CUDA: no S x dim copy of either exists)
+    row_token = torch.where(ok, tok, -1).to(torch.int32)
     if need_w2:
-        grad_w2 = _gmm(go[tok].t(), weighted_h, offs)
-    del weighted_h  # S x hidden: freed before the x gather and the dW1 / dW3 outputs are allocated
-    if need_w1 or need_w3:
-        xs = x[tok]
-        grad_w1 = _gmm(grad_gate.t(), xs, offs) if need_w1 else None
-        grad_w3 = _gmm(grad_up.t(), xs, offs) if need_w3 else None
-        del xs
+        grad_w2 = torch.ops.flash_moe.moe_grad_weight(weighted_h, go, row_token, offs, True)
+    del weighted_h  # S x hidden: freed before the dW1 / dW3 outputs are allocated
+    if need_w1:
+        grad_w1 = torch.ops.flash_moe.moe_grad_weight(grad_gate, x, row_token, offs, False)
+    if need_w3:
+        grad_w3 = torch.ops.flash_moe.moe_grad_weight(grad_up, x, row_token, offs, False)
     if need_x:
         grad_x = torch.ops.flash_moe.moe_grad_x(grad_gate, grad_up, w1, w3, *align, top_k, BLOCK_M, deterministic)
     return grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw
@@ -605,8 +610,8 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, t
     are read in place, never concatenated).
     Backward: closed form: the gate/up projections g | u saved by the forward (or recomputed: below), the
     grad_h = grad_out W2 with the SwiGLU derivative and d topk_weights in its epilogue (``moe_grad_gate_up``), dx in one
-    GEMM summed over each token's slots (``moe_grad_x``), the weight gradients with ``torch._grouped_mm``; gradients
-    only for the inputs that need them.
+    GEMM summed over each token's slots (``moe_grad_x``), the weight gradients per expert with the gathers inside
+    (``moe_grad_weight``); gradients only for the inputs that need them.
     ``deterministic=True``: fixed-order combines (forward output, dx: a token's slots in k order): bitwise
     reproducible end to end; False: on CUDA the forward combine and dx's sum use fp32 atomics (not bitwise
     reproducible; the other gradients are).

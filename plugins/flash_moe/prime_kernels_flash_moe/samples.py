@@ -56,6 +56,7 @@ def op_samples(kernel, device):
         *grad_gate_up_samples(ops, x, w1, w2, w3, tw, (sorted_ids, eids, ntpp), 2),
         *grad_gate_up_samples(ops, x1, w11, w21, w31, tw1, (s1, e1, n1), 1),
         *swiglu_backward_samples(device),
+        *grad_weight_samples(device),
         *mxfp8_samples(ops, device),
     ]
 
@@ -68,6 +69,18 @@ def grad_gate_up_samples(ops, x, w1, w2, w3, tw, align, top_k):
     return [("moe_grad_gate_up", (grad_out, w2, gate_up, *align, tw, top_k, ops.BLOCK_M), {}),
             ("moe_grad_x", (dg, du, w1, w3, *align, top_k, ops.BLOCK_M, False), {}),
             ("moe_grad_x", (dg, du, w1, w3, *align, top_k, ops.BLOCK_M, True), {})]
+
+
+def grad_weight_samples(device, rows=21, tokens=9, width=64):
+    """The weight-gradient op: both orientations, an expert without rows, a -1 token, fp32 output."""
+    g = torch.Generator().manual_seed(9)
+    r = torch.randn(rows, width, generator=g).to(torch.bfloat16).to(device)
+    source = torch.randn(tokens, 2 * width, generator=g).to(torch.bfloat16).to(device)
+    row_token = torch.randint(0, tokens, (rows,), generator=g, dtype=torch.int32)
+    row_token[3] = -1
+    ends = torch.tensor([6, 6, 19], dtype=torch.int32)
+    args = (r, source, row_token.to(device), ends.to(device))
+    return [("moe_grad_weight", (*args, False), {}), ("moe_grad_weight", (*args, True, True), {})]
 
 
 def swiglu_backward_samples(device, rows=7, hidden=64):

@@ -1,5 +1,5 @@
 """Small-shape CUDA run of every flash_moe kernel (moe_align count/scan/scatter, gate/up (also keeping g | u), down with
-atomics, down per slot (persistent), the backward's dH + SwiGLU-derivative and dX kernels; mxfp8: quantize, gate/up with re-quantization, down with atomics / per slot) for compute-sanitizer (memcheck, racecheck, synccheck). Exits 1 on a mismatch with the CPU implementation.
+atomics, down per slot (persistent), the backward's dH + SwiGLU-derivative, dX and dW kernels; mxfp8: quantize, gate/up with re-quantization, down with atomics / per slot) for compute-sanitizer (memcheck, racecheck, synccheck). Exits 1 on a mismatch with the CPU implementation.
 
     compute-sanitizer --tool memcheck python plugins/flash_moe/tests/sanitize_flash_moe.py
 """
@@ -50,6 +50,16 @@ for T, dim, hidden, E, k in [(1, 64, 64, 2, 1), (37, 320, 192, 5, 2), (130, 256,
         got_dx = torch.ops.flash_moe.moe_grad_x(*got_grads[:2], cu[1], cu[3], *got_align, k, ops.BLOCK_M, det)
         if not torch.allclose(got_dx.cpu().float(), want_dx, rtol=3e-2, atol=3e-2):
             sys.exit(f"moe_grad_x(deterministic={det}) mismatch for {(T, dim, hidden, E, k)}")
+    # the backward's dW kernel (persistent; each expert's compact rows, source rows gathered by token): dW1 and dW2
+    key = torch.where(ids.reshape(-1) >= 0, ids.reshape(-1).long(), E)
+    order = torch.sort(key, stable=True).indices
+    row_token = torch.where(key[order] < E, order // k, -1).to(torch.int32)
+    ends = torch.bincount(key, minlength=E + 1)[:E].cumsum(0).to(torch.int32)
+    for rows, source, source_major in ((got_grads[0], x, False), (got_grads[2], grad_out, True)):
+        want_w = torch.ops.flash_moe.moe_grad_weight(rows.cpu(), source, row_token, ends, source_major).float()
+        got_w = torch.ops.flash_moe.moe_grad_weight(rows, source.cuda(), row_token.cuda(), ends.cuda(), source_major)
+        if not torch.allclose(got_w.cpu().float(), want_w, rtol=3e-2, atol=3e-2):
+            sys.exit(f"moe_grad_weight(source_major={source_major}) mismatch for {(T, dim, hidden, E, k)}")
     out = torch.empty_like(cu[0])
     ops.fused_moe_bf16(cu[0], torch.cat([cu[1], cu[3]], 1), cu[2], *got_align, cu[5], out, k)
     if not torch.allclose(out.cpu().float(), want, rtol=3e-2, atol=3e-2):

@@ -383,7 +383,7 @@ GRADIENT_INPUTS = ("x", "w1", "w2", "w3", "topk_weights")
                                            (("x", "w2", "topk_weights"), 1), (GRADIENT_INPUTS, 3)])
 @pytest.mark.parametrize("recompute", [False, True])
 def test_backward_runs_only_what_the_needed_gradients_take(needed, gemms, recompute):
-    """Grouped GEMMs: one each for dW2, dW1, dW3; dx in one moe_grad_x; g | u from the forward (default) or its
+    """moe_grad_weight: one each for dW2, dW1, dW3 (no grouped GEMM is left); dx in one moe_grad_x; g | u from the forward (default) or its
     recomputation once, and grad_h with the SwiGLU derivative in one moe_grad_gate_up unless w2's gradient alone is
     needed (then swiglu_backward gives p h). ("x", "w2", "topk_weights"): frozen w1 / w3."""
     x, w1, w2, w3, ids, tw = make(32, 128, 64, 4, 2, seed=8)
@@ -394,7 +394,8 @@ def test_backward_runs_only_what_the_needed_gradients_take(needed, gemms, recomp
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(out.dtype)
     with OpCalls() as calls:
         grads = torch.autograd.grad(out, [inputs[n] for n in needed], grad_out)
-    assert calls.counts["aten::_grouped_mm"] == gemms
+    assert calls.counts["flash_moe::moe_grad_weight"] == gemms
+    assert calls.counts["aten::_grouped_mm"] == 0
     w2_alone = needed == ("w2",)
     assert calls.counts["flash_moe::moe_gate_up"] == (1 if recompute else 0)
     assert calls.counts["flash_moe::moe_grad_gate_up"] == (0 if w2_alone else 1)
@@ -572,6 +573,77 @@ def check_moe_grad_x(device, T=300, dim=256, hidden=192, E=6, top_k=2, expert_st
             row += 1
     torch.testing.assert_close(got.cpu().double(), want, rtol=2**-7, atol=2**-8 * want.abs().max().item())
     return got, (dg, du, w1, w3, sorted_ids, eids, ntpp, top_k, ops.BLOCK_M, deterministic)
+
+
+def grad_weight_problem(device, T, N, K, counts, seed, unrouted=True):
+    """moe_grad_weight's operands: rows (S, N) in expert order (counts[e] rows for expert e, then rows no expert owns),
+    source (T, K), row_token (every 5th row -1 when ``unrouted``), expert_ends."""
+    g = torch.Generator().manual_seed(seed)
+    S = sum(counts) + 3
+    rows = torch.randn(S, N, generator=g).to(torch.bfloat16)
+    source = torch.randn(T, K, generator=g).to(torch.bfloat16)
+    row_token = torch.randint(0, T, (S,), generator=g, dtype=torch.int32)
+    if unrouted:
+        row_token[::5] = -1
+    ends = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return [t.to(device) for t in (rows, source, row_token, ends)]
+
+
+def grad_weight_by_expert(rows, source, row_token, ends, source_major, dtype):
+    """Per expert: its rows against its gathered source rows (zeros for -1), as one matmul in ``dtype`` (bf16: the
+    per-expert PyTorch path; float64: the reference)."""
+    out, first = [], 0
+    for end in ends.tolist():
+        tok = row_token[first:end].long()
+        src = torch.where((tok >= 0).unsqueeze(1), source[tok.clamp_min(0)], 0).to(dtype)
+        r = rows[first:end].to(dtype)
+        out.append(src.t() @ r if source_major else r.t() @ src)
+        first = end
+    return torch.stack(out)
+
+
+def check_moe_grad_weight(device, T=300, N=192, K=256, counts=(100, 0, 37, 163), source_major=False, fp32=False,
+                          seed=20, unrouted=True):
+    """moe_grad_weight within 1.5x the per-expert bf16 path's error against float64 (fp32: the fp32 result against
+    float64 directly); an expert without rows gets zeros; the same bits on a second run."""
+    args = grad_weight_problem(device, T, N, K, counts, seed, unrouted)
+    got = torch.ops.flash_moe.moe_grad_weight(*args, source_major, fp32)
+    E = len(counts)
+    assert got.dtype == (torch.float32 if fp32 else torch.bfloat16)
+    assert got.shape == ((E, K, N) if source_major else (E, N, K))
+    want = grad_weight_by_expert(*(a.cpu() for a in args), source_major, torch.float64)
+    if fp32:  # one fp32 sum per element: relative to the largest term's scale
+        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    else:
+        base = grad_weight_by_expert(*args, source_major, torch.bfloat16)
+        assert_error_ratio(f"moe_grad_weight {tuple(counts)} source_major={source_major}", got, base,
+                           want.to(device), MAX_RATIO)
+    for e in range(E):
+        if counts[e] == 0:
+            assert not got[e].any(), f"expert {e} has no rows: its gradient must be zero"
+    assert torch.equal(got, torch.ops.flash_moe.moe_grad_weight(*args, source_major, fp32))
+    return got, args
+
+
+@cpu
+@pytest.mark.parametrize("source_major", [False, True])
+@pytest.mark.parametrize("fp32", [False, True])
+def test_cpu_moe_grad_weight_matches_reference(source_major, fp32):
+    check_moe_grad_weight("cpu", source_major=source_major, fp32=fp32)
+    check_moe_grad_weight("cpu", T=1, counts=(0, 1), source_major=source_major, fp32=fp32, unrouted=False)  # M = 1
+    check_moe_grad_weight("cpu", counts=(0, 300, 0), source_major=source_major, fp32=fp32, unrouted=False)
+
+
+@cpu
+def test_cpu_moe_grad_weight_rejects_bad_routing_values():
+    rows, source, row_token, ends = grad_weight_problem("cpu", 50, 64, 64, (20, 30), seed=21)
+    with pytest.raises(RuntimeError, match=r"expert_ends must be non-decreasing within \[0, S=53\], got "
+                                           r"expert_ends\[1\]=10 after 20"):
+        torch.ops.flash_moe.moe_grad_weight(rows, source, row_token, torch.tensor([20, 10], dtype=torch.int32), False)
+    bad = row_token.clone()
+    bad[7] = 50
+    with pytest.raises(RuntimeError, match=r"row_token must hold source rows in \[0, T=50\) or -1 .*got 50"):
+        torch.ops.flash_moe.moe_grad_weight(rows, source, bad, ends, False)
 
 
 @cpu
@@ -755,6 +827,46 @@ def test_cuda_moe_grad_x_matches_reference(case):
     assert torch.equal(got, torch.ops.flash_moe.moe_grad_x(*args))
     atomic, _ = check_moe_grad_x("cuda", deterministic=False, **case)
     torch.testing.assert_close(atomic.float(), got.float(), rtol=2**-6, atol=2**-7 * got.float().abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+@pytest.mark.parametrize("source_major", [False, True])
+@pytest.mark.parametrize("case", [
+    dict(),  # partial K steps (37, 100, 163 rows), an expert without rows, -1 tokens, a partial column tile
+    dict(T=1, counts=(0, 1), unrouted=False),  # M = 1
+    dict(counts=(0, 300, 0), unrouted=False),  # one expert takes every row
+    dict(T=200, N=200, K=136, counts=(64, 128, 1, 65)),  # widths not whole 64-column atoms; whole K steps
+    dict(T=2000, N=768, K=2048, counts=(1000, 1100, 900, 1056)),  # several M and N tiles, K steps > ring stages
+    dict(T=400, N=512, K=512, counts=tuple(range(0, 400, 13)), fp32=True),  # 31 experts, fp32 output
+])
+def test_cuda_moe_grad_weight_matches_reference(source_major, case):
+    """The dW kernel (persistent; TMA for whole K steps of the slot rows, cp.async with zero fill for an expert's
+    last partial step, the source rows gathered by cp.async): against float64, the same bits on a second run, close to
+    the CPU op."""
+    got, args = check_moe_grad_weight("cuda", source_major=source_major, **case)
+    fp32 = case.get("fp32", False)
+    want = torch.ops.flash_moe.moe_grad_weight(*(a.cpu() for a in args), source_major, fp32)
+    torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+def test_cuda_moe_grad_weight_reads_no_row_of_the_next_expert():
+    """Expert 0's last K step is partial (37 rows): the rows after it (expert 1's) hold inf and NaN, and expert 0's
+    gradient must not see them (a TMA box of 64 rows would: 0 x inf = NaN). Also through a strided view of rows."""
+    rows, source, row_token, ends = grad_weight_problem("cuda", 300, 192, 256, (37, 100), seed=22, unrouted=False)
+    wide = torch.zeros(rows.shape[0], 256, dtype=rows.dtype, device="cuda")
+    wide[:, :192] = rows
+    wide[37:, :192:2] = float("inf")
+    wide[37:, 1:192:2] = float("nan")
+    rows = wide[:, :192]  # row stride 256: read in place
+    for source_major in (False, True):
+        got = torch.ops.flash_moe.moe_grad_weight(rows, source, row_token, ends, source_major)
+        want = grad_weight_by_expert(rows.cpu()[:37], source.cpu(), row_token.cpu()[:37], ends.cpu()[:1],
+                                     source_major, torch.float64)[0]
+        assert torch.isfinite(got[0]).all()
+        torch.testing.assert_close(got[0].cpu().double(), want, rtol=2**-7, atol=1e-3)
 
 
 @pytest.mark.gpu

@@ -48,6 +48,9 @@ def raw_op_calls():
         ("swiglu_backward", f.swiglu_backward,
          [gate_up, torch.randn(M * TOP_K, HIDDEN).to(torch.bfloat16), tw.reshape(-1),
           torch.ones(M * TOP_K, dtype=torch.bool)]),
+        ("moe_grad_weight", f.moe_grad_weight,
+         [gate_up[:, :HIDDEN], x, torch.arange(M * TOP_K, dtype=torch.int32) // TOP_K,
+          torch.tensor([5, 5, 20, M * TOP_K], dtype=torch.int32), False]),
         ("share_exponents_mxfp8", f.share_exponents_mxfp8, [q, s]),
         ("fused_moe_mxfp8", f.fused_moe_mxfp8, [*mx, *align, tw, out, TOP_K, ops.BLOCK_M, 64, 4, 4, 1, True]),
         ("moe_forward_mxfp8", f.moe_forward_mxfp8, [*mx, *align, tw, TOP_K, ops.BLOCK_M, False]),
@@ -121,6 +124,9 @@ def fake_agrees_with_op(op, args):
     ("moe_forward", lambda a: a.__setitem__(4, a[4][:-1])),  # sorted_token_ids length
     ("moe_gate_up", lambda a: a.__setitem__(2, a[2][:, :64])),  # w3 shape
     ("swiglu_backward", lambda a: a.__setitem__(3, a[3].int())),  # valid dtype
+    ("moe_grad_weight", lambda a: a.__setitem__(2, a[2].long())),  # row_token dtype
+    ("moe_grad_weight", lambda a: a.__setitem__(1, a[1][:, :60])),  # source width
+    ("moe_grad_weight", lambda a: a.__setitem__(3, a[3][:0])),  # no experts
     ("share_exponents_mxfp8", lambda a: a.__setitem__(1, a[1][:, :2])),  # scales shape
     ("fused_moe_mxfp8", lambda a: a.__setitem__(1, a[1][:, :2])),  # x_scales shape
     ("moe_forward_mxfp8", lambda a: a.__setitem__(3, a[3].view(torch.uint8)[..., :2])),  # w_scales shape

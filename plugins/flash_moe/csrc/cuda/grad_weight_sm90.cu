@@ -1,0 +1,323 @@
+// flash_moe on CUDA sm_90a: the backward's weight gradients (moe_grad_weight; docs/notes/flash_moe.md).
+//
+// out[e] = sum over expert e's slots r of rows[r]^T source[token of r] (or its transpose, source_major): dW1 / dW3
+// from dg / du and x, dW2 from p h and grad_out. The K of these GEMMs is the expert's slots (varlen: the rows
+// [expert_ends[e - 1], expert_ends[e]) of the compact, expert-sorted per-slot tensors the dH kernel writes), so both
+// operands are slot rows with their features contiguous: wgmma reads both MN-major (imm-trans-a = imm-trans-b = 1).
+// Persistent CTAs of 384 threads (one per SM) claim tiles of 128 M x 256 N of one expert:
+//   warpgroup 0  producer: the per-token operand's rows are gathered by cp.async (16-byte chunks, a whole 128- or
+//                256-column piece of one source row per 8 or 16 lanes, zero-filled past the expert's slots or for an
+//                invalid token), so no gathered copy of x or grad_out exists; the per-slot operand comes by TMA
+//                (boxes of BLOCK_K slot rows x 64 columns) except in an expert's last, partial K step, where it is
+//                copied by cp.async with the rows past the expert zero-filled (a TMA box would read the next expert's
+//                rows, and 0 x inf there would be NaN).
+//   warpgroups 1-2  consumers, 64 M rows each: wgmma.m64n256k16 bf16 -> fp32, fp32 results stored once per tile
+//                (bf16 or fp32). An expert without slots gets zeros.
+// Deterministic: each output element is one fp32 sum in slot order.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "../flash_moe.h"
+#include "sm90_common.cuh"
+
+#ifndef FLASH_MOE_BLOCK_K
+#error "FLASH_MOE_BLOCK_K must come from kernel.toml ([flash_moe.constants])"
+#endif
+#ifndef FLASH_MOE_STAGES
+#error "FLASH_MOE_STAGES must come from kernel.toml ([flash_moe.constants])"
+#endif
+
+namespace flash_moe {
+namespace sm90 {
+namespace grad_weight {
+
+constexpr int BM = FLASH_MOE_BLOCK_M;  // M rows per tile: two consumer warpgroups of wgmma m64
+constexpr int BN = 256;                // wgmma N
+constexpr int BK = FLASH_MOE_BLOCK_K;  // slots per pipeline stage
+constexpr int STAGES = FLASH_MOE_STAGES;
+static_assert(BM == 128 && BK == 64, "BLOCK_M must be 128 and BLOCK_K 64 (64-row MN-major swizzle atoms)");
+constexpr int ATOM = 64;                   // MN columns per 128-byte swizzle row (and per TMA box)
+constexpr int ATOM_BYTES = BK * 128;       // one atom: BK slot rows of 128 bytes
+constexpr int A_BYTES = BM * BK * 2;
+constexpr int B_BYTES = BN * BK * 2;
+constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int CONSUMER_WARPS = 8;
+constexpr int NUM_THREADS = 384;
+constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + (2 * STAGES + 4) * 8 /* mbarriers */ +
+                           2 * 4 /* tile numbers */;
+
+struct Params {
+  CUtensorMap tm_rows;  // the per-slot operand [S, row_cols]: boxes of BK rows x ATOM columns
+  const __nv_bfloat16* rows;
+  int64_t ld_rows;
+  int row_cols;
+  const __nv_bfloat16* source;  // the per-token operand [tokens, source_cols]
+  int64_t ld_source;
+  int source_cols;
+  int tokens;
+  const int* row_token;    // [S]: the source row of each slot row
+  const int* expert_ends;  // [E]: expert e owns rows [ends[e - 1], ends[e])
+  int num_rows;            // S
+  void* out;               // [E, m_total, n_total], bf16 or fp32
+  int m_total, n_total, m_tiles;
+  // launch_rastered's: the raster runs over blocks = E x m_tiles (expert-major) x n_tiles
+  int n_tiles, blocks, ctas;
+  int* tile_counter;
+};
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Slot rows [0, BK) of one operand's stage tile, W columns from col0 (W / ATOM atoms of BK rows x 128 bytes, 128B
+// swizzle: what a TMA box of ATOM columns writes), by the 128 producer threads: W / 8 consecutive lanes copy one row's
+// W columns (whole 32-byte sectors per instruction). Tile row r is row row_of(r) of `src` (row stride ld), -1 for
+// zeros; columns past n_cols are zeros. The row numbers are all read before the first copy: their loads overlap.
+template <int W, class RowOf>
+__device__ __forceinline__ void copy_rows_mn(uint32_t tile, int tid, const __nv_bfloat16* src, int64_t ld, int col0,
+                                             int n_cols, RowOf row_of) {
+  constexpr int kChunks = W / 8;  // 16-byte chunks per row
+  constexpr int kRowsPerPass = 128 / kChunks;
+  constexpr int kPasses = BK / kRowsPerPass;
+  const int j = tid % kChunks, r0 = tid / kChunks;
+  const int col = col0 + 8 * j;
+  const uint32_t dst = tile + (j / 8) * ATOM_BYTES;
+  int row[kPasses];
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) row[i] = row_of(r0 + kRowsPerPass * i);
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) {
+    const bool ok = row[i] >= 0 && col < n_cols;
+    cp_async_16(dst + swz(r0 + kRowsPerPass * i, j % 8), ok ? src + row[i] * ld + col : src, ok ? 16u : 0u);
+  }
+}
+#endif
+
+// kSourceA: A = the gathered source (M = its columns), B = the slot rows (N = their columns): out[e] = source^T rows.
+// Else A = the slot rows, B = the gathered source: out[e] = rows^T source.
+template <bool kSourceA, bool kFp32Out>
+__global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __grid_constant__ Params p) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  const uint32_t tiles = static_cast<uint32_t>(p.blocks) * p.n_tiles;
+  if (blockIdx.x >= tiles) return;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  uint8_t* const gbase = smem_raw + (base - raw);
+  const uint32_t bars = base + STAGES * STAGE_BYTES;
+  auto full_bar = [&](int s) { return bars + 8u * s; };
+  auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
+  auto tile_free_bar = [&](int b) { return bars + 8u * (2 * STAGES + b); };
+  auto tile_ready_bar = [&](int b) { return bars + 8u * (2 * STAGES + 2 + b); };
+  int* const tile_of = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + (2 * STAGES + 4) * 8);
+  if (threadIdx.x == 0) {
+    init_ring<STAGES>(bars, CONSUMER_WARPS);
+    for (int b = 0; b < 2; ++b) {
+      mbar_init(tile_free_bar(b), CONSUMER_WARPS);  // each consumer warp has read the tile number
+      mbar_init(tile_ready_bar(b), 1);              // producer thread 0 wrote it
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  // tile t: aligned "block" (expert, M tile) and N tile by the raster; the expert's slot rows and K steps
+  auto decode = [&](int t, int& expert, int& m_tile, int& n_tile, int& first, int& count) {
+    int block;
+    raster(t, p.n_tiles, p.blocks, block, n_tile);
+    expert = block / p.m_tiles;
+    m_tile = block - expert * p.m_tiles;
+    // clamped into [0, S], never decreasing: the CPU op raises on such ends, the kernel reads no row outside
+    const int end = min(max(__ldg(p.expert_ends + expert), 0), p.num_rows);
+    first = expert > 0 ? min(max(__ldg(p.expert_ends + expert - 1), 0), end) : 0;
+    count = end - first;
+  };
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {  // ------------------------------- producer -------------------------------
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
+    const int tid = threadIdx.x;
+    uint32_t ks = 0;  // k steps issued over all earlier tiles, modulo 2 STAGES (the ring runs on across tiles)
+    for (int i = 0;; ++i) {
+      const int buf = i & 1;
+      if (i >= 2) mbar_wait(tile_free_bar(buf), ((i - 2) / 2) & 1);
+      if (tid == 0) {  // the CTA's first tile is blockIdx.x, the next ones are claimed in raster order
+        const uint32_t cand = i == 0 ? blockIdx.x : p.ctas + atomicAdd(p.tile_counter, 1);
+        tile_of[buf] = cand < tiles ? static_cast<int>(cand) : -1;
+        mbar_arrive(tile_ready_bar(buf));
+      }
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");  // the producer warps only
+      const int t = tile_of[buf];
+      if (t < 0) break;
+      int expert, m_tile, n_tile, first, count;
+      decode(t, expert, m_tile, n_tile, first, count);
+      const int k_steps = (count + BK - 1) / BK;
+      const int m0 = m_tile * BM, n0 = n_tile * BN;
+      for (int kt = 0; kt < k_steps; ++kt) {
+        const uint32_t k = ks + kt;
+        const int stage = acquire_stage<STAGES>(bars, k);
+        const uint32_t st = base + stage * STAGE_BYTES;
+        const int row0 = first + kt * BK, valid = min(BK, count - kt * BK);
+        const uint32_t rows_tile = kSourceA ? st + A_BYTES : st, source_tile = kSourceA ? st : st + A_BYTES;
+        constexpr int kRowsW = kSourceA ? BN : BM, kSourceW = kSourceA ? BM : BN;
+        const int rows_col0 = kSourceA ? n0 : m0, source_col0 = kSourceA ? m0 : n0;
+        if (valid == BK) {  // a whole K step: the slot rows by TMA
+          if (tid == 0) {
+            mbar_expect_tx(full_bar(stage), kRowsW * BK * 2);
+#pragma unroll
+            for (int q = 0; q < kRowsW / ATOM; ++q)
+              tma_load_2d(rows_tile + q * ATOM_BYTES, &p.tm_rows, full_bar(stage), rows_col0 + q * ATOM, row0);
+          }
+        } else {  // the expert's last K step: rows past it zero-filled
+          if (tid == 0) mbar_arrive(full_bar(stage));
+          copy_rows_mn<kRowsW>(rows_tile, tid, p.rows, p.ld_rows, rows_col0, p.row_cols,
+                               [&](int r) { return r < valid ? row0 + r : -1; });
+        }
+        copy_rows_mn<kSourceW>(source_tile, tid, p.source, p.ld_source, source_col0, p.source_cols, [&](int r) {
+          const int token = r < valid ? __ldg(p.row_token + row0 + r) : -1;
+          return token < p.tokens ? token : -1;  // negative: zeros
+        });
+        cp_async_mbar_arrive_noinc(full_bar(stage));  // fires when this thread's copies of the stage have landed
+      }
+      ks = (ks + k_steps) % (2 * STAGES);
+    }
+    cp_async_commit();  // the thread leaves once its last copies have landed
+    cp_async_wait<0>();
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
+
+  // ------------------------------- consumers -------------------------------
+  const int wg = warpgroup - 1;
+  const int ctid = threadIdx.x - 128 * warpgroup;
+  const int warp = ctid / 32, lane = ctid % 32, quad = lane & 3;
+  RingPosition<STAGES> ring;  // in step with the producer's ks
+  for (int i = 0;; ++i) {
+    const int buf = i & 1;
+    mbar_wait(tile_ready_bar(buf), (i / 2) & 1);
+    const int t = tile_of[buf];
+    __syncwarp();
+    if (lane == 0) mbar_arrive(tile_free_bar(buf));
+    if (t < 0) break;
+    int expert, m_tile, n_tile, first, count;
+    decode(t, expert, m_tile, n_tile, first, count);
+    const int k_steps = (count + BK - 1) / BK;
+    float acc[128];
+#pragma unroll
+    for (int r = 0; r < 128; ++r) acc[r] = 0.f;  // an expert without slots: zeros
+    int prev = 0;
+    for (int kt = 0; kt < k_steps; ++kt) {
+      mbar_wait(full_bar(ring.stage), ring.phase);
+      fence_proxy_async();  // parts of the stage were written by cp.async (generic proxy); wgmma reads the async proxy
+      const uint32_t st = base + ring.stage * STAGE_BYTES;
+      // both operands MN-major: this warpgroup's 64 M columns are one atom of A; a k16 step is 16 slot rows (2048 B)
+      const uint64_t da = smem_desc_mn(st + wg * ATOM_BYTES, ATOM_BYTES);
+      const uint64_t db = smem_desc_mn(st + A_BYTES, ATOM_BYTES);
+      fence_regs<128>(acc);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk)
+        wgmma_m64n256k16_bf16_bn<1>(acc, da + kk * (16 * 128 >> 4), db + kk * (16 * 128 >> 4), 1);
+      wgmma_commit();
+      fence_regs<128>(acc);
+      wgmma_wait<1>();
+      fence_regs<128>(acc);
+      if (kt > 0 && lane == 0) mbar_arrive(empty_bar(prev));
+      prev = ring.stage;
+      ring.advance();
+    }
+    wgmma_wait<0>();
+    fence_regs<128>(acc);
+    if (k_steps > 0 && lane == 0) mbar_arrive(empty_bar(prev));
+    // ------------------------------- epilogue: out[expert] rows m, columns n -------------------------------
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = m_tile * BM + wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
+      if (m >= p.m_total) continue;
+      const int64_t row = (static_cast<int64_t>(expert) * p.m_total + m) * p.n_total + n_tile * BN;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const int col = 8 * j + 2 * quad;
+        if (n_tile * BN + col >= p.n_total) continue;  // n_total is a multiple of 8: col + 1 is valid too
+        const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+        if constexpr (kFp32Out) {
+          *reinterpret_cast<float2*>(static_cast<float*>(p.out) + row + col) = make_float2(v0, v1);
+        } else {
+          *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.out) + row + col) =
+              __floats2bfloat162_rn(v0, v1);
+        }
+      }
+    }
+  }
+#else
+  __trap();  // compiled for an arch other than sm_90a: the host side never launches it there
+#endif
+}
+
+template <bool kSourceA, bool kFp32Out>
+void launch(const Params& p, int n_tiles, int64_t blocks, cudaStream_t stream) {
+  launch_rastered<grad_weight_kernel<kSourceA, kFp32Out>, NUM_THREADS, SMEM_BYTES, 1, true>(p, n_tiles, blocks,
+                                                                                              stream);
+}
+
+}  // namespace grad_weight
+}  // namespace sm90
+
+namespace {
+
+at::Tensor moe_grad_weight_cuda(const at::Tensor& rows_in, const at::Tensor& source_in, const at::Tensor& row_token,
+                                const at::Tensor& expert_ends, bool source_major, bool fp32) {
+  const char* op = "moe_grad_weight";
+  const GradWeightShape s = check_grad_weight_args(rows_in, source_in, row_token, expert_ends);
+  TORCH_CHECK(rows_in.is_cuda(), op, " (CUDA): rows must be a CUDA tensor, got ", rows_in.device());
+  const c10::cuda::CUDAGuard guard(rows_in.device());
+  sm90::check_sm90(op, rows_in);
+  namespace gw = sm90::grad_weight;
+  // rows read in place when TMA can (unit column stride, 16-byte row stride)
+  const auto rows = rows_in.stride(1) == 1 && rows_in.stride(0) % 8 == 0 ? rows_in : rows_in.contiguous();
+  const auto source = source_in.stride(1) == 1 && source_in.stride(0) % 8 == 0 ? source_in : source_in.contiguous();
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"rows", &rows}, {"source", &source}}) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 16 == 0, op, " (CUDA): ", name,
+                " must be 16-byte aligned (TMA, cp.async), got data pointer ", t->const_data_ptr());
+  }
+  const auto tokens = row_token.contiguous(), ends = expert_ends.contiguous();
+  const int64_t m_total = source_major ? s.K : s.N, n_total = source_major ? s.N : s.K;
+  auto out = at::empty({s.E, m_total, n_total}, rows.options().dtype(fp32 ? at::kFloat : at::kBFloat16));
+  if (s.S == 0 || m_total == 0 || n_total == 0) return out.zero_();  // no slot rows (the kernel needs a TMA map)
+  gw::Params p{};
+  const int rc = prime_kernels::make_tmap_2d(&p.tm_rows, rows.const_data_ptr(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, s.S,
+                                             s.N, rows.stride(0), gw::BK, gw::ATOM);
+  TORCH_CHECK(rc == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for rows (CUresult ", rc, ")");
+  p.rows = reinterpret_cast<const __nv_bfloat16*>(rows.const_data_ptr());
+  p.ld_rows = rows.stride(0);
+  p.row_cols = static_cast<int>(s.N);
+  p.source = reinterpret_cast<const __nv_bfloat16*>(source.const_data_ptr());
+  p.ld_source = source.stride(0);
+  p.source_cols = static_cast<int>(s.K);
+  p.tokens = static_cast<int>(s.T);
+  p.row_token = tokens.const_data_ptr<int>();
+  p.expert_ends = ends.const_data_ptr<int>();
+  p.num_rows = static_cast<int>(s.S);
+  p.out = out.mutable_data_ptr();
+  p.m_total = static_cast<int>(m_total);
+  p.n_total = static_cast<int>(n_total);
+  p.m_tiles = static_cast<int>((m_total + gw::BM - 1) / gw::BM);
+  const auto tile_counter = at::zeros({1}, tokens.options());
+  p.tile_counter = tile_counter.mutable_data_ptr<int>();
+  const int n_tiles = static_cast<int>((n_total + gw::BN - 1) / gw::BN);
+  const int64_t blocks = s.E * p.m_tiles;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (source_major) {
+    fp32 ? gw::launch<true, true>(p, n_tiles, blocks, stream) : gw::launch<true, false>(p, n_tiles, blocks, stream);
+  } else {
+    fp32 ? gw::launch<false, true>(p, n_tiles, blocks, stream) : gw::launch<false, false>(p, n_tiles, blocks, stream);
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace flash_moe
+
+TORCH_LIBRARY_IMPL(flash_moe, CUDA, m) { m.impl("moe_grad_weight", &flash_moe::moe_grad_weight_cuda); }
