@@ -6,8 +6,9 @@
 // operands are slot rows with their features contiguous: wgmma reads both MN-major (imm-trans-a = imm-trans-b = 1).
 // Persistent CTAs of 384 threads (one per SM) claim tiles of 128 M x 256 N of one expert:
 //   warpgroup 0  producer: the per-token operand's rows are gathered by cp.async (16-byte chunks, a whole 128- or
-//                256-column piece of one source row per 8 or 16 lanes, zero-filled past the expert's slots or for an
-//                invalid token), so no gathered copy of x or grad_out exists; the per-slot operand comes by TMA
+//                256-column piece of one source row per 16 or 32 lanes, zero-filled past the expert's slots or for an
+//                invalid token; a warp loads its 16 rows' tokens one K step ahead with one instruction and shuffles
+//                them out), so no gathered copy of x or grad_out exists; the per-slot operand comes by TMA
 //                (boxes of BLOCK_K slot rows x 64 columns) except in an expert's last, partial K step, where it is
 //                copied by cp.async with the rows past the expert zero-filled (a TMA box would read the next expert's
 //                rows, and 0 x inf there would be NaN).
@@ -75,26 +76,37 @@ struct Params {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Slot rows [0, BK) of one operand's stage tile, W columns from col0 (W / ATOM atoms of BK rows x 128 bytes, 128B
 // swizzle: what a TMA box of ATOM columns writes), by the 128 producer threads: W / 8 consecutive lanes copy one row's
-// W columns (whole 32-byte sectors per instruction). Tile row r is row row_of(r) of `src` (row stride ld), -1 for
-// zeros; columns past n_cols are zeros. The row numbers are all read before the first copy: their loads overlap.
-template <int W, class RowOf>
-__device__ __forceinline__ void copy_rows_mn(uint32_t tile, int tid, const __nv_bfloat16* src, int64_t ld, int col0,
-                                             int n_cols, RowOf row_of) {
-  constexpr int kChunks = W / 8;  // 16-byte chunks per row
-  constexpr int kRowsPerPass = 128 / kChunks;
-  constexpr int kPasses = BK / kRowsPerPass;
-  const int j = tid % kChunks, r0 = tid / kChunks;
-  const int col = col0 + 8 * j;
-  const uint32_t dst = tile + (j / 8) * ATOM_BYTES;
-  int row[kPasses];
-#pragma unroll
-  for (int i = 0; i < kPasses; ++i) row[i] = row_of(r0 + kRowsPerPass * i);
-#pragma unroll
-  for (int i = 0; i < kPasses; ++i) {
-    const bool ok = row[i] >= 0 && col < n_cols;
-    cp_async_16(dst + swz(r0 + kRowsPerPass * i, j % 8), ok ? src + row[i] * ld + col : src, ok ? 16u : 0u);
+// W columns (whole 32-byte sectors per instruction), pass i of thread tid covers tile row tid / (W / 8) + i * 1024 / W.
+// Pass i's row is row row_of(i) of `src` (row stride ld), -1 for zeros; columns past n_cols are zeros.
+template <int W>
+struct RowsMN {
+  static constexpr int kChunks = W / 8;  // 16-byte chunks per row
+  static constexpr int kRowsPerPass = 128 / kChunks;
+  static constexpr int kPasses = BK / kRowsPerPass;
+  static constexpr int kRowsPerWarp = 32 / kChunks;  // per pass
+  // The 16 tile rows a producer warp copies: lane l < 16 names the row of pass l / kRowsPerWarp of the threads
+  // l % kRowsPerWarp rows into the warp's part (so a warp loads its rows' tokens with one instruction).
+  static __device__ __forceinline__ int warp_row(int warp, int l) {
+    return warp * kRowsPerWarp + l % kRowsPerWarp + kRowsPerPass * (l / kRowsPerWarp);
   }
-}
+  // ... and the lane that holds pass i's row of thread tid
+  static __device__ __forceinline__ int lane_of(int tid, int i) { return i * kRowsPerWarp + (tid % 32) / kChunks; }
+  template <class RowOf>
+  static __device__ __forceinline__ void copy(uint32_t tile, int tid, const __nv_bfloat16* src, int64_t ld, int col0,
+                                              int n_cols, RowOf row_of) {
+    const int j = tid % kChunks, r0 = tid / kChunks;
+    const int col = col0 + 8 * j;
+    const uint32_t dst = tile + (j / 8) * ATOM_BYTES;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int row = row_of(i);
+      const bool ok = row >= 0 && col < n_cols;
+      cp_async_16(dst + swz(r0 + kRowsPerPass * i, j % 8), ok ? src + row * ld + col : src, ok ? 16u : 0u);
+    }
+  }
+};
+static_assert(RowsMN<BM>::kPasses * RowsMN<BM>::kRowsPerWarp == 16 && RowsMN<BN>::kPasses * RowsMN<BN>::kRowsPerWarp == 16,
+              "a producer warp copies 16 rows of each operand per K step");
 #endif
 
 // kSourceA: A = the gathered source (M = its columns), B = the slot rows (N = their columns): out[e] = source^T rows.
@@ -155,31 +167,43 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
       decode(t, expert, m_tile, n_tile, first, count);
       const int k_steps = (count + BK - 1) / BK;
       const int m0 = m_tile * BM, n0 = n_tile * BN;
+      using RowsTile = RowsMN<kSourceA ? BN : BM>;
+      using SourceTile = RowsMN<kSourceA ? BM : BN>;
+      const int rows_col0 = kSourceA ? n0 : m0, source_col0 = kSourceA ? m0 : n0;
+      // The source row (token) of this lane's row of K step kt, -1 for none: loaded a K step ahead, so the load's
+      // latency is not on the path from a free stage to its copies.
+      auto token_of = [&](int kt) {
+        const int r = SourceTile::warp_row(tid / 32, tid % 32), row = kt * BK + r;
+        const int token = tid % 32 < 16 && kt < k_steps && row < count ? __ldg(p.row_token + first + row) : -1;
+        return token < p.tokens ? token : -1;  // negative: zeros
+      };
+      int token = token_of(0);
       for (int kt = 0; kt < k_steps; ++kt) {
+        const int next_token = token_of(kt + 1);
         const uint32_t k = ks + kt;
         const int stage = acquire_stage<STAGES>(bars, k);
         const uint32_t st = base + stage * STAGE_BYTES;
         const int row0 = first + kt * BK, valid = min(BK, count - kt * BK);
         const uint32_t rows_tile = kSourceA ? st + A_BYTES : st, source_tile = kSourceA ? st : st + A_BYTES;
-        constexpr int kRowsW = kSourceA ? BN : BM, kSourceW = kSourceA ? BM : BN;
-        const int rows_col0 = kSourceA ? n0 : m0, source_col0 = kSourceA ? m0 : n0;
         if (valid == BK) {  // a whole K step: the slot rows by TMA
           if (tid == 0) {
-            mbar_expect_tx(full_bar(stage), kRowsW * BK * 2);
+            mbar_expect_tx(full_bar(stage), RowsTile::kChunks * 16 * BK);
 #pragma unroll
-            for (int q = 0; q < kRowsW / ATOM; ++q)
+            for (int q = 0; q < RowsTile::kChunks / 8; ++q)
               tma_load_2d(rows_tile + q * ATOM_BYTES, &p.tm_rows, full_bar(stage), rows_col0 + q * ATOM, row0);
           }
         } else {  // the expert's last K step: rows past it zero-filled
           if (tid == 0) mbar_arrive(full_bar(stage));
-          copy_rows_mn<kRowsW>(rows_tile, tid, p.rows, p.ld_rows, rows_col0, p.row_cols,
-                               [&](int r) { return r < valid ? row0 + r : -1; });
+          RowsTile::copy(rows_tile, tid, p.rows, p.ld_rows, rows_col0, p.row_cols, [&](int i) {
+            const int r = tid / RowsTile::kChunks + RowsTile::kRowsPerPass * i;
+            return r < valid ? row0 + r : -1;
+          });
         }
-        copy_rows_mn<kSourceW>(source_tile, tid, p.source, p.ld_source, source_col0, p.source_cols, [&](int r) {
-          const int token = r < valid ? __ldg(p.row_token + row0 + r) : -1;
-          return token < p.tokens ? token : -1;  // negative: zeros
+        SourceTile::copy(source_tile, tid, p.source, p.ld_source, source_col0, p.source_cols, [&](int i) {
+          return __shfl_sync(0xffffffffu, token, SourceTile::lane_of(tid, i));
         });
         cp_async_mbar_arrive_noinc(full_bar(stage));  // fires when this thread's copies of the stage have landed
+        token = next_token;
       }
       ks = (ks + k_steps) % (2 * STAGES);
     }
