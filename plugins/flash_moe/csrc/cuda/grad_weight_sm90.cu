@@ -4,16 +4,17 @@
 // from dg / du and x, dW2 from p h and grad_out. The K of these GEMMs is the expert's slots (varlen: the rows
 // [expert_ends[e - 1], expert_ends[e]) of the compact, expert-sorted per-slot tensors the dH kernel writes), so both
 // operands are slot rows with their features contiguous: wgmma reads both MN-major (imm-trans-a = imm-trans-b = 1).
-// Persistent CTAs of 384 threads (one per SM) claim tiles of 128 M x 256 N of one expert:
-//   warpgroup 0  producer: the per-token operand's rows are gathered by cp.async (16-byte chunks, a whole 128- or
-//                256-column piece of one source row per 16 or 32 lanes, zero-filled past the expert's slots or for an
-//                invalid token; a warp loads its 16 rows' tokens one K step ahead with one instruction and shuffles
-//                them out), so no gathered copy of x or grad_out exists; the per-slot operand comes by TMA
-//                (boxes of BLOCK_K slot rows x 64 columns) except in an expert's last, partial K step, where it is
-//                copied by cp.async with the rows past the expert zero-filled (a TMA box would read the next expert's
-//                rows, and 0 x inf there would be NaN).
-//   warpgroups 1-2  consumers, 64 M rows each: wgmma.m64n256k16 bf16 -> fp32, fp32 results stored once per tile
-//                (bf16 or fp32). An expert without slots gets zeros.
+// Persistent CTAs of 384 threads (one per SM) claim tiles of 128 source columns (M) x 256 row columns (N) of one
+// expert:
+//   warpgroup 0  producer: A, the source rows, gathered by cp.async (16-byte chunks, the tile's 128 columns of one
+//                source row per 16 lanes, zero-filled past the expert's slots or for an invalid token; a warp loads
+//                its 16 rows' tokens one K step ahead with one instruction and shuffles them out), so no gathered
+//                copy of x or grad_out exists; B, the slot rows, by TMA (boxes of BLOCK_K rows x 64 columns) except
+//                in an expert's last, partial K step, where they are copied by cp.async with the rows past the expert
+//                zero-filled (a TMA box would read the next expert's rows, and 0 x inf there would be NaN).
+//   warpgroups 1-2  consumers, 64 M each: wgmma.m64n256k16 bf16 -> fp32, stored once per tile (bf16 or fp32), as C
+//                or transposed (dW1 / dW3: lanes 4 apart swap a value so each stores 4 bytes of an output row). An
+//                expert without slots gets zeros.
 // Deterministic: each output element is one fp32 sum in slot order.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -66,8 +67,8 @@ struct Params {
   const int* row_token;    // [S]: the source row of each slot row
   const int* expert_ends;  // [E]: expert e owns rows [ends[e - 1], ends[e])
   int num_rows;            // S
-  void* out;               // [E, m_total, n_total], bf16 or fp32
-  int m_total, n_total, m_tiles;
+  void* out;               // [E, m_total, n_total] (or its transpose), bf16 or fp32
+  int m_total, n_total, m_tiles;  // m: the source's columns, n: the rows' columns
   // launch_rastered's: the raster runs over blocks = E x m_tiles (expert-major) x n_tiles
   int n_tiles, blocks, ctas;
   int* tile_counter;
@@ -109,9 +110,11 @@ static_assert(RowsMN<BM>::kPasses * RowsMN<BM>::kRowsPerWarp == 16 && RowsMN<BN>
               "a producer warp copies 16 rows of each operand per K step");
 #endif
 
-// kSourceA: A = the gathered source (M = its columns), B = the slot rows (N = their columns): out[e] = source^T rows.
-// Else A = the slot rows, B = the gathered source: out[e] = rows^T source.
-template <bool kSourceA, bool kFp32Out>
+// A = the gathered source (M = its columns, 128 per tile), B = the slot rows (N = their columns, 256 per tile):
+// C = source^T rows, stored as out[e] = C, or as out[e] = C^T = rows^T source with kTransposeOut. (The other
+// orientation, A = the slot rows and B = the source gathered 256 columns wide, doubled the cp.async bytes per stage
+// and ran 15-35 % slower on the H200: docs/notes/flash_moe.md.)
+template <bool kTransposeOut, bool kFp32Out>
 __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   const uint32_t tiles = static_cast<uint32_t>(p.blocks) * p.n_tiles;
@@ -167,9 +170,9 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
       decode(t, expert, m_tile, n_tile, first, count);
       const int k_steps = (count + BK - 1) / BK;
       const int m0 = m_tile * BM, n0 = n_tile * BN;
-      using RowsTile = RowsMN<kSourceA ? BN : BM>;
-      using SourceTile = RowsMN<kSourceA ? BM : BN>;
-      const int rows_col0 = kSourceA ? n0 : m0, source_col0 = kSourceA ? m0 : n0;
+      using RowsTile = RowsMN<BN>;
+      using SourceTile = RowsMN<BM>;
+      const int rows_col0 = n0, source_col0 = m0;
       // The source row (token) of this lane's row of K step kt, -1 for none: loaded a K step ahead, so the load's
       // latency is not on the path from a free stage to its copies.
       auto token_of = [&](int kt) {
@@ -184,7 +187,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
         const int stage = acquire_stage<STAGES>(bars, k);
         const uint32_t st = base + stage * STAGE_BYTES;
         const int row0 = first + kt * BK, valid = min(BK, count - kt * BK);
-        const uint32_t rows_tile = kSourceA ? st + A_BYTES : st, source_tile = kSourceA ? st : st + A_BYTES;
+        const uint32_t rows_tile = st + A_BYTES, source_tile = st;
         if (valid == BK) {  // a whole K step: the slot rows by TMA
           if (tid == 0) {
             mbar_expect_tx(full_bar(stage), RowsTile::kChunks * 16 * BK);
@@ -255,22 +258,39 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
     wgmma_wait<0>();
     fence_regs<128>(acc);
     if (k_steps > 0 && lane == 0) mbar_arrive(empty_bar(prev));
-    // ------------------------------- epilogue: out[expert] rows m, columns n -------------------------------
+    // ------------------------------- epilogue: C's rows m, columns n -------------------------------
+    const int m_base = m_tile * BM + wg * 64 + warp * 16 + (lane >> 2);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int m = m_tile * BM + wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
-      if (m >= p.m_total) continue;
-      const int64_t row = (static_cast<int64_t>(expert) * p.m_total + m) * p.n_total + n_tile * BN;
+      const int m = m_base + 8 * h;
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
-        const int col = 8 * j + 2 * quad;
-        if (n_tile * BN + col >= p.n_total) continue;  // n_total is a multiple of 8: col + 1 is valid too
-        const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
-        if constexpr (kFp32Out) {
-          *reinterpret_cast<float2*>(static_cast<float*>(p.out) + row + col) = make_float2(v0, v1);
+        const int n = n_tile * BN + 8 * j + 2 * quad;  // n_total is a multiple of 8: n + 1 is valid with n
+        const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];  // C[m][n], C[m][n + 1]
+        if constexpr (kTransposeOut) {
+          // out[n][m]: lanes 4 apart hold rows m and m + 1 (m_total is a multiple of 8 as well); they swap one value
+          // so the even one stores C[m..m+1][n] and the odd one C[m-1..m][n+1], 4 bytes each
+          const bool odd = (lane >> 2) & 1;
+          const float other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
+          const int row_n = odd ? n + 1 : n, col_m = odd ? m - 1 : m;
+          if (col_m >= p.m_total || n >= p.n_total) continue;
+          const float lo = odd ? other : v0, hi = odd ? v1 : other;
+          const int64_t at = (static_cast<int64_t>(expert) * p.n_total + row_n) * p.m_total + col_m;
+          if constexpr (kFp32Out) {
+            *reinterpret_cast<float2*>(static_cast<float*>(p.out) + at) = make_float2(lo, hi);
+          } else {
+            *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.out) + at) =
+                __floats2bfloat162_rn(lo, hi);
+          }
         } else {
-          *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.out) + row + col) =
-              __floats2bfloat162_rn(v0, v1);
+          if (m >= p.m_total || n >= p.n_total) continue;
+          const int64_t at = (static_cast<int64_t>(expert) * p.m_total + m) * p.n_total + n;
+          if constexpr (kFp32Out) {
+            *reinterpret_cast<float2*>(static_cast<float*>(p.out) + at) = make_float2(v0, v1);
+          } else {
+            *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.out) + at) =
+                __floats2bfloat162_rn(v0, v1);
+          }
         }
       }
     }
@@ -280,9 +300,9 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
 #endif
 }
 
-template <bool kSourceA, bool kFp32Out>
+template <bool kTransposeOut, bool kFp32Out>
 void launch(const Params& p, int n_tiles, int64_t blocks, cudaStream_t stream) {
-  launch_rastered<grad_weight_kernel<kSourceA, kFp32Out>, NUM_THREADS, SMEM_BYTES, 1, true>(p, n_tiles, blocks,
+  launch_rastered<grad_weight_kernel<kTransposeOut, kFp32Out>, NUM_THREADS, SMEM_BYTES, 1, true>(p, n_tiles, blocks,
                                                                                               stream);
 }
 
@@ -307,8 +327,9 @@ at::Tensor moe_grad_weight_cuda(const at::Tensor& rows_in, const at::Tensor& sou
                 " must be 16-byte aligned (TMA, cp.async), got data pointer ", t->const_data_ptr());
   }
   const auto tokens = row_token.contiguous(), ends = expert_ends.contiguous();
-  const int64_t m_total = source_major ? s.K : s.N, n_total = source_major ? s.N : s.K;
-  auto out = at::empty({s.E, m_total, n_total}, rows.options().dtype(fp32 ? at::kFloat : at::kBFloat16));
+  const int64_t m_total = s.K, n_total = s.N;
+  auto out = at::empty(source_major ? at::IntArrayRef{s.E, s.K, s.N} : at::IntArrayRef{s.E, s.N, s.K},
+                       rows.options().dtype(fp32 ? at::kFloat : at::kBFloat16));
   if (s.S == 0 || m_total == 0 || n_total == 0) return out.zero_();  // no slot rows (the kernel needs a TMA map)
   gw::Params p{};
   const int rc = prime_kernels::make_tmap_2d(&p.tm_rows, rows.const_data_ptr(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, s.S,
@@ -334,9 +355,9 @@ at::Tensor moe_grad_weight_cuda(const at::Tensor& rows_in, const at::Tensor& sou
   const int64_t blocks = s.E * p.m_tiles;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (source_major) {
-    fp32 ? gw::launch<true, true>(p, n_tiles, blocks, stream) : gw::launch<true, false>(p, n_tiles, blocks, stream);
-  } else {
     fp32 ? gw::launch<false, true>(p, n_tiles, blocks, stream) : gw::launch<false, false>(p, n_tiles, blocks, stream);
+  } else {
+    fp32 ? gw::launch<true, true>(p, n_tiles, blocks, stream) : gw::launch<true, false>(p, n_tiles, blocks, stream);
   }
   return out;
 }
