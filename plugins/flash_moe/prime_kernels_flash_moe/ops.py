@@ -475,7 +475,8 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     (``moe_gate_up``) unless the forward kept it (``gate_up``); ``moe_grad_gate_up`` (one GEMM kernel on CUDA) forms
     grad_h = grad_out_t W2[e] (unweighted, fp32, never stored) and from it dg, du, p h and dL/dp = grad_h . h; the
     weight gradients are per-expert GEMMs over the slots sorted by expert with x / grad_out gathered by token
-    (``moe_grad_weight``: one kernel each, fp32 accumulation in slot order); ``moe_grad_x`` (one GEMM kernel on CUDA)
+    (``moe_grad_weight``, one kernel each with the gathers inside, where ``_fused_weight_grads`` says it is the faster
+    path; else gathers + ``torch._grouped_mm``; fp32 accumulation in both); ``moe_grad_x`` (one GEMM kernel on CUDA)
     gives dx = sum over a token's slots of dg W1[e] + du W3[e] in fp32: in k order when ``deterministic`` (bitwise
     reproducible), else with fp32 atomics on CUDA. When w2's gradient alone is needed, the grad_h GEMM is skipped
     (``swiglu_backward`` on zeros gives p h).
@@ -507,19 +508,34 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     else:  # w2's gradient alone takes only p h, which swiglu_backward computes without reading grad_h
         _, _, weighted_h, _ = torch.ops.flash_moe.swiglu_backward(gate_up, go.new_zeros(S, w2.shape[2]),
                                                                   tw.reshape(-1)[order], ok)
-    # the weight gradients: per expert, its rows of dg / du / p h against x / grad_out gathered by token (inside the
-    # kernel on CUDA: no S x dim copy of either exists)
-    row_token = torch.where(ok, tok, -1).to(torch.int32)
-    if need_w2:
-        grad_w2 = torch.ops.flash_moe.moe_grad_weight(weighted_h, go, row_token, offs, True)
-    del weighted_h  # S x hidden: freed before the dW1 / dW3 outputs are allocated
-    if need_w1:
-        grad_w1 = torch.ops.flash_moe.moe_grad_weight(grad_gate, x, row_token, offs, False)
-    if need_w3:
-        grad_w3 = torch.ops.flash_moe.moe_grad_weight(grad_up, x, row_token, offs, False)
+    # the weight gradients: per expert, its rows of dg / du / p h against x / grad_out gathered by token
+    if _fused_weight_grads(S, E, w1.shape[1]):  # the gathers inside the kernel: no S x dim copy of x or grad_out
+        row_token = torch.where(ok, tok, -1).to(torch.int32)
+        if need_w2:
+            grad_w2 = torch.ops.flash_moe.moe_grad_weight(weighted_h, go, row_token, offs, True)
+        del weighted_h  # S x hidden: freed before the dW1 / dW3 outputs are allocated
+        if need_w1:
+            grad_w1 = torch.ops.flash_moe.moe_grad_weight(grad_gate, x, row_token, offs, False)
+        if need_w3:
+            grad_w3 = torch.ops.flash_moe.moe_grad_weight(grad_up, x, row_token, offs, False)
+    else:
+        if need_w2:
+            grad_w2 = torch._grouped_mm(go[tok].t(), weighted_h, offs=offs)
+        del weighted_h  # S x hidden: freed before the x gather and the dW1 / dW3 outputs are allocated
+        if need_w1 or need_w3:
+            xs = x[tok]
+            grad_w1 = torch._grouped_mm(grad_gate.t(), xs, offs=offs) if need_w1 else None
+            grad_w3 = torch._grouped_mm(grad_up.t(), xs, offs=offs) if need_w3 else None
+            del xs
     if need_x:
         grad_x = torch.ops.flash_moe.moe_grad_x(grad_gate, grad_up, w1, w3, *align, top_k, BLOCK_M, deterministic)
     return grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw
+
+
+def _fused_weight_grads(slots: int, experts: int, hidden: int) -> bool:
+    """Whether moe()'s backward takes moe_grad_weight for dW1 / dW2 / dW3 (kernel.toml: FUSED_DW_MIN_SLOTS, where
+    the measurements behind the rule are named)."""
+    return slots >= CONSTANTS["FUSED_DW_MIN_SLOTS"] * experts and hidden <= CONSTANTS["FUSED_DW_MAX_HIDDEN"]
 
 
 class _MoEMxfp8(torch.autograd.Function):
@@ -611,7 +627,8 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, t
     Backward: closed form: the gate/up projections g | u saved by the forward (or recomputed: below), the
     grad_h = grad_out W2 with the SwiGLU derivative and d topk_weights in its epilogue (``moe_grad_gate_up``), dx in one
     GEMM summed over each token's slots (``moe_grad_x``), the weight gradients per expert with the gathers inside
-    (``moe_grad_weight``); gradients only for the inputs that need them.
+    (``moe_grad_weight``) where that measured faster (kernel.toml's FUSED_DW_*), else gathers + grouped GEMMs;
+    gradients only for the inputs that need them.
     ``deterministic=True``: fixed-order combines (forward output, dx: a token's slots in k order): bitwise
     reproducible end to end; False: on CUDA the forward combine and dx's sum use fp32 atomics (not bitwise
     reproducible; the other gradients are).

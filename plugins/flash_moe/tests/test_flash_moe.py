@@ -25,6 +25,13 @@ cpu = pytest.mark.kernel(KERNEL, device="cpu")
 gpu = [pytest.mark.gpu, pytest.mark.kernel(KERNEL)]
 
 
+@pytest.fixture(params=["grouped_mm", "moe_grad_weight"])
+def weight_grads(request, monkeypatch):
+    """Each path of moe()'s weight gradients, whichever the shape's rule picks (kernel.toml's FUSED_DW_*)."""
+    monkeypatch.setitem(ops.CONSTANTS, "FUSED_DW_MIN_SLOTS", 0 if request.param == "moe_grad_weight" else 2**40)
+    return request.param
+
+
 def make(T, dim, hidden, E, top_k, device="cpu", seed=0, ids=None, num_global=None):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, dim, generator=g).to(torch.bfloat16)
@@ -88,9 +95,9 @@ def routing_cases(device):
 
 @cpu
 @pytest.mark.parametrize("case", range(5))
-def test_cpu_numerics(case):
+def test_cpu_numerics(case, weight_grads):
     label, problem, start = routing_cases("cpu")[case]
-    check_numerics(*problem, f"cpu {label}", expert_start=start)
+    check_numerics(*problem, f"cpu {label} {weight_grads}", expert_start=start)
 
 
 @cpu
@@ -382,8 +389,8 @@ GRADIENT_INPUTS = ("x", "w1", "w2", "w3", "topk_weights")
 @pytest.mark.parametrize("needed, gemms", [(("w2",), 1), (("x",), 0), (("w1",), 1), (("topk_weights",), 0),
                                            (("x", "w2", "topk_weights"), 1), (GRADIENT_INPUTS, 3)])
 @pytest.mark.parametrize("recompute", [False, True])
-def test_backward_runs_only_what_the_needed_gradients_take(needed, gemms, recompute):
-    """moe_grad_weight: one each for dW2, dW1, dW3 (no grouped GEMM is left); dx in one moe_grad_x; g | u from the forward (default) or its
+def test_backward_runs_only_what_the_needed_gradients_take(needed, gemms, recompute, weight_grads):
+    """One weight-gradient GEMM (moe_grad_weight or a grouped GEMM) each for dW2, dW1, dW3; dx in one moe_grad_x; g | u from the forward (default) or its
     recomputation once, and grad_h with the SwiGLU derivative in one moe_grad_gate_up unless w2's gradient alone is
     needed (then swiglu_backward gives p h). ("x", "w2", "topk_weights"): frozen w1 / w3."""
     x, w1, w2, w3, ids, tw = make(32, 128, 64, 4, 2, seed=8)
@@ -394,8 +401,9 @@ def test_backward_runs_only_what_the_needed_gradients_take(needed, gemms, recomp
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(out.dtype)
     with OpCalls() as calls:
         grads = torch.autograd.grad(out, [inputs[n] for n in needed], grad_out)
-    assert calls.counts["flash_moe::moe_grad_weight"] == gemms
-    assert calls.counts["aten::_grouped_mm"] == 0
+    fused = weight_grads == "moe_grad_weight"
+    assert calls.counts["flash_moe::moe_grad_weight"] == (gemms if fused else 0)
+    assert calls.counts["aten::_grouped_mm"] == (0 if fused else gemms)
     w2_alone = needed == ("w2",)
     assert calls.counts["flash_moe::moe_gate_up"] == (1 if recompute else 0)
     assert calls.counts["flash_moe::moe_grad_gate_up"] == (0 if w2_alone else 1)
@@ -706,18 +714,18 @@ def test_backward_pieces_reject_bad_arguments():
 @pytest.mark.gpu
 @pytest.mark.kernel(KERNEL)
 @pytest.mark.parametrize("case", range(5))
-def test_cuda_numerics(case):
+def test_cuda_numerics(case, weight_grads):
     label, problem, start = routing_cases("cuda")[case]
-    check_numerics(*problem, f"cuda {label}", expert_start=start)
-    check_numerics(*problem, f"cuda {label} deterministic", expert_start=start, deterministic=True)
+    check_numerics(*problem, f"cuda {label} {weight_grads}", expert_start=start)
+    check_numerics(*problem, f"cuda {label} {weight_grads} deterministic", expert_start=start, deterministic=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.kernel(KERNEL)
 @pytest.mark.parametrize("shape", [(256, 2048, 768, 16, 8), (1000, 2048, 768, 128, 8), (77, 512, 320, 8, 2)])
-def test_cuda_numerics_qwen_like(shape):
+def test_cuda_numerics_qwen_like(shape, weight_grads):
     T, dim, hidden, E, top_k = shape
-    check_numerics(*make(T, dim, hidden, E, top_k, "cuda", seed=9), f"cuda {shape}")
+    check_numerics(*make(T, dim, hidden, E, top_k, "cuda", seed=9), f"cuda {shape} {weight_grads}")
 
 
 @pytest.mark.gpu
