@@ -76,7 +76,8 @@ def main():
             for key, ms in timings(report).items():
                 per_key.setdefault(key, []).append(ms)
         medians[name] = {key: statistics.median(v) for key, v in per_key.items()}
-        ceilings = sorted({f"{k}={v:.0f}" for rep in reports for k, v in rep.items() if k.endswith("ceiling_tflops")})
+        ceilings = sorted({f"{k}={v:.0f}" for rep in reports for k, v in rep.items()
+                           if k.endswith("ceiling_tflops") and v is not None})  # None: a ceiling the run skipped
         print(f"[ab] {name}: ceilings seen (TFLOP/s) {', '.join(ceilings)}")
     names = [name for name, _ in variants]
     print(f"| {'row':44s} | {'timing':20s} | " + " | ".join(f"{n:>16s}" for n in names) + " |")

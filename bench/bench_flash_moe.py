@@ -125,7 +125,7 @@ def bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling):
                                                                         True), 2),
             "dX (2 gmm + sum)": (lambda: dg.new_empty(S, dim).index_copy_(
                 0, order, _gmm(dg, w1, offs) + _gmm(du, w3, offs)).view(T, k, dim).sum(1, dtype=torch.float32), 2),
-            "dW1+dW3 (gather+2 gmm)": (lambda: (_gmm(dg.t(), x[tok], offs), _gmm(du.t(), x[tok], offs)), 2),
+            "dW1+dW3 (gather+2 gmm)": (lambda: [_gmm(g.t(), xs, offs) for xs in [x[tok]] for g in (dg, du)], 2),
             "dW1|dW3 (cat+gather+gmm)": (lambda: _gmm(torch.cat([dg, du], 1).t(), x[tok], offs), 2),
             "dW2 (gather+gmm)": (lambda: _gmm(go[tok].t(), ph, offs), 1),
             "dW1+dW3 (fused)": (lambda: (torch.ops.flash_moe.moe_grad_weight(dg, x, row_token, offs, False),
