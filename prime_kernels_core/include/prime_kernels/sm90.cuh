@@ -1,5 +1,5 @@
-// sm_90a building blocks for plugin kernels: shared-memory addresses, mbarriers, TMA and cp.async copies, proxy
-// fences, thread-block cluster helpers (and their host launch), wgmma fences/groups, the K-major 128-byte-swizzle
+// sm_90a building blocks for plugin kernels: shared-memory addresses, mbarriers, TMA loads and stores, cp.async
+// copies, proxy fences, thread-block cluster helpers (and their host launch), wgmma fences/groups, the K-major 128-byte-swizzle
 // descriptor and m64n256k16 wgmma wrappers. The build kit puts this folder on every plugin's include path:
 // #include <prime_kernels/sm90.cuh>.
 // Definitions exist in the host pass (so kernel bodies parse) and in sm_90a device passes; code for other archs must
@@ -69,6 +69,24 @@ __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtens
       " [%0], [%1, {%3, %4}], [%2], %5;\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "h"(cta_mask)
       : "memory");
+}
+// TMA stores: a 3-D box from shared memory (written by ordinary stores, then fence_proxy_async() in each writer and a
+// barrier) to global memory, in the issuing thread's bulk group; bulk_wait_read<N>() returns once at most N of its
+// groups still read shared memory (the buffer may be rewritten), bulk_wait<N>() once at most N are incomplete.
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }

@@ -40,4 +40,22 @@ inline int make_tmap_2d(CUtensorMap* map, const void* ptr, CUtensorMapDataType d
                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
 }
 
+// A map over a row-major [batches, rows, cols] tensor of 16-bit elements (`row_stride` elements between rows,
+// `batch_stride` between batches), boxes of 1 x box_rows x box_cols with 128-byte swizzle: a tile at the edge of one
+// batch is clipped there (a 2-D map over all rows would spill into the next batch's). For TMA stores of per-batch
+// tiles (tma_store_3d). Returns a CUresult (0 on success).
+inline int make_tmap_3d(CUtensorMap* map, const void* ptr, int64_t batches, int64_t rows, int64_t cols,
+                        int64_t row_stride, int64_t batch_stride, int box_rows, int box_cols) {
+  const EncodeTiledFn fn = encode_tiled_fn();
+  if (fn == nullptr) return -1;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(batches)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(row_stride) * 2, static_cast<cuuint64_t>(batch_stride) * 2};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t estr[3] = {1, 1, 1};
+  return static_cast<int>(fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(ptr), dims, strides, box,
+                             estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
+}
+
 }  // namespace prime_kernels
