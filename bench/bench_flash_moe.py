@@ -4,6 +4,7 @@
 
     python bench/bench_flash_moe.py [--json PATH] [--quick] [--mxfp8-only] [--no-mxfp8] [--shapes NAME,NAME]
     python bench/bench_flash_moe.py --sonicmoe --no-mxfp8 [--shapes NAME,NAME]   (peer wheels: scripts/peer_wheels.sh)
+    python bench/bench_flash_moe.py --weight-grad-paths --no-mxfp8 [--shapes NAME,NAME]
 
 Timing: triton.testing.do_bench median. FLOPs = 2 T k dim 2 hidden + 2 T k hidden dim (forward); forward+backward
 counts 3x that (``recompute_gate_up=True``'s recomputed gate/up not counted). The backward alone (autograd.grad on a
@@ -140,6 +141,46 @@ def bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling):
     free()
 
 
+def bench_weight_grad_paths(ops, name, T, E, k, dim, hidden, rounds=3):
+    """moe() forward+backward through each weight-gradient path (gathers + grouped GEMMs, or moe_grad_weight: the
+    FUSED_DW_* rule switched in this process), alternating over rounds, then one backward of each under
+    torch.profiler: the end-to-end check of what --parts times alone, and where the difference goes."""
+    p = problem(T, E, k, dim, hidden, grad=True)
+    go = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
+    leaves = [p[i] for i in (0, 1, 2, 3, 5)]
+    saved = {key: ops.CONSTANTS[key] for key in ("FUSED_DW_MIN_SLOTS", "FUSED_DW_MAX_HIDDEN")}
+    times, kernels = {"grouped": [], "fused": []}, {}
+
+    def use(path):
+        ops.CONSTANTS.update(FUSED_DW_MIN_SLOTS=0 if path == "fused" else 2**40, FUSED_DW_MAX_HIDDEN=2**40)
+
+    try:
+        for _ in range(rounds):
+            for path in times:
+                use(path)
+                times[path].append(do_bench(lambda: ops.moe(*p).backward(go), grad_to_none=leaves))
+        for path in times:
+            use(path)
+            out = ops.moe(*p)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                out.backward(go)
+                torch.cuda.synchronize()
+            for t in leaves:
+                t.grad = None
+            events = [(getattr(e, "device_time_total", 0) / 1e3, e.key) for e in prof.key_averages()]
+            kernels[path] = sorted(events, reverse=True)[:8]
+    finally:
+        ops.CONSTANTS.update(saved)
+    print(f"  {name:22s} forward+backward by weight-gradient path (ms, {rounds} alternating rounds): "
+          + "; ".join(f"{path} {' / '.join(f'{ms:.3f}' for ms in v)}" for path, v in times.items()))
+    for path, top in kernels.items():
+        print(f"    {path} backward, top kernels (ms): " + "; ".join(f"{key[:48]} {ms:.3f}" for ms, key in top))
+    del p, go, leaves
+    free()
+    return {"shape": name, **{f"{path}_fwd_bwd_ms": v for path, v in times.items()}}
+
+
 def problem(T, E, k, dim, hidden, grad=False):
     x = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
     w1 = torch.randn(E, hidden, dim, device="cuda", dtype=torch.bfloat16) / dim**0.5
@@ -233,6 +274,8 @@ def main():
     parser.add_argument("--no-mxfp8", action="store_true", help="skip the mxfp8 rows")
     parser.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
     parser.add_argument("--parts", action="store_true", help="time each piece of the backward alone first")
+    parser.add_argument("--weight-grad-paths", action="store_true",
+                        help="only forward+backward through each weight-gradient path, and their kernels")
     parser.add_argument("--sonicmoe", action="store_true",
                         help="only SonicMoE against ours on the shapes (its first call compiles for minutes)")
     args = parser.parse_args()
@@ -254,6 +297,12 @@ def main():
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"ceiling_tflops": ceiling / 1e12, "sonicmoe": rows}, f, indent=2)
+        return
+    if args.weight_grad_paths:
+        rows = [bench_weight_grad_paths(ops, *shape) for shape in shapes]
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"ceiling_tflops": ceiling / 1e12, "weight_grad_paths": rows}, f, indent=2)
         return
     mxfp8_rows = [] if args.no_mxfp8 else bench_mxfp8(ops, fp8_peak, ceiling)
     for name, T, E, k, dim, hidden in shapes if args.parts else []:
