@@ -117,7 +117,7 @@ inline MoeShape check_moe_args(const char* op, const at::Tensor& x, const at::Te
                                const at::Tensor* w2, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                                const at::Tensor& num_tokens_post_padded, const at::Tensor* topk_weights,
                                int64_t top_k, int64_t block_m, const char* w_name,
-                               at::ScalarType dtype = at::kBFloat16) {
+                               at::ScalarType dtype = at::kBFloat16, const char* x_name = "x") {
   const bool mxfp8 = dtype == at::kFloat8_e4m3fn;
   const char* dname = mxfp8 ? "float8_e4m3fn" : "bfloat16";
   TORCH_CHECK(x.scalar_type() == dtype, op, ": x must be ", dname, ", got ", x.scalar_type());
@@ -143,10 +143,11 @@ inline MoeShape check_moe_args(const char* op, const at::Tensor& x, const at::Te
                 w2->size(0));
     TORCH_CHECK(w2->size(1) == s.dim && w2->size(2) == s.hidden, op, ": w2 must have shape (E, dim, hidden) = (",
                 s.E, ", ", s.dim, ", ", s.hidden, "), got ", w2->sizes());
-    TORCH_CHECK(w2->device() == x.device(), op, ": w2 must be on x's device ", x.device(), ", got ", w2->device());
+    TORCH_CHECK(w2->device() == x.device(), op, ": w2 must be on ", x_name, "'s device ", x.device(), ", got ",
+                w2->device());
   }
   const std::string reason = contract_reason(s.dim, s.hidden, mxfp8);
-  TORCH_CHECK(reason.empty(), op, ": ", reason);
+  TORCH_CHECK(reason.empty(), op, ": ", reason, " (hidden_dim: ", w_name, "'s second dimension)");
   TORCH_CHECK(top_k >= 1, op, ": top_k must be positive, got ", top_k);
   TORCH_CHECK(block_m == kBlockM, op, ": block_m must be BLOCK_M=", kBlockM,
               " (the tile the kernels are compiled for; align with the same block_m), got ", block_m);
@@ -169,13 +170,15 @@ inline MoeShape check_moe_args(const char* op, const at::Tensor& x, const at::Te
     TORCH_CHECK(topk_weights->dim() == 2 && topk_weights->size(0) == s.M && topk_weights->size(1) == top_k, op,
                 ": topk_weights must have shape (M, top_k) = (", s.M, ", ", top_k, "), got ", topk_weights->sizes());
   }
-  for (const at::Tensor* t : {&gate, &up, &sorted_token_ids, &expert_ids, &num_tokens_post_padded}) {
-    TORCH_CHECK(t->device() == x.device(), op, ": every tensor must be on x's device ", x.device(), ", got one on ",
-                t->device());
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{w_name, &gate}, {w_name, &up},
+                         {"sorted_token_ids", &sorted_token_ids}, {"expert_ids", &expert_ids},
+                         {"num_tokens_post_padded", &num_tokens_post_padded}}) {
+    TORCH_CHECK(t->device() == x.device(), op, ": ", name, " must be on ", x_name, "'s device ", x.device(),
+                ", got ", t->device());
   }
   if (topk_weights != nullptr)
-    TORCH_CHECK(topk_weights->device() == x.device(), op, ": topk_weights must be on x's device ", x.device(),
-                ", got ", topk_weights->device());
+    TORCH_CHECK(topk_weights->device() == x.device(), op, ": topk_weights must be on ", x_name, "'s device ",
+                x.device(), ", got ", topk_weights->device());
   return s;
 }
 
@@ -287,7 +290,8 @@ inline MoeShape check_grad_gate_up_args(const char* op, const at::Tensor& grad_o
   // the gate/up argument checks on w2's (E, hidden, dim) view: grad_out plays x's part
   const auto w2_t = w2.transpose(1, 2);
   const MoeShape s = check_moe_args(op, grad_out, w2_t, w2_t, &w2, sorted_token_ids, expert_ids,
-                                    num_tokens_post_padded, &topk_weights, top_k, block_m, "w2 (as (E, hidden, dim))");
+                                    num_tokens_post_padded, &topk_weights, top_k, block_m, "w2 (as (E, hidden, dim))",
+                                    at::kBFloat16, "grad_out");
   TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16 && gate_up.dim() == 2 && gate_up.size(0) == s.M * top_k &&
                   gate_up.size(1) == 2 * s.hidden,
               op, ": gate_up must be bfloat16 of shape (M * top_k, 2 * hidden) = (", s.M * top_k, ", ", 2 * s.hidden,
@@ -317,7 +321,7 @@ inline MoeShape check_grad_x_args(const char* op, const at::Tensor& grad_gate, c
   // the gate/up argument checks with a stand-in for x (M, dim) on grad_gate's device: no memory behind it
   const auto x = at::empty({1, 1}, grad_gate.options()).expand({grad_gate.size(0) / top_k, w1.size(2)});
   return check_moe_args(op, x, w1, w3, nullptr, sorted_token_ids, expert_ids, num_tokens_post_padded, nullptr, top_k,
-                        block_m, "w1/w3");
+                        block_m, "w1/w3", at::kBFloat16, "grad_gate");
 }
 
 // moe_grad_weight: rows (S, N) bf16 (a per-slot tensor in the alignment's compact, expert-sorted order: dg, du or

@@ -111,7 +111,7 @@ def split_gate_up(op, w):
 
 
 def check_moe_args(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k,
-                   block_m, w_name, constants, dtype=torch.bfloat16):
+                   block_m, w_name, constants, dtype=torch.bfloat16, x_name="x"):
     """check_moe_args: returns (M, dim, hidden, E)."""
     mxfp8 = dtype == torch.float8_e4m3fn
     dname = "float8_e4m3fn" if mxfp8 else "bfloat16"
@@ -133,9 +133,9 @@ def check_moe_args(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens
         require(w2.shape[0] == E, f"{op}: w2 must have E={E} experts ({w_name}'s first dimension), got {w2.shape[0]}")
         require(w2.shape[1] == dim and w2.shape[2] == hidden,
                 f"{op}: w2 must have shape (E, dim, hidden) = ({E}, {dim}, {hidden}), got {_shape(w2)}")
-        require(w2.device == x.device, f"{op}: w2 must be on x's device {x.device}, got {w2.device}")
+        require(w2.device == x.device, f"{op}: w2 must be on {x_name}'s device {x.device}, got {w2.device}")
     reason = contract_reason(dim, hidden, constants, mxfp8)
-    require(reason is None, f"{op}: {reason}")
+    require(reason is None, f"{op}: {reason} (hidden_dim: {w_name}'s second dimension)")
     require(top_k >= 1, f"{op}: top_k must be positive, got {top_k}")
     block = constants["BLOCK_M"]
     require(block_m == block, f"{op}: block_m must be BLOCK_M={block} (the tile the kernels are compiled for; align "
@@ -157,11 +157,12 @@ def check_moe_args(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens
         require(topk_weights.dtype == torch.float32, f"{op}: topk_weights must be float32, got {_name(topk_weights.dtype)}")
         require(topk_weights.dim() == 2 and topk_weights.shape[0] == M and topk_weights.shape[1] == top_k,
                 f"{op}: topk_weights must have shape (M, top_k) = ({M}, {top_k}), got {_shape(topk_weights)}")
-    for t in (gate, up, sorted_token_ids, expert_ids, num_tokens_post_padded):
-        require(t.device == x.device, f"{op}: every tensor must be on x's device {x.device}, got one on {t.device}")
+    for name, t in ((w_name, gate), (w_name, up), ("sorted_token_ids", sorted_token_ids), ("expert_ids", expert_ids),
+                    ("num_tokens_post_padded", num_tokens_post_padded)):
+        require(t.device == x.device, f"{op}: {name} must be on {x_name}'s device {x.device}, got {t.device}")
     if topk_weights is not None:
         require(topk_weights.device == x.device,
-                f"{op}: topk_weights must be on x's device {x.device}, got {topk_weights.device}")
+                f"{op}: topk_weights must be on {x_name}'s device {x.device}, got {topk_weights.device}")
     return M, dim, hidden, E
 
 
@@ -260,7 +261,8 @@ def check_grad_gate_up_args(op, grad_out, w2, gate_up, sorted_token_ids, expert_
             f"{_shape(grad_out)}")
     w2_t = w2.transpose(1, 2)
     shape = check_moe_args(op, grad_out, w2_t, w2_t, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                           topk_weights, top_k, block_m, "w2 (as (E, hidden, dim))", constants)
+                           topk_weights, top_k, block_m, "w2 (as (E, hidden, dim))", constants,
+                           x_name="grad_out")
     M, _, hidden, _ = shape
     require(gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2 and gate_up.shape[0] == M * top_k
             and gate_up.shape[1] == 2 * hidden,
@@ -287,7 +289,7 @@ def check_grad_x_args(op, grad_gate, grad_up, w1, w3, sorted_token_ids, expert_i
             f"{op}: grad_up must be on grad_gate's device {grad_gate.device}, got {grad_up.device}")
     x = grad_gate.new_empty(1, 1).expand(grad_gate.shape[0] // top_k, w1.shape[2])
     return check_moe_args(op, x, w1, w3, None, sorted_token_ids, expert_ids, num_tokens_post_padded, None, top_k,
-                          block_m, "w1/w3", constants)
+                          block_m, "w1/w3", constants, x_name="grad_gate")
 
 
 def check_grad_weight_args(rows, source, row_token, expert_ends):

@@ -113,7 +113,8 @@ struct RowsMN {
     }
   }
 };
-static_assert(RowsMN<BM>::kPasses * RowsMN<BM>::kRowsPerWarp == 16 && RowsMN<BN>::kPasses * RowsMN<BN>::kRowsPerWarp == 16,
+static_assert(RowsMN<BM>::kPasses * RowsMN<BM>::kRowsPerWarp == 16 &&
+                  RowsMN<BN>::kPasses * RowsMN<BN>::kRowsPerWarp == 16,
               "a producer warp copies 16 rows of each operand per K step");
 #endif
 
