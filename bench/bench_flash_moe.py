@@ -144,7 +144,8 @@ def bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling):
 def bench_weight_grad_paths(ops, name, T, E, k, dim, hidden, rounds=3):
     """moe() forward+backward through each weight-gradient path (gathers + grouped GEMMs, or moe_grad_weight: the
     FUSED_DW_* rule switched in this process), alternating over rounds, then one backward of each under
-    torch.profiler: the end-to-end check of what --parts times alone, and where the difference goes."""
+    torch.profiler (device time by the operator that launched it): the end-to-end check of what --parts times alone,
+    and where the difference goes."""
     p = problem(T, E, k, dim, hidden, grad=True)
     go = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
     leaves = [p[i] for i in (0, 1, 2, 3, 5)]
@@ -163,19 +164,22 @@ def bench_weight_grad_paths(ops, name, T, E, k, dim, hidden, rounds=3):
             use(path)
             out = ops.moe(*p)
             torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=activities) as prof:
                 out.backward(go)
                 torch.cuda.synchronize()
             for t in leaves:
                 t.grad = None
-            events = [(getattr(e, "device_time_total", 0) / 1e3, e.key) for e in prof.key_averages()]
-            kernels[path] = sorted(events, reverse=True)[:8]
+            # by the operator that launched each kernel (its self device time): which op a copy or a gather serves
+            events = [(getattr(e, "self_device_time_total", 0) / 1e3, e.key) for e in prof.key_averages()
+                      if e.key.startswith(("aten::", "flash_moe::"))]
+            kernels[path] = sorted(events, reverse=True)[:10]
     finally:
         ops.CONSTANTS.update(saved)
     print(f"  {name:22s} forward+backward by weight-gradient path (ms, {rounds} alternating rounds): "
           + "; ".join(f"{path} {' / '.join(f'{ms:.3f}' for ms in v)}" for path, v in times.items()))
     for path, top in kernels.items():
-        print(f"    {path} backward, top kernels (ms): " + "; ".join(f"{key[:48]} {ms:.3f}" for ms, key in top))
+        print(f"    {path} backward, device time by operator (ms): " + "; ".join(f"{key} {ms:.3f}" for ms, key in top))
     del p, go, leaves
     free()
     return {"shape": name, **{f"{path}_fwd_bwd_ms": v for path, v in times.items()}}
