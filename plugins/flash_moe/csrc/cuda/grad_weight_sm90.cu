@@ -62,7 +62,7 @@ static_assert(SMEM_BYTES <= 227 * 1024, "GRAD_WEIGHT_STAGES: the ring and the st
 struct Params {
   CUtensorMap tm_rows;  // the per-slot operand [S, row_cols]: boxes of BK rows x ATOM columns
   // bf16 output by TMA: a 3-D map over out (per expert, so a partial tile is clipped at its expert's edge), boxes of
-  // one warpgroup's 64 rows (m) x ATOM columns (n), or, transposed, of 256 rows (n) x its 64 columns (m)
+  // 128 rows (m) x ATOM columns (n), or, transposed, of 256 rows (n) x ATOM columns (m)
   CUtensorMap tm_out;
   const __nv_bfloat16* rows;
   int64_t ld_rows;
@@ -82,11 +82,6 @@ struct Params {
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// bar.sync on named barrier `id` (1: the producer warps; 2, 3: one consumer warpgroup each) for `threads` threads.
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
 // Slot rows [0, BK) of one operand's stage tile, W columns from col0 (W / ATOM atoms of BK rows x 128 bytes, 128B
 // swizzle: what a TMA box of ATOM columns writes), by the 128 producer threads: W / 8 consecutive lanes copy one row's
 // W columns (whole 32-byte sectors per instruction), pass i of thread tid covers tile row tid / (W / 8) + i * 1024 / W.
@@ -300,55 +295,53 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
         }
       }
     } else {
-      // bf16: each warpgroup writes its 64 rows of the tile into its own half of the staging area (4-byte stores,
-      // 8 rows x 16 bytes per warp instruction: conflict-free through the swizzle) and its first thread stores that
-      // half by TMA. The warpgroups never wait for each other here, so one's epilogue overlaps the other's next
-      // mainloop (as far as the ring lets one run ahead); the half's previous stores have read it before it is
-      // rewritten.
-      const uint32_t half = staging + wg * (STAGING_BYTES / 2);
-      const bool storer = ctid == 0;
+      // bf16: the tile into the staging boxes (4-byte stores, 8 rows x 16 bytes per warp instruction: conflict-free
+      // through the swizzle), then one thread stores them by TMA; the previous tile's stores have read the staging
+      // boxes before anyone rewrites them
+      const bool storer = threadIdx.x == 128;
       if (storer) bulk_wait_read<0>();
-      named_barrier_sync(2 + wg, 128);  // this warpgroup only
+      asm volatile("bar.sync 2, 256;\n" ::: "memory");  // the consumer warps only
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int r = warp * 16 + (lane >> 2) + 8 * h;  // the row within the warpgroup's 64
+        const int m = m_local + 8 * h;
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
           const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];  // C[m][n], C[m][n + 1], n = 8 j + 2 quad
           uint32_t at;
           __nv_bfloat162 pair;
           if constexpr (kTransposeOut) {
-            // C^T: one box of 256 n rows x 64 m columns; lanes 4 apart hold rows m and m + 1 and swap one value, so
-            // the even one writes C[m..m+1][n] and the odd one C[m-1..m][n+1]
+            // C^T: boxes of 256 n rows x 64 m columns (m / 64 = wg); lanes 4 apart hold rows m and m + 1 and swap
+            // one value, so the even one writes C[m..m+1][n] and the odd one C[m-1..m][n+1]
             const bool odd = (lane >> 2) & 1;
             const float other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
-            const int row_n = 8 * j + 2 * quad + (odd ? 1 : 0), col_m = r - (odd ? 1 : 0);
-            at = swz(row_n, col_m / 8) + (col_m % 8) * 2;
+            const int row_n = 8 * j + 2 * quad + (odd ? 1 : 0), col_m = (m & 63) - (odd ? 1 : 0);
+            at = wg * (BN * 128) + swz(row_n, col_m / 8) + (col_m % 8) * 2;
             pair = odd ? __floats2bfloat162_rn(other, v1) : __floats2bfloat162_rn(v0, other);
           } else {
-            // C: boxes of 64 m rows x 64 n columns (n / 64 = j / 8)
-            at = (j / 8) * (64 * 128) + swz(r, j % 8) + quad * 4;
+            // C: boxes of 128 m rows x 64 n columns (n / 64 = j / 8)
+            at = (j / 8) * (BM * 128) + swz(m, j % 8) + quad * 4;
             pair = __floats2bfloat162_rn(v0, v1);
           }
-          *reinterpret_cast<__nv_bfloat162*>(gbase + (half - base) + at) = pair;
+          *reinterpret_cast<__nv_bfloat162*>(gbase + (staging - base) + at) = pair;
         }
       }
       fence_proxy_async();  // the TMA store reads the boxes through the async proxy
-      named_barrier_sync(2 + wg, 128);
-      const int m0 = m_tile * BM + wg * 64;
-      if (storer && m0 < p.m_total) {
+      asm volatile("bar.sync 2, 256;\n" ::: "memory");
+      if (storer) {
         if constexpr (kTransposeOut) {
-          tma_store_3d(&p.tm_out, half, m0, n_tile * BN, expert);
+          for (int q = 0; q < BM / ATOM; ++q)
+            if (m_tile * BM + q * ATOM < p.m_total)
+              tma_store_3d(&p.tm_out, staging + q * (BN * 128), m_tile * BM + q * ATOM, n_tile * BN, expert);
         } else {
           for (int q = 0; q < BN / ATOM; ++q)
             if (n_tile * BN + q * ATOM < p.n_total)
-              tma_store_3d(&p.tm_out, half + q * (64 * 128), n_tile * BN + q * ATOM, m0, expert);
+              tma_store_3d(&p.tm_out, staging + q * (BM * 128), n_tile * BN + q * ATOM, m_tile * BM, expert);
         }
+        bulk_commit();
       }
-      if (storer) bulk_commit();
     }
   }
-  if (ctid == 0) bulk_wait<0>();  // the warpgroup's last stores have landed before the CTA leaves
+  if (threadIdx.x == 128) bulk_wait<0>();  // the last tile's stores have landed before the CTA leaves
 #else
   __trap();  // compiled for an arch other than sm_90a: the host side never launches it there
 #endif
@@ -403,7 +396,7 @@ at::Tensor moe_grad_weight_cuda(const at::Tensor& rows_in, const at::Tensor& sou
   if (!fp32) {  // C, or C^T for dW1 / dW3: (E, rows, cols) with boxes of a tile's rows x 64 columns
     const int64_t rows = source_major ? s.K : s.N, cols = source_major ? s.N : s.K;
     const int rc_out = prime_kernels::make_tmap_3d(&p.tm_out, p.out, s.E, rows, cols, cols, rows * cols,
-                                                   source_major ? gw::BM / 2 : gw::BN, gw::ATOM);
+                                                   source_major ? gw::BM : gw::BN, gw::ATOM);
     TORCH_CHECK(rc_out == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for the output (CUresult ", rc_out, ")");
   }
   p.m_total = static_cast<int>(m_total);
