@@ -81,14 +81,7 @@ constexpr int WG_M = 64, WG_N = BN;  // one consumer warpgroup's half of the til
 constexpr int CONSUMERS = BM / WG_M;
 constexpr int NUM_THREADS = 128 * (1 + CONSUMERS);
 constexpr int CONSUMER_WARPS = 4 * CONSUMERS;
-// Registers: the CTA holds what it was launched with (NUM_THREADS x LAUNCH_REGS of the 64 K register file) and
-// setmaxnreg only moves registers within it: the consumers' increase must fit in what the producer gives back, or it
-// waits forever.
-constexpr int LAUNCH_REGS = 65536 / NUM_THREADS / 8 * 8;
-// Producer 56: its per-tile set-up (routing rows, gathered row addresses) spilled at 48 (gate/up).
-constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
-static_assert(128 * (PRODUCER_REGS + CONSUMERS * CONSUMER_REGS) <= NUM_THREADS * LAUNCH_REGS,
-              "setmaxnreg: the consumers' registers must come from the producer's");
+static_assert(CONSUMERS == 2, "the register split of sm90_common.cuh (kProducerRegs, kConsumerRegs) is for 384 threads");
 constexpr int A_BYTES = BM * BK;
 constexpr int B_BYTES = BN * BK;
 constexpr int FA_BYTES = BM * KB * 4;  // fp32 x scales [row][kb]
@@ -221,7 +214,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {  // ------------------------------- producer -------------------------------
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
+    producer_registers();
     const int tid = threadIdx.x;
     const int c = tid & 7, r0 = tid >> 3;
     // this thread's own (landed) scale bytes of stage s -> fp32 tables, and whether the stage's tile shares one
@@ -314,7 +307,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_mxfp8_kernel(const __grid_
     });
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
+  consumer_registers();
 
   // ------------------------------- consumers -------------------------------
   const int wg = warpgroup - 1;

@@ -276,7 +276,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {  // ------------------------------- producer -------------------------------
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
+    producer_registers();
     static_assert(BM == 128, "one routing row per producer thread");
     const int c = threadIdx.x & 7;    // 16-byte chunk of the 128-byte K slice
     const int r0 = threadIdx.x >> 3;  // rows r0 + 16 i
@@ -366,11 +366,10 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       }
       ks = (ks + p.k_tiles) % (2 * STAGES);
     }
-    cp_async_commit();  // the thread leaves once its last copies have landed
-    cp_async_wait<0>();
+    drain_cp_async();
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
+  consumer_registers();
 
   // ------------------------------- consumers -------------------------------
   const int wg = warpgroup - 1;

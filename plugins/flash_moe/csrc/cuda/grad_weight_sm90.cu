@@ -161,7 +161,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {  // ------------------------------- producer -------------------------------
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
+    producer_registers();
     const int tid = threadIdx.x;
     uint32_t ks = 0;  // k steps issued over all earlier tiles, modulo 2 STAGES (the ring runs on across tiles)
     for (int i = 0;; ++i) {
@@ -219,11 +219,10 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
       }
       ks = (ks + k_steps) % (2 * STAGES);
     }
-    cp_async_commit();  // the thread leaves once its last copies have landed
-    cp_async_wait<0>();
+    drain_cp_async();
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
+  consumer_registers();
 
   // ------------------------------- consumers -------------------------------
   const int wg = warpgroup - 1;

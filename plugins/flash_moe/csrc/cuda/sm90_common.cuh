@@ -87,11 +87,32 @@ inline void expert_weight_map(const char* op, const char* name, CUtensorMap* map
   TORCH_CHECK(rc == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for ", name, " (CUresult ", rc, ")");
 }
 
+// Registers of the warp-specialised GEMM CTAs (one producer warpgroup and two consumer warpgroups: 384 threads). A CTA
+// holds what it was launched with (384 x 168 of the 64 K register file) and setmaxnreg only moves registers within
+// it: the consumers' increase must fit in what the producer gives back, or it waits forever. Producer 56: its per-tile
+// set-up (routing rows, gathered row addresses) spilled at 48 (the mxfp8 gate/up kernel); consumers 224: a 64 x 256
+// (bf16) or two 64 x 128 (mxfp8) fp32 accumulators and their operands.
+constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+static_assert(128 * (kProducerRegs + 2 * kConsumerRegs) <= 384 * (65536 / 384 / 8 * 8),
+              "setmaxnreg: the consumers' registers must come from the producer's");
+
 // A stage is full once each of the 128 producer threads has arrived (its A copies landed) and thread 0's expect_tx
 // arrival has seen the B tile's TMA bytes: both GEMM kernels (bf16 and mxfp8) fill their stages this way.
 constexpr int kFullArrivals = 128 + 1;
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void producer_registers() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+}
+__device__ __forceinline__ void consumer_registers() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+}
+// A producer thread's end: it leaves once its last cp.async copies have landed.
+__device__ __forceinline__ void drain_cp_async() {
+  cp_async_commit();
+  cp_async_wait<0>();
+}
+
 // MN-major (N contiguous) operand tile with 128-byte swizzle, the layout a TMA box of 64 N elements x K rows writes:
 // each K row is 128 bytes (64 bf16 of N), 8-row K groups 1024 bytes apart (SBO), 64-wide N atoms `atom_bytes` apart
 // (LBO). The K-major descriptor is core's smem_desc.
