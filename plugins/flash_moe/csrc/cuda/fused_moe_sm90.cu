@@ -67,7 +67,7 @@ constexpr int BN_DOWN = FLASH_MOE_BLOCK_N_DOWN;
 constexpr int BK = FLASH_MOE_BLOCK_K;
 constexpr int STAGES = FLASH_MOE_STAGES;
 constexpr int CLUSTER_BLOCKS = FLASH_MOE_CLUSTER_BLOCKS;
-constexpr int BN = 256;  // wgmma N of both kernels
+constexpr int BN = WGMMA_N;
 static_assert(BM == 128, "BLOCK_M must be 128 (two consumer warpgroups of wgmma m64)");
 static_assert(2 * BN_GU == BN && BN_DOWN == BN, "BLOCK_N_GATE_UP must be 128 and BLOCK_N_DOWN 256 (m64n256k16)");
 static_assert(BK == 64, "BLOCK_K must be 64 (one 128-byte swizzle row of bf16)");
@@ -100,7 +100,6 @@ constexpr bool persistent_mode(int mode) {
   return mode == DOWN_ATOMIC || mode == DOWN_SLOTS || mode == DX_ATOMIC || mode == DX_SLOTS || mode == DH_SWIGLU;
 }
 // The backward's N-major B tiles: atoms of 64 columns (128 bytes of bf16, the 128-byte swizzle's row), a TMA box each.
-constexpr int MN_ATOM = 64;
 constexpr int MN_ATOMS = BN / MN_ATOM;
 
 struct Params {
@@ -500,12 +499,6 @@ void launch(const Params& p, int n_tiles, int64_t blocks, cudaStream_t stream) {
 
 namespace {
 
-void check_cuda_operand(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.is_cuda(), op, " (CUDA): ", name, " must be a CUDA tensor, got ", t.device());
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0, op, " (CUDA): ", name,
-              " must be 16-byte aligned (cp.async), got data pointer ", t.const_data_ptr());
-}
-
 void weight_map(const char* op, const char* name, CUtensorMap* map, const at::Tensor& w, int64_t rows, int64_t K) {
   sm90::expert_weight_map(op, name, map, w, rows, K, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, sm90::B_BOX_ROWS, sm90::BK);
 }
@@ -524,7 +517,7 @@ sm90::Params gate_up_params(const char* op, const at::Tensor& x_in, const at::Te
   }
   for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"x", &x}, {"gate weight", &gate},
                          {"up weight", &up}}) {
-    check_cuda_operand(op, name, *t);
+    sm90::check_cuda_operand(op, name, *t);
   }
   keep = {x, gate, up, sorted.contiguous(), eids.contiguous()};
   sm90::Params p{};
@@ -575,7 +568,7 @@ void run(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::
   std::vector<at::Tensor> keep;
   sm90::Params p = gate_up_params(op, x, gate, up, sorted, eids, ntpp, s, keep);
   const auto w2 = w2_in.contiguous();
-  check_cuda_operand(op, "w2", w2);
+  sm90::check_cuda_operand(op, "w2", w2);
   const auto tw = topk_weights.contiguous();
   if (mode == sm90::DOWN_ATOMIC) {
     result = at::zeros({s.M, s.dim}, x.options().dtype(at::kFloat));
@@ -657,7 +650,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda
   if (w2.stride(2) != 1 || w2.stride(1) % 8 != 0 || w2.stride(0) % w2.stride(1) != 0) w2 = w2.contiguous();
   for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"grad_out", &go}, {"w2", &w2},
                          {"gate_up", &gu}}) {
-    check_cuda_operand(op, name, *t);
+    sm90::check_cuda_operand(op, name, *t);
   }
   const auto sorted = sorted_token_ids.contiguous(), eids = expert_ids.contiguous();
   const int64_t slots = s.M * s.top_k;
@@ -724,7 +717,7 @@ at::Tensor moe_grad_x_cuda(const at::Tensor& grad_gate, const at::Tensor& grad_u
   }
   for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"grad_gate", &dg}, {"grad_up", &du},
                          {"w1", &w1}, {"w3", &w3}}) {
-    check_cuda_operand(op, name, *t);
+    sm90::check_cuda_operand(op, name, *t);
   }
   const auto sorted = sorted_token_ids.contiguous(), eids = expert_ids.contiguous();
   // per slot: the combine reads the routed slots' rows only, all of which the kernel writes

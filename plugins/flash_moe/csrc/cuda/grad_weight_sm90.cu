@@ -41,11 +41,10 @@ namespace sm90 {
 namespace grad_weight {
 
 constexpr int BM = FLASH_MOE_BLOCK_M;  // M rows per tile: two consumer warpgroups of wgmma m64
-constexpr int BN = 256;                // wgmma N
+constexpr int BN = WGMMA_N;
 constexpr int BK = FLASH_MOE_BLOCK_K;  // slots per pipeline stage
 constexpr int STAGES = FLASH_MOE_GRAD_WEIGHT_STAGES;
 static_assert(BM == 128 && BK == 64, "BLOCK_M must be 128 and BLOCK_K 64 (64-row MN-major swizzle atoms)");
-constexpr int ATOM = 64;                   // MN columns per 128-byte swizzle row (and per TMA box)
 constexpr int ATOM_BYTES = BK * 128;       // one atom: BK slot rows of 128 bytes
 constexpr int A_BYTES = BM * BK * 2;
 constexpr int B_BYTES = BN * BK * 2;
@@ -60,9 +59,9 @@ constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + S
 static_assert(SMEM_BYTES <= 227 * 1024, "GRAD_WEIGHT_STAGES: the ring and the staging tile exceed shared memory");
 
 struct Params {
-  CUtensorMap tm_rows;  // the per-slot operand [S, row_cols]: boxes of BK rows x ATOM columns
+  CUtensorMap tm_rows;  // the per-slot operand [S, row_cols]: boxes of BK rows x MN_ATOM columns
   // bf16 output by TMA: a 3-D map over out (per expert, so a partial tile is clipped at its expert's edge), boxes of
-  // 128 rows (m) x ATOM columns (n), or, transposed, of 256 rows (n) x ATOM columns (m)
+  // 128 rows (m) x MN_ATOM columns (n), or, transposed, of 256 rows (n) x MN_ATOM columns (m)
   CUtensorMap tm_out;
   const __nv_bfloat16* rows;
   int64_t ld_rows;
@@ -82,9 +81,10 @@ struct Params {
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Slot rows [0, BK) of one operand's stage tile, W columns from col0 (W / ATOM atoms of BK rows x 128 bytes, 128B
-// swizzle: what a TMA box of ATOM columns writes), by the 128 producer threads: W / 8 consecutive lanes copy one row's
-// W columns (whole 32-byte sectors per instruction), pass i of thread tid covers tile row tid / (W / 8) + i * 1024 / W.
+// Slot rows [0, BK) of one operand's stage tile, W columns from col0 (W / MN_ATOM atoms of BK rows x 128 bytes,
+// 128B swizzle: what a TMA box of MN_ATOM columns writes), by the 128 producer threads: W / 8 consecutive lanes copy
+// one row's W columns (whole 32-byte sectors per instruction), pass i of thread tid covers tile row
+// tid / (W / 8) + i * 1024 / W.
 // Pass i's row is row row_of(i) of `src` (row stride ld), -1 for zeros; columns past n_cols are zeros.
 template <int W>
 struct RowsMN {
@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
             mbar_expect_tx(full_bar(stage), RowsTile::kChunks * 16 * BK);
 #pragma unroll
             for (int q = 0; q < RowsTile::kChunks / 8; ++q)
-              tma_load_2d(rows_tile + q * ATOM_BYTES, &p.tm_rows, full_bar(stage), rows_col0 + q * ATOM, row0);
+              tma_load_2d(rows_tile + q * ATOM_BYTES, &p.tm_rows, full_bar(stage), rows_col0 + q * MN_ATOM, row0);
           }
         } else {  // the expert's last K step: rows past it zero-filled
           if (tid == 0) mbar_arrive(full_bar(stage));
@@ -328,13 +328,13 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
       asm volatile("bar.sync 2, 256;\n" ::: "memory");
       if (storer) {
         if constexpr (kTransposeOut) {
-          for (int q = 0; q < BM / ATOM; ++q)
-            if (m_tile * BM + q * ATOM < p.m_total)
-              tma_store_3d(&p.tm_out, staging + q * (BN * 128), m_tile * BM + q * ATOM, n_tile * BN, expert);
+          for (int q = 0; q < BM / MN_ATOM; ++q)
+            if (m_tile * BM + q * MN_ATOM < p.m_total)
+              tma_store_3d(&p.tm_out, staging + q * (BN * 128), m_tile * BM + q * MN_ATOM, n_tile * BN, expert);
         } else {
-          for (int q = 0; q < BN / ATOM; ++q)
-            if (n_tile * BN + q * ATOM < p.n_total)
-              tma_store_3d(&p.tm_out, staging + q * (BM * 128), n_tile * BN + q * ATOM, m_tile * BM, expert);
+          for (int q = 0; q < BN / MN_ATOM; ++q)
+            if (n_tile * BN + q * MN_ATOM < p.n_total)
+              tma_store_3d(&p.tm_out, staging + q * (BM * 128), n_tile * BN + q * MN_ATOM, m_tile * BM, expert);
         }
         bulk_commit();
       }
@@ -368,10 +368,8 @@ at::Tensor moe_grad_weight_cuda(const at::Tensor& rows_in, const at::Tensor& sou
   // rows read in place when TMA can (unit column stride, 16-byte row stride)
   const auto rows = rows_in.stride(1) == 1 && rows_in.stride(0) % 8 == 0 ? rows_in : rows_in.contiguous();
   const auto source = source_in.stride(1) == 1 && source_in.stride(0) % 8 == 0 ? source_in : source_in.contiguous();
-  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"rows", &rows}, {"source", &source}}) {
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 16 == 0, op, " (CUDA): ", name,
-                " must be 16-byte aligned (TMA, cp.async), got data pointer ", t->const_data_ptr());
-  }
+  sm90::check_cuda_operand(op, "rows", rows);
+  sm90::check_cuda_operand(op, "source", source);
   const auto tokens = row_token.contiguous(), ends = expert_ends.contiguous();
   const int64_t m_total = s.K, n_total = s.N;
   auto out = at::empty(source_major ? at::IntArrayRef{s.E, s.K, s.N} : at::IntArrayRef{s.E, s.N, s.K},
@@ -379,7 +377,7 @@ at::Tensor moe_grad_weight_cuda(const at::Tensor& rows_in, const at::Tensor& sou
   if (s.S == 0 || m_total == 0 || n_total == 0) return out.zero_();  // no slot rows (the kernel needs a TMA map)
   gw::Params p{};
   const int rc = prime_kernels::make_tmap_2d(&p.tm_rows, rows.const_data_ptr(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, s.S,
-                                             s.N, rows.stride(0), gw::BK, gw::ATOM);
+                                             s.N, rows.stride(0), gw::BK, sm90::MN_ATOM);
   TORCH_CHECK(rc == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for rows (CUresult ", rc, ")");
   p.rows = reinterpret_cast<const __nv_bfloat16*>(rows.const_data_ptr());
   p.ld_rows = rows.stride(0);
@@ -395,7 +393,7 @@ at::Tensor moe_grad_weight_cuda(const at::Tensor& rows_in, const at::Tensor& sou
   if (!fp32) {  // C, or C^T for dW1 / dW3: (E, rows, cols) with boxes of a tile's rows x 64 columns
     const int64_t rows = source_major ? s.K : s.N, cols = source_major ? s.N : s.K;
     const int rc_out = prime_kernels::make_tmap_3d(&p.tm_out, p.out, s.E, rows, cols, cols, rows * cols,
-                                                   source_major ? gw::BM : gw::BN, gw::ATOM);
+                                                   source_major ? gw::BM : gw::BN, sm90::MN_ATOM);
     TORCH_CHECK(rc_out == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for the output (CUresult ", rc_out, ")");
   }
   p.m_total = static_cast<int>(m_total);

@@ -87,6 +87,18 @@ inline void expert_weight_map(const char* op, const char* name, CUtensorMap* map
   TORCH_CHECK(rc == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for ", name, " (CUresult ", rc, ")");
 }
 
+// The N of the bf16 kernels' wgmma (m64n256k16), and the columns of one 128-byte swizzle row of bf16 (an MN-major
+// atom of smem_desc_mn's layout, one TMA box wide).
+constexpr int WGMMA_N = 256;
+constexpr int MN_ATOM = 64;
+
+// A tensor the kernels read by cp.async or TMA: on the GPU, 16-byte aligned.
+inline void check_cuda_operand(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.is_cuda(), op, " (CUDA): ", name, " must be a CUDA tensor, got ", t.device());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0, op, " (CUDA): ", name,
+              " must be 16-byte aligned (cp.async, TMA), got data pointer ", t.const_data_ptr());
+}
+
 // Registers of the warp-specialised GEMM CTAs (one producer warpgroup and two consumer warpgroups: 384 threads). A CTA
 // holds what it was launched with (384 x 168 of the 64 K register file) and setmaxnreg only moves registers within
 // it: the consumers' increase must fit in what the producer gives back, or it waits forever. Producer 56: its per-tile
