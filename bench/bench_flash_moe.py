@@ -150,7 +150,7 @@ def bench_weight_grad_paths(ops, name, T, E, k, dim, hidden, rounds=3):
     go = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
     leaves = [p[i] for i in (0, 1, 2, 3, 5)]
     saved = {key: ops.CONSTANTS[key] for key in ("FUSED_DW_MIN_SLOTS", "FUSED_DW_MAX_HIDDEN")}
-    times, kernels = {"grouped": [], "fused": []}, {}
+    times, by_operator = {"grouped": [], "fused": []}, {}
 
     def use(path):
         ops.CONSTANTS.update(FUSED_DW_MIN_SLOTS=0 if path == "fused" else 2**40, FUSED_DW_MAX_HIDDEN=2**40)
@@ -173,12 +173,12 @@ def bench_weight_grad_paths(ops, name, T, E, k, dim, hidden, rounds=3):
             # by the operator that launched each kernel (its self device time): which op a copy or a gather serves
             events = [(getattr(e, "self_device_time_total", 0) / 1e3, e.key) for e in prof.key_averages()
                       if e.key.startswith(("aten::", "flash_moe::"))]
-            kernels[path] = sorted(events, reverse=True)[:10]
+            by_operator[path] = sorted(events, reverse=True)[:10]
     finally:
         ops.CONSTANTS.update(saved)
     print(f"  {name:22s} forward+backward by weight-gradient path (ms, {rounds} alternating rounds): "
           + "; ".join(f"{path} {' / '.join(f'{ms:.3f}' for ms in v)}" for path, v in times.items()))
-    for path, top in kernels.items():
+    for path, top in by_operator.items():
         print(f"    {path} backward, device time by operator (ms): " + "; ".join(f"{key} {ms:.3f}" for ms, key in top))
     del p, go, leaves
     free()
