@@ -24,7 +24,7 @@ import argparse
 import json
 
 import torch
-from common import CEILING_WARMUP_MS, do_bench, free, matmul_ceiling, peak_extra
+from common import CEILING_WARMUP_MS, do_bench, free, gpu_timeline, matmul_ceiling, peak_extra, sampled_clocks
 
 # (name, T, E, top_k, dim, hidden)
 SHAPES = [
@@ -143,25 +143,35 @@ def bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling):
 
 def bench_weight_grad_paths(ops, name, T, E, k, dim, hidden, rounds=3):
     """moe() forward+backward through each weight-gradient path (gathers + grouped GEMMs, or moe_grad_weight: the
-    FUSED_DW_* rule switched in this process), alternating over rounds, then one backward of each under
-    torch.profiler (device time by the operator that launched it): the end-to-end check of what --parts times alone,
-    and where the difference goes."""
+    FUSED_DW_* rule switched in this process), alternating over rounds with the SM clock and power sampled, then per
+    path a GPU timeline of a few calls (busy vs idle, the kernels, the longest gaps and whether the host was late) and
+    one backward's device time by the operator that launched it: the end-to-end check of what --parts times alone."""
     p = problem(T, E, k, dim, hidden, grad=True)
     go = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
     leaves = [p[i] for i in (0, 1, 2, 3, 5)]
     saved = {key: ops.CONSTANTS[key] for key in ("FUSED_DW_MIN_SLOTS", "FUSED_DW_MAX_HIDDEN")}
-    times, by_operator = {"grouped": [], "fused": []}, {}
+    times, clocks, timelines, by_operator = {"grouped": [], "fused": []}, {"grouped": [], "fused": []}, {}, {}
+    l2_flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")  # as do_bench does between calls
 
     def use(path):
         ops.CONSTANTS.update(FUSED_DW_MIN_SLOTS=0 if path == "fused" else 2**40, FUSED_DW_MAX_HIDDEN=2**40)
+
+    def step():
+        l2_flush.zero_()
+        for t in leaves:
+            t.grad = None
+        ops.moe(*p).backward(go)
 
     try:
         for _ in range(rounds):
             for path in times:
                 use(path)
-                times[path].append(do_bench(lambda: ops.moe(*p).backward(go), grad_to_none=leaves))
+                ms, mhz, watts = sampled_clocks(lambda: do_bench(lambda: ops.moe(*p).backward(go), grad_to_none=leaves))
+                times[path].append(ms)
+                clocks[path].append((mhz, watts))
         for path in times:
             use(path)
+            timelines[path] = gpu_timeline(step)
             out = ops.moe(*p)
             torch.cuda.synchronize()
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -176,13 +186,24 @@ def bench_weight_grad_paths(ops, name, T, E, k, dim, hidden, rounds=3):
             by_operator[path] = sorted(events, reverse=True)[:10]
     finally:
         ops.CONSTANTS.update(saved)
-    print(f"  {name:22s} forward+backward by weight-gradient path (ms, {rounds} alternating rounds): "
-          + "; ".join(f"{path} {' / '.join(f'{ms:.3f}' for ms in v)}" for path, v in times.items()))
+    print(f"  {name:22s} forward+backward by weight-gradient path (ms [SM MHz, W], {rounds} alternating rounds): "
+          + "; ".join(f"{path} " + " / ".join(f"{ms:.3f} [{mhz}, {watts and round(watts)}]"
+                                              for ms, (mhz, watts) in zip(v, clocks[path]))
+                      for path, v in times.items()))
+    for path, line in timelines.items():
+        print(f"    {path} timeline per call (L2 flush included): span {line['span_ms']:.3f} ms, busy "
+              f"{line['busy_ms']:.3f}, idle {line['idle_ms']:.3f}; kernels (ms) "
+              + "; ".join(f"{key} {ms:.3f}" for key, ms in line["kernels_ms"].items()))
+        print(f"    {path} longest gaps: " + "; ".join(
+            f"{g['ms']:.3f} ms after {g['after']} before {g['before']} (host late {g['cpu_late_ms']:.3f})"
+            for g in line["gaps"]))
     for path, top in by_operator.items():
         print(f"    {path} backward, device time by operator (ms): " + "; ".join(f"{key} {ms:.3f}" for ms, key in top))
-    del p, go, leaves
+    del p, go, leaves, l2_flush
     free()
-    return {"shape": name, **{f"{path}_fwd_bwd_ms": v for path, v in times.items()}}
+    return {"shape": name, **{f"{path}_fwd_bwd_ms": v for path, v in times.items()},
+            **{f"{path}_clocks_mhz_w": v for path, v in clocks.items()},
+            **{f"{path}_timeline": v for path, v in timelines.items()}}
 
 
 def problem(T, E, k, dim, hidden, grad=False):

@@ -47,3 +47,81 @@ def matmul_ceiling() -> float:
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms = do_bench(lambda: a @ b, warmup=CEILING_WARMUP_MS, rep=200)
     return 2 * 8192**3 / (ms * 1e-3)
+
+
+def gpu_timeline(fn, iters: int = 5, top: int = 6) -> dict:
+    """Where the GPU's time goes over ``iters`` calls of ``fn`` under torch.profiler (one trace): per call, the span
+    from the first kernel's start to the last one's end, the time some kernel, memset or copy ran (busy) and the
+    rest (idle); the kernels with the most time; the longest idle gaps, each with the kernel before and after it and
+    how long after the gap opened the CPU finished launching the one after (``cpu_late_ms`` > 0: the GPU waited for the
+    host)."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        return timeline_of(json.load(open(f.name))["traceEvents"], iters, top)
+
+
+def timeline_of(events: list, iters: int, top: int) -> dict:
+    """gpu_timeline's summary of a chrome trace's events (trace microseconds in, milliseconds per call out)."""
+    device = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
+                    key=lambda e: e["ts"])
+    launch_end = {e["args"]["correlation"]: e["ts"] + e["dur"] for e in events
+                  if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    busy, gaps, by_name = 0.0, [], {}
+    end, previous = device[0]["ts"], device[0]["name"]
+    for e in device:
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        if start > end:
+            late = launch_end.get(e["args"].get("correlation"), start) - end
+            gaps.append((start - end, previous, e["name"], late))
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, previous = stop, e["name"]
+        by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"]
+    span = end - device[0]["ts"]
+    ms = 1e-3 / iters  # trace microseconds over the whole trace -> milliseconds per call
+    return {"span_ms": span * ms, "busy_ms": busy * ms, "idle_ms": (span - busy) * ms,
+            "kernels_ms": {name[:90]: t * ms for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]},
+            "gaps": [{"ms": g / 1e3, "after": a[:60], "before": b[:60], "cpu_late_ms": late / 1e3}
+                     for g, a, b, late in sorted(gaps, reverse=True)[:top]]}
+
+
+def sampled_clocks(fn) -> tuple:
+    """``fn()``'s result and this GPU's median SM clock (MHz) and mean power (W), sampled by nvidia-smi every 50 ms
+    while it ran (None, None without nvidia-smi): same-run ratios can only be trusted between equal clocks."""
+    import shutil
+    import statistics
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return fn(), None, None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    ours = f"{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+    sampler = subprocess.Popen(["nvidia-smi", "--query-gpu=pci.bus_id,clocks.sm,power.draw",
+                                "--format=csv,noheader,nounits", "-lms", "50"],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        result = fn()
+    finally:
+        sampler.terminate()
+        lines = [line.split(",") for line in sampler.communicate()[0].splitlines() if line.count(",") == 2]
+    samples = []
+    for bus_id, clock, power in lines:
+        try:
+            if bus_id.strip().upper().endswith(ours):
+                samples.append((float(clock), float(power)))
+        except ValueError:  # "[N/A]" where the driver does not report it
+            continue
+    if not samples:
+        return result, None, None
+    return result, statistics.median(s[0] for s in samples), statistics.fmean(s[1] for s in samples)
