@@ -5,6 +5,7 @@
     python bench/bench_flash_moe.py [--json PATH] [--quick] [--mxfp8-only] [--no-mxfp8] [--shapes NAME,NAME]
     python bench/bench_flash_moe.py --sonicmoe --no-mxfp8 [--shapes NAME,NAME]   (peer wheels: scripts/peer_wheels.sh)
     python bench/bench_flash_moe.py --weight-grad-paths --no-mxfp8 [--shapes NAME,NAME]
+    python bench/bench_flash_moe.py --timeline --no-mxfp8 [--shapes NAME,NAME]
 
 Timing: triton.testing.do_bench median. FLOPs = 2 T k dim 2 hidden + 2 T k hidden dim (forward); forward+backward
 counts 3x that (``recompute_gate_up=True``'s recomputed gate/up not counted). The backward alone (autograd.grad on a
@@ -172,6 +173,8 @@ def bench_weight_grad_paths(ops, name, T, E, k, dim, hidden, rounds=3):
         for path in times:
             use(path)
             timelines[path] = gpu_timeline(step)
+            for t in leaves:  # else the profiled backward adds into the last step's gradients (call 9's "0.869 ms")
+                t.grad = None
             out = ops.moe(*p)
             torch.cuda.synchronize()
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -191,12 +194,7 @@ def bench_weight_grad_paths(ops, name, T, E, k, dim, hidden, rounds=3):
                                               for ms, (mhz, watts) in zip(v, clocks[path]))
                       for path, v in times.items()))
     for path, line in timelines.items():
-        print(f"    {path} timeline per call (L2 flush included): span {line['span_ms']:.3f} ms, busy "
-              f"{line['busy_ms']:.3f}, idle {line['idle_ms']:.3f}; kernels (ms) "
-              + "; ".join(f"{key} {ms:.3f}" for key, ms in line["kernels_ms"].items()))
-        print(f"    {path} longest gaps: " + "; ".join(
-            f"{g['ms']:.3f} ms after {g['after']} before {g['before']} (host late {g['cpu_late_ms']:.3f})"
-            for g in line["gaps"]))
+        print_timeline(f"{path} (L2 flush included)", line)
     for path, top in by_operator.items():
         print(f"    {path} backward, device time by operator (ms): " + "; ".join(f"{key} {ms:.3f}" for ms, key in top))
     del p, go, leaves, l2_flush
@@ -204,6 +202,41 @@ def bench_weight_grad_paths(ops, name, T, E, k, dim, hidden, rounds=3):
     return {"shape": name, **{f"{path}_fwd_bwd_ms": v for path, v in times.items()},
             **{f"{path}_clocks_mhz_w": v for path, v in clocks.items()},
             **{f"{path}_timeline": v for path, v in timelines.items()}}
+
+
+def print_timeline(label, line):
+    print(f"    {label} timeline per call: span {line['span_ms']:.3f} ms, busy {line['busy_ms']:.3f}, idle "
+          f"{line['idle_ms']:.3f}, host {line['host_ms']:.3f} unprofiled; kernels (ms) "
+          + "; ".join(f"{key} {ms:.3f}" for key, ms in line["kernels_ms"].items()))
+    print("      runtime calls (ms): " + "; ".join(f"{key} {ms:.3f}" for key, ms in line["runtime_ms"].items()))
+    print("      longest gaps: " + "; ".join(
+        f"{g['ms']:.3f} ms after {g['after']} before {g['before']} (host late {g['cpu_late_ms']:.3f})"
+        for g in line["gaps"]))
+
+
+def bench_timelines(ops, name, T, E, k, dim, hidden):
+    """GPU timelines of forward+backward through moe() (default mode) and through the grouped-mm path: where each
+    one's time goes in place (kernels, idle, host), the in-situ companion of --parts."""
+    from prime_kernels_flash_moe.reference import moe_grouped_mm
+
+    p = problem(T, E, k, dim, hidden, grad=True)
+    go = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
+    leaves = [p[i] for i in (0, 1, 2, 3, 5)]
+    l2_flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    row = {"shape": name}
+    for label, fn in (("moe", ops.moe), ("grouped-mm", moe_grouped_mm)):
+        def step(fn=fn):
+            l2_flush.zero_()
+            for t in leaves:
+                t.grad = None
+            fn(*p).backward(go)
+
+        row[label] = gpu_timeline(step, top=12)
+        print(f"  {name}")
+        print_timeline(label, row[label])
+    del p, go, leaves, l2_flush
+    free()
+    return row
 
 
 def problem(T, E, k, dim, hidden, grad=False):
@@ -301,6 +334,8 @@ def main():
     parser.add_argument("--parts", action="store_true", help="time each piece of the backward alone first")
     parser.add_argument("--weight-grad-paths", action="store_true",
                         help="only forward+backward through each weight-gradient path, and their kernels")
+    parser.add_argument("--timeline", action="store_true",
+                        help="only GPU timelines of forward+backward, ours and the grouped-mm path's")
     parser.add_argument("--sonicmoe", action="store_true",
                         help="only SonicMoE against ours on the shapes (its first call compiles for minutes)")
     args = parser.parse_args()
@@ -323,12 +358,13 @@ def main():
             with open(args.json, "w") as f:
                 json.dump({"ceiling_tflops": ceiling / 1e12, "sonicmoe": rows}, f, indent=2)
         return
-    if args.weight_grad_paths:
-        rows = [bench_weight_grad_paths(ops, *shape) for shape in shapes]
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"ceiling_tflops": ceiling / 1e12, "weight_grad_paths": rows}, f, indent=2)
-        return
+    for flag, bench in (("weight_grad_paths", bench_weight_grad_paths), ("timeline", bench_timelines)):
+        if getattr(args, flag):
+            rows = [bench(ops, *shape) for shape in shapes]
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"ceiling_tflops": ceiling / 1e12, flag: rows}, f, indent=2)
+            return
     mxfp8_rows = [] if args.no_mxfp8 else bench_mxfp8(ops, fp8_peak, ceiling)
     for name, T, E, k, dim, hidden in shapes if args.parts else []:
         bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling)

@@ -52,15 +52,22 @@ def matmul_ceiling() -> float:
 def gpu_timeline(fn, iters: int = 5, top: int = 6) -> dict:
     """Where the GPU's time goes over ``iters`` calls of ``fn`` under torch.profiler (one trace): per call, the span
     from the first kernel's start to the last one's end, the time some kernel, memset or copy ran (busy) and the
-    rest (idle); the kernels with the most time; the longest idle gaps, each with the kernel before and after it and
+    rest (idle); the host's time per call unprofiled; the kernels and the CUDA runtime calls with the most time (a
+    blocking call shows here); the longest idle gaps, each with the kernel before and after it and
     how long after the gap opened the CPU finished launching the one after (``cpu_late_ms`` > 0: the GPU waited for the
     host)."""
     import json
     import tempfile
+    import time
 
     from torch.profiler import ProfilerActivity, profile
 
     fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    host = (time.perf_counter() - start) / iters  # the host's time per call, unprofiled, the GPU not waited for
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
@@ -68,7 +75,7 @@ def gpu_timeline(fn, iters: int = 5, top: int = 6) -> dict:
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        return timeline_of(json.load(open(f.name))["traceEvents"], iters, top)
+        return {"host_ms": host * 1e3, **timeline_of(json.load(open(f.name))["traceEvents"], iters, top)}
 
 
 def timeline_of(events: list, iters: int, top: int) -> dict:
@@ -89,9 +96,14 @@ def timeline_of(events: list, iters: int, top: int) -> dict:
             end, previous = stop, e["name"]
         by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"]
     span = end - device[0]["ts"]
+    runtime = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime":
+            runtime[e["name"]] = runtime.get(e["name"], 0.0) + e["dur"]
     ms = 1e-3 / iters  # trace microseconds over the whole trace -> milliseconds per call
     return {"span_ms": span * ms, "busy_ms": busy * ms, "idle_ms": (span - busy) * ms,
             "kernels_ms": {name[:90]: t * ms for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]},
+            "runtime_ms": {name: t * ms for name, t in sorted(runtime.items(), key=lambda kv: -kv[1])[:top]},
             "gaps": [{"ms": g / 1e3, "after": a[:60], "before": b[:60], "cpu_late_ms": late / 1e3}
                      for g, a, b, late in sorted(gaps, reverse=True)[:top]]}
 
