@@ -7,11 +7,13 @@
     python bench/bench_flash_moe.py --weight-grad-paths --no-mxfp8 [--shapes NAME,NAME]
     python bench/bench_flash_moe.py --timeline --no-mxfp8 [--shapes NAME,NAME]
 
-Timing: triton.testing.do_bench median. FLOPs = 2 T k dim 2 hidden + 2 T k hidden dim (forward); forward+backward
-counts 3x that (``recompute_gate_up=True``'s recomputed gate/up not counted). The backward alone (autograd.grad on a
-kept graph, both paths) is reported in model FLOPs (2x the forward's: the recomputation not counted, so the TFLOP/s
-of both paths compare). Peak memory: allocated at the peak of one forward+backward above the inputs (gradients
-included). Routing: uniform random top-k ids, softmax weights. ``sonicmoe-7b``: SonicMoE's fine-grained 7B shape.
+Timing: triton.testing.do_bench median; ours and the grouped-mm path timed in turns, the order reversed each round
+(``common.interleaved``: the H200 lowers its clocks at its power cap within a run). FLOPs = 2 T k dim 2 hidden + 2 T k
+hidden dim (forward); forward+backward counts 3x that (``recompute_gate_up=True``'s recomputed gate/up not counted).
+The backward alone (autograd.grad on a kept graph, both paths) is reported in model FLOPs (2x the forward's: the
+recomputation not counted, so the TFLOP/s of both paths compare). Peak memory: allocated at the peak of one
+forward+backward above the inputs (gradients included). Routing: uniform random top-k ids, softmax weights.
+``sonicmoe-7b``: SonicMoE's fine-grained 7B shape.
 
 mxfp8 rows (DeepSeek-V3 and Qwen3-30B-A3B): ``moe(mxfp8=True)`` forward (x quantized per call, weights cached;
 both with one exponent per 128 of K), the ``fused_moe_mxfp8`` op on pre-quantized operands with those shared
@@ -25,7 +27,8 @@ import argparse
 import json
 
 import torch
-from common import CEILING_WARMUP_MS, do_bench, free, gpu_timeline, matmul_ceiling, peak_extra, sampled_clocks
+from common import (CEILING_WARMUP_MS, do_bench, free, gpu_timeline, interleaved, matmul_ceiling, peak_extra,
+                    sampled_clocks)
 
 # (name, T, E, top_k, dim, hidden)
 SHAPES = [
@@ -373,9 +376,9 @@ def main():
         row = {"shape": name, "T": T, "E": E, "top_k": k, "dim": dim, "hidden": hidden}
         with torch.no_grad():
             p = problem(T, E, k, dim, hidden)
-            ours = do_bench(lambda: ops.moe(*p))
+            fwd = interleaved({"ours": lambda: ops.moe(*p), "peer": lambda: moe_grouped_mm(*p)})
+            ours, peer = fwd["ours"], fwd["peer"]
             det = do_bench(lambda: ops.moe(*p, deterministic=True))
-            peer = do_bench(lambda: moe_grouped_mm(*p))
             s, e, n = ops.moe_align(p[4], E)
             out = torch.empty_like(p[0])
             w = torch.cat([p[1], p[3]], 1)
@@ -390,12 +393,14 @@ def main():
             p = problem(T, E, k, dim, hidden, grad=True)
             go = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
             leaves = [p[i] for i in (0, 1, 2, 3, 5)]
-            fb = do_bench(lambda: ops.moe(*p).backward(go), grad_to_none=leaves)
-            fb_recompute = do_bench(lambda: ops.moe(*p, recompute_gate_up=True).backward(go), grad_to_none=leaves)
-            fb_peer = do_bench(lambda: moe_grouped_mm(*p).backward(go), grad_to_none=leaves)
+            fb_all = interleaved({"ours": lambda: ops.moe(*p).backward(go),
+                                  "recompute": lambda: ops.moe(*p, recompute_gate_up=True).backward(go),
+                                  "peer": lambda: moe_grouped_mm(*p).backward(go)}, grad_to_none=leaves)
+            fb, fb_recompute, fb_peer = fb_all["ours"], fb_all["recompute"], fb_all["peer"]
             out, out_peer = ops.moe(*p), moe_grouped_mm(*p)
-            bwd = do_bench(lambda: torch.autograd.grad(out, leaves, go, retain_graph=True))
-            bwd_peer = do_bench(lambda: torch.autograd.grad(out_peer, leaves, go, retain_graph=True))
+            bwd_all = interleaved({"ours": lambda: torch.autograd.grad(out, leaves, go, retain_graph=True),
+                                   "peer": lambda: torch.autograd.grad(out_peer, leaves, go, retain_graph=True)})
+            bwd, bwd_peer = bwd_all["ours"], bwd_all["peer"]
             del out, out_peer
             # peak memory of one forward+backward above the inputs (activations saved for backward, temporaries and
             # the gradients, which start as None each time)

@@ -11,6 +11,19 @@ def do_bench(fn, grad_to_none=None, warmup=25, rep=100) -> float:
     return triton_do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
 
 
+def interleaved(fns: dict, rounds: int = 2, **bench_args) -> dict:
+    """Median ms of each of ``fns`` (name -> callable) timed in turns, the order reversed every round (A B, B A, ...):
+    an H200 under sustained load draws up to its power cap and lowers its clocks within the run (session 18: 1980
+    -> 1560 MHz at DeepSeek-V3), which a fixed order would charge to whichever runs last."""
+    import statistics
+
+    names, times = list(fns), {name: [] for name in fns}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else reversed(names):
+            times[name].append(do_bench(fns[name], **bench_args))
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
 def free() -> None:
     gc.collect()
     torch.cuda.empty_cache()
@@ -84,7 +97,7 @@ def timeline_of(events: list, iters: int, top: int) -> dict:
                     key=lambda e: e["ts"])
     launch_end = {e["args"]["correlation"]: e["ts"] + e["dur"] for e in events
                   if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
-    busy, gaps, by_name = 0.0, [], {}
+    busy, gaps, by_name = 0.0, [], {}  # by_name: kernel names cut to 90 characters (CUTLASS's run to thousands)
     end, previous = device[0]["ts"], device[0]["name"]
     for e in device:
         start, stop = e["ts"], e["ts"] + e["dur"]
@@ -94,7 +107,7 @@ def timeline_of(events: list, iters: int, top: int) -> dict:
         busy += max(0.0, stop - max(start, end))
         if stop > end:
             end, previous = stop, e["name"]
-        by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"]
+        by_name[e["name"][:90]] = by_name.get(e["name"][:90], 0.0) + e["dur"]
     span = end - device[0]["ts"]
     runtime = {}
     for e in events:
@@ -102,7 +115,7 @@ def timeline_of(events: list, iters: int, top: int) -> dict:
             runtime[e["name"]] = runtime.get(e["name"], 0.0) + e["dur"]
     ms = 1e-3 / iters  # trace microseconds over the whole trace -> milliseconds per call
     return {"span_ms": span * ms, "busy_ms": busy * ms, "idle_ms": (span - busy) * ms,
-            "kernels_ms": {name[:90]: t * ms for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]},
+            "kernels_ms": {name: t * ms for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]},
             "runtime_ms": {name: t * ms for name, t in sorted(runtime.items(), key=lambda kv: -kv[1])[:top]},
             "gaps": [{"ms": g / 1e3, "after": a[:60], "before": b[:60], "cpu_late_ms": late / 1e3}
                      for g, a, b, late in sorted(gaps, reverse=True)[:top]]}
