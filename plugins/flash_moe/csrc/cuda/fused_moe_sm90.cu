@@ -1,8 +1,8 @@
 // flash_moe on CUDA sm_90a: the fused expert GEMMs (hand-written wgmma; see docs/notes/flash_moe.md).
 //
 // One kernel template over tiles of one aligned block of BLOCK_M = 128 routed slots (one expert) x one 256-wide column
-// tile, 384 threads per CTA (gate/up: one CTA per tile, in CTA pairs; down and the backward's: persistent, one CTA per
-// SM walking tiles, its ring and routing rows running on from tile to tile):
+// tile, 384 threads per CTA, persistent (one CTA per SM walking tiles, its ring and routing rows running on from tile
+// to tile; gate/up: clusters of two CTAs walking pairs of tiles and sharing weight tiles):
 //   warpgroup 0  producer: cp.async 16-byte copies into a STAGES-deep ring of 128-byte-swizzled shared memory. The A
 //                rows are gathered: row r of the block reads x[sorted_token_ids[r] / top_k] (zero-filled for -1
 //                padding), so the token permutation never touches global memory. B rows are the expert's weight
@@ -95,11 +95,9 @@ enum Mode : int {
   GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2, GATE_UP_SAVE = 3, GATE_UP_AND_SAVE = 4, DH_SWIGLU = 5, DX_ATOMIC = 6,
   DX_SLOTS = 7
 };
-// The GEMMs that run persistent (one CTA per SM walking claimed tiles; see moe_gemm_kernel); the forward's gate/up
-// GEMMs run one CTA per tile in CTA pairs.
-constexpr bool persistent_mode(int mode) {
-  return mode == DOWN_ATOMIC || mode == DOWN_SLOTS || mode == DX_ATOMIC || mode == DX_SLOTS || mode == DH_SWIGLU;
-}
+// Every mode runs persistent (one CTA per SM walking tiles; see moe_gemm_kernel); the gate/up modes in clusters of
+// two CTAs that walk pairs of tiles and share the weight tiles of a pair that runs one expert's column tile.
+constexpr bool paired_mode(int mode) { return mode == GATE_UP || mode == GATE_UP_SAVE || mode == GATE_UP_AND_SAVE; }
 // The backward's N-major B tiles: atoms of 64 columns (128 bytes of bf16, the 128-byte swizzle's row), a TMA box each.
 constexpr int MN_ATOMS = BN / MN_ATOM;
 
@@ -208,38 +206,26 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   constexpr bool kGather = kGateUp || kDh;  // A rows gathered from a [tokens, dim] tensor, K = dim
   constexpr bool kDx = MODE == DX_ATOMIC || MODE == DX_SLOTS;
   constexpr bool kMajorN = kDh || kDx;  // B read N-major (wgmma's transposed B)
-  // The down GEMMs run persistent: one CTA per SM, its producer filling the ring with the next tile while the
-  // consumers finish the last: their K (hidden: 12 k tiles at Qwen3, 32 at DeepSeek-V3) is too short to hide a CTA's
-  // launch, ring fill and epilogue. A CTA's first tile is blockIdx.x, the next ones are claimed from a counter, so the
-  // tiles in flight stay close in raster order (the L2 reuse of the experts' weight tiles) and a CTA that drew cheap
-  // tiles (padding) takes more: with a fixed stride, DeepSeek-V3's down GEMM took 6.7 ms instead of 4.5. The gate/up
-  // GEMMs (K = dim) run one CTA per tile, in CTA pairs that share weight tiles. The backward's dH (K = dim too) runs
-  // persistent: 3-18% faster than in CTA pairs at 5 of 6 benchmark shapes (4.6% slower at DeepSeek-V3; its epilogue
-  // moves 10 bytes per element, which pairs do not overlap with anything).
-  constexpr bool kPersistent = persistent_mode(MODE);
+  // Persistent: one CTA per SM, its producer filling the ring with the next tile while the consumers finish the last:
+  // the down GEMMs' K (hidden: 12 k tiles at Qwen3, 32 at DeepSeek-V3) is too short to hide a CTA's launch, ring fill
+  // and epilogue, and the dH GEMM (K = dim) ran 3-18% faster persistent than one CTA per tile in CTA pairs at 5 of 6
+  // benchmark shapes (its epilogue moves 10 bytes per element). Unpaired modes: a CTA's first tile is blockIdx.x, the
+  // next ones are claimed from a counter, so the tiles in flight stay close in raster order (the L2 reuse of the
+  // experts' weight tiles) and a CTA that drew cheap tiles (padding) takes more: with a fixed stride, DeepSeek-V3's
+  // down GEMM took 6.7 ms instead of 4.5. Paired (gate/up) modes: cluster c walks the tile pairs q = c, c + clusters,
+  // ... (tiles 2q and 2q + 1: consecutive blocks of one column tile in the raster, one expert's under moe_align's
+  // CLUSTER_BLOCKS alignment), every K tile of the same length, so both CTAs take each step together; when a pair runs
+  // one expert's column tile each CTA loads half of each weight tile for both (TMA multicast), halving the weight
+  // traffic from L2 (where DeepSeek-V3's kernels were bound: 96% L2 throughput).
+  constexpr bool kPaired = paired_mode(MODE);
   const int ntpp = __ldg(p.ntpp);
-  // Persistent: the tiles of the live blocks (block * BM < num_tokens_post_padded, read here: no host sync) in raster
-  // order; 32-bit tile numbers (the host keeps blocks x n_tiles below 2^31, so t + p.ctas cannot wrap).
-  const int live = kPersistent ? (ntpp <= 0 ? 0 : min(p.blocks, (ntpp - 1) / BM + 1)) : p.blocks;
+  // The tiles of the live blocks (block * BM < num_tokens_post_padded, read here: no host sync) in raster order;
+  // 32-bit tile numbers (the host keeps blocks x n_tiles below 2^31, so t + p.ctas cannot wrap).
+  const int live = ntpp <= 0 ? 0 : min(p.blocks, (ntpp - 1) / BM + 1);
   const uint32_t tiles = static_cast<uint32_t>(live) * p.n_tiles;
-  if (blockIdx.x >= tiles) return;  // also the CTAs that round the grid up to whole clusters
-  // One CTA per tile: the cluster's other CTA (blockIdx.x ^ 1), when it runs the same expert's same column tile, loads
-  // half of each weight tile for both (TMA multicast), halving the weight traffic from L2 (where DeepSeek-V3's
-  // kernels were bound: 96% L2 throughput). Both CTAs reach the same decision; a CTA that left never pairs.
-  int own_block = 0, own_tile = 0, own_expert = -1;
-  bool paired = false;
-  const uint32_t rank = kPersistent ? 0u : cluster_ctarank();
-  if constexpr (!kPersistent) {
-    raster(static_cast<int>(blockIdx.x), p.n_tiles, p.blocks, own_block, own_tile);
-    if (own_block * BM >= ntpp) return;  // past the routed blocks: the whole CTA leaves
-    own_expert = __ldg(p.expert_ids + own_block);
-    if (own_expert < 0 || own_expert >= p.num_experts) return;
-    if ((blockIdx.x ^ 1u) < tiles) {
-      int peer_block, peer_tile;
-      raster(static_cast<int>(blockIdx.x ^ 1u), p.n_tiles, p.blocks, peer_block, peer_tile);
-      paired = peer_tile == own_tile && peer_block * BM < ntpp && __ldg(p.expert_ids + peer_block) == own_expert;
-    }
-  }
+  const uint32_t rank = kPaired ? cluster_ctarank() : 0u;
+  const uint32_t pairs = (tiles + 1) / 2, cluster = blockIdx.x / 2, clusters = p.ctas / 2;
+  if (kPaired ? cluster >= pairs : blockIdx.x >= tiles) return;  // paired: both CTAs of the cluster
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
@@ -257,7 +243,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   int* const tile_of = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + 2 * BM * 12 + (2 * STAGES + 4) * 8);
   if (threadIdx.x == 0) {
     // paired: a stage is free once the consumers of both CTAs released it (the peer's TMA writes into it too)
-    init_ring<STAGES>(bars, (paired ? 2 : 1) * CONSUMER_WARPS);
+    init_ring<STAGES>(bars, (kPaired ? 2 : 1) * CONSUMER_WARPS);
     // a routing-row buffer is free again once each consumer warp is done with its tile
     for (int b = 0; b < 2; ++b) mbar_init(tile_free_bar(b), CONSUMER_WARPS);
     // and holds the next tile's rows once each producer thread wrote its row (and thread 0 the tile number)
@@ -265,13 +251,20 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     fence_mbarrier_init();
   }
   __syncthreads();
-  if (paired) cluster_sync();  // both rings initialised before either CTA's copies or arrivals reach the other
-  // Releasing stage s after k tile j: this CTA's empty barrier, and the peer's while the peer will still wait on it
-  // (its producer waits for k tiles j < k_tiles - STAGES only; an arrival after the peer may have exited is not
-  // allowed).
-  auto release = [&](int s, int j) {
+  if constexpr (kPaired) cluster_sync();  // both rings initialised before either CTA's copies or arrivals reach them
+  // Releasing stage s: this CTA's empty barrier, and paired, the peer's (every stage, as the peer's TMA may write into
+  // it: the CTAs take each K step together; a cluster barrier at the end keeps arrivals from reaching an exited CTA)
+  auto release = [&](int s) {
     mbar_arrive(empty_bar(s));
-    if (paired && j < p.k_tiles - STAGES) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
+    if constexpr (kPaired) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
+  };
+  // Tile t's block, column tile and expert; -1 when t is past the live tiles or its block's expert is outside the
+  // launch (paired only: unpaired CTAs claim no such tile)
+  auto tile_expert = [&](int t, int& block, int& n_tile) {
+    if (t < 0 || static_cast<uint32_t>(t) >= tiles) return -1;
+    raster(t, p.n_tiles, live, block, n_tile);
+    const int expert = __ldg(p.expert_ids + block);
+    return expert >= 0 && expert < p.num_experts ? expert : -1;
   };
 
   const int warpgroup = threadIdx.x / 128;
@@ -287,9 +280,12 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       const int buf = i & 1;
       // Tile i's routing rows replace tile i - 2's once every consumer warp is done with those.
       if (i >= 2) mbar_wait(tile_free_bar(buf), ((i - 2) / 2) & 1);
-      if (threadIdx.x == 0) {  // tile i: the first (own or claimed) one whose block runs an expert of the launch
+      if (threadIdx.x == 0) {
         int t = -1;
-        if constexpr (kPersistent) {
+        if constexpr (kPaired) {  // tile i of the cluster's pair (2q + 1 may be `tiles`: the odd last one)
+          const uint32_t q = cluster + static_cast<uint32_t>(i) * clusters;
+          t = q < pairs ? static_cast<int>(2 * q + rank) : -1;
+        } else {  // the first (own or claimed) tile whose block runs an expert of the launch
           uint32_t cand = i == 0 ? blockIdx.x : p.ctas + atomicAdd(p.tile_counter, 1);
           for (; cand < tiles; cand = p.ctas + atomicAdd(p.tile_counter, 1)) {
             int block, n_tile;
@@ -298,16 +294,19 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
             if (expert >= 0 && expert < p.num_experts) break;
           }
           t = cand < tiles ? static_cast<int>(cand) : -1;
-        } else {
-          t = i == 0 ? static_cast<int>(blockIdx.x) : -1;
         }
         tile_of[buf] = t;
       }
       asm volatile("bar.sync 1, 128;\n" ::: "memory");  // the producer warps only
       const int t = tile_of[buf];
+      // Tile t's block and column tile, and its expert, -1 where the tile runs none (paired only: the odd last tile
+      // or a block of an expert outside the launch: it runs as padding, its rows zero-filled, no weights loaded)
       int block = 0, n_tile = 0;
-      if (t >= 0) {
-        raster(t, p.n_tiles, live, block, n_tile);
+      const int expert = tile_expert(t, block, n_tile);
+      if (expert < 0) {
+        a_rows[buf * BM + threadIdx.x] = -1;
+        slot_rows[buf * BM + threadIdx.x] = -1;
+      } else {
         if constexpr (kDx) {  // A's row: the slot's compact row of dg / du, -1 (zero-filled) for padding
           const int row = block * BM + threadIdx.x;
           const int slot = routed_slot(p, row);
@@ -323,7 +322,12 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       if (t < 0) break;                  // the consumers stop at the -1
       asm volatile("bar.sync 1, 128;\n" ::: "memory");  // each producer thread reads the others' rows below
       const int64_t* const a_row = a_rows + buf * BM;
-      const int expert = __ldg(p.expert_ids + block);
+      // paired: the pair's other tile runs the same expert's same column tile (both CTAs reach the same answer)
+      bool paired = false;
+      if constexpr (kPaired) {
+        int peer_block = 0, peer_tile = 0;
+        paired = expert >= 0 && tile_expert(t ^ 1, peer_block, peer_tile) == expert && peer_tile == n_tile;
+      }
 
       // N-major B: the expert's first weight row (the k tile adds its rows); else its first row of this column tile
       const int b_row = expert * p.b_rows_per_expert + (kMajorN ? 0 : n_tile * (kGateUp ? BN_GU : BN_DOWN));
@@ -336,7 +340,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         const int kofs = (second ? kt - p.k_half : kt) * BK;
         const __nv_bfloat16* const a_src = second ? p.a2 : p.a;
         if (kMajorN && threadIdx.x == 0) {  // the B tile: MN_ATOMS boxes of weight rows kofs.., 64 columns each
-          static_assert(!kMajorN || kPersistent, "N-major B tiles are loaded per CTA (no CTA-pair multicast)");
+          static_assert(!kMajorN || !kPaired, "N-major B tiles are loaded per CTA (no CTA-pair multicast)");
           mbar_expect_tx(full_bar(stage), B_BYTES);
           const CUtensorMap* map = second ? &p.tm_b1 : &p.tm_b0;
 #pragma unroll
@@ -346,13 +350,16 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
           }
         }
         if (!kMajorN && threadIdx.x == 0) {  // the B tile: two TMA boxes (GATE_UP: gate rows, then the same up rows)
-          mbar_expect_tx(full_bar(stage), B_BYTES);  // paired: half from this CTA's copy, half from the peer's
           const CUtensorMap* box1 = kGateUp ? &p.tm_b1 : &p.tm_b0;
           const int row1 = kGateUp ? b_row : b_row + B_BOX_ROWS;
-          if (paired) {
+          if (expert < 0) {
+            mbar_arrive(full_bar(stage));  // a tile that runs no expert: no weights (its rows read as zeros)
+          } else if (paired) {
+            mbar_expect_tx(full_bar(stage), B_BYTES);  // half from this CTA's copy, half from the peer's
             tma_load_2d_multicast(st + A_BYTES + rank * (B_BYTES / 2), rank ? box1 : &p.tm_b0, full_bar(stage), kofs,
                                   rank ? row1 : b_row, kPairMask);
           } else {
+            mbar_expect_tx(full_bar(stage), B_BYTES);
             tma_load_2d(st + A_BYTES, &p.tm_b0, full_bar(stage), kofs, b_row);
             tma_load_2d(st + A_BYTES + B_BYTES / 2, box1, full_bar(stage), kofs, row1);
           }
@@ -367,6 +374,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       ks = (ks + p.k_tiles) % (2 * STAGES);
     }
     drain_cp_async();
+    if constexpr (kPaired) cluster_sync();  // the consumers' matching one: the peer's releases have all landed
     return;
   }
   consumer_registers();
@@ -391,7 +399,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     if (__all_sync(0xffffffffu, slot_of[wg * 64 + lane] < 0 && slot_of[wg * 64 + 32 + lane] < 0)) {
       for (int kt = 0; kt < p.k_tiles; ++kt) {
         mbar_wait(full_bar(ring.stage), ring.phase);
-        if (lane == 0) release(ring.stage, kt);
+        if (lane == 0) release(ring.stage);
         ring.advance();
       }
       // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them
@@ -419,13 +427,13 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         fence_acc(acc);
         wgmma_wait<1>();
         fence_acc(acc);
-        if (kt > 0 && lane == 0) release(prev, kt - 1);
+        if (kt > 0 && lane == 0) release(prev);
         prev = ring.stage;
         ring.advance();
       }
       wgmma_wait<0>();
       fence_acc(acc);
-      if (lane == 0) release(prev, p.k_tiles - 1);  // the ring's next turn (persistent: the next tile) may refill it
+      if (lane == 0) release(prev);  // the ring's next turn (the next tile) may refill it
       // ------------------------------- epilogue -------------------------------
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -485,14 +493,14 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     __syncwarp();
     if (lane == 0) mbar_arrive(tile_free_bar(buf));
   }
+  if constexpr (kPaired) cluster_sync();
 #else
   __trap();  // compiled for an arch other than sm_90a: the host side never launches it there
 #endif
 }
 template <int MODE>
 void launch(const Params& p, int n_tiles, int64_t blocks, cudaStream_t stream) {
-  constexpr bool kPersistent = persistent_mode(MODE);
-  launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, SMEM_BYTES, kPersistent ? 1 : CLUSTER_BLOCKS, kPersistent>(
+  launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, SMEM_BYTES, paired_mode(MODE) ? CLUSTER_BLOCKS : 1, true>(
       p, n_tiles, blocks, stream);
 }
 

@@ -40,8 +40,9 @@ __device__ __forceinline__ void raster(int cta, int n_tiles, int blocks, int& bl
 // One launch of a GEMM kernel over blocks x n_tiles CTAs (the raster above decodes blockIdx.x), in clusters of
 // kCluster consecutive CTAs (the grid rounded up to whole clusters: CTAs past blocks x n_tiles leave at once); each
 // kernel (each mode) gets its shared-memory size once. kPersistent: for kernels of one resident CTA per SM, a grid of
-// p.ctas = min(blocks x n_tiles, SMs / kCluster) x kCluster CTAs instead, each cluster walking tiles itself (a tile
-// per cluster: its CTAs share it).
+// p.ctas = min(blocks x n_tiles, the clusters resident at once) x kCluster CTAs instead, each cluster walking tiles
+// itself. (Clusters need their CTAs on SMs of one GPC: fewer than SMs / kCluster may fit, and a cluster beyond those
+// would start its share of the tiles only after others finished.)
 template <auto kKernel, int kThreads, int kSmemBytes, int kCluster = 1, bool kPersistent = false, class Params>
 void launch_rastered(Params p, int n_tiles, int64_t blocks, cudaStream_t stream) {
   static const bool configured = [] {
@@ -56,10 +57,23 @@ void launch_rastered(Params p, int n_tiles, int64_t blocks, cudaStream_t stream)
   p.blocks = static_cast<int>(blocks);
   int64_t grid = (ctas + kCluster - 1) / kCluster * kCluster;
   if constexpr (kPersistent) {
-    int device = 0, sms = 0;
+    int device = 0, resident = 0;
     C10_CUDA_CHECK(cudaGetDevice(&device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    grid = std::min<int64_t>(ctas, std::max(sms / kCluster, 1)) * kCluster;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&resident, cudaDevAttrMultiProcessorCount, device));
+    if constexpr (kCluster > 1) {
+      cudaLaunchConfig_t config{};
+      config.gridDim = dim3(resident / kCluster * kCluster);
+      config.blockDim = dim3(kThreads);
+      config.dynamicSmemBytes = kSmemBytes;
+      cudaLaunchAttribute cluster{};
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = kCluster;
+      cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+      config.attrs = &cluster;
+      config.numAttrs = 1;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, kKernel, &config));
+    }
+    grid = std::min<int64_t>(ctas, std::max(resident, 1)) * kCluster;
     p.ctas = static_cast<int>(grid);
   }
   C10_CUDA_CHECK(prime_kernels::sm90::launch_in_clusters(kKernel, static_cast<unsigned>(grid), kThreads, kSmemBytes,
