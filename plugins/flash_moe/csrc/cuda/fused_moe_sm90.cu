@@ -2,7 +2,7 @@
 //
 // One kernel template over tiles of one aligned block of BLOCK_M = 128 routed slots (one expert) x one 256-wide column
 // tile, 384 threads per CTA, persistent (one CTA per SM walking tiles, its ring and routing rows running on from tile
-// to tile; gate/up: clusters of two CTAs walking pairs of tiles and sharing weight tiles):
+// to tile; gate/up: clusters of two CTAs walking pairs of blocks and sharing weight tiles):
 //   warpgroup 0  producer: cp.async 16-byte copies into a STAGES-deep ring of 128-byte-swizzled shared memory. The A
 //                rows are gathered: row r of the block reads x[sorted_token_ids[r] / top_k] (zero-filled for -1
 //                padding), so the token permutation never touches global memory. B rows are the expert's weight
@@ -84,7 +84,8 @@ constexpr int B_BYTES = BN * BK * 2;
 constexpr int B_BOX_ROWS = BN / 2;  // one TMA box: the gate (or up) half of a gate/up tile, half a down tile
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + 2 * BM * 8 /* A row offsets */ +
-                           2 * BM * 4 /* slots */ + (2 * STAGES + 4) * 8 /* mbarriers */ + 2 * 4 /* tile numbers */;
+                           2 * BM * 4 /* slots */ + (2 * STAGES + 4) * 8 /* mbarriers */ +
+                           4 * 4 /* tile numbers, paired flags */;
 
 // GATE_UP_SAVE (the backward's recomputation): the epilogue stores the gate and up pre-activations as bf16 to row
 // dst_rows[padded row] of a compact [routed slots, 2 hidden] tensor instead of h.
@@ -96,7 +97,7 @@ enum Mode : int {
   DX_SLOTS = 7
 };
 // Every mode runs persistent (one CTA per SM walking tiles; see moe_gemm_kernel); the gate/up modes in clusters of
-// two CTAs that walk pairs of tiles and share the weight tiles of a pair that runs one expert's column tile.
+// two CTAs that walk pairs of blocks and share the weight tiles of a pair that runs one expert.
 constexpr bool paired_mode(int mode) { return mode == GATE_UP || mode == GATE_UP_SAVE || mode == GATE_UP_AND_SAVE; }
 // The backward's N-major B tiles: atoms of 64 columns (128 bytes of bf16, the 128-byte swizzle's row), a TMA box each.
 constexpr int MN_ATOMS = BN / MN_ATOM;
@@ -212,20 +213,22 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   // benchmark shapes (its epilogue moves 10 bytes per element). Unpaired modes: a CTA's first tile is blockIdx.x, the
   // next ones are claimed from a counter, so the tiles in flight stay close in raster order (the L2 reuse of the
   // experts' weight tiles) and a CTA that drew cheap tiles (padding) takes more: with a fixed stride, DeepSeek-V3's
-  // down GEMM took 6.7 ms instead of 4.5. Paired (gate/up) modes: cluster c walks the tile pairs q = c, c + clusters,
-  // ... (tiles 2q and 2q + 1: consecutive blocks of one column tile in the raster, one expert's under moe_align's
-  // CLUSTER_BLOCKS alignment), every K tile of the same length, so both CTAs take each step together; when a pair runs
-  // one expert's column tile each CTA loads half of each weight tile for both (TMA multicast), halving the weight
-  // traffic from L2 (where DeepSeek-V3's kernels were bound: 96% L2 throughput).
+  // down GEMM took 6.7 ms instead of 4.5. Paired (gate/up) modes: cluster c walks the units (pair of blocks 2P, 2P + 1;
+  // column tile j) c, c + clusters, ... in raster order, every K tile of one length, so both CTAs take each step
+  // together; when both blocks run one expert (moe_align's CLUSTER_BLOCKS alignment makes that the rule) each CTA loads
+  // half of each weight tile for both (TMA multicast), halving the weight traffic from L2 (where DeepSeek-V3's kernels
+  // were bound: 96% L2 throughput).
   constexpr bool kPaired = paired_mode(MODE);
   const int ntpp = __ldg(p.ntpp);
   // The tiles of the live blocks (block * BM < num_tokens_post_padded, read here: no host sync) in raster order;
   // 32-bit tile numbers (the host keeps blocks x n_tiles below 2^31, so t + p.ctas cannot wrap).
   const int live = ntpp <= 0 ? 0 : min(p.blocks, (ntpp - 1) / BM + 1);
   const uint32_t tiles = static_cast<uint32_t>(live) * p.n_tiles;
+  // paired: units (pair of blocks 2P, 2P + 1; column tile j) in raster order, cluster c taking c, c + clusters, ...
   const uint32_t rank = kPaired ? cluster_ctarank() : 0u;
-  const uint32_t pairs = (tiles + 1) / 2, cluster = blockIdx.x / 2, clusters = p.ctas / 2;
-  if (kPaired ? cluster >= pairs : blockIdx.x >= tiles) return;  // paired: both CTAs of the cluster
+  const uint32_t block_pairs = (live + 1) / 2, units = block_pairs * p.n_tiles;
+  const uint32_t cluster = blockIdx.x / 2, clusters = p.ctas / 2;
+  if (kPaired ? cluster >= units : blockIdx.x >= tiles) return;  // paired: both CTAs of the cluster
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
@@ -239,8 +242,10 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
   auto tile_free_bar = [&](int b) { return bars + 8u * (2 * STAGES + b); };
   auto rows_ready_bar = [&](int b) { return bars + 8u * (2 * STAGES + 2 + b); };
-  // the tile number of routing-row buffer b, -1 once the CTA's tiles are done
+  // the tile number of routing-row buffer b, -1 once the CTA's tiles are done; paired: whether its weight tile is
+  // shared with the other CTA (tile_shared[b])
   int* const tile_of = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + 2 * BM * 12 + (2 * STAGES + 4) * 8);
+  int* const tile_shared = tile_of + 2;
   if (threadIdx.x == 0) {
     // paired: a stage is free once the consumers of both CTAs released it (the peer's TMA writes into it too)
     init_ring<STAGES>(bars, (kPaired ? 2 : 1) * CONSUMER_WARPS);
@@ -258,11 +263,16 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     mbar_arrive(empty_bar(s));
     if constexpr (kPaired) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
   };
-  // Tile t's block, column tile and expert; -1 when t is past the live tiles or its block's expert is outside the
-  // launch (paired only: unpaired CTAs claim no such tile)
-  auto tile_expert = [&](int t, int& block, int& n_tile) {
-    if (t < 0 || static_cast<uint32_t>(t) >= tiles) return -1;
-    raster(t, p.n_tiles, live, block, n_tile);
+  // Tile t (paired: block * n_tiles + column tile; else its raster position): its block and column tile
+  auto decode = [&](int t, int& block, int& n_tile) {
+    if constexpr (kPaired) {
+      block = t / p.n_tiles;
+      n_tile = t - block * p.n_tiles;
+    } else {
+      raster(t, p.n_tiles, live, block, n_tile);
+    }
+  };
+  auto block_expert = [&](int block) {  // -1 for an expert outside the launch (moe_align's empty alignment blocks)
     const int expert = __ldg(p.expert_ids + block);
     return expert >= 0 && expert < p.num_experts ? expert : -1;
   };
@@ -276,15 +286,36 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     // k tiles issued before this tile, over all earlier tiles, modulo 2 STAGES: the ring runs on across tiles (stage
     // ks % STAGES, phase parity (ks / STAGES) & 1)
     uint32_t ks = 0;
+    uint32_t next_unit = cluster;  // paired, thread 0: where the walk over units goes on
     for (int i = 0;; ++i) {
       const int buf = i & 1;
       // Tile i's routing rows replace tile i - 2's once every consumer warp is done with those.
       if (i >= 2) mbar_wait(tile_free_bar(buf), ((i - 2) / 2) & 1);
       if (threadIdx.x == 0) {
         int t = -1;
-        if constexpr (kPaired) {  // tile i of the cluster's pair (2q + 1 may be `tiles`: the odd last one)
-          const uint32_t q = cluster + static_cast<uint32_t>(i) * clusters;
-          t = q < pairs ? static_cast<int>(2 * q + rank) : -1;
+        if constexpr (kPaired) {
+          // This CTA's tile of the cluster's next unit that runs an expert (both CTAs walk the same units): both
+          // blocks run: each CTA its block's tile, the weight tile shared when both run one expert; one block alone
+          // (its partner an empty alignment block): units of even j give the CTAs its column tiles j and j + 1
+          // (`tiles`, run as padding, past the last), units of odd j are skipped.
+          int shared = 0;
+          for (uint32_t u = next_unit; u < units; u += clusters) {
+            int pair, j;
+            raster(static_cast<int>(u), p.n_tiles, static_cast<int>(block_pairs), pair, j);
+            const int b0 = 2 * pair, e0 = block_expert(b0), e1 = b0 + 1 < live ? block_expert(b0 + 1) : -1;
+            if (e0 >= 0 && e1 >= 0) {
+              t = (b0 + static_cast<int>(rank)) * p.n_tiles + j;
+              shared = e0 == e1;
+            } else if ((e0 >= 0 || e1 >= 0) && j % 2 == 0) {
+              const int lone = e0 >= 0 ? b0 : b0 + 1, col = j + static_cast<int>(rank);
+              t = col < p.n_tiles ? lone * p.n_tiles + col : static_cast<int>(tiles);
+            } else {
+              continue;
+            }
+            next_unit = u + clusters;
+            break;
+          }
+          tile_shared[buf] = shared;
         } else {  // the first (own or claimed) tile whose block runs an expert of the launch
           uint32_t cand = i == 0 ? blockIdx.x : p.ctas + atomicAdd(p.tile_counter, 1);
           for (; cand < tiles; cand = p.ctas + atomicAdd(p.tile_counter, 1)) {
@@ -299,10 +330,13 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       }
       asm volatile("bar.sync 1, 128;\n" ::: "memory");  // the producer warps only
       const int t = tile_of[buf];
-      // Tile t's block and column tile, and its expert, -1 where the tile runs none (paired only: the odd last tile
-      // or a block of an expert outside the launch: it runs as padding, its rows zero-filled, no weights loaded)
-      int block = 0, n_tile = 0;
-      const int expert = tile_expert(t, block, n_tile);
+      // Tile t's block, column tile and expert, -1 where it runs none (paired only: `tiles`, a lone block's column
+      // past the last: it runs as padding, its rows zero-filled, no weights loaded)
+      int block = 0, n_tile = 0, expert = -1;
+      if (t >= 0 && static_cast<uint32_t>(t) < tiles) {
+        decode(t, block, n_tile);
+        expert = block_expert(block);
+      }
       if (expert < 0) {
         a_rows[buf * BM + threadIdx.x] = -1;
         slot_rows[buf * BM + threadIdx.x] = -1;
@@ -322,12 +356,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       if (t < 0) break;                  // the consumers stop at the -1
       asm volatile("bar.sync 1, 128;\n" ::: "memory");  // each producer thread reads the others' rows below
       const int64_t* const a_row = a_rows + buf * BM;
-      // paired: the pair's other tile runs the same expert's same column tile (both CTAs reach the same answer)
-      bool paired = false;
-      if constexpr (kPaired) {
-        int peer_block = 0, peer_tile = 0;
-        paired = expert >= 0 && tile_expert(t ^ 1, peer_block, peer_tile) == expert && peer_tile == n_tile;
-      }
+      const bool paired = kPaired && tile_shared[buf];  // the other CTA runs the same expert's same column tile
 
       // N-major B: the expert's first weight row (the k tile adds its rows); else its first row of this column tile
       const int b_row = expert * p.b_rows_per_expert + (kMajorN ? 0 : n_tile * (kGateUp ? BN_GU : BN_DOWN));
@@ -391,7 +420,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     const int t = tile_of[buf];
     if (t < 0) break;
     int block, n_tile;
-    raster(t, p.n_tiles, live, block, n_tile);
+    decode(t, block, n_tile);  // a padding tile (`tiles`) decodes past the blocks: its rows skip everything below
     const int* const slot_of = slot_rows + buf * BM;
     // When this warpgroup's 64 rows are all padding it only keeps the ring turning, and the other warpgroup's wgmmas
     // get the tensor cores (DeepSeek-V3: 256 ± 16 slots per expert, so about half the experts end in a block of <= 64
