@@ -847,12 +847,12 @@ def test_cuda_moe_grad_x_matches_reference(case):
     dict(T=200, N=200, K=136, counts=(64, 128, 1, 65)),  # widths not whole 64-column atoms; whole K steps
     dict(T=2000, N=768, K=2048, counts=(1000, 1100, 900, 1056)),  # several M and N tiles, K steps > ring stages
     dict(T=400, N=512, K=512, counts=tuple(range(0, 400, 13)), fp32=True),  # 31 experts, fp32 output
-    dict(K=320),  # 3 M tiles: the second CTA of each expert's last pair has none (it reads zeros, stores nothing)
-    dict(T=100, N=256, K=64, counts=(40, 60), fp32=True),  # 1 M tile, so every pair's second CTA has none
+    dict(K=320),  # 3 M tiles, the last partial
+    dict(T=100, N=256, K=64, counts=(40, 60), fp32=True),  # 1 M tile
 ])
 def test_cuda_moe_grad_weight_matches_reference(source_major, case):
-    """The dW kernel (persistent CTA pairs on M tiles 2j, 2j + 1; the slot rows of whole K steps by TMA multicast
-    into both, cp.async with zero fill for an expert's last partial step, the source rows gathered by cp.async): against float64, the same bits on a second run, close to
+    """The dW kernel (persistent; TMA for whole K steps of the slot rows, cp.async with zero fill for an expert's
+    last partial step, the source rows gathered by cp.async): against float64, the same bits on a second run, close to
     the CPU op."""
     got, args = check_moe_grad_weight("cuda", source_major=source_major, **case)
     fp32 = case.get("fp32", False)

@@ -4,16 +4,14 @@
 // from dg / du and x, dW2 from p h and grad_out. The K of these GEMMs is the expert's slots (varlen: the rows
 // [expert_ends[e - 1], expert_ends[e]) of the compact, expert-sorted per-slot tensors the dH kernel writes), so both
 // operands are slot rows with their features contiguous: wgmma reads both MN-major (imm-trans-a = imm-trans-b = 1).
-// Persistent clusters of two 384-thread CTAs (one CTA per SM) walk pairs of tiles of 128 source columns (M) x 256 row
-// columns (N) of one expert: M tiles 2j and 2j + 1 at the same N tile, so both CTAs read the same slot rows (B):
+// Persistent CTAs of 384 threads (one per SM) claim tiles of 128 source columns (M) x 256 row columns (N) of one
+// expert:
 //   warpgroup 0  producer: A, the source rows, gathered by cp.async (16-byte chunks, the tile's 128 columns of one
 //                source row per 16 lanes, zero-filled past the expert's slots or for an invalid token; a warp loads
 //                its 16 rows' tokens one K step ahead with one instruction and shuffles them out), so no gathered
-//                copy of x or grad_out exists; B, the slot rows, by TMA (boxes of BLOCK_K rows x 64 columns), each
-//                CTA loading half of the boxes into both CTAs (multicast: the L2 reads per pair of tiles drop from
-//                2 x 48 KiB to 64 KiB per K step), except in an expert's last, partial K step, where each CTA copies
-//                them by cp.async with the rows past the expert zero-filled (a TMA box would read the next expert's
-//                rows, and 0 x inf there would be NaN).
+//                copy of x or grad_out exists; B, the slot rows, by TMA (boxes of BLOCK_K rows x 64 columns) except
+//                in an expert's last, partial K step, where they are copied by cp.async with the rows past the expert
+//                zero-filled (a TMA box would read the next expert's rows, and 0 x inf there would be NaN).
 //   warpgroups 1-2  consumers, 64 M each: wgmma.m64n256k16 bf16 -> fp32, stored once per tile (bf16 or fp32), as C
 //                or transposed (dW1 / dW3: lanes 4 apart swap a value so each stores 4 bytes of an output row). An
 //                expert without slots gets zeros.
@@ -56,7 +54,8 @@ constexpr int NUM_THREADS = 384;
 // bf16 output: the tile is staged here (128B-swizzled boxes of 64 columns) and stored by TMA while the next tile's
 // mainloop runs
 constexpr int STAGING_BYTES = BM * BN * 2;
-constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + STAGING_BYTES + 2 * STAGES * 8;
+constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + STAGING_BYTES +
+                           (2 * STAGES + 4) * 8 /* mbarriers */ + 2 * 4 /* tile numbers */;
 static_assert(SMEM_BYTES <= 227 * 1024, "GRAD_WEIGHT_STAGES: the ring and the staging tile exceed shared memory");
 
 struct Params {
@@ -76,9 +75,9 @@ struct Params {
   int num_rows;            // S
   void* out;               // [E, m_total, n_total] (or its transpose), bf16 or fp32
   int m_total, n_total, m_tiles;  // m: the source's columns, n: the rows' columns
-  // launch_rastered's: the raster runs over blocks = E x ceil(m_tiles / 2) (expert-major: pairs of M tiles) x
-  // n_tiles; ctas = the grid, kPairCtas per cluster
+  // launch_rastered's: the raster runs over blocks = E x m_tiles (expert-major) x n_tiles
   int n_tiles, blocks, ctas;
+  int* tile_counter;
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -126,9 +125,8 @@ static_assert(RowsMN<BM>::kPasses * RowsMN<BM>::kRowsPerWarp == 16 &&
 template <bool kTransposeOut, bool kFp32Out>
 __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  const int pair_tiles = p.blocks * p.n_tiles;  // the host keeps it below 2^31
-  const int cluster = blockIdx.x / kPairCtas, clusters = p.ctas / kPairCtas;
-  const int rank = static_cast<int>(cluster_ctarank());
+  const uint32_t tiles = static_cast<uint32_t>(p.blocks) * p.n_tiles;
+  if (blockIdx.x >= tiles) return;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
@@ -137,21 +135,24 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
   const uint32_t bars = staging + STAGING_BYTES;
   auto full_bar = [&](int s) { return bars + 8u * s; };
   auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
+  auto tile_free_bar = [&](int b) { return bars + 8u * (2 * STAGES + b); };
+  auto tile_ready_bar = [&](int b) { return bars + 8u * (2 * STAGES + 2 + b); };
+  int* const tile_of = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + STAGING_BYTES + (2 * STAGES + 4) * 8);
   if (threadIdx.x == 0) {
-    // a stage is free once both CTAs' consumers released it: the peer's multicast writes into it too
-    init_ring<STAGES>(bars, kPairCtas * CONSUMER_WARPS);
+    init_ring<STAGES>(bars, CONSUMER_WARPS);
+    for (int b = 0; b < 2; ++b) {
+      mbar_init(tile_free_bar(b), CONSUMER_WARPS);  // each consumer warp has read the tile number
+      mbar_init(tile_ready_bar(b), 1);              // producer thread 0 wrote it
+    }
     fence_mbarrier_init();
   }
-  cluster_sync();  // both CTAs' barriers are initialised before a multicast or a remote release reaches them
-  // pair tile t: aligned "block" (expert, pair of M tiles) and N tile by the raster; this CTA's M tile of the pair
-  // (past m_tiles for the second CTA of an odd last pair: its copies read zeros, its stores are skipped); the
-  // expert's slot rows
+  __syncthreads();
+  // tile t: aligned "block" (expert, M tile) and N tile by the raster; the expert's slot rows and K steps
   auto decode = [&](int t, int& expert, int& m_tile, int& n_tile, int& first, int& count) {
     int block;
     raster(t, p.n_tiles, p.blocks, block, n_tile);
-    const int m_pairs = (p.m_tiles + 1) / 2;
-    expert = block / m_pairs;
-    m_tile = kPairCtas * (block - expert * m_pairs) + rank;
+    expert = block / p.m_tiles;
+    m_tile = block - expert * p.m_tiles;
     // clamped into [0, S], never decreasing: the CPU op raises on such ends, the kernel reads no row outside
     const int end = min(max(__ldg(p.expert_ends + expert), 0), p.num_rows);
     first = expert > 0 ? min(max(__ldg(p.expert_ends + expert - 1), 0), end) : 0;
@@ -163,7 +164,17 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
     producer_registers();
     const int tid = threadIdx.x;
     uint32_t ks = 0;  // k steps issued over all earlier tiles, modulo 2 STAGES (the ring runs on across tiles)
-    for (int t = cluster; t < pair_tiles; t += clusters) {
+    for (int i = 0;; ++i) {
+      const int buf = i & 1;
+      if (i >= 2) mbar_wait(tile_free_bar(buf), ((i - 2) / 2) & 1);
+      if (tid == 0) {  // the CTA's first tile is blockIdx.x, the next ones are claimed in raster order
+        const uint32_t cand = i == 0 ? blockIdx.x : p.ctas + atomicAdd(p.tile_counter, 1);
+        tile_of[buf] = cand < tiles ? static_cast<int>(cand) : -1;
+        mbar_arrive(tile_ready_bar(buf));
+      }
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");  // the producer warps only
+      const int t = tile_of[buf];
+      if (t < 0) break;
       int expert, m_tile, n_tile, first, count;
       decode(t, expert, m_tile, n_tile, first, count);
       const int k_steps = (count + BK - 1) / BK;
@@ -188,12 +199,10 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
         const uint32_t rows_tile = st + A_BYTES, source_tile = st;
         if (valid == BK) {  // a whole K step: the slot rows by TMA
           if (tid == 0) {
-            mbar_expect_tx(full_bar(stage), RowsTile::kChunks * 16 * BK);  // every box: this CTA's and the peer's
-            constexpr int kBoxes = RowsTile::kChunks / 8 / kPairCtas;      // per CTA
+            mbar_expect_tx(full_bar(stage), RowsTile::kChunks * 16 * BK);
 #pragma unroll
-            for (int q = rank * kBoxes; q < (rank + 1) * kBoxes; ++q)
-              tma_load_2d_multicast(rows_tile + q * ATOM_BYTES, &p.tm_rows, full_bar(stage), rows_col0 + q * MN_ATOM,
-                                    row0, kPairMask);
+            for (int q = 0; q < RowsTile::kChunks / 8; ++q)
+              tma_load_2d(rows_tile + q * ATOM_BYTES, &p.tm_rows, full_bar(stage), rows_col0 + q * MN_ATOM, row0);
           }
         } else {  // the expert's last K step: rows past it zero-filled
           if (tid == 0) mbar_arrive(full_bar(stage));
@@ -211,7 +220,6 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
       ks = (ks + k_steps) % (2 * STAGES);
     }
     drain_cp_async();
-    cluster_sync();  // the consumers' matching one: the peer's last remote releases have landed before either leaves
     return;
   }
   consumer_registers();
@@ -221,12 +229,13 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
   const int ctid = threadIdx.x - 128 * warpgroup;
   const int warp = ctid / 32, lane = ctid % 32, quad = lane & 3;
   RingPosition<STAGES> ring;  // in step with the producer's ks
-  const uint32_t peer = static_cast<uint32_t>(rank ^ 1);
-  auto release = [&](int stage) {  // both CTAs' empty barriers: the stage's next multicast writes into both
-    mbar_arrive(empty_bar(stage));
-    mbar_arrive_cluster(mapa_shared(empty_bar(stage), peer));
-  };
-  for (int t = cluster; t < pair_tiles; t += clusters) {
+  for (int i = 0;; ++i) {
+    const int buf = i & 1;
+    mbar_wait(tile_ready_bar(buf), (i / 2) & 1);
+    const int t = tile_of[buf];
+    __syncwarp();
+    if (lane == 0) mbar_arrive(tile_free_bar(buf));
+    if (t < 0) break;
     int expert, m_tile, n_tile, first, count;
     decode(t, expert, m_tile, n_tile, first, count);
     const int k_steps = (count + BK - 1) / BK;
@@ -250,13 +259,13 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
       fence_regs<128>(acc);
       wgmma_wait<1>();
       fence_regs<128>(acc);
-      if (kt > 0 && lane == 0) release(prev);
+      if (kt > 0 && lane == 0) mbar_arrive(empty_bar(prev));
       prev = ring.stage;
       ring.advance();
     }
     wgmma_wait<0>();
     fence_regs<128>(acc);
-    if (k_steps > 0 && lane == 0) release(prev);
+    if (k_steps > 0 && lane == 0) mbar_arrive(empty_bar(prev));
     // ------------------------------- epilogue: C's rows m, columns n -------------------------------
     const int m_local = wg * 64 + warp * 16 + (lane >> 2);  // + 8 h
     if constexpr (kFp32Out) {
@@ -332,7 +341,6 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
     }
   }
   if (threadIdx.x == 128) bulk_wait<0>();  // the last tile's stores have landed before the CTA leaves
-  cluster_sync();
 #else
   __trap();  // compiled for an arch other than sm_90a: the host side never launches it there
 #endif
@@ -340,8 +348,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
 
 template <bool kTransposeOut, bool kFp32Out>
 void launch(const Params& p, int n_tiles, int64_t blocks, cudaStream_t stream) {
-  launch_rastered<grad_weight_kernel<kTransposeOut, kFp32Out>, NUM_THREADS, SMEM_BYTES, kPairCtas, true>(
-      p, n_tiles, blocks, stream);
+  launch_rastered<grad_weight_kernel<kTransposeOut, kFp32Out>, NUM_THREADS, SMEM_BYTES, 1, true>(p, n_tiles, blocks,
+                                                                                              stream);
 }
 
 }  // namespace grad_weight
@@ -391,8 +399,10 @@ at::Tensor moe_grad_weight_cuda(const at::Tensor& rows_in, const at::Tensor& sou
   p.m_total = static_cast<int>(m_total);
   p.n_total = static_cast<int>(n_total);
   p.m_tiles = static_cast<int>((m_total + gw::BM - 1) / gw::BM);
+  const auto tile_counter = at::zeros({1}, tokens.options());
+  p.tile_counter = tile_counter.mutable_data_ptr<int>();
   const int n_tiles = static_cast<int>((n_total + gw::BN - 1) / gw::BN);
-  const int64_t blocks = s.E * ((p.m_tiles + 1) / 2);  // pairs of M tiles
+  const int64_t blocks = s.E * p.m_tiles;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (source_major) {
     fp32 ? gw::launch<false, true>(p, n_tiles, blocks, stream) : gw::launch<false, false>(p, n_tiles, blocks, stream);

@@ -39,11 +39,11 @@ __device__ __forceinline__ void raster(int cta, int n_tiles, int blocks, int& bl
 
 // One launch of a GEMM kernel over blocks x n_tiles CTAs (the raster above decodes blockIdx.x), in clusters of
 // kCluster consecutive CTAs (the grid rounded up to whole clusters: CTAs past blocks x n_tiles leave at once); each
-// kernel (each mode) gets its shared-memory size once. kPersistent: for kernels of one resident CTA per SM, a grid of
-// p.ctas = min(blocks x n_tiles, SMs / kCluster) x kCluster CTAs instead, each cluster walking tiles itself (a tile
-// per cluster: its CTAs share it).
+// kernel (each mode) gets its shared-memory size once. kPersistent: a grid of min(blocks x n_tiles, SMs) CTAs instead
+// (p.ctas), each walking the tiles blockIdx.x, + p.ctas, ... itself: for kernels of one resident CTA per SM.
 template <auto kKernel, int kThreads, int kSmemBytes, int kCluster = 1, bool kPersistent = false, class Params>
 void launch_rastered(Params p, int n_tiles, int64_t blocks, cudaStream_t stream) {
+  static_assert(!kPersistent || kCluster == 1, "persistent launches run without clusters");
   static const bool configured = [] {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
     return true;
@@ -59,7 +59,7 @@ void launch_rastered(Params p, int n_tiles, int64_t blocks, cudaStream_t stream)
     int device = 0, sms = 0;
     C10_CUDA_CHECK(cudaGetDevice(&device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    grid = std::min<int64_t>(ctas, std::max(sms / kCluster, 1)) * kCluster;
+    grid = std::min<int64_t>(ctas, sms);
     p.ctas = static_cast<int>(grid);
   }
   C10_CUDA_CHECK(prime_kernels::sm90::launch_in_clusters(kKernel, static_cast<unsigned>(grid), kThreads, kSmemBytes,
