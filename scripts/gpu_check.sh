@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU harness, for a bare H200 machine (torch preinstalled, no network):
-#   bash scripts/gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [stable] [bench] [profile] [ab]
+#   bash scripts/gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [variant-tests] [stable] [bench] [profile] [ab]
 #   (default: build test sanitize bench)
 # One device call runs at most 10 minutes: run "build test sanitize" in one call and "bench" in the next (the machine
 # keeps what the first installed while it stays warm, 30 s after a call).
@@ -8,7 +8,9 @@
 # compute-sanitizer memcheck, racecheck and synccheck on each plugin's small-shape script, the benchmarks (with peers from .peers/
 # when present), and prints a short table last. JSON and logs go to OUT_DIR.
 # variants: builds each revision staged by scripts/stage_variant.sh under .variants/ (carry it) into its own site dir
-# (/tmp/variants/NAME, kept while the machine stays warm). ab: runs bench/ab.py on each ';'-separated command of
+# (/tmp/variants/NAME, kept while the machine stays warm). variant-tests: the gpu-marked tests and the sanitizer scripts
+# of each built variant's plugins against that variant (its site first on PYTHONPATH; AB_VARIANTS names a subset), one
+# variant after another, after the test and sanitize phases. ab: runs bench/ab.py on each ';'-separated command of
 # AB_BENCH (e.g. AB_BENCH="bench/bench_flash_moe.py --mxfp8-only") for the tree and each built variant (AB_VARIANTS
 # names a subset). profile: Nsight Compute on one script (PROFILE, PROFILE_KERNELS, PROFILE_COUNT, PROFILE_SET; e.g.
 # PROFILE="bench/profile_fused_logp.py" PROFILE_KERNELS="fused_logp_(fwd|bwd)_kernel" PROFILE_COUNT=6).
@@ -21,7 +23,7 @@
 # on the warm machine adds that site as the variant "stable-wheel" (AB_ROUNDS: rounds, default 2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [stable] [bench] [profile] [ab]}; shift
+out=${1:?usage: gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [variant-tests] [stable] [bench] [profile] [ab]}; shift
 phases=${*:-build test sanitize bench}
 mkdir -p "$out"
 py=${PYTHON:-python3}
@@ -112,6 +114,34 @@ if phase sanitize; then
   done
 fi
 wait
+
+if phase variant-tests; then
+  wait  # the variants phase builds in the background
+  for name in ${AB_VARIANTS:-$(ls .variants 2>/dev/null)}; do
+    site=/tmp/variants/$name
+    [ -f "$site/.built" ] || { record variant-tests "$name" "not built"; continue; }
+    for p in .variants/"$name"/plugins/*/; do
+      plugin=$(basename "$p")
+      log="$out/variant-$name-$plugin"
+      ( PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} timeout 420 "$py" -m pytest -m gpu "plugins/$plugin/tests" -q \
+          -p no:cacheprovider -rs > "$log-tests.log" 2>&1
+        code=$?; [ "$code" = 5 ] && code=0
+        record variant-tests "$name $plugin tests" "exit $code; $(tail -n 1 "$log-tests.log")" ) &
+      for script in plugins/"$plugin"/tests/sanitize_*.py; do
+        [ -f "$script" ] || continue
+        for tool in memcheck racecheck synccheck; do
+          ( PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+              "$py" "$script" > "$log-$(basename "$script" .py)-$tool.log" 2>&1
+            code=$?
+            record variant-tests "$name $(basename "$script" .py)-$tool" \
+              "exit $code; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log-$(basename "$script" .py)-$tool.log" | tail -n 1)"
+          ) &
+        done
+      done
+    done
+    wait
+  done
+fi
 
 if phase stable; then
   site=/tmp/stable_site wheels=${STABLE_WHEELS:-.stable_wheels}
