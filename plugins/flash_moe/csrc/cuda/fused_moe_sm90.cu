@@ -426,8 +426,18 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       fence_acc(acc);
       if (lane == 0) release(prev, p.k_tiles - 1);  // the ring's next turn (persistent: the next tile) may refill it
       // ------------------------------- epilogue -------------------------------
+      // DIAGNOSTIC BUILD (never merged, wrong results): the gate/up and dH epilogues left out, so a timing of this
+      // build against the tree gives their share of the kernel time; the accumulators are summed into a store that
+      // never happens (num_slots is never negative) so that ptxas keeps the wgmmas
+      constexpr bool kTimedEpilogue = !(kGateUp || kDh);
+      if constexpr (!kTimedEpilogue) {
+        float sum = 0.f;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
+        for (int r = 0; r < 128; ++r) sum += acc[r];
+        if (p.num_slots < 0) p.dot_partials[threadIdx.x] = sum;
+      }
+#pragma unroll
+      for (int h = 0; h < (kTimedEpilogue ? 2 : 0); ++h) {
         const int lr = wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
         if constexpr (MODE == GATE_UP || MODE == GATE_UP_AND_SAVE) {
           const int n0 = n_tile * BN_GU;
