@@ -29,14 +29,18 @@ def row_label(row: dict) -> tuple:
 
 
 def timings(report, path=(), in_list=False):
-    """(row label, field) -> ms for every *_ms field; rows in a list (or with a 'shape') named by row_label, nested
-    dicts by their key."""
+    """(row label, field) -> ms for every *_ms field, and for each entry of a *_ms dict of numbers (a timeline's
+    kernels_ms: name -> ms, the entry's name as the field); rows in a list (or with a 'shape') named by row_label,
+    nested dicts by their key."""
     found = {}
     if isinstance(report, dict):
         label = path + (row_label(report) if in_list or "shape" in report else ())
         for key, value in report.items():
             if key.endswith("_ms") and isinstance(value, (int, float)):
                 found[(" / ".join(label) or "-", key)] = float(value)
+            elif key.endswith("_ms") and isinstance(value, dict) and all(
+                    isinstance(v, (int, float)) for v in value.values()):
+                found.update({(" / ".join(label + (key,)), name): float(v) for name, v in value.items()})
             elif isinstance(value, (dict, list)):
                 found.update(timings(value, label + (key,)))
     elif isinstance(report, list):
@@ -80,12 +84,17 @@ def main():
                            if k.endswith("ceiling_tflops") and v is not None})  # None: a ceiling the run skipped
         print(f"[ab] {name}: ceilings seen (TFLOP/s) {', '.join(ceilings)}")
     names = [name for name, _ in variants]
-    print(f"| {'row':44s} | {'timing':20s} | " + " | ".join(f"{n:>16s}" for n in names) + " |")
-    for key, base in medians["tree"].items():
+    rows = list(medians["tree"])
+    w_row = min(64, max([len("row")] + [len(key[0]) for key in rows]))
+    w_timing = min(64, max([len("timing")] + [len(key[1]) for key in rows]))
+    print(f"| {'row':{w_row}s} | {'timing':{w_timing}s} | " + " | ".join(f"{n:>16s}" for n in names) + " |")
+    for key in rows:
+        base = medians["tree"][key]
         cells = [f"{base:9.3f} ms"] + [
             f"{medians[n][key]:8.3f} x{medians[n][key] / base:5.3f}" if key in medians[n] else "-" for n in names[1:]
         ]
-        print(f"| {key[0][:44]:44s} | {key[1][:20]:20s} | " + " | ".join(f"{c:>16s}" for c in cells) + " |")
+        print(f"| {key[0][:w_row]:{w_row}s} | {key[1][:w_timing]:{w_timing}s} | " + " | ".join(f"{c:>16s}" for c in cells)
+              + " |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bench": bench, "rounds": args.rounds, "runs": runs,

@@ -91,23 +91,33 @@ def gpu_timeline(fn, iters: int = 5, top: int = 6) -> dict:
         return {"host_ms": host * 1e3, **timeline_of(json.load(open(f.name))["traceEvents"], iters, top)}
 
 
+def kernel_name(name: str) -> str:
+    """A kernel's name without "void", namespaces and parameters, cut at 60 characters: "moe_gemm_kernel<4>",
+    "vectorized_elementwise_kernel<4, at::native::FillFunctor<float>..." (PyTorch's CUTLASS GEMMs, mangled, all under
+    one name: their sum)."""
+    name = name.removeprefix("void ").replace("(anonymous namespace)::", "").split("(", 1)[0].strip()
+    head, angle, args = name.partition("<")
+    return (head.rsplit("::", 1)[-1] + angle + args)[:60]
+
+
 def timeline_of(events: list, iters: int, top: int) -> dict:
     """gpu_timeline's summary of a chrome trace's events (trace microseconds in, milliseconds per call out)."""
     device = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
                     key=lambda e: e["ts"])
     launch_end = {e["args"]["correlation"]: e["ts"] + e["dur"] for e in events
                   if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
-    busy, gaps, by_name = 0.0, [], {}  # by_name: kernel names cut to 90 characters (CUTLASS's run to thousands)
-    end, previous = device[0]["ts"], device[0]["name"]
+    busy, gaps, by_name = 0.0, [], {}
+    end, previous = device[0]["ts"], kernel_name(device[0]["name"])
     for e in device:
         start, stop = e["ts"], e["ts"] + e["dur"]
         if start > end:
             late = launch_end.get(e["args"].get("correlation"), start) - end
-            gaps.append((start - end, previous, e["name"], late))
+            gaps.append((start - end, previous, kernel_name(e["name"]), late))
         busy += max(0.0, stop - max(start, end))
         if stop > end:
-            end, previous = stop, e["name"]
-        by_name[e["name"][:90]] = by_name.get(e["name"][:90], 0.0) + e["dur"]
+            end, previous = stop, kernel_name(e["name"])
+        name = kernel_name(e["name"])
+        by_name[name] = by_name.get(name, 0.0) + e["dur"]
     span = end - device[0]["ts"]
     runtime = {}
     for e in events:
@@ -117,7 +127,7 @@ def timeline_of(events: list, iters: int, top: int) -> dict:
     return {"span_ms": span * ms, "busy_ms": busy * ms, "idle_ms": (span - busy) * ms,
             "kernels_ms": {name: t * ms for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]},
             "runtime_ms": {name: t * ms for name, t in sorted(runtime.items(), key=lambda kv: -kv[1])[:top]},
-            "gaps": [{"ms": g / 1e3, "after": a[:60], "before": b[:60], "cpu_late_ms": late / 1e3}
+            "gaps": [{"ms": g / 1e3, "after": a, "before": b, "cpu_late_ms": late / 1e3}
                      for g, a, b, late in sorted(gaps, reverse=True)[:top]]}
 
 
