@@ -84,8 +84,8 @@ constexpr int B_BYTES = BN * BK * 2;
 constexpr int B_BOX_ROWS = BN / 2;  // one TMA box: the gate (or up) half of a gate/up tile, half a down tile
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + 2 * BM * 8 /* A row offsets */ +
-                           2 * BM * 4 /* slots */ + (2 * STAGES + 4) * 8 /* mbarriers */ +
-                           4 * 4 /* tile numbers, paired flags */;
+                           2 * BM * 4 /* slots */ + (2 * STAGES + 8) * 8 /* mbarriers */ +
+                           6 * 4 /* tile numbers, paired flags, claimed units */;
 
 // GATE_UP_SAVE (the backward's recomputation): the epilogue stores the gate and up pre-activations as bf16 to row
 // dst_rows[padded row] of a compact [routed slots, 2 hidden] tensor instead of h.
@@ -213,18 +213,18 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   // benchmark shapes (its epilogue moves 10 bytes per element). Unpaired modes: a CTA's first tile is blockIdx.x, the
   // next ones are claimed from a counter, so the tiles in flight stay close in raster order (the L2 reuse of the
   // experts' weight tiles) and a CTA that drew cheap tiles (padding) takes more: with a fixed stride, DeepSeek-V3's
-  // down GEMM took 6.7 ms instead of 4.5. Paired (gate/up) modes: cluster c walks the units (pair of blocks 2P, 2P + 1;
-  // column tile j) c, c + clusters, ... in raster order, every K tile of one length, so both CTAs take each step
-  // together; when both blocks run one expert (moe_align's CLUSTER_BLOCKS alignment makes that the rule) each CTA loads
-  // half of each weight tile for both (TMA multicast), halving the weight traffic from L2 (where DeepSeek-V3's kernels
-  // were bound: 96% L2 throughput).
+  // down GEMM took 6.7 ms instead of 4.5. Paired (gate/up) modes: the clusters claim units (pair of blocks 2P, 2P + 1;
+  // column tile j) in raster order the same way, rank 0 claiming and handing each unit to rank 1, every K tile of one
+  // length, so both CTAs take each step together; when both blocks run one expert (moe_align's CLUSTER_BLOCKS alignment
+  // makes that the rule) each CTA loads half of each weight tile for both (TMA multicast), halving the weight traffic
+  // from L2 (where DeepSeek-V3's kernels were bound: 96% L2 throughput).
   constexpr bool kPaired = paired_mode(MODE);
   const int ntpp = __ldg(p.ntpp);
   // The tiles of the live blocks (block * BM < num_tokens_post_padded, read here: no host sync) in raster order;
   // 32-bit tile numbers (the host keeps blocks x n_tiles below 2^31, so t + p.ctas cannot wrap).
   const int live = ntpp <= 0 ? 0 : min(p.blocks, (ntpp - 1) / BM + 1);
   const uint32_t tiles = static_cast<uint32_t>(live) * p.n_tiles;
-  // paired: units (pair of blocks 2P, 2P + 1; column tile j) in raster order, cluster c taking c, c + clusters, ...
+  // paired: units (pair of blocks 2P, 2P + 1; column tile j) in raster order, cluster c's first one c
   const uint32_t rank = kPaired ? cluster_ctarank() : 0u;
   const uint32_t block_pairs = (live + 1) / 2, units = block_pairs * p.n_tiles;
   const uint32_t cluster = blockIdx.x / 2, clusters = p.ctas / 2;
@@ -242,10 +242,14 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
   auto tile_free_bar = [&](int b) { return bars + 8u * (2 * STAGES + b); };
   auto rows_ready_bar = [&](int b) { return bars + 8u * (2 * STAGES + 2 + b); };
+  // paired: rank 1's "unit b handed over" and rank 0's "unit b read" (the slot may be rewritten)
+  auto unit_ready_bar = [&](int b) { return bars + 8u * (2 * STAGES + 4 + b); };
+  auto unit_read_bar = [&](int b) { return bars + 8u * (2 * STAGES + 6 + b); };
   // the tile number of routing-row buffer b, -1 once the CTA's tiles are done; paired: whether its weight tile is
   // shared with the other CTA (tile_shared[b])
-  int* const tile_of = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + 2 * BM * 12 + (2 * STAGES + 4) * 8);
+  int* const tile_of = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + 2 * BM * 12 + (2 * STAGES + 8) * 8);
   int* const tile_shared = tile_of + 2;
+  uint32_t* const unit_slot = reinterpret_cast<uint32_t*>(tile_of + 4);  // paired, rank 1: the units rank 0 claimed
   if (threadIdx.x == 0) {
     // paired: a stage is free once the consumers of both CTAs released it (the peer's TMA writes into it too)
     init_ring<STAGES>(bars, (kPaired ? 2 : 1) * CONSUMER_WARPS);
@@ -253,6 +257,10 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     for (int b = 0; b < 2; ++b) mbar_init(tile_free_bar(b), CONSUMER_WARPS);
     // and holds the next tile's rows once each producer thread wrote its row (and thread 0 the tile number)
     for (int b = 0; b < 2; ++b) mbar_init(rows_ready_bar(b), 128);
+    for (int b = 0; b < 2; ++b) {
+      mbar_init(unit_ready_bar(b), 1);
+      mbar_init(unit_read_bar(b), 1);
+    }
     fence_mbarrier_init();
   }
   __syncthreads();
@@ -286,7 +294,27 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     // k tiles issued before this tile, over all earlier tiles, modulo 2 STAGES: the ring runs on across tiles (stage
     // ks % STAGES, phase parity (ks / STAGES) & 1)
     uint32_t ks = 0;
-    uint32_t next_unit = cluster;  // paired, thread 0: where the walk over units goes on
+    // paired: this CTA's tile of unit u and whether the two CTAs share its weight tile; false for a unit that runs
+    // no expert. Both blocks run: each CTA its block's tile, the weight tile shared when both run one expert; one
+    // block alone (its partner an empty alignment block): units of even j give the CTAs its column tiles j and j + 1
+    // (`tiles`, run as padding, past the last), units of odd j run nothing.
+    auto unit_tile = [&](uint32_t u, int& t, int& shared) {
+      int pair, j;
+      raster(static_cast<int>(u), p.n_tiles, static_cast<int>(block_pairs), pair, j);
+      const int b0 = 2 * pair, e0 = block_expert(b0), e1 = b0 + 1 < live ? block_expert(b0 + 1) : -1;
+      shared = 0;
+      if (e0 >= 0 && e1 >= 0) {
+        t = (b0 + static_cast<int>(rank)) * p.n_tiles + j;
+        shared = e0 == e1;
+        return true;
+      }
+      if ((e0 >= 0 || e1 >= 0) && j % 2 == 0) {
+        const int lone = e0 >= 0 ? b0 : b0 + 1, col = j + static_cast<int>(rank);
+        t = col < p.n_tiles ? lone * p.n_tiles + col : static_cast<int>(tiles);
+        return true;
+      }
+      return false;
+    };
     for (int i = 0;; ++i) {
       const int buf = i & 1;
       // Tile i's routing rows replace tile i - 2's once every consumer warp is done with those.
@@ -294,27 +322,24 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       if (threadIdx.x == 0) {
         int t = -1;
         if constexpr (kPaired) {
-          // This CTA's tile of the cluster's next unit that runs an expert (both CTAs walk the same units): both
-          // blocks run: each CTA its block's tile, the weight tile shared when both run one expert; one block alone
-          // (its partner an empty alignment block): units of even j give the CTAs its column tiles j and j + 1
-          // (`tiles`, run as padding, past the last), units of odd j are skipped.
-          int shared = 0;
-          for (uint32_t u = next_unit; u < units; u += clusters) {
-            int pair, j;
-            raster(static_cast<int>(u), p.n_tiles, static_cast<int>(block_pairs), pair, j);
-            const int b0 = 2 * pair, e0 = block_expert(b0), e1 = b0 + 1 < live ? block_expert(b0 + 1) : -1;
-            if (e0 >= 0 && e1 >= 0) {
-              t = (b0 + static_cast<int>(rank)) * p.n_tiles + j;
-              shared = e0 == e1;
-            } else if ((e0 >= 0 || e1 >= 0) && j % 2 == 0) {
-              const int lone = e0 >= 0 ? b0 : b0 + 1, col = j + static_cast<int>(rank);
-              t = col < p.n_tiles ? lone * p.n_tiles + col : static_cast<int>(tiles);
-            } else {
-              continue;
-            }
-            next_unit = u + clusters;
-            break;
+          // Rank 0 claims the cluster's units (its first is `cluster`, the next ones come from the counter, past
+          // the units that run nothing), so the units in flight stay close in raster order, and hands each to rank 1
+          // through rank 1's unit slot (0xffffffff: done); rank 1 frees the slot once read.
+          int shared = 0, own = -1;
+          uint32_t u;
+          if (rank == 0) {
+            if (i >= 2) mbar_wait_acquire_cluster(unit_read_bar(buf), ((i - 2) / 2) & 1);
+            u = i == 0 ? cluster : clusters + atomicAdd(p.tile_counter, 1);
+            while (u < units && !unit_tile(u, own, shared)) u = clusters + atomicAdd(p.tile_counter, 1);
+            st_shared_cluster(mapa_shared(smem_u32(unit_slot + buf), 1), u < units ? u : 0xffffffffu);
+            mbar_arrive_release_cluster(mapa_shared(unit_ready_bar(buf), 1));
+          } else {
+            mbar_wait_acquire_cluster(unit_ready_bar(buf), (i / 2) & 1);
+            u = unit_slot[buf];
+            mbar_arrive_release_cluster(mapa_shared(unit_read_bar(buf), 0));
+            if (u < units) unit_tile(u, own, shared);
           }
+          t = u < units ? own : -1;
           tile_shared[buf] = shared;
         } else {  // the first (own or claimed) tile whose block runs an expert of the launch
           uint32_t cand = i == 0 ? blockIdx.x : p.ctas + atomicAdd(p.tile_counter, 1);
@@ -557,7 +582,8 @@ sm90::Params gate_up_params(const char* op, const at::Tensor& x_in, const at::Te
                          {"up weight", &up}}) {
     sm90::check_cuda_operand(op, name, *t);
   }
-  keep = {x, gate, up, sorted.contiguous(), eids.contiguous()};
+  // keep[5]: the gate/up launch's unit counter (zero at launch)
+  keep = {x, gate, up, sorted.contiguous(), eids.contiguous(), at::zeros({1}, sorted.options().dtype(at::kInt))};
   sm90::Params p{};
   p.top_k = static_cast<int>(s.top_k);
   p.num_experts = static_cast<int>(s.E);
@@ -572,6 +598,7 @@ sm90::Params gate_up_params(const char* op, const at::Tensor& x_in, const at::Te
   weight_map(op, "the up weight", &p.tm_b1, up, s.hidden, s.dim);
   p.n_total = static_cast<int>(s.hidden);
   p.k_tiles = static_cast<int>(s.dim / sm90::BK);
+  p.tile_counter = keep[5].mutable_data_ptr<int>();
   return p;
 }
 

@@ -191,6 +191,23 @@ __device__ __forceinline__ void routing_row(const Params& p, int block, int r, i
   }
 }
 
+// Handing a value to the other CTA of a cluster: a store into its shared memory (a shared::cluster address from
+// mapa_shared), an arrival on its mbarrier that releases the store at cluster scope, and the wait that acquires it.
+__device__ __forceinline__ void st_shared_cluster(uint32_t cluster_addr, uint32_t value) {
+  asm volatile("st.shared::cluster.u32 [%0], %1;\n" ::"r"(cluster_addr), "r"(value) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_release_cluster(uint32_t cluster_addr) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
+}
+__device__ __forceinline__ void mbar_wait_acquire_cluster(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred P1;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%0], %1;\n"
+      "@!P1 bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
 // The stage ring's mbarriers (one thread): "full" completes on kFullArrivals arrivals, "empty" on empty_arrivals.
 // The caller makes them visible with fence_mbarrier_init() and a CTA barrier before any other thread uses them.
 template <int STAGES>
