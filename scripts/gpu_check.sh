@@ -12,8 +12,9 @@
 # of each built variant's plugins against that variant (its site first on PYTHONPATH; AB_VARIANTS names a subset), one
 # variant after another, after the test and sanitize phases. ab: runs bench/ab.py on each ';'-separated command of
 # AB_BENCH (e.g. AB_BENCH="bench/bench_flash_moe.py --mxfp8-only") for the tree and each built variant (AB_VARIANTS
-# names a subset). profile: Nsight Compute on one script (PROFILE, PROFILE_KERNELS, PROFILE_COUNT, PROFILE_SET; e.g.
-# PROFILE="bench/profile_fused_logp.py" PROFILE_KERNELS="fused_logp_(fwd|bwd)_kernel" PROFILE_COUNT=6).
+# names a subset; quotes inside a command keep an argument with spaces together). profile: Nsight Compute on one
+# script (PROFILE, PROFILE_KERNELS, PROFILE_COUNT, PROFILE_SET; e.g. PROFILE="bench/profile_fused_logp.py"
+# PROFILE_KERNELS="fused_logp_(fwd|bwd)_kernel" PROFILE_COUNT=6).
 # BENCHES="bench_a bench_b" limits the bench phase to those scripts (default: every bench/bench_*.py); TEST_SUITES
 # (test folders or files), SANITIZE_SCRIPTS and STABLE_SUITES (space-separated paths) limit the test, sanitize and
 # stable phases likewise.
@@ -212,9 +213,10 @@ if phase ab; then
   esac
   IFS=';' read -ra ab_benches <<< "${AB_BENCH:?AB_BENCH names the benchmark}"
   for i in "${!ab_benches[@]}"; do
-    # shellcheck disable=SC2086
+    # split as the shell would, so a quoted argument keeps its spaces ("--shapes 'qwen3-30b-a3b T=1024'")
+    eval "bench_args=(${ab_benches[$i]})"
     timeout 540 "$py" bench/ab.py --rounds "${AB_ROUNDS:-2}" --json "$out/ab-$i.json" "${variant_args[@]}" \
-      -- ${ab_benches[$i]} \
+      -- "${bench_args[@]}" \
       2>&1 | tee -a "$out/ab.log"
     record ab "bench/ab.py ${ab_benches[$i]}" "exit ${PIPESTATUS[0]}"
   done
