@@ -82,8 +82,6 @@ constexpr int A_BYTES = BM * BK * 2;
 constexpr int B_BYTES = BN * BK * 2;
 constexpr int B_BOX_ROWS = BN / 2;  // one TMA box: the gate (or up) half of a gate/up tile, half a down tile
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + 2 * BM * 8 /* A row offsets */ +
-                           2 * BM * 4 /* slots */ + (2 * STAGES + 4) * 8 /* mbarriers */ + 2 * 4 /* tile numbers */;
 
 // GATE_UP_SAVE (the backward's recomputation): the epilogue stores the gate and up pre-activations as bf16 to row
 // dst_rows[padded row] of a compact [routed slots, 2 hidden] tensor instead of h.
@@ -99,8 +97,23 @@ enum Mode : int {
 constexpr bool persistent_mode(int mode) {
   return mode == DOWN_ATOMIC || mode == DOWN_SLOTS || mode == DX_ATOMIC || mode == DX_SLOTS || mode == DH_SWIGLU;
 }
-// The backward's N-major B tiles: atoms of 64 columns (128 bytes of bf16, the 128-byte swizzle's row), a TMA box each.
-constexpr int MN_ATOMS = BN / MN_ATOM;
+// A/B candidate: DH_SWIGLU in ping-pong. Each consumer warpgroup runs its own tiles (the CTA's tiles 0, 2, 4, ... and
+// 1, 3, 5, ...) of 128 rows x PING_PONG_N columns, so one warpgroup's epilogue (10 bytes of memory traffic per element)
+// runs under the other's mainloop; the ring holds the same bytes in more, smaller stages.
+constexpr int PING_PONG_N = BN / 2;
+template <int MODE>
+struct Geometry {
+  static constexpr bool kPingPong = MODE == DH_SWIGLU;
+  static constexpr int kN = kPingPong ? PING_PONG_N : BN;  // a tile's columns
+  static constexpr int kBBytes = kN * BK * 2;
+  static constexpr int kStageBytes = A_BYTES + kBBytes;
+  static constexpr int kStages = STAGES * STAGE_BYTES / kStageBytes;
+  static constexpr int kMnAtoms = kN / MN_ATOM;  // N-major B tiles: atoms of 64 columns, a TMA box each
+  // a stage's release: the warps of the warpgroup that read it (ping-pong) or of both
+  static constexpr int kReleasers = kPingPong ? CONSUMER_WARPS / 2 : CONSUMER_WARPS;
+  static constexpr int kSmemBytes = 1024 /* alignment slack */ + kStages * kStageBytes + 2 * BM * 8 /* A rows */ +
+                                    2 * BM * 4 /* slots */ + (2 * kStages + 4) * 8 /* mbarriers */ + 2 * 4;
+};
 
 struct Params {
   // B tiles by TMA: 2-D maps over the weight rows (boxes of B_BOX_ROWS x BK); expert e's row n is map row
@@ -154,6 +167,7 @@ __device__ __forceinline__ void fence_acc(float* d) { fence_regs<128>(d); }
 // outputs do not alias g | u, so a load after a store waits for it (SASS of the first version: one load pair, the
 // math and three stores per column group, 64 DRAM round trips in a row per thread and tile).
 constexpr int kChunk = 16;
+template <int kCols>
 __device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* acc, int h, int quad, int slot, int row,
                                                  int n0) {
   const float w = __ldg(p.topk_weights + slot);
@@ -161,7 +175,7 @@ __device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* a
   const __nv_bfloat16* gate = p.saved + static_cast<int64_t>(row) * p.ld_saved + n0;
   float dot = 0.f;
 #pragma unroll
-  for (int j0 = 0; j0 < BN / 8; j0 += kChunk) {
+  for (int j0 = 0; j0 < kCols / 8; j0 += kChunk) {
     __nv_bfloat162 g2[kChunk], u2[kChunk];
 #pragma unroll
     for (int jj = 0; jj < kChunk; ++jj) {
@@ -207,6 +221,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   constexpr bool kGather = kGateUp || kDh;  // A rows gathered from a [tokens, dim] tensor, K = dim
   constexpr bool kDx = MODE == DX_ATOMIC || MODE == DX_SLOTS;
   constexpr bool kMajorN = kDh || kDx;  // B read N-major (wgmma's transposed B)
+  using G = Geometry<MODE>;
   // The down GEMMs run persistent: one CTA per SM, its producer filling the ring with the next tile while the
   // consumers finish the last: their K (hidden: 12 k tiles at Qwen3, 32 at DeepSeek-V3) is too short to hide a CTA's
   // launch, ring fill and epilogue. A CTA's first tile is blockIdx.x, the next ones are claimed from a counter, so the
@@ -245,20 +260,21 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   uint8_t* const gbase = smem_raw + (base - raw);
   // the routing rows of two tiles (tile i in buffer i & 1): the producer writes tile i + 1's while the consumers still
   // read tile i's
-  int64_t* const a_rows = reinterpret_cast<int64_t*>(gbase + STAGES * STAGE_BYTES);
-  int* const slot_rows = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + 2 * BM * 8);
-  const uint32_t bars = base + STAGES * STAGE_BYTES + 2 * BM * 12;
+  constexpr int kRing = G::kStages * G::kStageBytes;
+  int64_t* const a_rows = reinterpret_cast<int64_t*>(gbase + kRing);
+  int* const slot_rows = reinterpret_cast<int*>(gbase + kRing + 2 * BM * 8);
+  const uint32_t bars = base + kRing + 2 * BM * 12;
   auto full_bar = [&](int s) { return bars + 8u * s; };
-  auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
-  auto tile_free_bar = [&](int b) { return bars + 8u * (2 * STAGES + b); };
-  auto rows_ready_bar = [&](int b) { return bars + 8u * (2 * STAGES + 2 + b); };
+  auto empty_bar = [&](int s) { return bars + 8u * (G::kStages + s); };
+  auto tile_free_bar = [&](int b) { return bars + 8u * (2 * G::kStages + b); };
+  auto rows_ready_bar = [&](int b) { return bars + 8u * (2 * G::kStages + 2 + b); };
   // the tile number of routing-row buffer b, -1 once the CTA's tiles are done
-  int* const tile_of = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + 2 * BM * 12 + (2 * STAGES + 4) * 8);
+  int* const tile_of = reinterpret_cast<int*>(gbase + kRing + 2 * BM * 12 + (2 * G::kStages + 4) * 8);
   if (threadIdx.x == 0) {
     // paired: a stage is free once the consumers of both CTAs released it (the peer's TMA writes into it too)
-    init_ring<STAGES>(bars, (paired ? 2 : 1) * CONSUMER_WARPS);
-    // a routing-row buffer is free again once each consumer warp is done with its tile
-    for (int b = 0; b < 2; ++b) mbar_init(tile_free_bar(b), CONSUMER_WARPS);
+    init_ring<G::kStages>(bars, (paired ? 2 : 1) * G::kReleasers);
+    // a routing-row buffer is free again once each consumer warp of its tile is done with it
+    for (int b = 0; b < 2; ++b) mbar_init(tile_free_bar(b), G::kReleasers);
     // and holds the next tile's rows once each producer thread wrote its row (and thread 0 the tile number)
     for (int b = 0; b < 2; ++b) mbar_init(rows_ready_bar(b), 128);
     fence_mbarrier_init();
@@ -270,7 +286,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   // allowed).
   auto release = [&](int s, int j) {
     mbar_arrive(empty_bar(s));
-    if (paired && j < p.k_tiles - STAGES) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
+    if (paired && j < p.k_tiles - G::kStages) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
   };
 
   const int warpgroup = threadIdx.x / 128;
@@ -282,6 +298,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     // k tiles issued before this tile, over all earlier tiles, modulo 2 STAGES: the ring runs on across tiles (stage
     // ks % STAGES, phase parity (ks / STAGES) & 1)
     uint32_t ks = 0;
+    int ends = 0;
     for (int i = 0;; ++i) {
       const int buf = i & 1;
       // Tile i's routing rows replace tile i - 2's once every consumer warp is done with those.
@@ -319,7 +336,10 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         }
       }
       mbar_arrive(rows_ready_bar(buf));  // the consumers read this thread's row (and the tile number) after it
-      if (t < 0) break;                  // the consumers stop at the -1
+      if (t < 0) {  // the consumers stop at the -1 (ping-pong: each warpgroup at its own buffer's, so two of them)
+        if (!G::kPingPong || ++ends == 2) break;
+        continue;
+      }
       asm volatile("bar.sync 1, 128;\n" ::: "memory");  // each producer thread reads the others' rows below
       const int64_t* const a_row = a_rows + buf * BM;
       const int expert = __ldg(p.expert_ids + block);
@@ -328,20 +348,20 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       const int b_row = expert * p.b_rows_per_expert + (kMajorN ? 0 : n_tile * (kGateUp ? BN_GU : BN_DOWN));
       for (int kt = 0; kt < p.k_tiles; ++kt) {
         const uint32_t k = ks + kt;
-        const int stage = acquire_stage<STAGES>(bars, k);
-        const uint32_t st = base + stage * STAGE_BYTES;
+        const int stage = acquire_stage<G::kStages>(bars, k);
+        const uint32_t st = base + stage * G::kStageBytes;
         // DX: the first k_half tiles read dg and w1, the others du and w3, each from its own K offset 0
         const bool second = kDx && kt >= p.k_half;
         const int kofs = (second ? kt - p.k_half : kt) * BK;
         const __nv_bfloat16* const a_src = second ? p.a2 : p.a;
         if (kMajorN && threadIdx.x == 0) {  // the B tile: MN_ATOMS boxes of weight rows kofs.., 64 columns each
           static_assert(!kMajorN || kPersistent, "N-major B tiles are loaded per CTA (no CTA-pair multicast)");
-          mbar_expect_tx(full_bar(stage), B_BYTES);
+          mbar_expect_tx(full_bar(stage), G::kBBytes);
           const CUtensorMap* map = second ? &p.tm_b1 : &p.tm_b0;
 #pragma unroll
-          for (int q = 0; q < MN_ATOMS; ++q) {
-            tma_load_2d(st + A_BYTES + q * (B_BYTES / MN_ATOMS), map, full_bar(stage), n_tile * BN + q * MN_ATOM,
-                        b_row + kofs);
+          for (int q = 0; q < G::kMnAtoms; ++q) {
+            tma_load_2d(st + A_BYTES + q * (G::kBBytes / G::kMnAtoms), map, full_bar(stage),
+                        n_tile * G::kN + q * MN_ATOM, b_row + kofs);
           }
         }
         if (!kMajorN && threadIdx.x == 0) {  // the B tile: two TMA boxes (GATE_UP: gate rows, then the same up rows)
@@ -363,7 +383,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         }
         cp_async_mbar_arrive_noinc(full_bar(stage));  // fires when this thread's copies of the stage have landed
       }
-      ks = (ks + p.k_tiles) % (2 * STAGES);
+      ks = (ks + p.k_tiles) % (2 * G::kStages);
     }
     drain_cp_async();
     return;
@@ -375,114 +395,179 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   const int ctid = threadIdx.x - 128 * warpgroup;
   const int warp = ctid / 32, lane = ctid % 32, quad = lane & 3;
   const uint32_t a_off = wg * 64 * 128;
-  RingPosition<STAGES> ring;  // in step with the producer's ks
-  for (int i = 0;; ++i) {
-    const int buf = i & 1;
-    mbar_wait(rows_ready_bar(buf), (i / 2) & 1);
-    const int t = tile_of[buf];
-    if (t < 0) break;
-    int block, n_tile;
-    raster(t, p.n_tiles, live, block, n_tile);
-    const int* const slot_of = slot_rows + buf * BM;
-    // When this warpgroup's 64 rows are all padding it only keeps the ring turning, and the other warpgroup's wgmmas
-    // get the tensor cores (DeepSeek-V3: 256 ± 16 slots per expert, so about half the experts end in a block of <= 64
-    // routed rows). The skip sits outside the mainloop: a `continue` inside it made ptxas serialise the wgmmas.
-    if (__all_sync(0xffffffffu, slot_of[wg * 64 + lane] < 0 && slot_of[wg * 64 + 32 + lane] < 0)) {
-      for (int kt = 0; kt < p.k_tiles; ++kt) {
-        mbar_wait(full_bar(ring.stage), ring.phase);
-        if (lane == 0) release(ring.stage, kt);
-        ring.advance();
-      }
-      // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them
-    } else {
-      float acc[128];
+  if constexpr (G::kPingPong) {
+    // Warpgroup wg runs the CTA's tiles i = wg, wg + 2, ... (routing-row buffer wg), its 128 rows in two m64n128
+    // accumulators; tile i's K steps are ring positions i * k_tiles, ... (the producer fills the ring in tile order,
+    // so the warpgroups' mainloops take turns and each epilogue runs under the other's mainloop).
+    for (int i = wg;; i += 2) {
+      const int buf = i & 1;
+      mbar_wait(rows_ready_bar(buf), (i / 2) & 1);
+      const int t = tile_of[buf];
+      if (t < 0) break;
+      int block, n_tile;
+      raster(t, p.n_tiles, live, block, n_tile);
+      const int* const slot_of = slot_rows + buf * BM;
+      float acc[128];  // rows 0-63 in acc[0, 64), rows 64-127 in acc[64, 128)
+      const uint32_t first = static_cast<uint32_t>(i) * p.k_tiles;
       int prev = 0;
       for (int kt = 0; kt < p.k_tiles; ++kt) {
-        mbar_wait(full_bar(ring.stage), ring.phase);
-        fence_proxy_async();  // the stage was written by cp.async (generic proxy); wgmma reads it through the async proxy
-        const uint32_t st = base + ring.stage * STAGE_BYTES;
-        // K-major tiles advance 16 K (32 bytes) per wgmma; DH_SWIGLU's N-major B 16 K rows (2048 bytes)
-        const uint64_t da = smem_desc(st + a_off);
-        const uint64_t db = kMajorN ? smem_desc_mn(st + A_BYTES, B_BYTES / MN_ATOMS) : smem_desc(st + A_BYTES);
+        const uint32_t pos = first + kt;
+        const int stage = static_cast<int>(pos % G::kStages);
+        mbar_wait(full_bar(stage), (pos / G::kStages) & 1);
+        fence_proxy_async();  // the A rows were written by cp.async (generic proxy); wgmma reads the async proxy
+        const uint32_t st = base + stage * G::kStageBytes;
+        const uint64_t da = smem_desc(st), da_low = smem_desc(st + 64 * 128);  // rows 0-63, rows 64-127
+        const uint64_t db = smem_desc_mn(st + A_BYTES, G::kBBytes / G::kMnAtoms);
         fence_acc(acc);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
-          if constexpr (kMajorN) {
-            wgmma_m64n256k16_bf16_bn(acc, da + 2 * kk, db + kk * (16 * 128 >> 4), (kt > 0 || kk > 0) ? 1 : 0);
-          } else {
-            wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
-          }
+          const int scale = (kt > 0 || kk > 0) ? 1 : 0;
+          wgmma_m64n128k16_bf16_bn(acc, da + 2 * kk, db + kk * (16 * 128 >> 4), scale);
+          wgmma_m64n128k16_bf16_bn(acc + 64, da_low + 2 * kk, db + kk * (16 * 128 >> 4), scale);
         }
         wgmma_commit();
         fence_acc(acc);
         wgmma_wait<1>();
         fence_acc(acc);
         if (kt > 0 && lane == 0) release(prev, kt - 1);
-        prev = ring.stage;
-        ring.advance();
+        prev = stage;
       }
       wgmma_wait<0>();
       fence_acc(acc);
-      if (lane == 0) release(prev, p.k_tiles - 1);  // the ring's next turn (persistent: the next tile) may refill it
-      // ------------------------------- epilogue -------------------------------
+      if (lane == 0) release(prev, p.k_tiles - 1);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int lr = wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
-        if constexpr (MODE == GATE_UP || MODE == GATE_UP_AND_SAVE) {
-          const int n0 = n_tile * BN_GU;
-          __nv_bfloat16* dst = p.inter + static_cast<int64_t>(block * BM + lr) * p.ld_inter + n0;
+      for (int half = 0; half < 2; ++half) {
 #pragma unroll
-          for (int j = 0; j < BN_GU / 8; ++j) {
-            const int col = 8 * j + 2 * quad;
-            if (n0 + col < p.n_total) {  // n_total is even: col + 1 is valid too
-              const float h0 = silu_mul(acc[4 * j + 2 * h], acc[4 * (j + BN_GU / 8) + 2 * h]);
-              const float h1 = silu_mul(acc[4 * j + 2 * h + 1], acc[4 * (j + BN_GU / 8) + 2 * h + 1]);
-              *reinterpret_cast<__nv_bfloat162*>(dst + col) = __floats2bfloat162_rn(h0, h1);
-            }
-          }
-        }
-        if constexpr (MODE == GATE_UP_SAVE || MODE == GATE_UP_AND_SAVE) {
-          const int dst_row = p.dst_rows[block * BM + lr];
-          if (dst_row >= 0 && dst_row < p.dst_limit) {
-            const int n0 = n_tile * BN_GU;
-            __nv_bfloat16* dst = p.saved + static_cast<int64_t>(dst_row) * p.ld_saved + n0;
-#pragma unroll
-            for (int j = 0; j < BN_GU / 8; ++j) {
-              const int col = 8 * j + 2 * quad;
-              if (n0 + col < p.n_total) {  // gate columns, then the up columns hidden (n_total) further
-                *reinterpret_cast<__nv_bfloat162*>(dst + col) =
-                    __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-                *reinterpret_cast<__nv_bfloat162*>(dst + p.n_total + col) =
-                    __floats2bfloat162_rn(acc[4 * (j + BN_GU / 8) + 2 * h], acc[4 * (j + BN_GU / 8) + 2 * h + 1]);
-              }
-            }
-          }
-        }
-        if constexpr (kDh) {
+        for (int h = 0; h < 2; ++h) {
+          const int lr = half * 64 + warp * 16 + (lane >> 2) + 8 * h;
           const int slot = slot_of[lr];
           const int row = slot >= 0 ? p.dst_rows[block * BM + lr] : -1;
           const bool routed = row >= 0 && row < p.dst_limit;
-          float dot = routed ? swiglu_grad_row(p, acc, h, quad, slot, row, n_tile * BN) : 0.f;
-          // the 4 lanes of a quad hold the row's columns: every lane takes part in the shuffles
+          float dot = routed ? swiglu_grad_row<PING_PONG_N>(p, acc + 64 * half, h, quad, slot, row,
+                                                            n_tile * PING_PONG_N)
+                             : 0.f;
           dot += __shfl_xor_sync(0xffffffffu, dot, 1);
           dot += __shfl_xor_sync(0xffffffffu, dot, 2);
           if (routed && quad == 0) p.dot_partials[static_cast<int64_t>(n_tile) * p.num_slots + slot] = dot;
         }
-        if constexpr (!kGather) {
-          const int slot = slot_of[lr];
-          if (slot < 0) continue;
-          if constexpr (kDx) {  // dx: unweighted (dg and du carry the slot weight)
-            store_down_row<BN_DOWN, MODE == DX_ATOMIC, false>(p, acc, h, quad, slot, n_tile * BN_DOWN);
-          } else {
-            store_down_row<BN_DOWN, MODE == DOWN_ATOMIC>(p, acc, h, quad, slot, n_tile * BN_DOWN);
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(tile_free_bar(buf));
+    }
+  } else {
+    RingPosition<G::kStages> ring;  // in step with the producer's ks
+    for (int i = 0;; ++i) {
+      const int buf = i & 1;
+      mbar_wait(rows_ready_bar(buf), (i / 2) & 1);
+      const int t = tile_of[buf];
+      if (t < 0) break;
+      int block, n_tile;
+      raster(t, p.n_tiles, live, block, n_tile);
+      const int* const slot_of = slot_rows + buf * BM;
+      // When this warpgroup's 64 rows are all padding it only keeps the ring turning, and the other warpgroup's
+      // wgmmas get the tensor cores (DeepSeek-V3: 256 ± 16 slots per expert, so about half the experts end in a block
+      // of <= 64 routed rows). The skip sits outside the mainloop: a `continue` inside it made ptxas serialise the
+      // wgmmas.
+      if (__all_sync(0xffffffffu, slot_of[wg * 64 + lane] < 0 && slot_of[wg * 64 + 32 + lane] < 0)) {
+        for (int kt = 0; kt < p.k_tiles; ++kt) {
+          mbar_wait(full_bar(ring.stage), ring.phase);
+          if (lane == 0) release(ring.stage, kt);
+          ring.advance();
+        }
+        // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them
+      } else {
+        float acc[128];
+        int prev = 0;
+        for (int kt = 0; kt < p.k_tiles; ++kt) {
+          mbar_wait(full_bar(ring.stage), ring.phase);
+          // the stage was written by cp.async (generic proxy); wgmma reads it through the async proxy
+          fence_proxy_async();
+          const uint32_t st = base + ring.stage * G::kStageBytes;
+          // K-major tiles advance 16 K (32 bytes) per wgmma; DH_SWIGLU's N-major B 16 K rows (2048 bytes)
+          const uint64_t da = smem_desc(st + a_off);
+          const uint64_t db =
+              kMajorN ? smem_desc_mn(st + A_BYTES, G::kBBytes / G::kMnAtoms) : smem_desc(st + A_BYTES);
+          fence_acc(acc);
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < BK / 16; ++kk) {
+            if constexpr (kMajorN) {
+              wgmma_m64n256k16_bf16_bn(acc, da + 2 * kk, db + kk * (16 * 128 >> 4), (kt > 0 || kk > 0) ? 1 : 0);
+            } else {
+              wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
+            }
+          }
+          wgmma_commit();
+          fence_acc(acc);
+          wgmma_wait<1>();
+          fence_acc(acc);
+          if (kt > 0 && lane == 0) release(prev, kt - 1);
+          prev = ring.stage;
+          ring.advance();
+        }
+        wgmma_wait<0>();
+        fence_acc(acc);
+        if (lane == 0) release(prev, p.k_tiles - 1);  // the ring's next turn (persistent: the next tile) may refill it
+        // ------------------------------- epilogue -------------------------------
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int lr = wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
+          if constexpr (MODE == GATE_UP || MODE == GATE_UP_AND_SAVE) {
+            const int n0 = n_tile * BN_GU;
+            __nv_bfloat16* dst = p.inter + static_cast<int64_t>(block * BM + lr) * p.ld_inter + n0;
+#pragma unroll
+            for (int j = 0; j < BN_GU / 8; ++j) {
+              const int col = 8 * j + 2 * quad;
+              if (n0 + col < p.n_total) {  // n_total is even: col + 1 is valid too
+                const float h0 = silu_mul(acc[4 * j + 2 * h], acc[4 * (j + BN_GU / 8) + 2 * h]);
+                const float h1 = silu_mul(acc[4 * j + 2 * h + 1], acc[4 * (j + BN_GU / 8) + 2 * h + 1]);
+                *reinterpret_cast<__nv_bfloat162*>(dst + col) = __floats2bfloat162_rn(h0, h1);
+              }
+            }
+          }
+          if constexpr (MODE == GATE_UP_SAVE || MODE == GATE_UP_AND_SAVE) {
+            const int dst_row = p.dst_rows[block * BM + lr];
+            if (dst_row >= 0 && dst_row < p.dst_limit) {
+              const int n0 = n_tile * BN_GU;
+              __nv_bfloat16* dst = p.saved + static_cast<int64_t>(dst_row) * p.ld_saved + n0;
+#pragma unroll
+              for (int j = 0; j < BN_GU / 8; ++j) {
+                const int col = 8 * j + 2 * quad;
+                if (n0 + col < p.n_total) {  // gate columns, then the up columns hidden (n_total) further
+                  *reinterpret_cast<__nv_bfloat162*>(dst + col) =
+                      __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                  *reinterpret_cast<__nv_bfloat162*>(dst + p.n_total + col) =
+                      __floats2bfloat162_rn(acc[4 * (j + BN_GU / 8) + 2 * h], acc[4 * (j + BN_GU / 8) + 2 * h + 1]);
+                }
+              }
+            }
+          }
+          if constexpr (kDh) {
+            const int slot = slot_of[lr];
+            const int row = slot >= 0 ? p.dst_rows[block * BM + lr] : -1;
+            const bool routed = row >= 0 && row < p.dst_limit;
+            float dot = routed ? swiglu_grad_row<BN>(p, acc, h, quad, slot, row, n_tile * BN) : 0.f;
+            // the 4 lanes of a quad hold the row's columns: every lane takes part in the shuffles
+            dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+            dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+            if (routed && quad == 0) p.dot_partials[static_cast<int64_t>(n_tile) * p.num_slots + slot] = dot;
+          }
+          if constexpr (!kGather) {
+            const int slot = slot_of[lr];
+            if (slot < 0) continue;
+            if constexpr (kDx) {  // dx: unweighted (dg and du carry the slot weight)
+              store_down_row<BN_DOWN, MODE == DX_ATOMIC, false>(p, acc, h, quad, slot, n_tile * BN_DOWN);
+            } else {
+              store_down_row<BN_DOWN, MODE == DOWN_ATOMIC>(p, acc, h, quad, slot, n_tile * BN_DOWN);
+            }
           }
         }
       }
+      // every lane's reads of the tile's routing rows are done before lane 0 frees them for tile i + 2
+      __syncwarp();
+      if (lane == 0) mbar_arrive(tile_free_bar(buf));
     }
-    // every lane's reads of the tile's routing rows are done before lane 0 frees them for tile i + 2
-    __syncwarp();
-    if (lane == 0) mbar_arrive(tile_free_bar(buf));
   }
 #else
   __trap();  // compiled for an arch other than sm_90a: the host side never launches it there
@@ -491,7 +576,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
 template <int MODE>
 void launch(const Params& p, int n_tiles, int64_t blocks, cudaStream_t stream) {
   constexpr bool kPersistent = persistent_mode(MODE);
-  launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, SMEM_BYTES, kPersistent ? 1 : CLUSTER_BLOCKS, kPersistent>(
+  launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, Geometry<MODE>::kSmemBytes, kPersistent ? 1 : CLUSTER_BLOCKS,
+                  kPersistent>(
       p, n_tiles, blocks, stream);
 }
 
@@ -656,7 +742,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda
   const int64_t slots = s.M * s.top_k;
   auto grad_gate = at::empty({slots, s.hidden}, go.options());
   auto grad_up = at::empty_like(grad_gate), weighted_h = at::empty_like(grad_gate);
-  const int n_tiles = static_cast<int>((s.hidden + sm90::BN - 1) / sm90::BN);
+  constexpr int kTileN = sm90::Geometry<sm90::DH_SWIGLU>::kN;
+  const int n_tiles = static_cast<int>((s.hidden + kTileN - 1) / kTileN);
   auto partials = at::zeros({n_tiles, slots}, go.options().dtype(at::kFloat));
   const auto tile_counter = at::zeros({1}, sorted_token_ids.options().dtype(at::kInt));
   sm90::Params p{};
