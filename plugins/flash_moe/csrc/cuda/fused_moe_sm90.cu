@@ -395,17 +395,22 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   const int ctid = threadIdx.x - 128 * warpgroup;
   const int warp = ctid / 32, lane = ctid % 32, quad = lane & 3;
   const uint32_t a_off = wg * 64 * 128;
+  // the CTA's tile i, from routing-row buffer i & 1: false once the producer wrote -1 there
+  auto take_tile = [&](int i, int& block, int& n_tile) {
+    mbar_wait(rows_ready_bar(i & 1), (i / 2) & 1);
+    const int t = tile_of[i & 1];
+    if (t < 0) return false;
+    raster(t, p.n_tiles, live, block, n_tile);
+    return true;
+  };
   if constexpr (G::kPingPong) {
     // Warpgroup wg runs the CTA's tiles i = wg, wg + 2, ... (routing-row buffer wg), its 128 rows in two m64n128
     // accumulators; tile i's K steps are ring positions i * k_tiles, ... (the producer fills the ring in tile order,
     // so the warpgroups' mainloops take turns and each epilogue runs under the other's mainloop).
     for (int i = wg;; i += 2) {
       const int buf = i & 1;
-      mbar_wait(rows_ready_bar(buf), (i / 2) & 1);
-      const int t = tile_of[buf];
-      if (t < 0) break;
       int block, n_tile;
-      raster(t, p.n_tiles, live, block, n_tile);
+      if (!take_tile(i, block, n_tile)) break;
       const int* const slot_of = slot_rows + buf * BM;
       float acc[128];  // rows 0-63 in acc[0, 64), rows 64-127 in acc[64, 128)
       const uint32_t first = static_cast<uint32_t>(i) * p.k_tiles;
@@ -459,11 +464,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     RingPosition<G::kStages> ring;  // in step with the producer's ks
     for (int i = 0;; ++i) {
       const int buf = i & 1;
-      mbar_wait(rows_ready_bar(buf), (i / 2) & 1);
-      const int t = tile_of[buf];
-      if (t < 0) break;
       int block, n_tile;
-      raster(t, p.n_tiles, live, block, n_tile);
+      if (!take_tile(i, block, n_tile)) break;
       const int* const slot_of = slot_rows + buf * BM;
       // When this warpgroup's 64 rows are all padding it only keeps the ring turning, and the other warpgroup's
       // wgmmas get the tensor cores (DeepSeek-V3: 256 ± 16 slots per expert, so about half the experts end in a block
