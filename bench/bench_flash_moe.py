@@ -155,16 +155,9 @@ def bench_weight_grad_paths(ops, name, T, E, k, dim, hidden, rounds=3):
     leaves = [p[i] for i in (0, 1, 2, 3, 5)]
     saved = {key: ops.CONSTANTS[key] for key in ("FUSED_DW_MIN_SLOTS", "FUSED_DW_MAX_HIDDEN")}
     times, clocks, timelines, by_operator = {"grouped": [], "fused": []}, {"grouped": [], "fused": []}, {}, {}
-    l2_flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")  # as do_bench does between calls
 
     def use(path):
         ops.CONSTANTS.update(FUSED_DW_MIN_SLOTS=0 if path == "fused" else 2**40, FUSED_DW_MAX_HIDDEN=2**40)
-
-    def step():
-        l2_flush.zero_()
-        for t in leaves:
-            t.grad = None
-        ops.moe(*p).backward(go)
 
     try:
         for _ in range(rounds):
@@ -175,9 +168,7 @@ def bench_weight_grad_paths(ops, name, T, E, k, dim, hidden, rounds=3):
                 clocks[path].append((mhz, watts))
         for path in times:
             use(path)
-            timelines[path] = gpu_timeline(step)
-            for t in leaves:  # else the profiled backward adds into the last step's gradients (call 9's "0.869 ms")
-                t.grad = None
+            timelines[path] = gpu_timeline(lambda: ops.moe(*p).backward(go), grad_to_none=leaves)
             out = ops.moe(*p)
             torch.cuda.synchronize()
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -200,7 +191,7 @@ def bench_weight_grad_paths(ops, name, T, E, k, dim, hidden, rounds=3):
         print_timeline(f"{path} (L2 flush included)", line)
     for path, top in by_operator.items():
         print(f"    {path} backward, device time by operator (ms): " + "; ".join(f"{key} {ms:.3f}" for ms, key in top))
-    del p, go, leaves, l2_flush
+    del p, go, leaves
     free()
     return {"shape": name, **{f"{path}_fwd_bwd_ms": v for path, v in times.items()},
             **{f"{path}_clocks_mhz_w": v for path, v in clocks.items()},
@@ -225,19 +216,12 @@ def bench_timelines(ops, name, T, E, k, dim, hidden):
     p = problem(T, E, k, dim, hidden, grad=True)
     go = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
     leaves = [p[i] for i in (0, 1, 2, 3, 5)]
-    l2_flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     row = {"shape": name}
+    print(f"  {name}")
     for label, fn in (("moe", ops.moe), ("grouped-mm", moe_grouped_mm)):
-        def step(fn=fn):
-            l2_flush.zero_()
-            for t in leaves:
-                t.grad = None
-            fn(*p).backward(go)
-
-        row[label] = gpu_timeline(step, top=12)
-        print(f"  {name}")
+        row[label] = gpu_timeline(lambda fn=fn: fn(*p).backward(go), top=12, grad_to_none=leaves)
         print_timeline(label, row[label])
-    del p, go, leaves, l2_flush
+    del p, go, leaves
     free()
     return row
 

@@ -62,8 +62,10 @@ def matmul_ceiling() -> float:
     return 2 * 8192**3 / (ms * 1e-3)
 
 
-def gpu_timeline(fn, iters: int = 5, top: int = 6) -> dict:
-    """Where the GPU's time goes over ``iters`` calls of ``fn`` under torch.profiler (one trace): per call, the span
+def gpu_timeline(fn, iters: int = 5, top: int = 6, grad_to_none=()) -> dict:
+    """Where the GPU's time goes over ``iters`` calls of ``fn`` under torch.profiler (one trace), each call prepared as
+    do_bench prepares one (the L2 flushed, the ``grad_to_none`` tensors' gradients cleared; cleared again at the end,
+    so that no later backward adds into them): per call, the span
     from the first kernel's start to the last one's end, the time some kernel, memset or copy ran (busy) and the
     rest (idle); the host's time per call unprofiled; the kernels and the CUDA runtime calls with the most time (a
     blocking call shows here); the longest idle gaps, each with the kernel before and after it and
@@ -75,17 +77,27 @@ def gpu_timeline(fn, iters: int = 5, top: int = 6) -> dict:
 
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
+    l2_flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+
+    def call():
+        l2_flush.zero_()
+        for t in grad_to_none:
+            t.grad = None
+        fn()
+
+    call()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(iters):
-        fn()
+        call()
     host = (time.perf_counter() - start) / iters  # the host's time per call, unprofiled, the GPU not waited for
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            fn()
+            call()
         torch.cuda.synchronize()
+    for t in grad_to_none:
+        t.grad = None
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         return {"host_ms": host * 1e3, **timeline_of(json.load(open(f.name))["traceEvents"], iters, top)}
@@ -107,16 +119,15 @@ def timeline_of(events: list, iters: int, top: int) -> dict:
     launch_end = {e["args"]["correlation"]: e["ts"] + e["dur"] for e in events
                   if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
     busy, gaps, by_name = 0.0, [], {}
-    end, previous = device[0]["ts"], kernel_name(device[0]["name"])
+    end, previous = device[0]["ts"], None
     for e in device:
-        start, stop = e["ts"], e["ts"] + e["dur"]
+        start, stop, name = e["ts"], e["ts"] + e["dur"], kernel_name(e["name"])
         if start > end:
             late = launch_end.get(e["args"].get("correlation"), start) - end
-            gaps.append((start - end, previous, kernel_name(e["name"]), late))
+            gaps.append((start - end, previous, name, late))
         busy += max(0.0, stop - max(start, end))
         if stop > end:
-            end, previous = stop, kernel_name(e["name"])
-        name = kernel_name(e["name"])
+            end, previous = stop, name
         by_name[name] = by_name.get(name, 0.0) + e["dur"]
     span = end - device[0]["ts"]
     runtime = {}
