@@ -38,6 +38,20 @@ plugins=$(ls -d plugins/*/ examples/*/ 2>/dev/null | while read -r p; do [ -f "$
 phase() { case " $phases " in *" $1 "*) return 0;; *) return 1;; esac; }
 results="$out/phases.tsv"; : > "$results"
 record() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$results"; }
+# The gpu-marked tests of SUITE, logged to LOG.log / LOG.xml and recorded as PHASE LABEL (exit 5, no gpu-marked test
+# in the suite, counts as 0); the environment of the call (PYTHONPATH, CUDA_VISIBLE_DEVICES) reaches pytest.
+gpu_tests() {  # PHASE LABEL SUITE LOG
+  timeout 420 "$py" -m pytest -m gpu "$3" -q -p no:cacheprovider -rs --junitxml="$4.xml" > "$4.log" 2>&1
+  local code=$?; [ "$code" = 5 ] && code=0
+  record "$1" "$2" "exit $code; $(tail -n 1 "$4.log")"
+  grep -E '^(FAILED|ERROR)' "$4.log"
+}
+# compute-sanitizer TOOL on SCRIPT, logged to LOG and recorded as PHASE LABEL (its error or hazard summary).
+sanitizer() {  # PHASE LABEL TOOL SCRIPT LOG
+  timeout 300 compute-sanitizer --tool "$3" --error-exitcode 3 "$py" "$4" > "$5" 2>&1
+  local code=$?
+  record "$1" "$2" "exit $code; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$5" | tail -n 1)"
+}
 
 # Peer wheels: .peers/ (../shared/bench/peer-wheels.sh) or .peers1/ .peers2/ ... (scripts/peer_wheels.sh, carried one
 # per call while the machine stays warm); a wheel split into parts may have them in several of those folders.
@@ -90,12 +104,7 @@ if phase test; then
   # One pytest process per suite: a kernel fault poisons its CUDA context, and must not fail the other plugins' tests.
   for suite in ${TEST_SUITES:-tests plugins/*/tests examples/*/tests}; do
     [ -e "$suite" ] || { record test "$suite" "not found"; continue; }
-    name=$(echo "$suite" | tr / _)
-    ( timeout 420 "$py" -m pytest -m gpu "$suite" -q -p no:cacheprovider -rs \
-        --junitxml="$out/gpu-tests-$name.xml" > "$out/gpu-tests-$name.log" 2>&1
-      code=$?; [ "$code" = 5 ] && code=0  # 5: no gpu-marked test in this suite
-      record test "$suite" "exit $code; $(tail -n 1 "$out/gpu-tests-$name.log")"
-      grep -E '^(FAILED|ERROR)' "$out/gpu-tests-$name.log" ) &
+    gpu_tests test "$suite" "$suite" "$out/gpu-tests-$(echo "$suite" | tr / _)" &
   done
 fi
 
@@ -107,10 +116,7 @@ if phase sanitize; then
     [ -f "$script" ] || continue
     for tool in memcheck racecheck synccheck; do
       name="$(basename "$script" .py)-$tool"
-      ( CUDA_VISIBLE_DEVICES=$sanitize_gpu timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 3 "$py" "$script" > "$out/$name.log" 2>&1
-        code=$?
-        record sanitize "$name" "exit $code; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$name.log" | tail -n 1)"
-      ) &
+      CUDA_VISIBLE_DEVICES=$sanitize_gpu sanitizer sanitize "$name" "$tool" "$script" "$out/$name.log" &
     done
   done
 fi
@@ -124,19 +130,14 @@ if phase variant-tests; then
     for p in .variants/"$name"/plugins/*/; do
       plugin=$(basename "$p")
       log="$out/variant-$name-$plugin"
-      ( PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} timeout 420 "$py" -m pytest -m gpu "plugins/$plugin/tests" -q \
-          -p no:cacheprovider -rs > "$log-tests.log" 2>&1
-        code=$?; [ "$code" = 5 ] && code=0
-        record variant-tests "$name $plugin tests" "exit $code; $(tail -n 1 "$log-tests.log")" ) &
+      PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} gpu_tests variant-tests "$name $plugin tests" "plugins/$plugin/tests" \
+        "$log-tests" &
       for script in plugins/"$plugin"/tests/sanitize_*.py; do
         [ -f "$script" ] || continue
         for tool in memcheck racecheck synccheck; do
-          ( PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 3 \
-              "$py" "$script" > "$log-$(basename "$script" .py)-$tool.log" 2>&1
-            code=$?
-            record variant-tests "$name $(basename "$script" .py)-$tool" \
-              "exit $code; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log-$(basename "$script" .py)-$tool.log" | tail -n 1)"
-          ) &
+          check="$(basename "$script" .py)-$tool"
+          PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} sanitizer variant-tests "$name $check" "$tool" "$script" \
+            "$log-$check.log" &
         done
       done
     done
@@ -171,11 +172,7 @@ print("stable modules:", f._C_stable.__file__, e._C_stable.__file__)' 2>&1 | tee
   for script in examples/third_party_plugin/tests/sanitize_residual_rmsnorm.py plugins/fused_logp/tests/sanitize_fused_logp.py; do
     for tool in memcheck racecheck synccheck; do
       name="stable-$(basename "$script" .py)-$tool"
-      ( PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 3 \
-          "$py" "$script" > "$out/$name.log" 2>&1
-        code=$?
-        record stable "$name" "exit $code; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$name.log" | tail -n 1)"
-      ) &
+      PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} sanitizer stable "$name" "$tool" "$script" "$out/$name.log" &
     done
   done
   wait
