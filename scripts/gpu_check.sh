@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The GPU harness, for a bare H200 machine (torch preinstalled, no network):
-#   bash scripts/gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [variant-tests] [stable] [bench] [profile] [ab]
+#   bash scripts/gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [smoke] [variant-tests] [stable] [bench]
+#     [profile] [ab]
 #   (default: build test sanitize bench)
 # One device call runs at most 10 minutes: run "build test sanitize" in one call and "bench" in the next (the machine
 # keeps what the first installed while it stays warm, 30 s after a call).
 # Installs the core and every plugin from the working tree (no build isolation, no index), runs the gpu-marked tests,
 # compute-sanitizer memcheck, racecheck and synccheck on each plugin's small-shape script, the benchmarks (with peers from .peers/
 # when present), and prints a short table last. JSON and logs go to OUT_DIR.
+# build and variants install a plugin from its wheel in .device_wheels when scripts/device_wheels.sh built one here for
+# the same sources and it imports there (no compiling: carry .device_wheels), else compile it.
 # variants: builds each revision staged by scripts/stage_variant.sh under .variants/ (carry it) into its own site dir
 # (/tmp/variants/NAME, kept while the machine stays warm). variant-tests: the gpu-marked tests and the sanitizer scripts
 # of each built variant's plugins against that variant (its site first on PYTHONPATH; AB_VARIANTS names a subset), one
@@ -24,7 +27,7 @@
 # on the warm machine adds that site as the variant "stable-wheel" (AB_ROUNDS: rounds, default 2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [variant-tests] [stable] [bench] [profile] [ab]}; shift
+out=${1:?usage: gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [smoke] [variant-tests] [stable] [bench] [profile] [ab]}; shift
 phases=${*:-build test sanitize bench}
 mkdir -p "$out"
 py=${PYTHON:-python3}
@@ -34,6 +37,34 @@ py=${PYTHON:-python3}
 export PRIME_KERNELS_ARCH=${PRIME_KERNELS_ARCH:-native}
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 pip_offline() { "$py" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-build-isolation "$@"; }
+. scripts/lib/source_hash.sh
+kit=$(kit_hash)
+# Whether each compiled module of the plugin at PLUGIN_DIR imports here (from SITE first, when given).
+compiled_modules_import() {  # PLUGIN_DIR [SITE]
+  local manifest package
+  manifest=$(ls "$1"/*/kernel.toml 2>/dev/null | head -n 1) || return 1
+  package=$(basename "$(dirname "$manifest")")
+  PYTHONPATH=${2:+$2:}${PYTHONPATH:-} "$py" -c 'import importlib, importlib.util, sys, torch
+for name in ("_C", "_C_stable"):
+    module = sys.argv[1] + "." + name
+    if importlib.util.find_spec(module):
+        importlib.import_module(module)' "$package"
+}
+# Installs the plugin at PLUGIN_DIR (into SITE with --target, else into this python) from its wheel built elsewhere
+# (scripts/device_wheels.sh; carry .device_wheels) when one matches its sources and its compiled modules import here,
+# else compiles it from source; says which, output in LOG.
+install_plugin() {  # PLUGIN_DIR LOG [SITE]
+  local plugin=$1 log=$2 site=${3:-} wheel
+  local target=(${site:+--target "$site"})
+  wheel=$(ls .device_wheels/"$(basename "$plugin")-$(plugin_hash "$plugin" "$kit")"/*.whl 2>/dev/null | head -n 1)
+  if [ -n "$wheel" ] && pip_offline "${target[@]}" "$wheel" > "$log" 2>&1 && compiled_modules_import "$plugin" "$site" >> "$log" 2>&1; then
+    echo "prebuilt"
+    return 0
+  fi
+  [ -n "$wheel" ] && echo "[gpu_check] $wheel does not import here: compiling $plugin" >> "$log"
+  rm -rf "$plugin/build"
+  pip_offline "${target[@]}" "$plugin" >> "$log" 2>&1 && echo "compiled"
+}
 plugins=$(ls -d plugins/*/ examples/*/ 2>/dev/null | while read -r p; do [ -f "$p/pyproject.toml" ] && echo "$p"; done)
 phase() { case " $phases " in *" $1 "*) return 0;; *) return 1;; esac; }
 results="$out/phases.tsv"; : > "$results"
@@ -74,9 +105,9 @@ if phase build; then
   start=$(date +%s)
   pip_offline . && record build core ok || record build core FAILED
   for p in $plugins; do
-    ( s=$(date +%s); rm -rf "$p/build"
-      if pip_offline "$p" > "$out/build-$(basename "$p").log" 2>&1; then r=ok; else r=FAILED; fi
-      record build "$(basename "$p") ($(( $(date +%s) - s )) s)" "$r" ) &
+    ( s=$(date +%s)
+      if how=$(install_plugin "$p" "$out/build-$(basename "$p").log"); then r=ok; else r=FAILED how=; fi
+      record build "$(basename "$p") ($how $(( $(date +%s) - s )) s)" "$r" ) &
   done
   wait
   echo "[gpu_check] build took $(( $(date +%s) - start )) s"
@@ -90,12 +121,13 @@ if phase variants; then
     [ -d "$v/plugins" ] || continue
     name=$(basename "$v")
     [ "$(cat "/tmp/variants/$name/.built" 2>/dev/null)" = "$(cat "$v/COMMIT")" ] && continue
-    ( ok=1
+    ( ok=1 hows=
       for p in "$v"/plugins/*/; do
-        pip_offline --target "/tmp/variants/$name" "$p" > "$out/build-$name-$(basename "$p").log" 2>&1 || ok=0
+        how=$(install_plugin "${p%/}" "$out/build-$name-$(basename "$p").log" "/tmp/variants/$name") || ok=0
+        hows="$hows $how"
       done
       if [ $ok = 1 ]; then cp "$v/COMMIT" "/tmp/variants/$name/.built"; r=ok; else r=FAILED; fi
-      record variants "build $name ($(cat "$v/COMMIT"))" "$r" ) &
+      record variants "build $name ($(cat "$v/COMMIT"),$hows)" "$r" ) &
   done
 fi
 
@@ -122,10 +154,28 @@ if phase sanitize; then
 fi
 wait
 
+# smoke: each built variant's sanitize scripts (small shapes against the CPU op, exit 1 on a mismatch) under a short
+# timeout, before any timing: a protocol slip in a new kernel shows here as a hang or a wrong result, not as a timed-out
+# A/B call. Diagnostic builds (.variants/NAME/DIAGNOSTIC) are passed by.
+if phase smoke; then
+  wait  # the variants phase builds in the background
+  for name in ${AB_VARIANTS:-$(ls .variants 2>/dev/null)}; do
+    [ -f ".variants/$name/DIAGNOSTIC" ] && continue
+    [ -f "/tmp/variants/$name/.built" ] || { record smoke "$name" "not built"; continue; }
+    for script in .variants/"$name"/plugins/*/tests/sanitize_*.py; do
+      [ -f "$script" ] || continue
+      log="$out/smoke-$name-$(basename "$script" .py).log"
+      PYTHONPATH=/tmp/variants/$name${PYTHONPATH:+:$PYTHONPATH} timeout 90 "$py" "$script" > "$log" 2>&1
+      record smoke "$name $(basename "$script")" "exit $?; $(tail -n 1 "$log" | cut -c1-120)"
+    done
+  done
+fi
+
 if phase variant-tests; then
   wait  # the variants phase builds in the background
   for name in ${AB_VARIANTS:-$(ls .variants 2>/dev/null)}; do
     site=/tmp/variants/$name
+    [ -f ".variants/$name/DIAGNOSTIC" ] && continue
     [ -f "$site/.built" ] || { record variant-tests "$name" "not built"; continue; }
     for p in .variants/"$name"/plugins/*/; do
       plugin=$(basename "$p")

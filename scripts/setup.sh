@@ -31,13 +31,10 @@ pip_install transformers==5.24.0
 # --no-build-isolation everywhere: an isolated build would pull another torch and produce a wheel that fails at import.
 pip_install --no-build-isolation --no-deps --force-reinstall .
 
-kit_hash=$(cat prime_kernels_core/build.py prime_kernels_core/manifest.py prime_kernels_core/csrc/* prime_kernels_core/include/prime_kernels/* | sha1sum | cut -c1-12)
-wheel_dir() {  # the wheelhouse folder named by the plugin's content hash
-  local plugin=$1 hash
-  hash=$( (cd "$plugin" && find . -type f -not -path './build/*' -not -path '*/__pycache__/*' -not -name '*.so' \
-           -not -name '_build_record.json' -not -path '*.egg-info*' | sort | xargs sha1sum; echo "$kit_hash") | sha1sum | cut -c1-12)
-  echo "$wheelhouse/$(basename "$plugin")-$hash"
-}
+# shellcheck source=lib/source_hash.sh
+. scripts/lib/source_hash.sh
+kit=$(kit_hash)
+wheel_dir() { echo "$wheelhouse/$(basename "$1")-$(plugin_hash "$1" "$kit")"; }  # named by the plugin's content hash
 plugins=() to_build=()
 for plugin in plugins/*/ examples/*/; do
   [ -f "$plugin/pyproject.toml" ] || continue

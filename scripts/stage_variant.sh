@@ -11,4 +11,8 @@ rm -rf "$dest" && mkdir -p "$dest"
 # shellcheck disable=SC2086
 git archive "$rev" $dirs | tar -x -C "$dest"
 echo "$(git rev-parse --short "$rev")" > "$dest/COMMIT"
+# A diagnostic build (its commit subject begins "DIAGNOSTIC": parts left out, wrong results by design) is timed only:
+# gpu_check.sh's smoke and variant-tests phases pass it by.
+subject=$(git log -1 --format=%s "$rev")
+case "$subject" in DIAGNOSTIC*) echo "$subject" > "$dest/DIAGNOSTIC";; esac
 echo "staged $rev ($(cat "$dest/COMMIT")) at $dest: $(ls -d "$dest"/plugins/*/ | xargs -n1 basename | tr '\n' ' ')"

@@ -8,7 +8,8 @@ transformers (5.x: its experts-implementation registry, ``ALL_EXPERTS_FUNCTIONS`
 
 Routing stays the model's own (its router's top-k ids and weights, in the dtype it gives them: Qwen3-MoE rounds them
 to the model dtype, Mixtral keeps them fp32). The experts' fused weights are read in place: ``gate_up_proj`` (E, 2I, H)
-gives w1 = its first I rows and w3 = the next I, ``down_proj`` (E, H, I) is w2. Slots that transformers marks with
+goes to ``moe`` whole as its stacked w1 (gate = its first I rows, up = the next I; its gradient comes back as one
+tensor), ``down_proj`` (E, H, I) is w2. Slots that transformers marks with
 expert id == num_experts (unrouted, or another rank's expert under its expert parallelism) are skipped by ``moe``.
 Where flash_moe cannot run a call (an experts layout it does not compute, the device, the dtype, the shape contract),
 the call goes to transformers' default implementation (``grouped_mm``) and the reason is logged once; with
@@ -158,10 +159,10 @@ def _experts_forward(experts, hidden_states, top_k_index, top_k_weights, *, stri
             raise RuntimeError(f"flash_moe experts (strict): {reason}")
         return _fallback(experts, reason, hidden_states, top_k_index, top_k_weights)
     ops, _ = _kernel(hidden_states.device)
+    # gate_up_proj passed whole (w3 None): its gradient comes back as one tensor, not through two slices
     w = experts.gate_up_proj
-    inter = w.shape[1] // 2
-    out = ops.moe(hidden_states.to(torch.bfloat16), w[:, :inter], experts.down_proj, w[:, inter:], top_k_index,
-                  top_k_weights, num_experts=w.shape[0])
+    out = ops.moe(hidden_states.to(torch.bfloat16), w, experts.down_proj, None, top_k_index, top_k_weights,
+                  num_experts=w.shape[0])
     return out.to(hidden_states.dtype)
 
 

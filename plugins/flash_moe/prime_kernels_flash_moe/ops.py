@@ -440,6 +440,15 @@ def _first_order_only(grads, anchors):
     return tuple(None if g is None else next(wrapped) for g in grads)
 
 
+def _gate_and_up(w1, w3):
+    """The gate and up weights (E, hidden, dim): w1 and w3, or the two halves of a stacked w1 (E, 2 hidden, dim) when
+    w3 is None (views: the kernels read them in place)."""
+    if w3 is not None:
+        return w1, w3
+    hidden = w1.shape[1] // 2
+    return w1[:, :hidden], w1[:, hidden:]
+
+
 class _MoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w2, w3, topk_ids, topk_weights, expert_start, num_experts, deterministic,
@@ -449,7 +458,9 @@ class _MoE(torch.autograd.Function):
         align = torch.ops.flash_moe.moe_align(topk_ids, num_experts, BLOCK_M, 1, expert_start, w1.shape[0],
                                               CONSTANTS["CLUSTER_BLOCKS"])
         save = not recompute_gate_up and any(ctx.needs_input_grad[:6])
-        out, gate_up = torch.ops.flash_moe.moe_forward(x, w1, w3, w2, *align, tw, top_k, BLOCK_M, deterministic, save)
+        gate, up = _gate_and_up(w1, w3)
+        out, gate_up = torch.ops.flash_moe.moe_forward(x, gate, up, w2, *align, tw, top_k, BLOCK_M, deterministic,
+                                                       save)
         ctx.save_for_backward(x, w1, w2, w3, topk_ids, tw, *align, gate_up, topk_weights)
         ctx.saved_gate_up = save
         ctx.deterministic = deterministic
@@ -460,16 +471,24 @@ class _MoE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, w1, w2, w3, ids, tw, *align, gate_up, topk_weights = ctx.saved_tensors
+        stacked = w3 is None
+        needs = list(ctx.needs_input_grad[:6])
+        if stacked:  # w1 is [W1; W3]: both halves' gradients, returned as w1's
+            needs[3] = needs[1]
+        gate, up = _gate_and_up(w1, w3)
         with torch.no_grad():
-            grads = _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, ctx.needs_input_grad[:6],
-                                          ctx.expert_start, ctx.tw_dtype, ctx.deterministic,
-                                          gate_up if ctx.saved_gate_up else None)
-        return (*_first_order_only(grads, (grad_out, x, w1, w2, w3, topk_weights)), None, None, None, None)
+            grads = _closed_form_backward(grad_out, x, gate, w2, up, ids, tw, align, needs, ctx.expert_start,
+                                          ctx.tw_dtype, ctx.deterministic, gate_up if ctx.saved_gate_up else None,
+                                          stacked)
+        anchors = (grad_out, x, w1, w2, topk_weights) if stacked else (grad_out, x, w1, w2, w3, topk_weights)
+        return (*_first_order_only(grads, anchors), None, None, None, None)
 
 
 def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert_start, tw_dtype, deterministic,
-                          gate_up=None):
+                          gate_up=None, stacked=False):
     """(grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw): the gradients of (x, w1, w2, w3, topk_ids, topk_weights).
+    ``stacked``: w1 and w3 are the halves of one (E, 2 hidden, dim) tensor, whose gradient comes back whole as grad_w1
+    (from one weight-gradient GEMM over [dg | du]; needs[1] and needs[3] equal) and grad_w3 is None.
 
     Per routed slot s (token t, expert e, weight p): g | u = x_t [W1; W3]^T recomputed by the fused gate/up kernel
     (``moe_gate_up``) unless the forward kept it (``gate_up``); ``moe_grad_gate_up`` (one GEMM kernel on CUDA) forms
@@ -508,28 +527,35 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     else:  # w2's gradient alone takes only p h, which swiglu_backward computes without reading grad_h
         _, _, weighted_h, _ = torch.ops.flash_moe.swiglu_backward(gate_up, go.new_zeros(S, w2.shape[2]),
                                                                   tw.reshape(-1)[order], ok)
-    # the weight gradients: per expert, its rows of dg / du / p h against x / grad_out gathered by token
+    # the weight gradients: per expert, its rows of dg / du / p h against x / grad_out gathered by token; dW1 and dW3
+    # of a stacked w1 in one GEMM over [dg | du] (S x 2 hidden), straight into its (E, 2 hidden, dim) gradient
+    if stacked:
+        rows_x = (torch.cat((grad_gate, grad_up), 1) if need_w1 else None, None)
+    else:
+        rows_x = (grad_gate if need_w1 else None, grad_up if need_w3 else None)
     if _fused_weight_grads(S, E, w1.shape[1]):  # the gathers inside the kernel: no S x dim copy of x or grad_out
         row_token = torch.where(ok, tok, -1).to(torch.int32)
         if need_w2:
             grad_w2 = torch.ops.flash_moe.moe_grad_weight(weighted_h, go, row_token, offs, True)
         del weighted_h  # S x hidden: freed before the dW1 / dW3 outputs are allocated
-        if need_w1:
-            grad_w1 = torch.ops.flash_moe.moe_grad_weight(grad_gate, x, row_token, offs, False)
-        if need_w3:
-            grad_w3 = torch.ops.flash_moe.moe_grad_weight(grad_up, x, row_token, offs, False)
+        grad_w1, grad_w3 = (None if r is None else torch.ops.flash_moe.moe_grad_weight(r, x, row_token, offs, False)
+                            for r in rows_x)
     else:
         if need_w2:
             grad_w2 = torch._grouped_mm(go[tok].t(), weighted_h, offs=offs)
         del weighted_h  # S x hidden: freed before the x gather and the dW1 / dW3 outputs are allocated
-        if need_w1 or need_w3:
-            xs = x[tok]
-            grad_w1 = torch._grouped_mm(grad_gate.t(), xs, offs=offs) if need_w1 else None
-            grad_w3 = torch._grouped_mm(grad_up.t(), xs, offs=offs) if need_w3 else None
-            del xs
+        if any(r is not None for r in rows_x):  # the S x dim gather lives only while they run
+            grad_w1, grad_w3 = _grouped_against(rows_x, x[tok], offs)
+    del rows_x
     if need_x:
         grad_x = torch.ops.flash_moe.moe_grad_x(grad_gate, grad_up, w1, w3, *align, top_k, BLOCK_M, deterministic)
     return grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw
+
+
+def _grouped_against(rows, gathered, offs):
+    """Per expert, each of ``rows`` (slot rows sorted by expert, or None) against ``gathered`` (the same slots' source
+    rows): grouped GEMMs."""
+    return tuple(None if r is None else torch._grouped_mm(r.t(), gathered, offs=offs) for r in rows)
 
 
 def _fused_weight_grads(slots: int, experts: int, hidden: int) -> bool:
@@ -580,21 +606,28 @@ def _check_moe_args(x, w1, w2, w3, topk_ids, topk_weights):
     """moe()'s operand contract, checked before either path runs: the mxfp8 path quantizes before any op checks, its
     bf16 backward would be the first to see a wrong dtype, and the ops see flattened tokens only (routing for fewer
     tokens than x has would leave the others' rows zero)."""
-    checks.require_tensors("moe", x=x, w1=w1, w2=w2, w3=w3, topk_ids=topk_ids, topk_weights=topk_weights)
-    for name, t in (("w1", w1), ("w2", w2), ("w3", w3), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+    checks.require_tensors("moe", x=x, w1=w1, w2=w2, **{"w3?": w3}, topk_ids=topk_ids, topk_weights=topk_weights)
+    weights = (("w1", w1), ("w2", w2)) + ((("w3", w3),) if w3 is not None else ())
+    for name, t in (*weights, ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if t.device != x.device:
             raise RuntimeError(f"moe: {name} must be on x's device {x.device}, got {t.device}")
-    for name, t in (("x", x), ("w1", w1), ("w2", w2), ("w3", w3)):
+    for name, t in (("x", x), *weights):
         if t.dtype != torch.bfloat16:
             raise RuntimeError(f"moe: {name} must be bfloat16, got {t.dtype}")
     if x.dim() < 1:
         raise RuntimeError("moe: x must have shape (..., dim), got a 0-dim tensor")
     dim = x.shape[-1]
+    layout = "(E, hidden, dim)" if w3 is not None else "(E, 2 hidden, dim) (gate and up stacked: w3 is None)"
     if w1.dim() != 3 or w1.shape[2] != dim:
-        raise RuntimeError(f"moe: w1 must be 3-D (E, hidden, dim) with dim = x's last dimension, got w1 of shape "
+        raise RuntimeError(f"moe: w1 must be 3-D {layout} with dim = x's last dimension, got w1 of shape "
                            f"{tuple(w1.shape)} for x of shape {tuple(x.shape)}")
     E, hidden = w1.shape[:2]
-    if w3.shape != w1.shape:
+    if w3 is None:
+        if hidden % 2:
+            raise RuntimeError(f"moe: with w3 None, w1 must be {layout} with an even second dimension, got w1 of "
+                               f"shape {tuple(w1.shape)}")
+        hidden //= 2
+    elif w3.shape != w1.shape:
         raise RuntimeError(f"moe: w3 must have w1's shape (E, hidden, dim) = {tuple(w1.shape)}, got {tuple(w3.shape)}")
     if w2.shape != (E, dim, hidden):
         raise RuntimeError(f"moe: w2 must have shape (E, dim, hidden) = {(E, dim, hidden)}, got {tuple(w2.shape)}")
@@ -611,12 +644,15 @@ def _check_moe_args(x, w1, w2, w3, topk_ids, topk_weights):
                            f"{tuple(topk_weights.shape)} for topk_ids of shape {tuple(topk_ids.shape)}")
 
 
-def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, topk_ids: torch.Tensor,
+def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None, topk_ids: torch.Tensor,
         topk_weights: torch.Tensor, *, expert_start: int = 0, deterministic: bool = False,
         num_experts: int | None = None, mxfp8: bool = False, recompute_gate_up: bool = False) -> torch.Tensor:
     """SwiGLU MoE experts: sum_k topk_weights[t, k] * (silu(x W1[e]^T) * (x W3[e]^T)) W2[e]^T, differentiable.
 
-    x (..., dim) bf16; w1 (gate), w3 (up): (E_local, hidden, dim) bf16; w2 (E_local, dim, hidden) bf16; topk_ids
+    x (..., dim) bf16; w1 (gate), w3 (up): (E_local, hidden, dim) bf16, or w3 None and w1 (E_local, 2 hidden, dim)
+    holding both stacked, [W1; W3] (transformers' gate_up_proj: its gradient then comes back whole, from one
+    weight-gradient GEMM over [dg | du], where two slices of it would each cost a zero-filled tensor of its size and
+    their sum in the autograd graph's backward); w2 (E_local, dim, hidden) bf16; topk_ids
     (..., top_k) int32 or int64 (global ids; -1 or ``num_experts`` = not routed, the latter transformers' marking of
     unrouted slots and of other ranks' experts; other ids out of range as ``moe_align`` treats them);
     topk_weights (..., top_k) float. Expert parallelism: experts [expert_start, expert_start + E_local) are local,
@@ -663,6 +699,8 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, t
                              f"got {num_experts}")
     lead = x.shape[:-1]
     top_k = topk_ids.shape[-1]
+    if mxfp8 and w3 is None:  # the mxfp8 path takes the halves (its gradients reach w1 through the slices)
+        w1, w3 = _gate_and_up(w1, None)
     if num_experts is None:
         num_experts = w1.shape[0] if expert_start == 0 else _INT32_MAX
     # transformers marks a slot with no expert by id == num_experts; moe_align (CPU and CUDA) skips -1

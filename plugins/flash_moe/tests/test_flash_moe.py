@@ -45,10 +45,16 @@ def make(T, dim, hidden, E, top_k, device="cpu", seed=0, ids=None, num_global=No
     return [t.to(device) for t in (x, w1, w2, w3, ids, tw)]
 
 
-def check_numerics(x, w1, w2, w3, ids, tw, label, expert_start=0, deterministic=False, grads=True):
-    leaves = [t.detach().clone().requires_grad_(grads) for t in (x, w1, w2, w3)]
+def check_numerics(x, w1, w2, w3, ids, tw, label, expert_start=0, deterministic=False, grads=True, stacked=False):
+    """moe() against float64 per expert, as a ratio to the bf16 per-expert path's error (forward and every gradient).
+    stacked: ours takes gate and up as one (E, 2 hidden, dim) w1 (w3 None); its gradient's halves are judged as w1's
+    and w3's."""
+    hidden = w1.shape[1]
+    leaves = [t.detach().clone().requires_grad_(grads) for t in
+              ((x, torch.cat((w1, w3), 1), w2) if stacked else (x, w1, w2, w3))]
     tws = tw.detach().clone().requires_grad_(grads)
-    ours = ops.moe(*leaves, ids, tws, expert_start=expert_start, deterministic=deterministic)
+    ours = ops.moe(*leaves[:3], None if stacked else leaves[3], ids, tws, expert_start=expert_start,
+                   deterministic=deterministic)
     base_leaves = [t.detach().clone().requires_grad_(grads) for t in (x, w1, w2, w3)]
     base_tw = tw.detach().clone().requires_grad_(grads)
     base = moe_per_expert(*base_leaves, ids, base_tw, expert_start)
@@ -62,9 +68,14 @@ def check_numerics(x, w1, w2, w3, ids, tw, label, expert_start=0, deterministic=
         return ours
     go = torch.randn(x.shape, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     g_ours = torch.autograd.grad(ours, [*leaves, tws], go.to(x.device))
+    if stacked:
+        g_x, g_w13, g_w2, g_tw = g_ours
+        assert g_w13.shape == leaves[1].shape
+        g_ours = (g_x, g_w13[:, :hidden], g_w2, g_w13[:, hidden:], g_tw)
     g_base = torch.autograd.grad(base, [*base_leaves, base_tw], go.to(x.device))
     g_ref = torch.autograd.grad(ref, [*ref_leaves, ref_tw], go.double().to(x.device))
-    for name, a, b, r, t in zip(("x", "w1", "w2", "w3", "topk_weights"), g_ours, g_base, g_ref, (*leaves, tws)):
+    for name, a, b, r, t in zip(("x", "w1", "w2", "w3", "topk_weights"), g_ours, g_base, g_ref,
+                                (*base_leaves, base_tw)):
         assert a.dtype == t.dtype and a.shape == t.shape
         if r.norm() == 0:
             assert a.abs().max() == 0, f"{label} grad {name} should be zero"
@@ -98,6 +109,31 @@ def routing_cases(device):
 def test_cpu_numerics(case, weight_grads):
     label, problem, start = routing_cases("cpu")[case]
     check_numerics(*problem, f"cpu {label} {weight_grads}", expert_start=start)
+
+
+@cpu
+@pytest.mark.parametrize("case", range(5))
+def test_cpu_numerics_stacked_gate_up(case, weight_grads):
+    label, problem, start = routing_cases("cpu")[case]
+    check_numerics(*problem, f"cpu {label} {weight_grads} stacked", expert_start=start, stacked=True)
+
+
+@cpu
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cpu_stacked_gate_up_gives_the_separate_weights_results(deterministic, weight_grads):
+    """w1 and w3 stacked into one (E, 2 hidden, dim) w1 (w3 None): the same output and gradients, bitwise, its
+    gradient the two weights' gradients stacked."""
+    x, w1, w2, w3, ids, tw = make(300, 256, 128, 6, 2, seed=3)
+    separate = [t.clone().requires_grad_() for t in (x, w1, w2, w3, tw)]
+    stacked = [t.clone().requires_grad_() for t in (x, torch.cat((w1, w3), 1), w2, tw)]
+    out = ops.moe(*separate[:4], ids, separate[4], deterministic=deterministic)
+    out_stacked = ops.moe(*stacked[:3], None, ids, stacked[3], deterministic=deterministic)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(out.dtype)
+    g_x, g_w1, g_w2, g_w3, g_tw = torch.autograd.grad(out, separate, grad_out)
+    got = torch.autograd.grad(out_stacked, stacked, grad_out)
+    for name, a, b in zip(("out", "x", "w1|w3", "w2", "topk_weights"), (out_stacked, *got),
+                          (out, g_x, torch.cat((g_w1, g_w3), 1), g_w2, g_tw)):
+        assert torch.equal(a, b), name
 
 
 @cpu
@@ -287,13 +323,15 @@ def test_conforms():
 
 
 @cpu
-@pytest.mark.parametrize("deterministic,recompute,mxfp8", [(False, True, False), (True, True, False),
-                                                          (False, False, False), (False, True, True),
-                                                          (True, True, True)])
-def test_compile_forward_backward(deterministic, recompute, mxfp8):
-    # mxfp8: hidden a multiple of MXFP8_ALIGN
+@pytest.mark.parametrize("deterministic,recompute,mxfp8,stacked", [
+    (False, True, False, False), (True, True, False, False), (False, False, False, False), (False, True, True, False),
+    (True, True, True, False), (False, False, False, True), (False, True, True, True)])
+def test_compile_forward_backward(deterministic, recompute, mxfp8, stacked):
+    # mxfp8: hidden a multiple of MXFP8_ALIGN; stacked: gate and up as one w1 (E, 2 hidden, dim), w3 None
     x, w1, w2, w3, ids, tw = make(64, 128, 128, 4, 2, seed=37) if mxfp8 else make(64, 128, 64, 4, 2, seed=6)
-    leaves = [t.requires_grad_() for t in (x, w1, w2, w3, tw)]
+    if stacked:
+        w1, w3 = torch.cat((w1, w3), 1), None
+    leaves = [t.requires_grad_() for t in (x, w1, w2, w3, tw) if t is not None]
 
     def step(x, w1, w2, w3, ids, tw):
         return ops.moe(x, w1, w2, w3, ids, tw, deterministic=deterministic, recompute_gate_up=recompute, mxfp8=mxfp8)
@@ -349,6 +387,12 @@ def test_cpu_saved_gate_up_matches_recompute(deterministic):
         (lambda a: a.update(w1=a["w1"][:, :, :64]), r"w1 must be 3-D .* got w1 of shape \(4, 256, 64\)"),
         (lambda a: a.update(w3=a["w3"][:3]), r"moe: w3 must have w1's shape \(E, hidden, dim\) = \(4, 256, 128\), "
                                              r"got \(3, 256, 128\)"),
+        (lambda a: a.update(w1=a["w1"][:, :255], w3=None),
+         r"moe: with w3 None, w1 must be \(E, 2 hidden, dim\) \(gate and up stacked: w3 is None\) with an even second "
+         r"dimension, got w1 of shape \(4, 255, 128\)"),
+        (lambda a: a.update(w1=a["w1"][:, :, :64], w3=None), r"w1 must be 3-D \(E, 2 hidden, dim\) \(gate and up "
+                                                             r"stacked: w3 is None\) with dim = x's last dimension"),
+        (lambda a: a.update(w3=a["w3"].double()), "moe: w3 must be bfloat16"),
         (lambda a: a.update(w2=a["w2"].transpose(1, 2)), r"moe: w2 must have shape \(E, dim, hidden\) = "
                                                          r"\(4, 128, 256\), got \(4, 256, 128\)"),
         (lambda a: a.update(topk_ids=a["topk_ids"][:8], topk_weights=a["topk_weights"][:8]),
@@ -413,6 +457,29 @@ def test_backward_runs_only_what_the_needed_gradients_take(needed, gemms, recomp
     every = torch.autograd.grad(ops.moe(*leaves[:4], ids, leaves[4]), leaves, grad_out)
     for name, grad in zip(needed, grads):  # the same gradients as when every input needs one
         assert torch.equal(grad, every[GRADIENT_INPUTS.index(name)]), name
+
+
+@cpu
+@pytest.mark.parametrize("frozen_gate_up", [False, True])
+def test_stacked_gate_up_takes_one_weight_gradient_gemm_for_both(frozen_gate_up, weight_grads):
+    """w1 and w3 stacked (w3 None): one GEMM over [dg | du] gives the stacked gradient (dW2 one more); none when the
+    stacked weight is frozen, whose gradient is then None while the others are the full backward's."""
+    x, w1, w2, w3, ids, tw = make(32, 128, 64, 4, 2, seed=8)
+    w13 = torch.cat((w1, w3), 1).requires_grad_(not frozen_gate_up)
+    leaves = [t.requires_grad_() for t in (x, w2, tw)]
+    out = ops.moe(x, w13, w2, None, ids, tw)
+    with OpCalls() as calls:
+        grads = torch.autograd.grad(out, [*leaves] + ([] if frozen_gate_up else [w13]),
+                                    torch.ones_like(out))
+    gemms = 1 if frozen_gate_up else 2
+    fused = weight_grads == "moe_grad_weight"
+    assert calls.counts["flash_moe::moe_grad_weight"] == (gemms if fused else 0)
+    assert calls.counts["aten::_grouped_mm"] == (0 if fused else gemms)
+    assert calls.counts["flash_moe::moe_grad_x"] == 1
+    every = torch.autograd.grad(ops.moe(x, w13.detach().requires_grad_(), w2, None, ids, tw), leaves,
+                                torch.ones_like(out))
+    for a, b in zip(grads, every):
+        assert torch.equal(a, b)
 
 
 @cpu
@@ -718,6 +785,7 @@ def test_cuda_numerics(case, weight_grads):
     label, problem, start = routing_cases("cuda")[case]
     check_numerics(*problem, f"cuda {label} {weight_grads}", expert_start=start)
     check_numerics(*problem, f"cuda {label} {weight_grads} deterministic", expert_start=start, deterministic=True)
+    check_numerics(*problem, f"cuda {label} {weight_grads} stacked", expert_start=start, stacked=True)
 
 
 @pytest.mark.gpu

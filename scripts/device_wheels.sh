@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Wheels for the GPU machine, built here so that its device minutes go to tests and timing instead of compiling
+# (a flash_moe build takes ~96 s of a 30-minute device budget there, once for the tree and once per staged variant):
+#   bash scripts/device_wheels.sh              then carry .device_wheels (and .variants) in the device call
+# Every plugin of the tree and of each revision staged by stage_variant.sh, built against the device's Python and torch
+# (DEVICE_PYTHON_VERSION, DEVICE_TORCH: what the device image holds, .library/device/KINDS.md) in a venv of its own
+# (.venv_device, made on the first run: a few GB of downloads), for the device's arch only (PRIME_KERNELS_ARCH, 9.0a:
+# what `native` gives on the H200). Each wheel goes to .device_wheels/<plugin>-<content hash> (lib/source_hash.sh);
+# gpu_check.sh installs the one whose hash matches the sources it was sent, checks that its compiled modules import
+# there, and compiles from source where none matches or the import fails (another image's system libraries).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/lib/source_hash.sh
+out=.device_wheels venv=${DEVICE_VENV:-.venv_device}
+py_version=${DEVICE_PYTHON_VERSION:-3.12} torch_version=${DEVICE_TORCH:-2.11.0}
+export PRIME_KERNELS_ARCH=${PRIME_KERNELS_ARCH:-9.0a} PRIME_KERNELS_REQUIRE=1 MAX_JOBS=${MAX_JOBS:-$(nproc)}
+[ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ] && export CUDA_HOME=/usr/local/cuda
+log() { echo "[device_wheels] $*" >&2; }
+
+if ! "$venv/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" 2>/dev/null; then
+  interpreter=$(command -v "python$py_version" 2>/dev/null || true)
+  if ! "$interpreter" --version > /dev/null 2>&1 && command -v pyenv > /dev/null; then  # a pyenv shim may not run
+    interpreter=$(ls -d "$(pyenv root)/versions/$py_version".*/bin/python"$py_version" 2>/dev/null | tail -n 1)
+  fi
+  [ -x "$interpreter" ] || { log "no Python $py_version here (DEVICE_PYTHON_VERSION): cannot build for the device"; exit 1; }
+  log "creating $venv with $interpreter and torch $torch_version (a few GB the first time)"
+  rm -rf "$venv" && "$interpreter" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch==$torch_version" pluggy ninja build wheel \
+    "setuptools>=64,<82" numpy
+fi
+py=$venv/bin/python
+"$py" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps --force-reinstall .  # the build kit
+
+kit=$(kit_hash)
+dirs=()
+for plugin in plugins/*/ examples/*/ .variants/*/plugins/*/; do
+  [ -f "$plugin/pyproject.toml" ] && dirs+=("${plugin%/}")
+done
+keep=()
+for plugin in "${dirs[@]}"; do
+  dest=$out/$(basename "$plugin")-$(plugin_hash "$plugin" "$kit")
+  keep+=("$dest")
+  ls "$dest"/*.whl > /dev/null 2>&1 && { log "$plugin: have $dest"; continue; }
+  # built from a copy: the tree's own build/ (the local venv's build) stays as it is
+  src=$(mktemp -d)/$(basename "$plugin")
+  cp -r "$plugin" "$src" && rm -rf "$src/build" "$src"/*.egg-info
+  start=$(date +%s)
+  if ! "$py" -m build --wheel --no-isolation --outdir "$dest.tmp" "$src" > "$src.log" 2>&1; then
+    log "FAILED to build $plugin; the last error lines of $src.log:"
+    { grep -iE 'error|fatal' "$src.log" || tail -n 20 "$src.log"; } | tail -n 15 | cut -c1-300 >&2
+    exit 1
+  fi
+  rm -rf "$dest" && mv "$dest.tmp" "$dest" && rm -rf "$(dirname "$src")"
+  log "$plugin: built $dest in $(( $(date +%s) - start )) s"
+done
+# Only what the current sources need travels (a call carries 64 MiB in all).
+for dir in "$out"/*/; do
+  case " ${keep[*]} " in *" ${dir%/} "*) ;; *) rm -rf "$dir";; esac
+done
+du -sh "$out"/* "$out" >&2
