@@ -164,11 +164,12 @@ if phase smoke; then
     [ -f "/tmp/variants/$name/.built" ] || { record smoke "$name" "not built"; continue; }
     for script in .variants/"$name"/plugins/*/tests/sanitize_*.py; do
       [ -f "$script" ] || continue
-      log="$out/smoke-$name-$(basename "$script" .py).log"
-      PYTHONPATH=/tmp/variants/$name${PYTHONPATH:+:$PYTHONPATH} timeout 90 "$py" "$script" > "$log" 2>&1
-      record smoke "$name $(basename "$script")" "exit $?; $(tail -n 1 "$log" | cut -c1-120)"
+      ( log="$out/smoke-$name-$(basename "$script" .py).log"
+        PYTHONPATH=/tmp/variants/$name${PYTHONPATH:+:$PYTHONPATH} timeout 90 "$py" "$script" > "$log" 2>&1
+        record smoke "$name $(basename "$script")" "exit $?; $(tail -n 1 "$log" | cut -c1-120)" ) &
     done
   done
+  wait  # all at once: small shapes, one GPU
 fi
 
 if phase variant-tests; then
