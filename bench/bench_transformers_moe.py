@@ -5,7 +5,8 @@ here, the bf16 matmul ceiling measured in the same run.
 
     python bench/bench_transformers_moe.py [--json PATH] [--tokens 4096,16384]
 
-Timing: triton.testing.do_bench median (common.py). The peer is transformers' fastest implementation that ran, per
+Timing: triton.testing.do_bench median (common.py), every implementation timed in turns, the order reversed each
+round (common.interleaved). The peer is transformers' fastest implementation that ran, per
 row ("grouped_mm", its default, "batched_mm", "eager", and "deepgemm" / "sonicmoe" when their hub kernels load;
 each that cannot run says why). batched_mm copies every slot's expert weights, so it is not run where that copy
 exceeds free memory. Floors: FLOPs / the same-run 8192^3 bf16 matmul rate; forward FLOPs = router 2 T H E + experts
@@ -20,7 +21,7 @@ import os
 import sys
 
 import torch
-from common import do_bench, free, matmul_ceiling, peak_extra
+from common import free, interleaved, matmul_ceiling, peak_extra
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # deepgemm / sonicmoe fetch hub kernels: fail fast on an offline host
 
@@ -74,8 +75,8 @@ def main():
         row = {"T": T, "hidden": HIDDEN, "intermediate": INTER, "experts": EXPERTS, "top_k": TOP_K,
                "floor_fwd_ms": fwd_flops / ceiling * 1e3, "floor_fwd_bwd_ms": 3 * fwd_flops / ceiling * 1e3,
                "impl": {}, "not_run": {}}
-        outputs = {}
-        for impl in [name, *PEERS]:
+        outputs, peaks = {}, {}
+        for impl in [name, *PEERS]:  # which run here: their outputs and peak memory
             if impl not in ALL_EXPERTS_FUNCTIONS and impl != "eager":
                 row["not_run"][impl] = f"transformers {transformers.__version__} does not register {impl}"
                 continue
@@ -87,22 +88,36 @@ def main():
             try:
                 with torch.no_grad():
                     outputs[impl] = block(x).float()
-                with torch.no_grad():
-                    fwd = do_bench(lambda: block(x))
-                fwd_bwd = do_bench(lambda: block(x).backward(go), grad_to_none=[x, *params])
-                mem = peak_extra(lambda: block(x).backward(go))
+                peaks[impl] = peak_extra(lambda: block(x).backward(go))
             except Exception as exc:  # a peer that cannot run here is reported, not fatal
                 row["not_run"][impl] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 outputs.pop(impl, None)
-                free()
-                continue
             finally:
                 x.grad = None
                 for p in params:
                     p.grad = None
-            row["impl"][impl] = {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "fwd_bwd_peak_extra_gib": mem / 2**30,
-                                 "fwd_tflops": fwd_flops / fwd / 1e9, "fwd_bwd_tflops": 3 * fwd_flops / fwd_bwd / 1e9}
-            free()
+                free()
+
+        def as_impl(impl, fn):
+            def run():
+                config._experts_implementation = impl
+                return fn()
+            return run
+
+        # timed in turns, the order reversed each round (common.interleaved: the H200's clocks fall under sustained
+        # load, which a fixed order would charge to whichever runs last)
+        with torch.no_grad():
+            fwd = interleaved({impl: as_impl(impl, lambda: block(x)) for impl in peaks})
+        fwd_bwd = interleaved({impl: as_impl(impl, lambda: block(x).backward(go)) for impl in peaks},
+                              grad_to_none=[x, *params])
+        x.grad = None
+        for p in params:
+            p.grad = None
+        for impl in peaks:
+            row["impl"][impl] = {"fwd_ms": fwd[impl], "fwd_bwd_ms": fwd_bwd[impl],
+                                 "fwd_bwd_peak_extra_gib": peaks[impl] / 2**30,
+                                 "fwd_tflops": fwd_flops / fwd[impl] / 1e9,
+                                 "fwd_bwd_tflops": 3 * fwd_flops / fwd_bwd[impl] / 1e9}
         ours = row["impl"].get(name)
         peers = {k: v for k, v in row["impl"].items() if k != name}
         if ours is None or not peers:
