@@ -10,7 +10,7 @@ Surface (compatible with the original Blackwell flash_moe, namespace ``prime_moe
   writes ``out`` in place and returns it. **The op overwrites every row of ``out``** (rows of tokens with no local
   slot become zero), in every mode, so callers need not zero it.
 - ``moe(x, w1, w2, w3, topk_ids, topk_weights, *, expert_start=0, deterministic=False, mxfp8=False)``:
-  differentiable.
+  differentiable; w3 None takes gate and up stacked in w1 (E, 2 hidden, dim), as transformers' gate_up_proj.
 - mxfp8 (OCP MX: e4m3 elements, one e8m0 power-of-two scale per 32 elements along K): ``quantize_mxfp8``,
   ``dequantize_mxfp8``, ``share_exponents_mxfp8`` (one scale per 128 of K: the CUDA kernels' fast path),
   ``pack_scales_blocked`` / ``unpack_scales_blocked`` (the weight-scale layout the kernels read), ``fused_moe_mxfp8``
