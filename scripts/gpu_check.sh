@@ -55,7 +55,7 @@ for name in ("_C", "_C_stable"):
 # else compiles it from source; says which, output in LOG.
 install_plugin() {  # PLUGIN_DIR LOG [SITE]
   local plugin=$1 log=$2 site=${3:-} wheel
-  local target=(${site:+--target "$site"})
+  local target=(${site:+--target "$site" --upgrade})  # --upgrade: replace what an earlier install left in SITE
   wheel=$(ls .device_wheels/"$(basename "$plugin")-$(plugin_hash "$plugin" "$kit")"/*.whl 2>/dev/null | head -n 1)
   if [ -n "$wheel" ] && pip_offline "${target[@]}" "$wheel" > "$log" 2>&1 && compiled_modules_import "$plugin" "$site" >> "$log" 2>&1; then
     echo "prebuilt"
@@ -165,7 +165,8 @@ if phase smoke; then
     for script in .variants/"$name"/plugins/*/tests/sanitize_*.py; do
       [ -f "$script" ] || continue
       ( log="$out/smoke-$name-$(basename "$script" .py).log"
-        PYTHONPATH=/tmp/variants/$name${PYTHONPATH:+:$PYTHONPATH} timeout 90 "$py" "$script" > "$log" 2>&1
+        PYTHONPATH=/tmp/variants/$name${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=2 timeout 150 "$py" "$script" \
+          > "$log" 2>&1
         record smoke "$name $(basename "$script")" "exit $?; $(tail -n 1 "$log" | cut -c1-120)" ) &
     done
   done
