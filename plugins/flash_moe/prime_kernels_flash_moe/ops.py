@@ -517,7 +517,7 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
 
     if gate_up is None:
         gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, BLOCK_M)
-    grad_tw = grad_x = grad_w1 = grad_w2 = grad_w3 = None
+    grad_tw = grad_x = grad_w1 = grad_w2 = grad_w3 = grad_gate = grad_up = None
     go = grad_out.to(x.dtype)
     if need_x or need_w1 or need_w3 or need_tw:
         grad_gate, grad_up, weighted_h, grad_p = torch.ops.flash_moe.moe_grad_gate_up(go, w2, gate_up, *align, tw,
@@ -527,12 +527,15 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     else:  # w2's gradient alone takes only p h, which swiglu_backward computes without reading grad_h
         _, _, weighted_h, _ = torch.ops.flash_moe.swiglu_backward(gate_up, go.new_zeros(S, w2.shape[2]),
                                                                   tw.reshape(-1)[order], ok)
+    if need_x:  # before the weight gradients, so that a stacked w1's [dg | du] below replaces dg and du
+        grad_x = torch.ops.flash_moe.moe_grad_x(grad_gate, grad_up, w1, w3, *align, top_k, BLOCK_M, deterministic)
     # the weight gradients: per expert, its rows of dg / du / p h against x / grad_out gathered by token; dW1 and dW3
     # of a stacked w1 in one GEMM over [dg | du] (S x 2 hidden), straight into its (E, 2 hidden, dim) gradient
     if stacked:
         rows_x = (torch.cat((grad_gate, grad_up), 1) if need_w1 else None, None)
     else:
         rows_x = (grad_gate if need_w1 else None, grad_up if need_w3 else None)
+    del grad_gate, grad_up  # held by rows_x alone where still needed
     if _fused_weight_grads(S, E, w1.shape[1]):  # the gathers inside the kernel: no S x dim copy of x or grad_out
         row_token = torch.where(ok, tok, -1).to(torch.int32)
         if need_w2:
@@ -547,8 +550,6 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
         if any(r is not None for r in rows_x):  # the S x dim gather lives only while they run
             grad_w1, grad_w3 = _grouped_against(rows_x, x[tok], offs)
     del rows_x
-    if need_x:
-        grad_x = torch.ops.flash_moe.moe_grad_x(grad_gate, grad_up, w1, w3, *align, top_k, BLOCK_M, deterministic)
     return grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw
 
 
