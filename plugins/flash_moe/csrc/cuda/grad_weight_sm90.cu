@@ -243,9 +243,17 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
       const uint64_t db = smem_desc_mn(st + A_BYTES, ATOM_BYTES);
       fence_regs<128>(acc);
       wgmma_fence();
+      // the k16 slices that hold slot rows: all of them but in an expert's last K step (DeepSeek-V3's 256 +- 16
+      // slots per expert leave a last step of a few rows in half its tiles: 8 % of the wgmmas were on zeros)
+      const int slices = (min(BK, count - kt * BK) + 15) / 16;
+      if (slices == BK / 16) {
 #pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk)
-        wgmma_m64n256k16_bf16_bn<1>(acc, da + kk * (16 * 128 >> 4), db + kk * (16 * 128 >> 4), 1);
+        for (int kk = 0; kk < BK / 16; ++kk)
+          wgmma_m64n256k16_bf16_bn<1>(acc, da + kk * (16 * 128 >> 4), db + kk * (16 * 128 >> 4), 1);
+      } else {
+        for (int kk = 0; kk < slices; ++kk)
+          wgmma_m64n256k16_bf16_bn<1>(acc, da + kk * (16 * 128 >> 4), db + kk * (16 * 128 >> 4), 1);
+      }
       wgmma_commit();
       fence_regs<128>(acc);
       wgmma_wait<1>();
