@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "../flash_moe.h"
 #include "sm90_common.cuh"
@@ -78,6 +79,9 @@ struct Params {
   // launch_rastered's: the raster runs over blocks = E x m_tiles (expert-major) x n_tiles
   int n_tiles, blocks, ctas;
   int* tile_counter;
+  // DIAGNOSTIC BUILD (timing only, wrong results by design; FLASH_MOE_DIAG_DW): bit 0 skips the output's TMA stores,
+  // bit 1 the whole epilogue, bit 2 the wgmmas
+  int diag;
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -252,9 +256,11 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
       const uint64_t db = smem_desc_mn(st + A_BYTES, ATOM_BYTES);
       fence_regs<128>(acc);
       wgmma_fence();
+      if (!(p.diag & 4)) {
 #pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk)
-        wgmma_m64n256k16_bf16_bn<1>(acc, da + kk * (16 * 128 >> 4), db + kk * (16 * 128 >> 4), 1);
+        for (int kk = 0; kk < BK / 16; ++kk)
+          wgmma_m64n256k16_bf16_bn<1>(acc, da + kk * (16 * 128 >> 4), db + kk * (16 * 128 >> 4), 1);
+      }
       wgmma_commit();
       fence_regs<128>(acc);
       wgmma_wait<1>();
@@ -268,6 +274,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
     if (k_steps > 0 && lane == 0) mbar_arrive(empty_bar(prev));
     // ------------------------------- epilogue: C's rows m, columns n -------------------------------
     const int m_local = wg * 64 + warp * 16 + (lane >> 2);  // + 8 h
+    if (p.diag & 2) continue;
     if constexpr (kFp32Out) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -326,7 +333,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
       }
       fence_proxy_async();  // the TMA store reads the boxes through the async proxy
       asm volatile("bar.sync 2, 256;\n" ::: "memory");
-      if (storer) {
+      if (storer && !(p.diag & 1)) {
         if constexpr (kTransposeOut) {
           for (int q = 0; q < BM / MN_ATOM; ++q)
             if (m_tile * BM + q * MN_ATOM < p.m_total)
@@ -390,6 +397,8 @@ at::Tensor moe_grad_weight_cuda(const at::Tensor& rows_in, const at::Tensor& sou
   p.expert_ends = ends.const_data_ptr<int>();
   p.num_rows = static_cast<int>(s.S);
   p.out = out.mutable_data_ptr();
+  const char* diag = std::getenv("FLASH_MOE_DIAG_DW");
+  p.diag = diag != nullptr ? std::atoi(diag) : 0;
   if (!fp32) {  // C, or C^T for dW1 / dW3: (E, rows, cols) with boxes of a tile's rows x 64 columns
     const int64_t rows = source_major ? s.K : s.N, cols = source_major ? s.N : s.K;
     const int rc_out = prime_kernels::make_tmap_3d(&p.tm_out, p.out, s.E, rows, cols, cols, rows * cols,
