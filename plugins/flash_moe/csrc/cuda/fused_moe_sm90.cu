@@ -111,8 +111,10 @@ struct Geometry {
   static constexpr int kMnAtoms = kN / MN_ATOM;  // N-major B tiles: atoms of 64 columns, a TMA box each
   // a stage's release: the warps of the warpgroup that read it (ping-pong) or of both
   static constexpr int kReleasers = kPingPong ? CONSUMER_WARPS / 2 : CONSUMER_WARPS;
+  // the ring's, the routing-row buffers' and (ping-pong) each warpgroup's "mainloop waits done"
+  static constexpr int kBarriers = 2 * kStages + 4 + (kPingPong ? 2 : 0);
   static constexpr int kSmemBytes = 1024 /* alignment slack */ + kStages * kStageBytes + 2 * BM * 8 /* A rows */ +
-                                    2 * BM * 4 /* slots */ + (2 * kStages + 4) * 8 /* mbarriers */ + 2 * 4;
+                                    2 * BM * 4 /* slots */ + kBarriers * 8 /* mbarriers */ + 2 * 4;
 };
 
 struct Params {
@@ -268,8 +270,10 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   auto empty_bar = [&](int s) { return bars + 8u * (G::kStages + s); };
   auto tile_free_bar = [&](int b) { return bars + 8u * (2 * G::kStages + b); };
   auto rows_ready_bar = [&](int b) { return bars + 8u * (2 * G::kStages + 2 + b); };
+  // ping-pong: warpgroup w has passed every full-barrier wait of its current tile
+  auto mainloop_done_bar = [&](int w) { return bars + 8u * (2 * G::kStages + 4 + w); };
   // the tile number of routing-row buffer b, -1 once the CTA's tiles are done
-  int* const tile_of = reinterpret_cast<int*>(gbase + kRing + 2 * BM * 12 + (2 * G::kStages + 4) * 8);
+  int* const tile_of = reinterpret_cast<int*>(gbase + kRing + 2 * BM * 12 + G::kBarriers * 8);
   if (threadIdx.x == 0) {
     // paired: a stage is free once the consumers of both CTAs released it (the peer's TMA writes into it too)
     init_ring<G::kStages>(bars, (paired ? 2 : 1) * G::kReleasers);
@@ -277,6 +281,9 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     for (int b = 0; b < 2; ++b) mbar_init(tile_free_bar(b), G::kReleasers);
     // and holds the next tile's rows once each producer thread wrote its row (and thread 0 the tile number)
     for (int b = 0; b < 2; ++b) mbar_init(rows_ready_bar(b), 128);
+    if constexpr (G::kPingPong) {
+      for (int w = 0; w < 2; ++w) mbar_init(mainloop_done_bar(w), CONSUMER_WARPS / 2);
+    }
     fence_mbarrier_init();
   }
   __syncthreads();
@@ -407,18 +414,27 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     // Warpgroup wg runs the CTA's tiles i = wg, wg + 2, ... (routing-row buffer wg), its 128 rows in two m64n128
     // accumulators; tile i's K steps are ring positions i * k_tiles, ... (the producer fills the ring in tile order,
     // so the warpgroups' mainloops take turns and each epilogue runs under the other's mainloop).
+    // A full-barrier wait by parity is sound only once the stage's previous turn has been filled; that turn may be the
+    // other warpgroup's tile i - 1, whose fills can still be in flight when tile i's rows are ready. So tile i's
+    // mainloop starts after the other warpgroup passed every full-barrier wait of tile i - 1 (CUTLASS's ordered
+    // barrier between ping-pong mainloops); the epilogues still overlap the other's mainloop. (Session 19 review:
+    // without it, a warpgroup could take a stage before its data landed.)
     for (int i = wg;; i += 2) {
       const int buf = i & 1;
       int block, n_tile;
       if (!take_tile(i, block, n_tile)) break;
+      if (i >= 1) mbar_wait(mainloop_done_bar(wg ^ 1), ((i - 1) / 2) & 1);
       const int* const slot_of = slot_rows + buf * BM;
       float acc[128];  // rows 0-63 in acc[0, 64), rows 64-127 in acc[64, 128)
-      const uint32_t first = static_cast<uint32_t>(i) * p.k_tiles;
+      // tile i's first ring position i * k_tiles, modulo 2 kStages (stage and parity both survive it; no 32-bit wrap)
+      const uint32_t first =
+          static_cast<uint32_t>(static_cast<uint64_t>(i) * static_cast<uint32_t>(p.k_tiles) % (2 * G::kStages));
       int prev = 0;
       for (int kt = 0; kt < p.k_tiles; ++kt) {
         const uint32_t pos = first + kt;
         const int stage = static_cast<int>(pos % G::kStages);
         mbar_wait(full_bar(stage), (pos / G::kStages) & 1);
+        if (kt == p.k_tiles - 1 && lane == 0) mbar_arrive(mainloop_done_bar(wg));
         fence_proxy_async();  // the A rows were written by cp.async (generic proxy); wgmma reads the async proxy
         const uint32_t st = base + stage * G::kStageBytes;
         const uint64_t da = smem_desc(st), da_low = smem_desc(st + 64 * 128);  // rows 0-63, rows 64-127
