@@ -97,13 +97,14 @@ enum Mode : int {
 constexpr bool persistent_mode(int mode) {
   return mode == DOWN_ATOMIC || mode == DOWN_SLOTS || mode == DX_ATOMIC || mode == DX_SLOTS || mode == DH_SWIGLU;
 }
-// A/B candidate: DH_SWIGLU in ping-pong. Each consumer warpgroup runs its own tiles (the CTA's tiles 0, 2, 4, ... and
-// 1, 3, 5, ...) of 128 rows x PING_PONG_N columns, so one warpgroup's epilogue (10 bytes of memory traffic per element)
-// runs under the other's mainloop; the ring holds the same bytes in more, smaller stages.
+// A/B candidate: DH_SWIGLU and DX_* in ping-pong. Each consumer warpgroup runs its own tiles (the CTA's tiles 0, 2,
+// 4, ... and 1, 3, 5, ...) of 128 rows x PING_PONG_N columns, so one warpgroup's epilogue (DH: 10 bytes of memory
+// traffic per element; DX: float2 atomics) runs under the other's mainloop; the ring holds the same bytes in more,
+// smaller stages.
 constexpr int PING_PONG_N = BN / 2;
 template <int MODE>
 struct Geometry {
-  static constexpr bool kPingPong = MODE == DH_SWIGLU;
+  static constexpr bool kPingPong = MODE == DH_SWIGLU || MODE == DX_ATOMIC || MODE == DX_SLOTS;
   static constexpr int kN = kPingPong ? PING_PONG_N : BN;  // a tile's columns
   static constexpr int kBBytes = kN * BK * 2;
   static constexpr int kStageBytes = A_BYTES + kBBytes;
@@ -463,14 +464,21 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         for (int h = 0; h < 2; ++h) {
           const int lr = half * 64 + warp * 16 + (lane >> 2) + 8 * h;
           const int slot = slot_of[lr];
-          const int row = slot >= 0 ? p.dst_rows[block * BM + lr] : -1;
-          const bool routed = row >= 0 && row < p.dst_limit;
-          float dot = routed ? swiglu_grad_row<PING_PONG_N>(p, acc + 64 * half, h, quad, slot, row,
-                                                            n_tile * PING_PONG_N)
-                             : 0.f;
-          dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-          dot += __shfl_xor_sync(0xffffffffu, dot, 2);
-          if (routed && quad == 0) p.dot_partials[static_cast<int64_t>(n_tile) * p.num_slots + slot] = dot;
+          if constexpr (kDx) {  // dx: unweighted (dg and du carry the slot weight)
+            if (slot >= 0) {
+              store_down_row<PING_PONG_N, MODE == DX_ATOMIC, false>(p, acc + 64 * half, h, quad, slot,
+                                                                    n_tile * PING_PONG_N);
+            }
+          } else {
+            const int row = slot >= 0 ? p.dst_rows[block * BM + lr] : -1;
+            const bool routed = row >= 0 && row < p.dst_limit;
+            float dot = routed ? swiglu_grad_row<PING_PONG_N>(p, acc + 64 * half, h, quad, slot, row,
+                                                              n_tile * PING_PONG_N)
+                               : 0.f;
+            dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+            dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+            if (routed && quad == 0) p.dot_partials[static_cast<int64_t>(n_tile) * p.num_slots + slot] = dot;
+          }
         }
       }
       __syncwarp();
@@ -852,7 +860,9 @@ at::Tensor moe_grad_x_cuda(const at::Tensor& grad_gate, const at::Tensor& grad_u
     p.n_total = static_cast<int>(s.dim);
     p.ld_out = s.dim;
     p.tile_counter = tile_counter.mutable_data_ptr<int>();
-    const int n_tiles = static_cast<int>((s.dim + sm90::BN_DOWN - 1) / sm90::BN_DOWN);
+    constexpr int kTileN = sm90::Geometry<sm90::DX_ATOMIC>::kN;
+    static_assert(kTileN == sm90::Geometry<sm90::DX_SLOTS>::kN, "both dX modes take one tile width");
+    const int n_tiles = static_cast<int>((s.dim + kTileN - 1) / kTileN);
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     if (deterministic) {
       p.yslots = reinterpret_cast<__nv_bfloat16*>(result.mutable_data_ptr());
