@@ -97,14 +97,15 @@ enum Mode : int {
 constexpr bool persistent_mode(int mode) {
   return mode == DOWN_ATOMIC || mode == DOWN_SLOTS || mode == DX_ATOMIC || mode == DX_SLOTS || mode == DH_SWIGLU;
 }
-// A/B candidate: DH_SWIGLU and DX_* in ping-pong. Each consumer warpgroup runs its own tiles (the CTA's tiles 0, 2,
+// A/B candidate: DH_SWIGLU, DX_* and DOWN_* in ping-pong. Each consumer warpgroup runs its own tiles (the CTA's tiles 0, 2,
 // 4, ... and 1, 3, 5, ...) of 128 rows x PING_PONG_N columns, so one warpgroup's epilogue (DH: 10 bytes of memory
-// traffic per element; DX: float2 atomics) runs under the other's mainloop; the ring holds the same bytes in more,
+// traffic per element; DX, DOWN: float2 atomics) runs under the other's mainloop; the ring holds the same bytes in more,
 // smaller stages.
 constexpr int PING_PONG_N = BN / 2;
 template <int MODE>
 struct Geometry {
-  static constexpr bool kPingPong = MODE == DH_SWIGLU || MODE == DX_ATOMIC || MODE == DX_SLOTS;
+  static constexpr bool kPingPong =
+      MODE == DH_SWIGLU || MODE == DX_ATOMIC || MODE == DX_SLOTS || MODE == DOWN_ATOMIC || MODE == DOWN_SLOTS;
   static constexpr int kN = kPingPong ? PING_PONG_N : BN;  // a tile's columns
   static constexpr int kBBytes = kN * BK * 2;
   static constexpr int kStageBytes = A_BYTES + kBBytes;
@@ -353,7 +354,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       const int expert = __ldg(p.expert_ids + block);
 
       // N-major B: the expert's first weight row (the k tile adds its rows); else its first row of this column tile
-      const int b_row = expert * p.b_rows_per_expert + (kMajorN ? 0 : n_tile * (kGateUp ? BN_GU : BN_DOWN));
+      const int b_row = expert * p.b_rows_per_expert + (kMajorN ? 0 : n_tile * (kGateUp ? BN_GU : G::kN));
       for (int kt = 0; kt < p.k_tiles; ++kt) {
         const uint32_t k = ks + kt;
         const int stage = acquire_stage<G::kStages>(bars, k);
@@ -372,7 +373,13 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
                         n_tile * G::kN + q * MN_ATOM, b_row + kofs);
           }
         }
-        if (!kMajorN && threadIdx.x == 0) {  // the B tile: two TMA boxes (GATE_UP: gate rows, then the same up rows)
+        if (G::kPingPong && !kMajorN && threadIdx.x == 0) {  // ping-pong DOWN: one box of the tile's w2 rows
+          static_assert(!G::kPingPong || kMajorN || G::kN == B_BOX_ROWS, "a ping-pong K-major B tile is one box");
+          mbar_expect_tx(full_bar(stage), G::kBBytes);
+          tma_load_2d(st + A_BYTES, &p.tm_b0, full_bar(stage), kofs, b_row);
+        }
+        if (!G::kPingPong && !kMajorN && threadIdx.x == 0) {  // the B tile: two TMA boxes (GATE_UP: gate rows, then
+                                                              // the same up rows)
           mbar_expect_tx(full_bar(stage), B_BYTES);  // paired: half from this CTA's copy, half from the peer's
           const CUtensorMap* box1 = kGateUp ? &p.tm_b1 : &p.tm_b0;
           const int row1 = kGateUp ? b_row : b_row + B_BOX_ROWS;
@@ -439,14 +446,16 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         fence_proxy_async();  // the A rows were written by cp.async (generic proxy); wgmma reads the async proxy
         const uint32_t st = base + stage * G::kStageBytes;
         const uint64_t da = smem_desc(st), da_low = smem_desc(st + 64 * 128);  // rows 0-63, rows 64-127
-        const uint64_t db = smem_desc_mn(st + A_BYTES, G::kBBytes / G::kMnAtoms);
+        // N-major B (DH, DX) advances 16 K rows (2048 bytes) per wgmma, K-major B (DOWN) 16 K (32 bytes)
+        const uint64_t db = kMajorN ? smem_desc_mn(st + A_BYTES, G::kBBytes / G::kMnAtoms) : smem_desc(st + A_BYTES);
+        constexpr uint32_t kStepB = kMajorN ? (16 * 128 >> 4) : 2;
         fence_acc(acc);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
           const int scale = (kt > 0 || kk > 0) ? 1 : 0;
-          wgmma_m64n128k16_bf16_bn(acc, da + 2 * kk, db + kk * (16 * 128 >> 4), scale);
-          wgmma_m64n128k16_bf16_bn(acc + 64, da_low + 2 * kk, db + kk * (16 * 128 >> 4), scale);
+          wgmma_m64n128k16_bf16<kMajorN>(acc, da + 2 * kk, db + kk * kStepB, scale);
+          wgmma_m64n128k16_bf16<kMajorN>(acc + 64, da_low + 2 * kk, db + kk * kStepB, scale);
         }
         wgmma_commit();
         fence_acc(acc);
@@ -468,6 +477,11 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
             if (slot >= 0) {
               store_down_row<PING_PONG_N, MODE == DX_ATOMIC, false>(p, acc + 64 * half, h, quad, slot,
                                                                     n_tile * PING_PONG_N);
+            }
+          } else if constexpr (!kGather) {  // down: topk_weight * y
+            if (slot >= 0) {
+              store_down_row<PING_PONG_N, MODE == DOWN_ATOMIC>(p, acc + 64 * half, h, quad, slot,
+                                                              n_tile * PING_PONG_N);
             }
           } else {
             const int row = slot >= 0 ? p.dst_rows[block * BM + lr] : -1;
@@ -708,7 +722,9 @@ void run(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::
   p.n_total = static_cast<int>(s.dim);
   p.k_tiles = static_cast<int>(s.hidden / sm90::BK);
   p.ld_out = s.dim;
-  const int n_tiles = static_cast<int>((s.dim + sm90::BN_DOWN - 1) / sm90::BN_DOWN);
+  constexpr int kTileN = sm90::Geometry<sm90::DOWN_ATOMIC>::kN;
+  static_assert(kTileN == sm90::Geometry<sm90::DOWN_SLOTS>::kN, "both down modes take one tile width");
+  const int n_tiles = static_cast<int>((s.dim + kTileN - 1) / kTileN);
   const auto tile_counter = at::zeros({1}, sorted.options().dtype(at::kInt));
   p.tile_counter = tile_counter.mutable_data_ptr<int>();
   if (mode == sm90::DOWN_ATOMIC) {
