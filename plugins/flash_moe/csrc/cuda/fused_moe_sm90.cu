@@ -35,6 +35,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "../flash_moe.h"
@@ -437,36 +438,49 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       // tile i's first ring position i * k_tiles, modulo 2 kStages (stage and parity both survive it; no 32-bit wrap)
       const uint32_t first =
           static_cast<uint32_t>(static_cast<uint64_t>(i) * static_cast<uint32_t>(p.k_tiles) % (2 * G::kStages));
-      int prev = 0;
-      for (int kt = 0; kt < p.k_tiles; ++kt) {
-        const uint32_t pos = first + kt;
-        const int stage = static_cast<int>(pos % G::kStages);
-        mbar_wait(full_bar(stage), (pos / G::kStages) & 1);
-        if (kt == p.k_tiles - 1 && lane == 0) mbar_arrive(mainloop_done_bar(wg));
-        fence_proxy_async();  // the A rows were written by cp.async (generic proxy); wgmma reads the async proxy
-        const uint32_t st = base + stage * G::kStageBytes;
-        const uint64_t da = smem_desc(st), da_low = smem_desc(st + 64 * 128);  // rows 0-63, rows 64-127
-        // N-major B (DH, DX) advances 16 K rows (2048 bytes) per wgmma, K-major B (DOWN) 16 K (32 bytes)
-        const uint64_t db = kMajorN ? smem_desc_mn(st + A_BYTES, G::kBBytes / G::kMnAtoms) : smem_desc(st + A_BYTES);
-        constexpr uint32_t kStepB = kMajorN ? (16 * 128 >> 4) : 2;
-        fence_acc(acc);
-        wgmma_fence();
+      // The mainloop, with the m64n128 of rows 64-127 or without it (kLower false: they are all padding, as in an
+      // expert's last block of <= 64 routed rows, half of DeepSeek-V3's experts; padding follows a block's routed
+      // rows, so rows 0-63 hold one at least). Two whole loops: a branch around one wgmma inside the loop made ptxas
+      // fence every wgmma (C7519).
+      auto mainloop = [&](auto lower) {
+        constexpr bool kLower = decltype(lower)::value;
+        int prev = 0;
+        for (int kt = 0; kt < p.k_tiles; ++kt) {
+          const uint32_t pos = first + kt;
+          const int stage = static_cast<int>(pos % G::kStages);
+          mbar_wait(full_bar(stage), (pos / G::kStages) & 1);
+          if (kt == p.k_tiles - 1 && lane == 0) mbar_arrive(mainloop_done_bar(wg));
+          fence_proxy_async();  // the A rows were written by cp.async (generic proxy); wgmma reads the async proxy
+          const uint32_t st = base + stage * G::kStageBytes;
+          const uint64_t da = smem_desc(st), da_low = smem_desc(st + 64 * 128);  // rows 0-63, rows 64-127
+          // N-major B (DH, DX) advances 16 K rows (2048 bytes) per wgmma, K-major B (DOWN) 16 K (32 bytes)
+          const uint64_t db =
+              kMajorN ? smem_desc_mn(st + A_BYTES, G::kBBytes / G::kMnAtoms) : smem_desc(st + A_BYTES);
+          constexpr uint32_t kStepB = kMajorN ? (16 * 128 >> 4) : 2;
+          fence_acc(acc);
+          wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {
-          const int scale = (kt > 0 || kk > 0) ? 1 : 0;
-          wgmma_m64n128k16_bf16<kMajorN>(acc, da + 2 * kk, db + kk * kStepB, scale);
-          wgmma_m64n128k16_bf16<kMajorN>(acc + 64, da_low + 2 * kk, db + kk * kStepB, scale);
+          for (int kk = 0; kk < BK / 16; ++kk) {
+            const int scale = (kt > 0 || kk > 0) ? 1 : 0;
+            wgmma_m64n128k16_bf16<kMajorN>(acc, da + 2 * kk, db + kk * kStepB, scale);
+            if constexpr (kLower) wgmma_m64n128k16_bf16<kMajorN>(acc + 64, da_low + 2 * kk, db + kk * kStepB, scale);
+          }
+          wgmma_commit();
+          fence_acc(acc);
+          wgmma_wait<1>();
+          fence_acc(acc);
+          if (kt > 0 && lane == 0) release(prev, kt - 1);
+          prev = stage;
         }
-        wgmma_commit();
+        wgmma_wait<0>();
         fence_acc(acc);
-        wgmma_wait<1>();
-        fence_acc(acc);
-        if (kt > 0 && lane == 0) release(prev, kt - 1);
-        prev = stage;
+        if (lane == 0) release(prev, p.k_tiles - 1);
+      };
+      if (__all_sync(0xffffffffu, slot_of[64 + lane] < 0 && slot_of[96 + lane] < 0)) {
+        mainloop(std::false_type{});  // the epilogue stores nothing of rows 64-127 (their slots are -1)
+      } else {
+        mainloop(std::true_type{});
       }
-      wgmma_wait<0>();
-      fence_acc(acc);
-      if (lane == 0) release(prev, p.k_tiles - 1);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
 #pragma unroll
