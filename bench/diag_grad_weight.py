@@ -1,6 +1,7 @@
 """DIAGNOSTIC (branch diag-dw; run against its build only): where moe_grad_weight's time goes at the benchmark shapes.
 Times dW1 (dg^T x, transposed store) and dW2 (grad_out^T p h) with parts of the kernel left out through
-FLASH_MOE_DIAG_DW (bit 0: no TMA stores of the output; 1: no epilogue; 2: no wgmmas), beside the gathers + grouped GEMM
+FLASH_MOE_DIAG_DW (bit 0: no TMA stores of the output; 1: no epilogue; 2: no wgmmas; 3: no gather of the
+source rows (A); 4: no slot-row (B) loads), beside the gathers + grouped GEMM
 path moe() takes in place of it, the same-run matmul ceiling and copy bandwidth. Results of modes != 0 are wrong by
 design: only the times mean anything.
     PYTHONPATH=/tmp/variants/diag-dw python3 .variants/diag-dw/bench/diag_grad_weight.py [--shapes a,b]"""
@@ -20,7 +21,8 @@ SHAPES = {  # name: (T, E, top_k, dim, hidden)
     "mixtral": (8192, 8, 2, 4096, 14336),
     "sonicmoe-7b": (24576, 128, 8, 1536, 256),
 }
-MODES = {0: "whole kernel", 1: "no output stores", 2: "no epilogue", 4: "no wgmmas", 6: "loads only"}
+MODES = {0: "whole kernel", 1: "no output stores", 2: "no epilogue", 4: "no wgmmas", 6: "loads only",
+         8: "no A gather", 16: "no B loads", 24: "no loads", 26: "wgmmas only"}
 
 
 def main():

@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
 
 #include "../flash_moe.h"
 #include "sm90_common.cuh"
@@ -80,7 +81,7 @@ struct Params {
   int n_tiles, blocks, ctas;
   int* tile_counter;
   // DIAGNOSTIC BUILD (timing only, wrong results by design; FLASH_MOE_DIAG_DW): bit 0 skips the output's TMA stores,
-  // bit 1 the whole epilogue, bit 2 the wgmmas
+  // bit 1 the whole epilogue, bit 2 the wgmmas, bit 3 the source (A) gather, bit 4 the slot-row (B) loads
   int diag;
 };
 
@@ -201,7 +202,9 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
         const uint32_t st = base + stage * STAGE_BYTES;
         const int row0 = first + kt * BK, valid = min(BK, count - kt * BK);
         const uint32_t rows_tile = st + A_BYTES, source_tile = st;
-        if (valid == BK) {  // a whole K step: the slot rows by TMA
+        if (p.diag & 16) {  // DIAGNOSTIC: no slot-row (B) loads
+          if (tid == 0) mbar_arrive(full_bar(stage));
+        } else if (valid == BK) {  // a whole K step: the slot rows by TMA
           if (tid == 0) {
             mbar_expect_tx(full_bar(stage), RowsTile::kChunks * 16 * BK);
 #pragma unroll
@@ -215,9 +218,11 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
             return r < valid ? row0 + r : -1;
           });
         }
-        SourceTile::copy(source_tile, tid, p.source, p.ld_source, source_col0, p.source_cols, [&](int i) {
-          return __shfl_sync(0xffffffffu, token, SourceTile::lane_of(tid, i));
-        });
+        if (!(p.diag & 8)) {  // DIAGNOSTIC: bit 3 leaves the source (A) gather out
+          SourceTile::copy(source_tile, tid, p.source, p.ld_source, source_col0, p.source_cols, [&](int i) {
+            return __shfl_sync(0xffffffffu, token, SourceTile::lane_of(tid, i));
+          });
+        }
         cp_async_mbar_arrive_noinc(full_bar(stage));  // fires when this thread's copies of the stage have landed
         token = next_token;
       }
@@ -246,32 +251,41 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
     float acc[128];
 #pragma unroll
     for (int r = 0; r < 128; ++r) acc[r] = 0.f;  // an expert without slots: zeros
-    int prev = 0;
-    for (int kt = 0; kt < k_steps; ++kt) {
-      mbar_wait(full_bar(ring.stage), ring.phase);
-      fence_proxy_async();  // parts of the stage were written by cp.async (generic proxy); wgmma reads the async proxy
-      const uint32_t st = base + ring.stage * STAGE_BYTES;
-      // both operands MN-major: this warpgroup's 64 M columns are one atom of A; a k16 step is 16 slot rows (2048 B)
-      const uint64_t da = smem_desc_mn(st + wg * ATOM_BYTES, ATOM_BYTES);
-      const uint64_t db = smem_desc_mn(st + A_BYTES, ATOM_BYTES);
-      fence_regs<128>(acc);
-      wgmma_fence();
-      if (!(p.diag & 4)) {
+    // the mainloop with or without its wgmmas (DIAGNOSTIC bit 2), as two whole loops: a branch around the wgmmas
+    // inside the loop made ptxas fence every wgmma (C7519), which would change the whole kernel's timing too
+    auto mainloop = [&](auto with_wgmmas) {
+      int prev = 0;
+      for (int kt = 0; kt < k_steps; ++kt) {
+        mbar_wait(full_bar(ring.stage), ring.phase);
+        fence_proxy_async();  // parts of the stage were written by cp.async (generic proxy); wgmma reads the async proxy
+        const uint32_t st = base + ring.stage * STAGE_BYTES;
+        // both operands MN-major: this warpgroup's 64 M columns are one atom of A; a k16 step is 16 slot rows (2048 B)
+        const uint64_t da = smem_desc_mn(st + wg * ATOM_BYTES, ATOM_BYTES);
+        const uint64_t db = smem_desc_mn(st + A_BYTES, ATOM_BYTES);
+        fence_regs<128>(acc);
+        wgmma_fence();
+        if constexpr (decltype(with_wgmmas)::value) {
 #pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk)
-          wgmma_m64n256k16_bf16_bn<1>(acc, da + kk * (16 * 128 >> 4), db + kk * (16 * 128 >> 4), 1);
+          for (int kk = 0; kk < BK / 16; ++kk)
+            wgmma_m64n256k16_bf16_bn<1>(acc, da + kk * (16 * 128 >> 4), db + kk * (16 * 128 >> 4), 1);
+        }
+        wgmma_commit();
+        fence_regs<128>(acc);
+        wgmma_wait<1>();
+        fence_regs<128>(acc);
+        if (kt > 0 && lane == 0) mbar_arrive(empty_bar(prev));
+        prev = ring.stage;
+        ring.advance();
       }
-      wgmma_commit();
+      wgmma_wait<0>();
       fence_regs<128>(acc);
-      wgmma_wait<1>();
-      fence_regs<128>(acc);
-      if (kt > 0 && lane == 0) mbar_arrive(empty_bar(prev));
-      prev = ring.stage;
-      ring.advance();
+      if (k_steps > 0 && lane == 0) mbar_arrive(empty_bar(prev));
+    };
+    if (p.diag & 4) {
+      mainloop(std::false_type{});
+    } else {
+      mainloop(std::true_type{});
     }
-    wgmma_wait<0>();
-    fence_regs<128>(acc);
-    if (k_steps > 0 && lane == 0) mbar_arrive(empty_bar(prev));
     // ------------------------------- epilogue: C's rows m, columns n -------------------------------
     const int m_local = wg * 64 + warp * 16 + (lane >> 2);  // + 8 h
     if (p.diag & 2) continue;
