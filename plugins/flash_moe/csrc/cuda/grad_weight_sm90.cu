@@ -242,10 +242,10 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
     float acc[128];
 #pragma unroll
     for (int r = 0; r < 128; ++r) acc[r] = 0.f;  // an expert without slots: zeros
-    // An expert's last K step of at most 32 rows multiplies only the k16 slices that hold rows, after the loop (DeepSeek-V3's
-    // 256 +- 16 slots per expert leave one of a few rows in half its tiles: 8 % of the wgmmas were on zeros). Its
-    // wgmmas run once the loop's have drained (the tile's end waits for them anyway): a branch between wgmma
-    // sequences inside the loop made ptxas fence every wgmma of the whole steps too (C7519).
+    // An expert's last K step of at most 32 rows multiplies only the k16 slices that hold rows, after the loop
+    // (DeepSeek-V3's 256 +- 16 slots per expert leave one of a few rows in half its tiles: 8 % of the wgmmas were on
+    // zeros). Its wgmmas run once the loop's have drained (the tile's end waits for them anyway): a branch between
+    // wgmma sequences inside the loop made ptxas fence every wgmma of the whole steps too (C7519).
     const int tail_slices = k_steps > 0 ? (count - (k_steps - 1) * BK + 15) / 16 : BK / 16;
     const int whole_steps = tail_slices <= 2 ? k_steps - 1 : k_steps;
     int prev = 0;
