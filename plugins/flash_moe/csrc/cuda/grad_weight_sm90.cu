@@ -51,9 +51,13 @@ constexpr int B_BYTES = BN * BK * 2;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int CONSUMER_WARPS = 8;
 constexpr int NUM_THREADS = 384;
-// bf16 output: the tile is staged here (128B-swizzled boxes of 64 columns) and stored by TMA while the next tile's
-// mainloop runs
-constexpr int STAGING_BYTES = BM * BN * 2;
+// bf16 output: the tile goes out in pieces of PIECE_N of its N columns, each staged in one of two buffers
+// (128B-swizzled boxes of 64 columns) and stored by TMA while the next piece is staged and the next tile's mainloop
+// runs: 32 KiB of staging instead of a whole 64 KiB tile, so that the ring takes a fourth stage.
+constexpr int PIECE_N = MN_ATOM;
+constexpr int PIECES = BN / PIECE_N;
+constexpr int PIECE_BYTES = BM * PIECE_N * 2;
+constexpr int STAGING_BYTES = 2 * PIECE_BYTES;
 constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + STAGING_BYTES +
                            (2 * STAGES + 4) * 8 /* mbarriers */ + 2 * 4 /* tile numbers */;
 static_assert(SMEM_BYTES <= 227 * 1024, "GRAD_WEIGHT_STAGES: the ring and the staging tile exceed shared memory");
@@ -229,6 +233,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
   const int ctid = threadIdx.x - 128 * warpgroup;
   const int warp = ctid / 32, lane = ctid % 32, quad = lane & 3;
   RingPosition<STAGES> ring;  // in step with the producer's ks
+  uint32_t pieces_done = 0;   // bf16 output pieces staged over all earlier tiles: piece k takes buffer k & 1
   for (int i = 0;; ++i) {
     const int buf = i & 1;
     mbar_wait(tile_ready_bar(buf), (i / 2) & 1);
@@ -316,49 +321,52 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
         }
       }
     } else {
-      // bf16: the tile into the staging boxes (4-byte stores, 8 rows x 16 bytes per warp instruction: conflict-free
-      // through the swizzle), then one thread stores them by TMA; the previous tile's stores have read the staging
-      // boxes before anyone rewrites them
+      // bf16: piece by piece, into the staging buffer the piece two back has left (its TMA store has read it), 4-byte
+      // stores, 8 rows x 16 bytes per warp instruction: conflict-free through the swizzle; then one thread stores it
       const bool storer = threadIdx.x == 128;
-      if (storer) bulk_wait_read<0>();
-      asm volatile("bar.sync 2, 256;\n" ::: "memory");  // the consumer warps only
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int m = m_local + 8 * h;
+      for (int piece = 0; piece < PIECES; ++piece, ++pieces_done) {
+        const uint32_t buffer = (staging - base) + (pieces_done & 1) * PIECE_BYTES;
+        if (storer) bulk_wait_read<1>();
+        asm volatile("bar.sync 2, 256;\n" ::: "memory");  // the consumer warps only
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-          const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];  // C[m][n], C[m][n + 1], n = 8 j + 2 quad
-          uint32_t at;
-          __nv_bfloat162 pair;
-          if constexpr (kTransposeOut) {
-            // C^T: boxes of 256 n rows x 64 m columns (m / 64 = wg); lanes 4 apart hold rows m and m + 1 and swap
-            // one value, so the even one writes C[m..m+1][n] and the odd one C[m-1..m][n+1]
-            const bool odd = (lane >> 2) & 1;
-            const float other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
-            const int row_n = 8 * j + 2 * quad + (odd ? 1 : 0), col_m = (m & 63) - (odd ? 1 : 0);
-            at = wg * (BN * 128) + swz(row_n, col_m / 8) + (col_m % 8) * 2;
-            pair = odd ? __floats2bfloat162_rn(other, v1) : __floats2bfloat162_rn(v0, other);
-          } else {
-            // C: boxes of 128 m rows x 64 n columns (n / 64 = j / 8)
-            at = (j / 8) * (BM * 128) + swz(m, j % 8) + quad * 4;
-            pair = __floats2bfloat162_rn(v0, v1);
+        for (int h = 0; h < 2; ++h) {
+          const int m = m_local + 8 * h;
+#pragma unroll
+          for (int jj = 0; jj < PIECE_N / 8; ++jj) {
+            const int j = piece * (PIECE_N / 8) + jj;
+            const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];  // C[m][n], C[m][n + 1], n = 8 j + 2 q
+            uint32_t at;
+            __nv_bfloat162 pair;
+            if constexpr (kTransposeOut) {
+              // C^T: per warpgroup a box of PIECE_N n rows x 64 m columns (m / 64 = wg); lanes 4 apart hold rows m
+              // and m + 1 and swap one value, so the even one writes C[m..m+1][n] and the odd one C[m-1..m][n+1]
+              const bool odd = (lane >> 2) & 1;
+              const float other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
+              const int row_n = 8 * jj + 2 * quad + (odd ? 1 : 0), col_m = (m & 63) - (odd ? 1 : 0);
+              at = wg * (PIECE_N * 128) + swz(row_n, col_m / 8) + (col_m % 8) * 2;
+              pair = odd ? __floats2bfloat162_rn(other, v1) : __floats2bfloat162_rn(v0, other);
+            } else {
+              // C: a box of 128 m rows x PIECE_N n columns
+              at = swz(m, jj) + quad * 4;
+              pair = __floats2bfloat162_rn(v0, v1);
+            }
+            *reinterpret_cast<__nv_bfloat162*>(gbase + buffer + at) = pair;
           }
-          *reinterpret_cast<__nv_bfloat162*>(gbase + (staging - base) + at) = pair;
         }
-      }
-      fence_proxy_async();  // the TMA store reads the boxes through the async proxy
-      asm volatile("bar.sync 2, 256;\n" ::: "memory");
-      if (storer) {
-        if constexpr (kTransposeOut) {
-          for (int q = 0; q < BM / MN_ATOM; ++q)
-            if (m_tile * BM + q * MN_ATOM < p.m_total)
-              tma_store_3d(&p.tm_out, staging + q * (BN * 128), m_tile * BM + q * MN_ATOM, n_tile * BN, expert);
-        } else {
-          for (int q = 0; q < BN / MN_ATOM; ++q)
-            if (n_tile * BN + q * MN_ATOM < p.n_total)
-              tma_store_3d(&p.tm_out, staging + q * (BM * 128), n_tile * BN + q * MN_ATOM, m_tile * BM, expert);
+        fence_proxy_async();  // the TMA store reads the boxes through the async proxy
+        asm volatile("bar.sync 2, 256;\n" ::: "memory");
+        if (storer) {
+          const int n0 = n_tile * BN + piece * PIECE_N;
+          if constexpr (kTransposeOut) {
+            for (int q = 0; q < BM / MN_ATOM; ++q)
+              if (m_tile * BM + q * MN_ATOM < p.m_total && n0 < p.n_total)
+                tma_store_3d(&p.tm_out, base + buffer + q * (PIECE_N * 128), m_tile * BM + q * MN_ATOM, n0, expert);
+          } else if (n0 < p.n_total) {
+            tma_store_3d(&p.tm_out, base + buffer, n0, m_tile * BM, expert);
+          }
+          bulk_commit();
         }
-        bulk_commit();
       }
     }
   }
@@ -412,10 +420,10 @@ at::Tensor moe_grad_weight_cuda(const at::Tensor& rows_in, const at::Tensor& sou
   p.expert_ends = ends.const_data_ptr<int>();
   p.num_rows = static_cast<int>(s.S);
   p.out = out.mutable_data_ptr();
-  if (!fp32) {  // C, or C^T for dW1 / dW3: (E, rows, cols) with boxes of a tile's rows x 64 columns
+  if (!fp32) {  // C, or C^T for dW1 / dW3: (E, rows, cols), boxes of 64 columns x a tile's rows (C) or a piece's (C^T)
     const int64_t rows = source_major ? s.K : s.N, cols = source_major ? s.N : s.K;
     const int rc_out = prime_kernels::make_tmap_3d(&p.tm_out, p.out, s.E, rows, cols, cols, rows * cols,
-                                                   source_major ? gw::BM : gw::BN, sm90::MN_ATOM);
+                                                   source_major ? gw::BM : gw::PIECE_N, sm90::MN_ATOM);
     TORCH_CHECK(rc_out == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for the output (CUresult ", rc_out, ")");
   }
   p.m_total = static_cast<int>(m_total);
