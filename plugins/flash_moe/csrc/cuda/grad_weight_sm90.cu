@@ -65,7 +65,7 @@ static_assert(SMEM_BYTES <= 227 * 1024, "GRAD_WEIGHT_STAGES: the ring and the st
 struct Params {
   CUtensorMap tm_rows;  // the per-slot operand [S, row_cols]: boxes of BK rows x MN_ATOM columns
   // bf16 output by TMA: a 3-D map over out (per expert, so a partial tile is clipped at its expert's edge), boxes of
-  // 128 rows (m) x MN_ATOM columns (n), or, transposed, of 256 rows (n) x MN_ATOM columns (m)
+  // 128 rows (m) x MN_ATOM columns (n), or, transposed, of PIECE_N rows (n) x MN_ATOM columns (m)
   CUtensorMap tm_out;
   const __nv_bfloat16* rows;
   int64_t ld_rows;
