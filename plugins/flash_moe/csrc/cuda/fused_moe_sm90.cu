@@ -476,7 +476,19 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         fence_acc(acc);
         if (lane == 0) release(prev, p.k_tiles - 1);
       };
-      if (__all_sync(0xffffffffu, slot_of[64 + lane] < 0 && slot_of[96 + lane] < 0)) {
+      // What the epilogue needs of the routing rows (this thread's four rows' slots) is read now and the buffer handed
+      // back before the mainloop: the producer then claims and fills tile i + 2 during this tile, not after its
+      // epilogue, which runs under the other warpgroup's mainloop (review: otherwise the ring drains at each tile).
+      int slots[2][2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) slots[half][h] = slot_of[half * 64 + warp * 16 + (lane >> 2) + 8 * h];
+      }
+      const bool lower_idle = __all_sync(0xffffffffu, slot_of[64 + lane] < 0 && slot_of[96 + lane] < 0);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(tile_free_bar(buf));
+      if (lower_idle) {
         mainloop(std::false_type{});  // the epilogue stores nothing of rows 64-127 (their slots are -1)
       } else {
         mainloop(std::true_type{});
@@ -486,7 +498,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int lr = half * 64 + warp * 16 + (lane >> 2) + 8 * h;
-          const int slot = slot_of[lr];
+          const int slot = slots[half][h];
           if constexpr (kDx) {  // dx: unweighted (dg and du carry the slot weight)
             if (slot >= 0) {
               store_down_row<PING_PONG_N, MODE == DX_ATOMIC, false>(p, acc + 64 * half, h, quad, slot,
@@ -509,8 +521,6 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
           }
         }
       }
-      __syncwarp();
-      if (lane == 0) mbar_arrive(tile_free_bar(buf));
     }
   } else {
     RingPosition<G::kStages> ring;  // in step with the producer's ks
