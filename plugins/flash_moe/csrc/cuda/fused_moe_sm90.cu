@@ -93,11 +93,9 @@ enum Mode : int {
   GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2, GATE_UP_SAVE = 3, GATE_UP_AND_SAVE = 4, DH_SWIGLU = 5, DX_ATOMIC = 6,
   DX_SLOTS = 7
 };
-// The GEMMs that run persistent (one CTA per SM walking claimed tiles; see moe_gemm_kernel); the forward's gate/up
-// GEMMs run one CTA per tile in CTA pairs.
-constexpr bool persistent_mode(int mode) {
-  return mode == DOWN_ATOMIC || mode == DOWN_SLOTS || mode == DX_ATOMIC || mode == DX_SLOTS || mode == DH_SWIGLU;
-}
+// The GEMMs that run persistent (one CTA per SM walking claimed tiles; see moe_gemm_kernel): every mode (A/B
+// candidate 53e9764: the gate/up GEMMs too, without their CTA pairs).
+constexpr bool persistent_mode(int) { return true; }
 // A/B candidate: DH_SWIGLU, DX_* and DOWN_* in ping-pong. Each consumer warpgroup runs its own tiles (the CTA's tiles 0, 2,
 // 4, ... and 1, 3, 5, ...) of 128 rows x PING_PONG_N columns, so one warpgroup's epilogue (DH: 10 bytes of memory
 // traffic per element; DX, DOWN: float2 atomics) runs under the other's mainloop; the ring holds the same bytes in more,
@@ -669,7 +667,8 @@ sm90::Params gate_up_params(const char* op, const at::Tensor& x_in, const at::Te
                          {"up weight", &up}}) {
     sm90::check_cuda_operand(op, name, *t);
   }
-  keep = {x, gate, up, sorted.contiguous(), eids.contiguous()};
+  // keep[5]: the persistent gate/up launch's tile counter (zero at launch)
+  keep = {x, gate, up, sorted.contiguous(), eids.contiguous(), at::zeros({1}, sorted.options().dtype(at::kInt))};
   sm90::Params p{};
   p.top_k = static_cast<int>(s.top_k);
   p.num_experts = static_cast<int>(s.E);
@@ -684,6 +683,7 @@ sm90::Params gate_up_params(const char* op, const at::Tensor& x_in, const at::Te
   weight_map(op, "the up weight", &p.tm_b1, up, s.hidden, s.dim);
   p.n_total = static_cast<int>(s.hidden);
   p.k_tiles = static_cast<int>(s.dim / sm90::BK);
+  p.tile_counter = keep[5].mutable_data_ptr<int>();
   return p;
 }
 
