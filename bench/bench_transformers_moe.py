@@ -88,6 +88,10 @@ def main():
             try:
                 with torch.no_grad():
                     outputs[impl] = block(x).float()
+                block(x).backward(go)  # once before the peak: one-time workspaces are not per-call memory
+                x.grad = None
+                for p in params:
+                    p.grad = None
                 peaks[impl] = peak_extra(lambda: block(x).backward(go))
             except Exception as exc:  # a peer that cannot run here is reported, not fatal
                 row["not_run"][impl] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
