@@ -596,11 +596,15 @@ class _MoEMxfp8(torch.autograd.Function):
         w1 = dequantize_mxfp8(wq[:, :hidden], w_scales[:, :hidden], dtype=dt)
         w3 = dequantize_mxfp8(wq[:, hidden:], w_scales[:, hidden:], dtype=dt)
         w2 = dequantize_mxfp8(w2q, unpack_scales_blocked(w2s), dtype=dt)
+        stacked = w3_in is None  # w1 is [W1; W3]: both halves' gradients, returned as w1's
+        needs = list(ctx.needs_input_grad[:6])
+        if stacked:
+            needs[3] = needs[1]
         with torch.no_grad():
-            grads = _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, ctx.needs_input_grad[:6],
-                                          ctx.expert_start, ctx.tw_dtype, ctx.deterministic)
-        return (*_first_order_only(grads, (grad_out, x_in, w1_in, w2_in, w3_in, tw_in)), None, None, None, None, None,
-                None, None)
+            grads = _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, ctx.expert_start,
+                                          ctx.tw_dtype, ctx.deterministic, stacked=stacked)
+        anchors = (grad_out, x_in, w1_in, w2_in, tw_in) if stacked else (grad_out, x_in, w1_in, w2_in, w3_in, tw_in)
+        return (*_first_order_only(grads, anchors), None, None, None, None, None, None, None)
 
 
 def _check_moe_args(x, w1, w2, w3, topk_ids, topk_weights):
@@ -700,17 +704,16 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | 
                              f"got {num_experts}")
     lead = x.shape[:-1]
     top_k = topk_ids.shape[-1]
-    if mxfp8 and w3 is None:  # the mxfp8 path takes the halves (its gradients reach w1 through the slices)
-        w1, w3 = _gate_and_up(w1, None)
     if num_experts is None:
         num_experts = w1.shape[0] if expert_start == 0 else _INT32_MAX
     # transformers marks a slot with no expert by id == num_experts; moe_align (CPU and CUDA) skips -1
     topk_ids = topk_ids.masked_fill(topk_ids == num_experts, -1)
     if mxfp8:
-        reason = unsupported_shape_reason(x.shape[-1], w1.shape[1], mxfp8=True)
+        gate, up = _gate_and_up(w1, w3)
+        reason = unsupported_shape_reason(x.shape[-1], gate.shape[1], mxfp8=True)
         if reason is not None:
             raise RuntimeError(f"moe(mxfp8=True): {reason}")
-        wq, ws, w2q, w2s = _cached_quantized_weights(w1, w2, w3)
+        wq, ws, w2q, w2s = _cached_quantized_weights(gate, w2, up)
         out = _MoEMxfp8.apply(x.reshape(-1, x.shape[-1]), w1, w2, w3, topk_ids.reshape(-1, top_k),
                               topk_weights.reshape(-1, top_k), wq, ws, w2q, w2s, expert_start, num_experts,
                               deterministic)

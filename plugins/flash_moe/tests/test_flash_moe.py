@@ -119,15 +119,15 @@ def test_cpu_numerics_stacked_gate_up(case, weight_grads):
 
 
 @cpu
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_cpu_stacked_gate_up_gives_the_separate_weights_results(deterministic, weight_grads):
+@pytest.mark.parametrize("deterministic,mxfp8", [(False, False), (True, False), (False, True)])
+def test_cpu_stacked_gate_up_gives_the_separate_weights_results(deterministic, mxfp8, weight_grads):
     """w1 and w3 stacked into one (E, 2 hidden, dim) w1 (w3 None): the same output and gradients, bitwise, its
-    gradient the two weights' gradients stacked."""
+    gradient the two weights' gradients stacked (mxfp8: the same quantized [gate; up] either way)."""
     x, w1, w2, w3, ids, tw = make(300, 256, 128, 6, 2, seed=3)
     separate = [t.clone().requires_grad_() for t in (x, w1, w2, w3, tw)]
     stacked = [t.clone().requires_grad_() for t in (x, torch.cat((w1, w3), 1), w2, tw)]
-    out = ops.moe(*separate[:4], ids, separate[4], deterministic=deterministic)
-    out_stacked = ops.moe(*stacked[:3], None, ids, stacked[3], deterministic=deterministic)
+    out = ops.moe(*separate[:4], ids, separate[4], deterministic=deterministic, mxfp8=mxfp8)
+    out_stacked = ops.moe(*stacked[:3], None, ids, stacked[3], deterministic=deterministic, mxfp8=mxfp8)
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(out.dtype)
     g_x, g_w1, g_w2, g_w3, g_tw = torch.autograd.grad(out, separate, grad_out)
     got = torch.autograd.grad(out_stacked, stacked, grad_out)
