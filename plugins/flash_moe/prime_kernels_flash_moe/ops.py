@@ -432,7 +432,9 @@ class _FirstOrderOnly(torch.autograd.Function):
 
 
 def _first_order_only(grads, anchors):
-    """``grads`` (tensors or None), differentiable into the error above when a second backward is being recorded."""
+    """``grads`` (tensors or None), differentiable into the error above when a second backward is being recorded
+    (``anchors``: the inputs they depend on; None, an absent w3, is passed by)."""
+    anchors = [a for a in anchors if a is not None]
     if not torch.is_grad_enabled() or not any(a.requires_grad for a in anchors):
         return grads
     present = [g for g in grads if g is not None]
@@ -447,6 +449,15 @@ def _gate_and_up(w1, w3):
         return w1, w3
     hidden = w1.shape[1] // 2
     return w1[:, :hidden], w1[:, hidden:]
+
+
+def _needed_grads(ctx, w3):
+    """ctx.needs_input_grad of (x, w1, w2, w3, topk_ids, topk_weights), a stacked w1 (w3 None) needing both halves'
+    gradients when it needs one; and whether it is stacked."""
+    needs = list(ctx.needs_input_grad[:6])
+    if w3 is None:
+        needs[3] = needs[1]
+    return needs, w3 is None
 
 
 class _MoE(torch.autograd.Function):
@@ -471,17 +482,13 @@ class _MoE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, w1, w2, w3, ids, tw, *align, gate_up, topk_weights = ctx.saved_tensors
-        stacked = w3 is None
-        needs = list(ctx.needs_input_grad[:6])
-        if stacked:  # w1 is [W1; W3]: both halves' gradients, returned as w1's
-            needs[3] = needs[1]
+        needs, stacked = _needed_grads(ctx, w3)
         gate, up = _gate_and_up(w1, w3)
         with torch.no_grad():
             grads = _closed_form_backward(grad_out, x, gate, w2, up, ids, tw, align, needs, ctx.expert_start,
                                           ctx.tw_dtype, ctx.deterministic, gate_up if ctx.saved_gate_up else None,
                                           stacked)
-        anchors = (grad_out, x, w1, w2, topk_weights) if stacked else (grad_out, x, w1, w2, w3, topk_weights)
-        return (*_first_order_only(grads, anchors), None, None, None, None)
+        return (*_first_order_only(grads, (grad_out, x, w1, w2, w3, topk_weights)), None, None, None, None)
 
 
 def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert_start, tw_dtype, deterministic,
@@ -591,20 +598,14 @@ class _MoEMxfp8(torch.autograd.Function):
         xq, xs, wq, ws, w2q, w2s, ids, tw, *align, x_in, w1_in, w2_in, w3_in, tw_in = ctx.saved_tensors
         dt = ctx.x_dtype
         x = dequantize_mxfp8(xq, xs, dtype=dt)
-        hidden = wq.shape[1] // 2
-        w_scales = unpack_scales_blocked(ws)
-        w1 = dequantize_mxfp8(wq[:, :hidden], w_scales[:, :hidden], dtype=dt)
-        w3 = dequantize_mxfp8(wq[:, hidden:], w_scales[:, hidden:], dtype=dt)
+        w1, w3 = _gate_and_up(dequantize_mxfp8(wq, unpack_scales_blocked(ws), dtype=dt), None)  # wq is [gate; up]
         w2 = dequantize_mxfp8(w2q, unpack_scales_blocked(w2s), dtype=dt)
-        stacked = w3_in is None  # w1 is [W1; W3]: both halves' gradients, returned as w1's
-        needs = list(ctx.needs_input_grad[:6])
-        if stacked:
-            needs[3] = needs[1]
+        needs, stacked = _needed_grads(ctx, w3_in)
         with torch.no_grad():
             grads = _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, ctx.expert_start,
                                           ctx.tw_dtype, ctx.deterministic, stacked=stacked)
-        anchors = (grad_out, x_in, w1_in, w2_in, tw_in) if stacked else (grad_out, x_in, w1_in, w2_in, w3_in, tw_in)
-        return (*_first_order_only(grads, anchors), None, None, None, None, None, None, None)
+        return (*_first_order_only(grads, (grad_out, x_in, w1_in, w2_in, w3_in, tw_in)), None, None, None, None, None,
+                None, None)
 
 
 def _check_moe_args(x, w1, w2, w3, topk_ids, topk_weights):
