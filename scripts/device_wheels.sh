@@ -4,25 +4,28 @@
 #   bash scripts/device_wheels.sh              then carry .device_wheels (and .variants) in the device call
 # Every plugin of the tree and of each revision staged by stage_variant.sh, built against the device's Python and torch
 # (DEVICE_PYTHON_VERSION, DEVICE_TORCH: what the device image holds, .library/device/KINDS.md) in a venv of its own
-# (.venv_device, made on the first run: a few GB of downloads), for the device's arch only (PRIME_KERNELS_ARCH, 9.0a:
-# what `native` gives on the H200). Each wheel goes to .device_wheels/<plugin>-<content hash> (lib/source_hash.sh);
+# (.venv_device, made on the first run: a few GB of downloads), for the device's arch only (PRIME_KERNELS_ARCH,
+# default lib/wheels.sh's DEVICE_ARCH: what `native` gives on the H200). Each wheel goes to
+# .device_wheels/<plugin>-<content hash> (lib/wheels.sh);
 # gpu_check.sh installs the one whose hash matches the sources it was sent, checks that its compiled modules import
 # there, and compiles from source where none matches or the import fails (another image's system libraries).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-. scripts/lib/source_hash.sh
+. scripts/lib/wheels.sh
 out=.device_wheels venv=${DEVICE_VENV:-.venv_device}
 py_version=${DEVICE_PYTHON_VERSION:-3.12} torch_version=${DEVICE_TORCH:-2.11.0}
-export PRIME_KERNELS_ARCH=${PRIME_KERNELS_ARCH:-9.0a} PRIME_KERNELS_REQUIRE=1 MAX_JOBS=${MAX_JOBS:-$(nproc)}
+export PRIME_KERNELS_ARCH=${PRIME_KERNELS_ARCH:-$DEVICE_ARCH} PRIME_KERNELS_REQUIRE=1 MAX_JOBS=${MAX_JOBS:-$(nproc)}
 [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ] && export CUDA_HOME=/usr/local/cuda
 log() { echo "[device_wheels] $*" >&2; }
 
-if ! "$venv/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" 2>/dev/null; then
+has_torch="import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$torch_version')"
+if ! "$venv/bin/python" -c "$has_torch" 2>/dev/null; then
   interpreter=$(command -v "python$py_version" 2>/dev/null || true)
   if ! "$interpreter" --version > /dev/null 2>&1 && command -v pyenv > /dev/null; then  # a pyenv shim may not run
     interpreter=$(ls -d "$(pyenv root)/versions/$py_version".*/bin/python"$py_version" 2>/dev/null | tail -n 1)
   fi
-  [ -x "$interpreter" ] || { log "no Python $py_version here (DEVICE_PYTHON_VERSION): cannot build for the device"; exit 1; }
+  [ -x "$interpreter" ] || { log "no Python $py_version here (DEVICE_PYTHON_VERSION): cannot build for the device"
+                             exit 1; }
   log "creating $venv with $interpreter and torch $torch_version (a few GB the first time)"
   rm -rf "$venv" && "$interpreter" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch==$torch_version" pluggy ninja build wheel \
@@ -45,11 +48,7 @@ for plugin in "${dirs[@]}"; do
   src=$(mktemp -d)/$(basename "$plugin")
   cp -r "$plugin" "$src" && rm -rf "$src/build" "$src"/*.egg-info
   start=$(date +%s)
-  if ! "$py" -m build --wheel --no-isolation --outdir "$dest.tmp" "$src" > "$src.log" 2>&1; then
-    log "FAILED to build $plugin; the last error lines of $src.log:"
-    { grep -iE 'error|fatal' "$src.log" || tail -n 20 "$src.log"; } | tail -n 15 | cut -c1-300 >&2
-    exit 1
-  fi
+  build_wheel "$py" "$src" "$dest.tmp" "$src.log" || exit 1
   rm -rf "$dest" && mv "$dest.tmp" "$dest" && rm -rf "$(dirname "$src")"
   log "$plugin: built $dest in $(( $(date +%s) - start )) s"
 done

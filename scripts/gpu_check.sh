@@ -37,7 +37,7 @@ py=${PYTHON:-python3}
 export PRIME_KERNELS_ARCH=${PRIME_KERNELS_ARCH:-native}
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 pip_offline() { "$py" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-build-isolation "$@"; }
-. scripts/lib/source_hash.sh
+. scripts/lib/wheels.sh
 kit=$(kit_hash)
 # Whether each compiled module of the plugin at PLUGIN_DIR imports here (from SITE first, when given).
 compiled_modules_import() {  # PLUGIN_DIR [SITE]
@@ -57,7 +57,8 @@ install_plugin() {  # PLUGIN_DIR LOG [SITE]
   local plugin=$1 log=$2 site=${3:-} wheel
   local target=(${site:+--target "$site" --upgrade})  # --upgrade: replace what an earlier install left in SITE
   wheel=$(ls .device_wheels/"$(basename "$plugin")-$(plugin_hash "$plugin" "$kit")"/*.whl 2>/dev/null | head -n 1)
-  if [ -n "$wheel" ] && pip_offline "${target[@]}" "$wheel" > "$log" 2>&1 && compiled_modules_import "$plugin" "$site" >> "$log" 2>&1; then
+  if [ -n "$wheel" ] && pip_offline "${target[@]}" "$wheel" > "$log" 2>&1 \
+      && compiled_modules_import "$plugin" "$site" >> "$log" 2>&1; then
     echo "prebuilt"
     return 0
   fi

@@ -31,8 +31,8 @@ pip_install transformers==5.24.0
 # --no-build-isolation everywhere: an isolated build would pull another torch and produce a wheel that fails at import.
 pip_install --no-build-isolation --no-deps --force-reinstall .
 
-# shellcheck source=lib/source_hash.sh
-. scripts/lib/source_hash.sh
+# shellcheck source=lib/wheels.sh
+. scripts/lib/wheels.sh
 kit=$(kit_hash)
 wheel_dir() { echo "$wheelhouse/$(basename "$1")-$(plugin_hash "$1" "$kit")"; }  # named by the plugin's content hash
 plugins=() to_build=()
@@ -48,24 +48,14 @@ else
   log "reusing built wheels from $wheelhouse (no plugin source changed)"
 fi
 
-# Compiler output goes to the log; on failure its path and its last error lines are printed.
-build_wheel() {
-  local plugin=$1 out=$2 build_log=$PWD/$1/build/setup.log
-  rm -rf "$plugin/build"
-  mkdir -p "$plugin/build"
-  if ! "$py" -m build --wheel --no-isolation --outdir "$out" "$plugin" >"$build_log" 2>&1; then
-    log "FAILED to build $plugin; full compiler output: $build_log; its last error lines:"
-    { grep -iE 'error|fatal' "$build_log" || tail -n 20 "$build_log"; } | tail -n 15 | cut -c1-300 >&2
-    exit 1
-  fi
-}
 for plugin in "${plugins[@]}"; do
   out=$(wheel_dir "$plugin")
   start=$(date +%s)
   if ls "$out"/*.whl >/dev/null 2>&1; then
     what="reused wheel $out"
   else
-    build_wheel "$plugin" "$out"
+    rm -rf "$plugin/build" && mkdir -p "$plugin/build"  # compiler output goes to the log; on failure, its last errors
+    build_wheel "$py" "$plugin" "$out" "$PWD/$plugin/build/setup.log" || exit 1
     what="built in $(( $(date +%s) - start )) s (log: $plugin/build/setup.log)"
   fi
   installed=$(date +%s)

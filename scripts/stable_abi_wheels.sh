@@ -3,23 +3,21 @@
 # (scripts/gpu_check.sh OUT stable: installs them under the device's own torch, whatever its release >= the floor):
 #   bash scripts/stable_abi_wheels.sh [DIR]       (default .stable_wheels, ignored by git: carry it to the device)
 # The example plugin, and fused_logp with only its stable-ABI kernel's CUDA compiled (PRIME_KERNELS=fused_logp; the
-# exact-ABI linear_logp keeps its CPU code, bound to this torch). CUDA for PRIME_KERNELS_ARCH (default 9.0a, the H200).
+# exact-ABI linear_logp keeps its CPU code, bound to this torch). CUDA for PRIME_KERNELS_ARCH (default the H200's:
+# lib/wheels.sh's DEVICE_ARCH).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/lib/wheels.sh
 out=${1:-.stable_wheels}
 py=${PYTHON:-.venv/bin/python}
 [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ] && export CUDA_HOME=/usr/local/cuda
-export PRIME_KERNELS_ARCH=${PRIME_KERNELS_ARCH:-9.0a} PRIME_KERNELS_REQUIRE=1
+export PRIME_KERNELS_ARCH=${PRIME_KERNELS_ARCH:-$DEVICE_ARCH} PRIME_KERNELS_REQUIRE=1
 rm -rf "$out" && mkdir -p "$out"
 build() {  # PLUGIN_DIR [VAR=VALUE ...]: one wheel into $out, compiler output in PLUGIN_DIR/build/stable_abi.log
   local plugin=$1 start log; shift
   rm -rf "$plugin/build" && mkdir -p "$plugin/build"
   log=$plugin/build/stable_abi.log start=$(date +%s)
-  if ! env "$@" "$py" -m build --wheel --no-isolation --outdir "$out" "$plugin" > "$log" 2>&1; then
-    echo "[stable_abi_wheels] FAILED to build $plugin; the last error lines of $log:" >&2
-    { grep -iE 'error|fatal' "$log" || tail -n 20 "$log"; } | tail -n 15 | cut -c1-300 >&2
-    exit 1
-  fi
+  build_wheel "$py" "$plugin" "$out" "$log" "$@" || exit 1
   echo "[stable_abi_wheels] $plugin: $(( $(date +%s) - start )) s" >&2
 }
 build examples/third_party_plugin
