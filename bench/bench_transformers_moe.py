@@ -76,6 +76,11 @@ def main():
                "floor_fwd_ms": fwd_flops / ceiling * 1e3, "floor_fwd_bwd_ms": 3 * fwd_flops / ceiling * 1e3,
                "impl": {}, "not_run": {}}
         outputs, peaks = {}, {}
+
+        def clear_grads():
+            for t in (x, *params):
+                t.grad = None
+
         for impl in [name, *PEERS]:  # which run here: their outputs and peak memory
             if impl not in ALL_EXPERTS_FUNCTIONS and impl != "eager":
                 row["not_run"][impl] = f"transformers {transformers.__version__} does not register {impl}"
@@ -89,17 +94,13 @@ def main():
                 with torch.no_grad():
                     outputs[impl] = block(x).float()
                 block(x).backward(go)  # once before the peak: one-time workspaces are not per-call memory
-                x.grad = None
-                for p in params:
-                    p.grad = None
+                clear_grads()
                 peaks[impl] = peak_extra(lambda: block(x).backward(go))
             except Exception as exc:  # a peer that cannot run here is reported, not fatal
                 row["not_run"][impl] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 outputs.pop(impl, None)
             finally:
-                x.grad = None
-                for p in params:
-                    p.grad = None
+                clear_grads()
                 free()
 
         def as_impl(impl, fn):
@@ -114,9 +115,7 @@ def main():
             fwd = interleaved({impl: as_impl(impl, lambda: block(x)) for impl in peaks})
         fwd_bwd = interleaved({impl: as_impl(impl, lambda: block(x).backward(go)) for impl in peaks},
                               grad_to_none=[x, *params])
-        x.grad = None
-        for p in params:
-            p.grad = None
+        clear_grads()
         for impl in peaks:
             row["impl"][impl] = {"fwd_ms": fwd[impl], "fwd_bwd_ms": fwd_bwd[impl],
                                  "fwd_bwd_peak_extra_gib": peaks[impl] / 2**30,
