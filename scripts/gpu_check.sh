@@ -158,11 +158,19 @@ wait
 # smoke: each built variant's sanitize scripts (small shapes against the CPU op, exit 1 on a mismatch) under a short
 # timeout, before any timing: a protocol slip in a new kernel shows here as a hang or a wrong result, not as a timed-out
 # A/B call. Diagnostic builds (.variants/NAME/DIAGNOSTIC) are passed by.
-if phase smoke; then
-  wait  # the variants phase builds in the background
+# The variants of AB_VARIANTS (default: every staged one) to check for correctness: built and not diagnostic; those
+# not built are recorded under PHASE.
+checkable_variants() {  # PHASE
+  local name
   for name in ${AB_VARIANTS:-$(ls .variants 2>/dev/null)}; do
     [ -f ".variants/$name/DIAGNOSTIC" ] && continue
-    [ -f "/tmp/variants/$name/.built" ] || { record smoke "$name" "not built"; continue; }
+    if [ -f "/tmp/variants/$name/.built" ]; then echo "$name"; else record "$1" "$name" "not built"; fi
+  done
+}
+
+if phase smoke; then
+  wait  # the variants phase builds in the background
+  for name in $(checkable_variants smoke); do
     for script in .variants/"$name"/plugins/*/tests/sanitize_*.py; do
       [ -f "$script" ] || continue
       ( log="$out/smoke-$name-$(basename "$script" .py).log"
@@ -176,10 +184,8 @@ fi
 
 if phase variant-tests; then
   wait  # the variants phase builds in the background
-  for name in ${AB_VARIANTS:-$(ls .variants 2>/dev/null)}; do
+  for name in $(checkable_variants variant-tests); do
     site=/tmp/variants/$name
-    [ -f ".variants/$name/DIAGNOSTIC" ] && continue
-    [ -f "$site/.built" ] || { record variant-tests "$name" "not built"; continue; }
     for p in .variants/"$name"/plugins/*/; do
       plugin=$(basename "$p")
       log="$out/variant-$name-$plugin"
