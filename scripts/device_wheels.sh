@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Wheels for the GPU machine, built here so that its device minutes go to tests and timing instead of compiling
 # (a flash_moe build takes ~96 s of a 30-minute device budget there, once for the tree and once per staged variant):
-#   bash scripts/device_wheels.sh              then carry .device_wheels (and .variants) in the device call
+#   bash scripts/device_wheels.sh [VARIANT ...]   then carry .device_wheels (and .variants) in the device call
+# The tree's plugins first, then the named staged variants in that order (default: every staged one, by name), then
+# the other staged ones: here a flash_moe build takes 4-6 minutes on 2 cores, so the device call can go as soon as
+# the wheels it needs first exist (gpu_check.sh compiles there whatever has none yet). A variant that fails to build
+# is reported and passed by.
 # Every plugin of the tree and of each revision staged by stage_variant.sh, built against the device's Python and torch
 # (DEVICE_PYTHON_VERSION, DEVICE_TORCH: what the device image holds, .library/device/KINDS.md) in a venv of its own
 # (.venv_device, made on the first run: a few GB of downloads), for the device's arch only (PRIME_KERNELS_ARCH,
@@ -35,9 +39,11 @@ py=$venv/bin/python
 "$py" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps --force-reinstall .  # the build kit
 
 kit=$(kit_hash)
-dirs=()
-for plugin in plugins/*/ examples/*/ .variants/*/plugins/*/; do
-  [ -f "$plugin/pyproject.toml" ] && dirs+=("${plugin%/}")
+dirs=() failed=()
+for v in "$@"; do [ -d ".variants/$v/plugins" ] || { log "no staged variant $v (scripts/stage_variant.sh)"; exit 1; }; done
+for plugin in plugins/*/ examples/*/ $(for v in "$@"; do echo ".variants/$v/plugins/*/"; done) .variants/*/plugins/*/; do
+  [ -f "$plugin/pyproject.toml" ] || continue
+  case " ${dirs[*]} " in *" ${plugin%/} "*) ;; *) dirs+=("${plugin%/}");; esac
 done
 keep=()
 for plugin in "${dirs[@]}"; do
@@ -48,7 +54,10 @@ for plugin in "${dirs[@]}"; do
   src=$(mktemp -d)/$(basename "$plugin")
   cp -r "$plugin" "$src" && rm -rf "$src/build" "$src"/*.egg-info
   start=$(date +%s)
-  build_wheel "$py" "$src" "$dest.tmp" "$src.log" || exit 1
+  if ! build_wheel "$py" "$src" "$dest.tmp" "$src.log"; then
+    failed+=("$plugin") && rm -rf "$dest.tmp"
+    continue
+  fi
   rm -rf "$dest" && mv "$dest.tmp" "$dest" && rm -rf "$(dirname "$src")"
   log "$plugin: built $dest in $(( $(date +%s) - start )) s"
 done
@@ -57,3 +66,4 @@ for dir in "$out"/*/; do
   case " ${keep[*]} " in *" ${dir%/} "*) ;; *) rm -rf "$dir";; esac
 done
 du -sh "$out"/* "$out" >&2
+[ ${#failed[@]} = 0 ] || { log "FAILED: ${failed[*]}"; exit 1; }
