@@ -49,8 +49,12 @@ fi
 
 kit=$(kit_hash)
 dirs=() failed=()
-for v in "$@"; do [ -d ".variants/$v/plugins" ] || { log "no staged variant $v (scripts/stage_variant.sh)"; exit 1; }; done
-for plugin in plugins/*/ examples/*/ $(for v in "$@"; do echo ".variants/$v/plugins/*/"; done) .variants/*/plugins/*/; do
+first=()
+for v in "$@"; do
+  [ -d ".variants/$v/plugins" ] || { log "no staged variant $v (scripts/stage_variant.sh)"; exit 1; }
+  first+=(".variants/$v/plugins"/*/)
+done
+for plugin in plugins/*/ examples/*/ "${first[@]}" .variants/*/plugins/*/; do
   [ -f "$plugin/pyproject.toml" ] || continue
   case " ${dirs[*]} " in *" ${plugin%/} "*) ;; *) dirs+=("${plugin%/}");; esac
 done
