@@ -29,7 +29,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="deepseek-v3,qwen3-30b-a3b,mixtral")
     args = parser.parse_args()
-    import prime_kernels_flash_moe  # noqa: F401  (registers the ops)
+    import prime_kernels_flash_moe.ops  # noqa: F401  (registers the ops)
 
     ceiling, bandwidth = matmul_ceiling(), copy_bandwidth()
     print(f"ceiling {ceiling / 1e12:.0f} TFLOP/s, copy {bandwidth / 1e12:.2f} TB/s (read + write)")
