@@ -226,6 +226,44 @@ def bench_timelines(ops, name, T, E, k, dim, hidden):
     return row
 
 
+def bench_host(ops, name, T, E, k, dim, hidden, iters=20):
+    """The host's side of moe()'s forward+backward: time per call (unprofiled, the GPU not waited for) and, under
+    torch.profiler (CPU only), the operators with the most self CPU time per call: where a small T's launch-bound
+    step spends its host time."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    p = problem(T, E, k, dim, hidden, grad=True)
+    go = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
+    leaves = [p[i] for i in (0, 1, 2, 3, 5)]
+
+    def call():
+        for t in leaves:
+            t.grad = None
+        ops.moe(*p).backward(go)
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        call()
+    host_ms = (time.perf_counter() - start) / iters * 1e3
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            call()
+    torch.cuda.synchronize()
+    top = sorted(((e.self_cpu_time_total / 1e3 / iters, e.count // iters, e.key) for e in prof.key_averages()),
+                 reverse=True)[:20]
+    print(f"  {name:22s} host {host_ms:.3f} ms per forward+backward (unprofiled); self CPU ms per call [calls]: "
+          + "; ".join(f"{key} {ms:.3f} [{n}]" for ms, n, key in top))
+    del p, go, leaves
+    free()
+    return {"shape": name, "host_ms": host_ms, "top": [{"op": key, "ms": ms, "calls": n} for ms, n, key in top]}
+
+
 def problem(T, E, k, dim, hidden, grad=False):
     x = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
     w1 = torch.randn(E, hidden, dim, device="cuda", dtype=torch.bfloat16) / dim**0.5
@@ -323,6 +361,8 @@ def main():
                         help="only forward+backward through each weight-gradient path, and their kernels")
     parser.add_argument("--timeline", action="store_true",
                         help="only GPU timelines of forward+backward, ours and the grouped-mm path's")
+    parser.add_argument("--host", action="store_true",
+                        help="only the host's time per forward+backward and the operators that spend it")
     parser.add_argument("--sonicmoe", action="store_true",
                         help="only SonicMoE against ours on the shapes (its first call compiles for minutes)")
     args = parser.parse_args()
@@ -345,7 +385,8 @@ def main():
             with open(args.json, "w") as f:
                 json.dump({"ceiling_tflops": ceiling / 1e12, "sonicmoe": rows}, f, indent=2)
         return
-    for flag, bench in (("weight_grad_paths", bench_weight_grad_paths), ("timeline", bench_timelines)):
+    for flag, bench in (("weight_grad_paths", bench_weight_grad_paths), ("timeline", bench_timelines),
+                        ("host", bench_host)):
         if getattr(args, flag):
             rows = [bench(ops, *shape) for shape in shapes]
             if args.json:
