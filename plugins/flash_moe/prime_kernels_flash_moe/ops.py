@@ -475,7 +475,7 @@ class _MoE(torch.autograd.Function):
         ctx.save_for_backward(x, w1, w2, w3, topk_ids, tw, *align, gate_up, topk_weights)
         ctx.saved_gate_up = save
         ctx.deterministic = deterministic
-        ctx.expert_start, ctx.num_experts = expert_start, num_experts
+        ctx.expert_start = expert_start
         ctx.tw_dtype = topk_weights.dtype
         return out
 
@@ -486,13 +486,13 @@ class _MoE(torch.autograd.Function):
         gate, up = _gate_and_up(w1, w3)
         with torch.no_grad():
             grads = _closed_form_backward(grad_out, x, gate, w2, up, ids, tw, align, needs, ctx.expert_start,
-                                          ctx.num_experts, ctx.tw_dtype, ctx.deterministic,
-                                          gate_up if ctx.saved_gate_up else None, stacked)
+                                          ctx.tw_dtype, ctx.deterministic, gate_up if ctx.saved_gate_up else None,
+                                          stacked)
         return (*_first_order_only(grads, (grad_out, x, w1, w2, w3, topk_weights)), None, None, None, None)
 
 
-def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert_start, num_experts, tw_dtype,
-                          deterministic, gate_up=None, stacked=False):
+def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert_start, tw_dtype, deterministic,
+                          gate_up=None, stacked=False):
     """(grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw): the gradients of (x, w1, w2, w3, topk_ids, topk_weights).
     ``stacked``: w1 and w3 are the halves of one (E, 2 hidden, dim) tensor, whose gradient comes back whole as grad_w1
     (from one weight-gradient GEMM over [dg | du]; needs[1] and needs[3] equal) and grad_w3 is None.
@@ -512,13 +512,15 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     top_k = ids.shape[1]
     E = w1.shape[0]
     S = T * top_k
-    # the rows of dg / du / p h: the routed slots in moe_align's order without its padding (moe_align with blocks of
-    # one slot: no sort), -1 past them; per local expert the end of its rows
-    row_slot, row_expert, _ = torch.ops.flash_moe.moe_align(ids, num_experts, 1, 1, expert_start, E, 1)
-    row_token = row_slot.div(top_k, rounding_mode="floor")  # -1 stays -1
-    offs = torch.searchsorted(row_expert.masked_fill(row_expert < 0, E),
-                              torch.arange(E, dtype=torch.int32, device=x.device), right=True, out_int32=True)
-    ok = row_slot >= 0
+    # slots sorted by local expert, stable (moe_align's order, which moe_gate_up's rows follow); unrouted slots last
+    local = ids.reshape(-1).long() - expert_start
+    valid = (ids.reshape(-1) >= 0) & (local >= 0) & (local < E)
+    key = torch.where(valid, local, torch.full_like(local, E))
+    order = torch.sort(key, stable=True).indices
+    counts = torch.zeros(E + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
+    offs = torch.cumsum(counts[:E], 0).to(torch.int32)
+    ok = valid[order]
+    tok = order // top_k
 
     if gate_up is None:
         gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, BLOCK_M)
@@ -531,7 +533,7 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
             grad_tw = grad_p.to(tw_dtype)
     else:  # w2's gradient alone takes only p h, which swiglu_backward computes without reading grad_h
         _, _, weighted_h, _ = torch.ops.flash_moe.swiglu_backward(gate_up, go.new_zeros(S, w2.shape[2]),
-                                                                  tw.reshape(-1)[row_slot], ok)
+                                                                  tw.reshape(-1)[order], ok)
     if need_x:  # before the weight gradients, so that a stacked w1's [dg | du] below replaces dg and du
         grad_x = torch.ops.flash_moe.moe_grad_x(grad_gate, grad_up, w1, w3, *align, top_k, BLOCK_M, deterministic)
     # the weight gradients: per expert, its rows of dg / du / p h against x / grad_out gathered by token; dW1 and dW3
@@ -542,6 +544,7 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
         rows_x = (grad_gate if need_w1 else None, grad_up if need_w3 else None)
     del grad_gate, grad_up  # held by rows_x alone where still needed
     if _fused_weight_grads(S, E, w1.shape[1]):  # the gathers inside the kernel: no S x dim copy of x or grad_out
+        row_token = torch.where(ok, tok, -1).to(torch.int32)
         if need_w2:
             grad_w2 = torch.ops.flash_moe.moe_grad_weight(weighted_h, go, row_token, offs, True)
         del weighted_h  # S x hidden: freed before the dW1 / dW3 outputs are allocated
@@ -549,10 +552,10 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
                             for r in rows_x)
     else:
         if need_w2:
-            grad_w2 = torch._grouped_mm(go[row_token].t(), weighted_h, offs=offs)  # rows past offs[-1]: unread
+            grad_w2 = torch._grouped_mm(go[tok].t(), weighted_h, offs=offs)
         del weighted_h  # S x hidden: freed before the x gather and the dW1 / dW3 outputs are allocated
         if any(r is not None for r in rows_x):  # the S x dim gather lives only while they run
-            grad_w1, grad_w3 = _grouped_against(rows_x, x[row_token], offs)
+            grad_w1, grad_w3 = _grouped_against(rows_x, x[tok], offs)
     del rows_x
     return grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw
 
@@ -585,7 +588,7 @@ class _MoEMxfp8(torch.autograd.Function):
         # quantized operands and a float copy of bf16 topk_weights carry no grad history
         ctx.save_for_backward(xq, xs, wq, ws, w2q, w2s, topk_ids, tw, *align, x, w1, w2, w3, topk_weights)
         ctx.deterministic = deterministic
-        ctx.expert_start, ctx.num_experts = expert_start, num_experts
+        ctx.expert_start = expert_start
         ctx.tw_dtype = topk_weights.dtype
         ctx.x_dtype = x.dtype
         return out
@@ -600,7 +603,7 @@ class _MoEMxfp8(torch.autograd.Function):
         needs, stacked = _needed_grads(ctx, w3_in)
         with torch.no_grad():
             grads = _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, ctx.expert_start,
-                                          ctx.num_experts, ctx.tw_dtype, ctx.deterministic, stacked=stacked)
+                                          ctx.tw_dtype, ctx.deterministic, stacked=stacked)
         return (*_first_order_only(grads, (grad_out, x_in, w1_in, w2_in, w3_in, tw_in)), None, None, None, None, None,
                 None, None)
 
