@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU harness, for a bare H200 machine (torch preinstalled, no network):
 #   bash scripts/gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [smoke] [variant-tests] [stable] [bench]
-#     [profile] [ab]
+#     [sonicmoe] [profile] [ab]
 #   (default: build test sanitize bench)
 # One device call runs at most 10 minutes: run "build test sanitize" in one call and "bench" in the next (the machine
 # keeps what the first installed while it stays warm, 30 s after a call).
@@ -27,7 +27,7 @@
 # on the warm machine adds that site as the variant "stable-wheel" (AB_ROUNDS: rounds, default 2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [smoke] [variant-tests] [stable] [bench] [profile] [ab]}; shift
+out=${1:?usage: gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [smoke] [variant-tests] [stable] [bench] [sonicmoe] [profile] [ab]}; shift
 phases=${*:-build test sanitize bench}
 mkdir -p "$out"
 py=${PYTHON:-python3}
@@ -245,6 +245,27 @@ if phase bench; then
     [ -n "${BENCHES:-}" ] && case " $BENCHES " in *" $name "*) ;; *) continue;; esac
     timeout 420 "$py" "$bench" --json "$out/$name.json" 2>&1 | tee "$out/$name.log"
     record bench "$name" "exit ${PIPESTATUS[0]}"
+  done
+fi
+
+if phase sonicmoe; then
+  # SonicMoE (the .peers wheels) against ours, one shape per process (SONIC_SHAPES, SONIC_TIMEOUT seconds each): its
+  # first call at a shape compiles and autotunes its kernels for minutes (session 21 on an H100: > 450 s at
+  # Qwen3-30B-A3B, 56 s for the next process). The compiled kernels go to .sonic_cache (quack's persistent .o cache
+  # and Triton's), packed after each shape into OUT/sonic_cache.tgz (parts of 15 MiB past that size): move it to
+  # $OUT's top (eight files come back), unpack it here and carry .sonic_cache in later calls and sessions. The
+  # autotuning choices are not cached: SonicMoE tunes on the GPU that times it.
+  export QUACK_CACHE_DIR=$PWD/.sonic_cache/quack TRITON_CACHE_DIR=$PWD/.sonic_cache/triton
+  for shape in ${SONIC_SHAPES:-qwen3-30b-a3b deepseek-v3 mixtral}; do
+    log="$out/sonicmoe-$shape.log"
+    timeout "${SONIC_TIMEOUT:-420}" "$py" bench/bench_flash_moe.py --sonicmoe --shapes "$shape" \
+      --json "$out/sonicmoe-$shape.json" > "$log" 2>&1
+    record sonicmoe "$shape" "exit $?; $(tail -n 1 "$log" | cut -c1-200)"
+    rm -f "$out"/sonic_cache.tgz*
+    tar czf "$out/sonic_cache.tgz" .sonic_cache
+    if [ "$(stat -c %s "$out/sonic_cache.tgz")" -gt 15728640 ]; then
+      split -b 15M "$out/sonic_cache.tgz" "$out/sonic_cache.tgz.part_" && rm "$out/sonic_cache.tgz"
+    fi
   done
 fi
 
