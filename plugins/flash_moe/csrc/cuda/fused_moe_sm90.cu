@@ -35,6 +35,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <vector>
 
 #include "../flash_moe.h"
@@ -551,11 +552,43 @@ at::Tensor compact_rows(sm90::Params& p, const at::Tensor& sorted, const MoeShap
   return rows;
 }
 
+// Zeroes rows [*routed, rows) of up to three [rows, vecs x 16 bytes] tensors (null: fewer): the compact rows no slot
+// fills (their count is on the device; reading it on the host would sync), instead of zeroing whole tensors first.
+struct RowsPast {
+  uint4* tensors[3];
+};
+
+__global__ void zero_rows_past_kernel(RowsPast out, const int64_t* routed, int64_t rows, int64_t vecs) {
+  const int64_t first = min(max(*routed, int64_t{0}), rows) * vecs, total = rows * vecs;
+  for (int64_t i = first + blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    for (uint4* t : out.tensors) {
+      if (t != nullptr) t[i] = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// `tensors`: bf16 [rows, width] with width a multiple of 8; `compact`: compact_rows' result (-1 for padding).
+void zero_rows_past(std::initializer_list<at::Tensor*> tensors, const at::Tensor& compact) {
+  RowsPast out{};
+  int n = 0;
+  for (at::Tensor* t : tensors) out.tensors[n++] = reinterpret_cast<uint4*>(t->mutable_data_ptr());
+  const at::Tensor& first = **tensors.begin();
+  const int64_t rows = first.size(0), vecs = first.size(1) / 8, total = rows * vecs;
+  if (total == 0) return;
+  const auto routed = compact.ge(0).sum();  // compact rows filled (int64)
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((total + 255) / 256, 1024));
+  zero_rows_past_kernel<<<grid, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(out, routed.const_data_ptr<int64_t>(),
+                                                                            rows, vecs);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // The pre-activations g | u of the routed slots, [M * top_k, 2 hidden] in moe_align's order (what moe_gate_up
 // returns): p.saved points at the returned tensor; `rows` holds each padded row's compact row (-1 for padding).
 at::Tensor saved_gate_up(sm90::Params& p, const at::Tensor& sorted, const MoeShape& s, at::Tensor& rows) {
-  auto saved = at::zeros({s.M * s.top_k, 2 * s.hidden}, sorted.options().dtype(at::kBFloat16));
+  auto saved = at::empty({s.M * s.top_k, 2 * s.hidden}, sorted.options().dtype(at::kBFloat16));
   rows = compact_rows(p, sorted, s);
+  zero_rows_past({&saved}, rows);
   p.saved = reinterpret_cast<__nv_bfloat16*>(saved.mutable_data_ptr());
   p.ld_saved = 2 * s.hidden;
   return saved;
@@ -625,17 +658,6 @@ at::Tensor moe_gate_up_cuda(const at::Tensor& x, const at::Tensor& w1, const at:
   return result;
 }
 
-// Zeroes rows [*routed, rows) of three [rows, vecs x 16 bytes] tensors: the compact rows no slot fills (their count is
-// on the device; reading it on the host would sync).
-__global__ void zero_rows_past_kernel(uint4* a, uint4* b, uint4* c, const int64_t* routed, int64_t rows,
-                                      int64_t vecs) {
-  const int64_t first = min(max(*routed, int64_t{0}), rows) * vecs, total = rows * vecs;
-  for (int64_t i = first + blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    a[i] = b[i] = c[i] = make_uint4(0, 0, 0, 0);
-  }
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda(
     const at::Tensor& grad_out, const at::Tensor& w2_in, const at::Tensor& gate_up, const at::Tensor& sorted_token_ids,
     const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights,
@@ -664,15 +686,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda
   p.saved = const_cast<__nv_bfloat16*>(reinterpret_cast<const __nv_bfloat16*>(gu.const_data_ptr()));
   p.ld_saved = 2 * s.hidden;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (slots > 0 && s.hidden > 0) {
-    const auto routed = rows.ge(0).sum();  // compact rows filled (int64)
-    const int64_t vecs = s.hidden / 8, total = slots * vecs;
-    const unsigned grid = static_cast<unsigned>(std::min<int64_t>((total + 255) / 256, 1024));
-    zero_rows_past_kernel<<<grid, 256, 0, stream>>>(
-        reinterpret_cast<uint4*>(grad_gate.mutable_data_ptr()), reinterpret_cast<uint4*>(grad_up.mutable_data_ptr()),
-        reinterpret_cast<uint4*>(weighted_h.mutable_data_ptr()), routed.const_data_ptr<int64_t>(), slots, vecs);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  zero_rows_past({&grad_gate, &grad_up, &weighted_h}, rows);
   if (s.blocks > 0 && s.M > 0) {
     p.top_k = static_cast<int>(s.top_k);
     p.num_experts = static_cast<int>(s.E);
