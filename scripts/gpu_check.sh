@@ -14,9 +14,10 @@
 # (/tmp/variants/NAME, kept while the machine stays warm). variant-tests: the gpu-marked tests and the sanitizer scripts
 # of each built variant's plugins against that variant (its site first on PYTHONPATH; AB_VARIANTS names a subset), one
 # variant after another, after the test and sanitize phases; a variant's plugin with the tree's sources is passed by
-# there and in smoke (session 21: fused_logp's unchanged suite beside flash_moe's cost 139 s and ran out of memory). ab: runs bench/ab.py on each ';'-separated command of
-# AB_BENCH (e.g. AB_BENCH="bench/bench_flash_moe.py --mxfp8-only") for the tree and each built variant (AB_VARIANTS
-# names a subset; quotes inside a command keep an argument with spaces together). profile: Nsight Compute on one
+# there and in smoke (session 21: fused_logp's unchanged suite beside flash_moe's cost 139 s and ran out of memory).
+# ab: runs bench/ab.py on each ';'-separated command of AB_BENCH (e.g. AB_BENCH="bench/bench_flash_moe.py
+# --mxfp8-only") for the tree and each built variant (AB_VARIANTS names a subset; quotes inside a command keep an
+# argument with spaces together). profile: Nsight Compute on one
 # script (PROFILE, PROFILE_KERNELS, PROFILE_COUNT, PROFILE_SET; e.g. PROFILE="bench/profile_fused_logp.py"
 # PROFILE_KERNELS="fused_logp_(fwd|bwd)_kernel" PROFILE_COUNT=6).
 # BENCHES="bench_a bench_b" limits the bench phase to those scripts (default: every bench/bench_*.py); TEST_SUITES
@@ -260,23 +261,21 @@ if phase bench; then
 fi
 
 if phase sonicmoe; then
-  # SonicMoE (the .peers wheels) against ours, one shape per process (SONIC_SHAPES, SONIC_TIMEOUT seconds each): its
-  # first call at a shape compiles and autotunes its kernels for minutes (session 21 on an H100: > 450 s at
-  # Qwen3-30B-A3B, 56 s for the next process). The compiled kernels go to .sonic_cache (quack's persistent .o cache
-  # and Triton's), packed after each shape into OUT/sonic_cache.tgz (parts of 15 MiB past that size): move it to
-  # $OUT's top (eight files come back), unpack it here and carry .sonic_cache in later calls and sessions. The
-  # autotuning choices are not cached: SonicMoE tunes on the GPU that times it.
+  # SonicMoE (the .peers wheels) against ours, one shape per process (SONIC_SHAPES: names without spaces;
+  # SONIC_TIMEOUT seconds each): its first call at a shape compiles and autotunes its kernels for minutes (session 21
+  # on an H100: > 450 s at Qwen3-30B-A3B, 56 s for the next process). The compiled kernels go to .sonic_cache (quack's
+  # persistent .o cache and Triton's), packed after each shape into OUT/sonic_cache.tgz.part_* (15 MiB parts: a file
+  # comes back up to 16 MiB): move them to $OUT's top (eight files come back), `cat` them into tar here and carry
+  # .sonic_cache in later calls and sessions. The autotuning choices are not cached: SonicMoE tunes on the GPU that
+  # times it.
   export QUACK_CACHE_DIR=$PWD/.sonic_cache/quack TRITON_CACHE_DIR=$PWD/.sonic_cache/triton
   for shape in ${SONIC_SHAPES:-qwen3-30b-a3b deepseek-v3 mixtral}; do
     log="$out/sonicmoe-$shape.log"
     timeout "${SONIC_TIMEOUT:-420}" "$py" bench/bench_flash_moe.py --sonicmoe --shapes "$shape" \
       --json "$out/sonicmoe-$shape.json" > "$log" 2>&1
     record sonicmoe "$shape" "exit $?; $(tail -n 1 "$log" | cut -c1-200)"
-    rm -f "$out"/sonic_cache.tgz*
-    tar czf "$out/sonic_cache.tgz" .sonic_cache
-    if [ "$(stat -c %s "$out/sonic_cache.tgz")" -gt 15728640 ]; then
-      split -b 15M "$out/sonic_cache.tgz" "$out/sonic_cache.tgz.part_" && rm "$out/sonic_cache.tgz"
-    fi
+    rm -f "$out"/sonic_cache.tgz.part_*
+    tar cz .sonic_cache | split -b 15M - "$out/sonic_cache.tgz.part_"
   done
 fi
 
