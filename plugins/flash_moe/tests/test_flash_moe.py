@@ -850,6 +850,8 @@ def test_cuda_out_of_range_indices_are_skipped_like_padding():
     bad_e, skipped_e = e.clone(), e.clone()
     bad_e[1], skipped_e[1] = 6, -1
     w, mx = torch.cat([w1, w3], 1), mx_operands(x, w1, w2, w3)
+    go, gate_up = torch.randn_like(x), torch.randn(300 * 2, 2 * 256, device="cuda", dtype=torch.bfloat16)
+    dg, du = torch.randn(2, 300 * 2, 256, device="cuda", dtype=torch.bfloat16)
     # top_k = 2: the atomic combine adds two terms to zero per element, which is order-independent, so exact
     runs = {
         "fused_moe_bf16": lambda s, e: ops.fused_moe_bf16(x, w, w2, s, e, n, tw, torch.empty_like(x), 2),
@@ -857,6 +859,10 @@ def test_cuda_out_of_range_indices_are_skipped_like_padding():
         "moe_forward deterministic": lambda s, e: torch.ops.flash_moe.moe_forward(x, w1, w3, w2, s, e, n, tw, 2,
                                                                                   ops.BLOCK_M, True, True),
         "moe_gate_up": lambda s, e: torch.ops.flash_moe.moe_gate_up(x, w1, w3, s, e, n, 2, ops.BLOCK_M),
+        # a skipped block's slots get no compact row: every output row is written or zeroed, none left uninitialized
+        "moe_grad_gate_up": lambda s, e: torch.ops.flash_moe.moe_grad_gate_up(go, w2, gate_up, s, e, n, tw, 2,
+                                                                              ops.BLOCK_M),
+        "moe_grad_x": lambda s, e: torch.ops.flash_moe.moe_grad_x(dg, du, w1, w3, s, e, n, 2, ops.BLOCK_M, True),
     }
     for name, run in runs.items():
         got, want = run(bad_s, bad_e), run(skipped_s, skipped_e)

@@ -11,24 +11,22 @@
 
 #include "../flash_moe.h"
 #include "bf16x8.cuh"
+#include "routing.cuh"
 
 namespace flash_moe {
 namespace {
 
 constexpr int kThreads = 256;
 
-// routed[slot] = 1 for every slot an aligned block routes, as the GEMM kernels read the alignment: an entry of a live
-// block (block * block_m < num_tokens_post_padded) whose expert id is in [0, E), its value in [0, M * top_k).
+// routed[slot] = 1 for every slot an aligned block routes (routing.cuh: as the GEMM kernels read the alignment).
 __global__ void __launch_bounds__(kThreads)
     mark_routed_kernel(const int* __restrict__ sorted, const int* __restrict__ expert_ids, const int* __restrict__ ntpp,
                        int64_t entries, int block_m, int num_experts, int num_slots, uint8_t* __restrict__ routed) {
   const int live = __ldg(ntpp);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < entries;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t block = i / block_m;
-    if (block * block_m >= live) continue;
-    const int expert = __ldg(expert_ids + block), slot = __ldg(sorted + i);
-    if (expert >= 0 && expert < num_experts && slot >= 0 && slot < num_slots) routed[slot] = 1;
+    const int slot = routed_slot(sorted, expert_ids, live, i, block_m, num_experts, num_slots);
+    if (slot >= 0) routed[slot] = 1;
   }
 }
 

@@ -34,10 +34,13 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <vector>
 
 #include "../flash_moe.h"
+#include "routing.cuh"
 #include "sm90_common.cuh"
 
 #include <prime_kernels/tma.h>
@@ -541,21 +544,92 @@ int gate_up_tiles(const MoeShape& s) { return static_cast<int>((s.hidden + sm90:
 
 // Runs gate/up + down; mode DOWN_ATOMIC writes acc32 [M, dim] (zeroed here), DOWN_SLOTS yslots [M * top_k, dim]
 // (zeroed here).
-// Each padded row's compact row (the routed entries numbered in sorted order, -1 for padding) into p.dst_rows: where
-// the gate/up kernel stores g | u and the dH kernel reads it. Returns the rows tensor (p points into it).
-at::Tensor compact_rows(sm90::Params& p, const at::Tensor& sorted, const MoeShape& s) {
-  const auto routed = sorted.ge(0).logical_and_(sorted.lt(s.M * s.top_k));  // the kernel's padding rule
-  auto rows = (routed.cumsum(0, at::kInt) - 1).masked_fill_(routed.logical_not(), -1);
-  p.dst_rows = rows.const_data_ptr<int>();
+// The flag of each padded row: 1 where it routes a slot (routing.cuh: the rows the GEMM kernels fill), else 0.
+__global__ void routed_flags_kernel(const int* __restrict__ sorted, const int* __restrict__ eids,
+                                    const int* __restrict__ ntpp, int64_t padded, int slots, int experts,
+                                    int* __restrict__ flags) {
+  const int64_t live_rows = __ldg(ntpp);
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < padded; i += int64_t{gridDim.x} * blockDim.x) {
+    flags[i] = routed_slot(sorted, eids, live_rows, i, sm90::BM, experts, slots) >= 0;
+  }
+}
+
+// `rows` holds the flags' inclusive prefix sums: each routed row's compact row (its sum - 1), -1 elsewhere; the last
+// sum, the routed count, into *count.
+__global__ void compact_rows_kernel(const int* __restrict__ flags, int* __restrict__ rows, int64_t padded,
+                                    int* __restrict__ count) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < padded; i += int64_t{gridDim.x} * blockDim.x) {
+    if (i == padded - 1) *count = rows[i];
+    rows[i] = flags[i] ? rows[i] - 1 : -1;
+  }
+}
+
+unsigned elementwise_grid(int64_t n) { return static_cast<unsigned>(std::clamp<int64_t>((n + 255) / 256, 1, 1024)); }
+
+// Each padded row's compact row (the routed rows numbered in sorted order, -1 for the others): where the gate/up kernel
+// stores g | u and the dH kernel reads it and writes dg / du / p h (p.dst_rows points into `rows`), and their count
+// (int32 [1], on the device).
+struct CompactRows {
+  at::Tensor rows, count;
+};
+
+CompactRows compact_rows(sm90::Params& p, const at::Tensor& sorted, const at::Tensor& eids, const at::Tensor& ntpp,
+                         const MoeShape& s) {
+  const int64_t padded = sorted.numel();
+  CompactRows c{at::empty({padded}, sorted.options()), at::zeros({1}, sorted.options())};
+  p.dst_rows = c.rows.const_data_ptr<int>();
   p.dst_limit = static_cast<int>(s.M * s.top_k);
-  return rows;
+  if (padded == 0) return c;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  auto flags = at::empty({padded}, sorted.options());
+  routed_flags_kernel<<<elementwise_grid(padded), 256, 0, stream>>>(
+      sorted.const_data_ptr<int>(), eids.const_data_ptr<int>(), ntpp.const_data_ptr<int>(), padded,
+      static_cast<int>(s.M * s.top_k), static_cast<int>(s.E), flags.mutable_data_ptr<int>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  at::cumsum_out(c.rows, flags, 0);
+  compact_rows_kernel<<<elementwise_grid(padded), 256, 0, stream>>>(flags.const_data_ptr<int>(),
+                                                                     c.rows.mutable_data_ptr<int>(), padded,
+                                                                     c.count.mutable_data_ptr<int>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return c;
+}
+
+// Zeroes rows [*routed, rows) of up to three [rows, vecs x 16 bytes] tensors (null: fewer): the compact rows no slot
+// fills (their count is on the device; reading it on the host would sync), instead of zeroing whole tensors first.
+struct RowsPast {
+  uint4* tensors[3];
+};
+
+__global__ void zero_rows_past_kernel(RowsPast out, const int* routed, int64_t rows, int64_t vecs) {
+  const int64_t first = min(max(int64_t{*routed}, int64_t{0}), rows) * vecs, total = rows * vecs;
+  for (int64_t i = first + blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    for (uint4* t : out.tensors) {
+      if (t != nullptr) t[i] = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// `tensors`: bf16 [rows, width] with width a multiple of 8; `routed`: compact_rows' count.
+void zero_rows_past(std::initializer_list<at::Tensor*> tensors, const at::Tensor& routed) {
+  RowsPast out{};
+  int n = 0;
+  for (at::Tensor* t : tensors) out.tensors[n++] = reinterpret_cast<uint4*>(t->mutable_data_ptr());
+  const at::Tensor& first = **tensors.begin();
+  const int64_t rows = first.size(0), vecs = first.size(1) / 8, total = rows * vecs;
+  if (total == 0) return;
+  zero_rows_past_kernel<<<elementwise_grid(total), 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      out, routed.const_data_ptr<int>(), rows, vecs);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // The pre-activations g | u of the routed slots, [M * top_k, 2 hidden] in moe_align's order (what moe_gate_up
-// returns): p.saved points at the returned tensor; `rows` holds each padded row's compact row (-1 for padding).
-at::Tensor saved_gate_up(sm90::Params& p, const at::Tensor& sorted, const MoeShape& s, at::Tensor& rows) {
-  auto saved = at::zeros({s.M * s.top_k, 2 * s.hidden}, sorted.options().dtype(at::kBFloat16));
-  rows = compact_rows(p, sorted, s);
+// returns): p.saved points at the returned tensor, p.dst_rows into `rows` (compact_rows).
+at::Tensor saved_gate_up(sm90::Params& p, const at::Tensor& sorted, const at::Tensor& eids, const at::Tensor& ntpp,
+                         const MoeShape& s, CompactRows& rows) {
+  auto saved = at::empty({s.M * s.top_k, 2 * s.hidden}, sorted.options().dtype(at::kBFloat16));
+  rows = compact_rows(p, sorted, eids, ntpp, s);
+  zero_rows_past({&saved}, rows.count);
   p.saved = reinterpret_cast<__nv_bfloat16*>(saved.mutable_data_ptr());
   p.ld_saved = 2 * s.hidden;
   return saved;
@@ -575,8 +649,8 @@ void run(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::
   } else {
     result = at::zeros({s.M * s.top_k, s.dim}, x.options());
   }
-  at::Tensor compact_rows;
-  if (gate_up != nullptr) *gate_up = saved_gate_up(p, keep[3], s, compact_rows);
+  CompactRows rows;
+  if (gate_up != nullptr) *gate_up = saved_gate_up(p, keep[3], keep[4], ntpp, s, rows);
   if (s.blocks == 0 || s.M == 0) return;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   // gate/up + SwiGLU
@@ -618,22 +692,11 @@ at::Tensor moe_gate_up_cuda(const at::Tensor& x, const at::Tensor& w1, const at:
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<at::Tensor> keep;
   sm90::Params p = gate_up_params(op, x, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, s, keep);
-  at::Tensor compact_rows;
-  auto result = saved_gate_up(p, keep[3], s, compact_rows);
+  CompactRows rows;
+  auto result = saved_gate_up(p, keep[3], keep[4], num_tokens_post_padded, s, rows);
   if (s.blocks == 0 || s.M == 0) return result;
   sm90::launch<sm90::GATE_UP_SAVE>(p, gate_up_tiles(s), s.blocks, c10::cuda::getCurrentCUDAStream());
   return result;
-}
-
-// Zeroes rows [*routed, rows) of three [rows, vecs x 16 bytes] tensors: the compact rows no slot fills (their count is
-// on the device; reading it on the host would sync).
-__global__ void zero_rows_past_kernel(uint4* a, uint4* b, uint4* c, const int64_t* routed, int64_t rows,
-                                      int64_t vecs) {
-  const int64_t first = min(max(*routed, int64_t{0}), rows) * vecs, total = rows * vecs;
-  for (int64_t i = first + blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    a[i] = b[i] = c[i] = make_uint4(0, 0, 0, 0);
-  }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda(
@@ -660,19 +723,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda
   auto partials = at::zeros({n_tiles, slots}, go.options().dtype(at::kFloat));
   const auto tile_counter = at::zeros({1}, sorted_token_ids.options().dtype(at::kInt));
   sm90::Params p{};
-  const at::Tensor rows = compact_rows(p, sorted, s);
+  const CompactRows rows = compact_rows(p, sorted, eids, num_tokens_post_padded, s);
   p.saved = const_cast<__nv_bfloat16*>(reinterpret_cast<const __nv_bfloat16*>(gu.const_data_ptr()));
   p.ld_saved = 2 * s.hidden;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (slots > 0 && s.hidden > 0) {
-    const auto routed = rows.ge(0).sum();  // compact rows filled (int64)
-    const int64_t vecs = s.hidden / 8, total = slots * vecs;
-    const unsigned grid = static_cast<unsigned>(std::min<int64_t>((total + 255) / 256, 1024));
-    zero_rows_past_kernel<<<grid, 256, 0, stream>>>(
-        reinterpret_cast<uint4*>(grad_gate.mutable_data_ptr()), reinterpret_cast<uint4*>(grad_up.mutable_data_ptr()),
-        reinterpret_cast<uint4*>(weighted_h.mutable_data_ptr()), routed.const_data_ptr<int64_t>(), slots, vecs);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  zero_rows_past({&grad_gate, &grad_up, &weighted_h}, rows.count);
   if (s.blocks > 0 && s.M > 0) {
     p.top_k = static_cast<int>(s.top_k);
     p.num_experts = static_cast<int>(s.E);
@@ -724,7 +779,7 @@ at::Tensor moe_grad_x_cuda(const at::Tensor& grad_gate, const at::Tensor& grad_u
   at::Tensor result = deterministic ? at::empty({s.M * s.top_k, s.dim}, dg.options())
                                     : at::zeros({s.M, s.dim}, dg.options().dtype(at::kFloat));
   sm90::Params p{};
-  const at::Tensor rows = compact_rows(p, sorted, s);
+  const CompactRows rows = compact_rows(p, sorted, eids, num_tokens_post_padded, s);
   const auto tile_counter = at::zeros({1}, sorted.options().dtype(at::kInt));
   if (s.blocks > 0 && s.M > 0) {
     p.top_k = static_cast<int>(s.top_k);
