@@ -1,8 +1,9 @@
 // flash_moe on CUDA sm_90a: the fused expert GEMMs (hand-written wgmma; see docs/notes/flash_moe.md).
 //
 // One kernel template over tiles of one aligned block of BLOCK_M = 128 routed slots (one expert) x one 256-wide column
-// tile, 384 threads per CTA (gate/up: one CTA per tile, in CTA pairs; down and the backward's: persistent, one CTA per
-// SM walking tiles, its ring and routing rows running on from tile to tile):
+// tile, 384 threads per CTA (gate/up: one CTA per tile, in CTA pairs, or persistent with many routed slots per expert;
+// down and the backward's: persistent, one CTA per SM walking tiles, its ring and routing rows running on from tile to
+// tile):
 //   warpgroup 0  producer: cp.async 16-byte copies into a STAGES-deep ring of 128-byte-swizzled shared memory. The A
 //                rows are gathered: row r of the block reads x[sorted_token_ids[r] / top_k] (zero-filled for -1
 //                padding), so the token permutation never touches global memory. B rows are the expert's weight
@@ -60,6 +61,9 @@
 #ifndef FLASH_MOE_STAGES
 #error "FLASH_MOE_STAGES must come from kernel.toml ([flash_moe.constants])"
 #endif
+#ifndef FLASH_MOE_PERSISTENT_GATE_UP_MIN_SLOTS
+#error "FLASH_MOE_PERSISTENT_GATE_UP_MIN_SLOTS must come from kernel.toml ([flash_moe.constants])"
+#endif
 
 namespace flash_moe {
 namespace sm90 {
@@ -70,6 +74,7 @@ constexpr int BN_DOWN = FLASH_MOE_BLOCK_N_DOWN;
 constexpr int BK = FLASH_MOE_BLOCK_K;
 constexpr int STAGES = FLASH_MOE_STAGES;
 constexpr int CLUSTER_BLOCKS = FLASH_MOE_CLUSTER_BLOCKS;
+constexpr int64_t PERSISTENT_GATE_UP_MIN_SLOTS = FLASH_MOE_PERSISTENT_GATE_UP_MIN_SLOTS;
 constexpr int BN = WGMMA_N;
 static_assert(BM == 128, "BLOCK_M must be 128 (two consumer warpgroups of wgmma m64)");
 static_assert(2 * BN_GU == BN && BN_DOWN == BN, "BLOCK_N_GATE_UP must be 128 and BLOCK_N_DOWN 256 (m64n256k16)");
@@ -93,14 +98,25 @@ constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + 2
 // GATE_UP_SAVE: the backward's recomputation; GATE_UP_AND_SAVE: the forward keeping g | u for the backward.
 // DH_SWIGLU: the backward's grad_h = grad_out W2 with the SwiGLU derivative in the epilogue (kernel 3 above).
 // DX_ATOMIC, DX_SLOTS: the backward's dx (kernel 4 above).
+// *_PERSISTENT: the gate/up modes' persistent twins (the host picks one per call: gate_up_persistent).
 enum Mode : int {
   GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2, GATE_UP_SAVE = 3, GATE_UP_AND_SAVE = 4, DH_SWIGLU = 5, DX_ATOMIC = 6,
-  DX_SLOTS = 7
+  DX_SLOTS = 7, GATE_UP_PERSISTENT = 8, GATE_UP_SAVE_PERSISTENT = 9, GATE_UP_AND_SAVE_PERSISTENT = 10
 };
-// The GEMMs that run persistent (one CTA per SM walking claimed tiles; see moe_gemm_kernel); the forward's gate/up
-// GEMMs run one CTA per tile in CTA pairs.
+constexpr int persistent_twin(int mode) {
+  return mode == GATE_UP ? GATE_UP_PERSISTENT : mode == GATE_UP_SAVE ? GATE_UP_SAVE_PERSISTENT
+                                              : mode == GATE_UP_AND_SAVE ? GATE_UP_AND_SAVE_PERSISTENT : mode;
+}
+// What the kernel computes: a twin's base mode (the twins differ in their launch only).
+constexpr int base_mode(int mode) {
+  return mode == GATE_UP_PERSISTENT ? GATE_UP : mode == GATE_UP_SAVE_PERSISTENT ? GATE_UP_SAVE
+                                              : mode == GATE_UP_AND_SAVE_PERSISTENT ? GATE_UP_AND_SAVE : mode;
+}
+// The GEMMs that run persistent (one CTA per SM walking claimed tiles; see moe_gemm_kernel); the gate/up GEMMs' base
+// modes run one CTA per tile in CTA pairs.
 constexpr bool persistent_mode(int mode) {
-  return mode == DOWN_ATOMIC || mode == DOWN_SLOTS || mode == DX_ATOMIC || mode == DX_SLOTS || mode == DH_SWIGLU;
+  return mode == DOWN_ATOMIC || mode == DOWN_SLOTS || mode == DX_ATOMIC || mode == DX_SLOTS || mode == DH_SWIGLU ||
+         mode == GATE_UP_PERSISTENT || mode == GATE_UP_SAVE_PERSISTENT || mode == GATE_UP_AND_SAVE_PERSISTENT;
 }
 // The backward's N-major B tiles: atoms of 64 columns (128 bytes of bf16, the 128-byte swizzle's row), a TMA box each.
 constexpr int MN_ATOMS = BN / MN_ATOM;
@@ -205,19 +221,22 @@ __device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* a
 template <int MODE>
 __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr bool kGateUp = MODE == GATE_UP || MODE == GATE_UP_SAVE || MODE == GATE_UP_AND_SAVE;
-  constexpr bool kDh = MODE == DH_SWIGLU;
+  constexpr int kMode = base_mode(MODE);  // a persistent twin computes what its base mode does
+  constexpr bool kGateUp = kMode == GATE_UP || kMode == GATE_UP_SAVE || kMode == GATE_UP_AND_SAVE;
+  constexpr bool kDh = kMode == DH_SWIGLU;
   constexpr bool kGather = kGateUp || kDh;  // A rows gathered from a [tokens, dim] tensor, K = dim
-  constexpr bool kDx = MODE == DX_ATOMIC || MODE == DX_SLOTS;
+  constexpr bool kDx = kMode == DX_ATOMIC || kMode == DX_SLOTS;
   constexpr bool kMajorN = kDh || kDx;  // B read N-major (wgmma's transposed B)
   // The down GEMMs run persistent: one CTA per SM, its producer filling the ring with the next tile while the
   // consumers finish the last: their K (hidden: 12 k tiles at Qwen3, 32 at DeepSeek-V3) is too short to hide a CTA's
   // launch, ring fill and epilogue. A CTA's first tile is blockIdx.x, the next ones are claimed from a counter, so the
   // tiles in flight stay close in raster order (the L2 reuse of the experts' weight tiles) and a CTA that drew cheap
   // tiles (padding) takes more: with a fixed stride, DeepSeek-V3's down GEMM took 6.7 ms instead of 4.5. The gate/up
-  // GEMMs (K = dim) run one CTA per tile, in CTA pairs that share weight tiles. The backward's dH (K = dim too) runs
-  // persistent: 3-18% faster than in CTA pairs at 5 of 6 benchmark shapes (4.6% slower at DeepSeek-V3; its epilogue
-  // moves 10 bytes per element, which pairs do not overlap with anything).
+  // GEMMs (K = dim) run persistent with many routed slots per expert (the *_PERSISTENT twins; kernel.toml:
+  // PERSISTENT_GATE_UP_MIN_SLOTS), else one CTA per tile, in CTA pairs that share weight tiles (what an expert's few
+  // blocks gain most from). The backward's dH (K = dim too) runs persistent: 3-18% faster than in CTA pairs at 5 of 6
+  // benchmark shapes (4.6% slower at DeepSeek-V3; its epilogue moves 10 bytes per element, which pairs do not overlap
+  // with anything).
   constexpr bool kPersistent = persistent_mode(MODE);
   const int ntpp = __ldg(p.ntpp);
   // Persistent: the tiles of the live blocks (block * BM < num_tokens_post_padded, read here: no host sync) in raster
@@ -432,7 +451,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int lr = wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
-        if constexpr (MODE == GATE_UP || MODE == GATE_UP_AND_SAVE) {
+        if constexpr (kMode == GATE_UP || kMode == GATE_UP_AND_SAVE) {
           const int n0 = n_tile * BN_GU;
           __nv_bfloat16* dst = p.inter + static_cast<int64_t>(block * BM + lr) * p.ld_inter + n0;
 #pragma unroll
@@ -445,7 +464,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
             }
           }
         }
-        if constexpr (MODE == GATE_UP_SAVE || MODE == GATE_UP_AND_SAVE) {
+        if constexpr (kMode == GATE_UP_SAVE || kMode == GATE_UP_AND_SAVE) {
           const int dst_row = p.dst_rows[block * BM + lr];
           if (dst_row >= 0 && dst_row < p.dst_limit) {
             const int n0 = n_tile * BN_GU;
@@ -476,9 +495,9 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
           const int slot = slot_of[lr];
           if (slot < 0) continue;
           if constexpr (kDx) {  // dx: unweighted (dg and du carry the slot weight)
-            store_down_row<BN_DOWN, MODE == DX_ATOMIC, false>(p, acc, h, quad, slot, n_tile * BN_DOWN);
+            store_down_row<BN_DOWN, kMode == DX_ATOMIC, false>(p, acc, h, quad, slot, n_tile * BN_DOWN);
           } else {
-            store_down_row<BN_DOWN, MODE == DOWN_ATOMIC>(p, acc, h, quad, slot, n_tile * BN_DOWN);
+            store_down_row<BN_DOWN, kMode == DOWN_ATOMIC>(p, acc, h, quad, slot, n_tile * BN_DOWN);
           }
         }
       }
@@ -541,6 +560,23 @@ sm90::Params gate_up_params(const char* op, const at::Tensor& x_in, const at::Te
 }
 
 int gate_up_tiles(const MoeShape& s) { return static_cast<int>((s.hidden + sm90::BN_GU - 1) / sm90::BN_GU); }
+
+// Whether the gate/up GEMM runs persistent rather than in CTA pairs: the routed slots per local expert, from the shapes
+// (no sync), against kernel.toml's PERSISTENT_GATE_UP_MIN_SLOTS.
+bool gate_up_persistent(const MoeShape& s) { return s.M * s.top_k >= sm90::PERSISTENT_GATE_UP_MIN_SLOTS * s.E; }
+
+// The gate/up GEMM in MODE, or where gate_up_persistent in its persistent twin, which claims tiles from a counter
+// that must be zero at launch.
+template <int MODE>
+void launch_gate_up(sm90::Params& p, const at::Tensor& sorted, const MoeShape& s, cudaStream_t stream) {
+  if (!gate_up_persistent(s)) {
+    sm90::launch<MODE>(p, gate_up_tiles(s), s.blocks, stream);
+    return;
+  }
+  const auto tile_counter = at::zeros({1}, sorted.options().dtype(at::kInt));
+  p.tile_counter = tile_counter.mutable_data_ptr<int>();
+  sm90::launch<sm90::persistent_twin(MODE)>(p, gate_up_tiles(s), s.blocks, stream);
+}
 
 // Runs gate/up + down; mode DOWN_ATOMIC writes acc32 [M, dim] (zeroed here), DOWN_SLOTS yslots [M * top_k, dim]
 // (zeroed here).
@@ -658,9 +694,9 @@ void run(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::
   p.inter = reinterpret_cast<__nv_bfloat16*>(inter.mutable_data_ptr());
   p.ld_inter = s.hidden;
   if (gate_up != nullptr) {
-    sm90::launch<sm90::GATE_UP_AND_SAVE>(p, gate_up_tiles(s), s.blocks, stream);
+    launch_gate_up<sm90::GATE_UP_AND_SAVE>(p, keep[3], s, stream);
   } else {
-    sm90::launch<sm90::GATE_UP>(p, gate_up_tiles(s), s.blocks, stream);
+    launch_gate_up<sm90::GATE_UP>(p, keep[3], s, stream);
   }
   // down + combine
   p.a = reinterpret_cast<const __nv_bfloat16*>(inter.const_data_ptr());
@@ -695,7 +731,7 @@ at::Tensor moe_gate_up_cuda(const at::Tensor& x, const at::Tensor& w1, const at:
   CompactRows rows;
   auto result = saved_gate_up(p, keep[3], keep[4], num_tokens_post_padded, s, rows);
   if (s.blocks == 0 || s.M == 0) return result;
-  sm90::launch<sm90::GATE_UP_SAVE>(p, gate_up_tiles(s), s.blocks, c10::cuda::getCurrentCUDAStream());
+  launch_gate_up<sm90::GATE_UP_SAVE>(p, keep[3], s, c10::cuda::getCurrentCUDAStream());
   return result;
 }
 
