@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU harness, for a bare H200 machine (torch preinstalled, no network):
 #   bash scripts/gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [smoke] [variant-tests] [stable] [bench]
-#     [sonicmoe] [profile] [ab]
+#     [sonicmoe] [profile] [hbm] [ab]
 #   (default: build test sanitize bench)
 # One device call runs at most 10 minutes: run "build test sanitize" in one call and "bench" in the next (the machine
 # keeps what the first installed while it stays warm, 30 s after a call).
@@ -29,7 +29,7 @@
 # on the warm machine adds that site as the variant "stable-wheel" (AB_ROUNDS: rounds, default 2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [smoke] [variant-tests] [stable] [bench] [sonicmoe] [profile] [ab]}; shift
+out=${1:?usage: gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [smoke] [variant-tests] [stable] [bench] [sonicmoe] [profile] [hbm] [ab]}; shift
 phases=${*:-build test sanitize bench}
 mkdir -p "$out"
 py=${PYTHON:-python3}
@@ -288,6 +288,21 @@ if phase profile; then
     "$py" ${PROFILE:?PROFILE: a script and its arguments} > "$out/profile.log" 2>&1
   record profile "$PROFILE" "exit $?; $(tail -n 1 "$out/profile.log")"
   ncu --import "$out/profile.ncu-rep" --page details > "$out/profile.txt" 2>&1
+fi
+
+if phase hbm; then
+  # Nsight Compute's HBM and L2 counters (bench/ncu_hbm.py's METRICS) of PROFILE's launches matching PROFILE_KERNELS
+  # (at most PROFILE_COUNT), one line per launch in hbm.txt; e.g. PROFILE="bench/profile_flash_moe.py --shape
+  # deepseek-v3 --backward" PROFILE_KERNELS="moe_gemm_kernel|device_kernel" PROFILE_COUNT=7.
+  metrics=$("$py" -c 'import sys; sys.path.insert(0, "bench"); import ncu_hbm; print(ncu_hbm.METRICS)')
+  # shellcheck disable=SC2086
+  timeout 540 ncu --clock-control none --csv --print-units base --metrics "$metrics" -c "${PROFILE_COUNT:-8}" \
+    -k "regex:${PROFILE_KERNELS:?PROFILE_KERNELS: a regex}" "$py" ${PROFILE:?PROFILE: a script and its arguments} \
+    > "$out/hbm.csv" 2> "$out/hbm.log"
+  code=$?
+  "$py" bench/ncu_hbm.py < "$out/hbm.csv" > "$out/hbm.txt" 2>> "$out/hbm.log"
+  record hbm "$PROFILE" "exit $code; $(wc -l < "$out/hbm.txt") launches in hbm.txt"
+  cat "$out/hbm.txt"
 fi
 
 if phase ab; then
