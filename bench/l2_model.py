@@ -2,6 +2,7 @@
 claim order's L2 reuse, to rank tile orders before spending device time on them.
 
     python bench/l2_model.py [--shape deepseek-v3|qwen3-30b-a3b|mixtral ...] [--l2-mib 30] [--lockstep]
+        [--raster-blocks N]
 
 The benchmark's uniform random top-k routing is aligned as moe() aligns it (BLOCK_M blocks, each expert's first block
 a multiple of CLUSTER_BLOCKS, -1 blocks between). 132 CTAs take tiles in claim order; each streams its tile's A rows
@@ -23,7 +24,7 @@ from pathlib import Path
 MANIFEST = Path(__file__).resolve().parents[1] / "plugins/flash_moe/prime_kernels_flash_moe/kernel.toml"
 CONSTANTS = tomllib.loads(MANIFEST.read_text())["flash_moe"]["constants"]
 BM, BK, CLUSTER_BLOCKS = CONSTANTS["BLOCK_M"], CONSTANTS["BLOCK_K"], CONSTANTS["CLUSTER_BLOCKS"]
-RASTER_BLOCKS, SMS = CONSTANTS["RASTER_BLOCKS"], 132
+SMS = 132
 SHAPES = {  # T, E, top_k, dim, hidden (bench_flash_moe.py's, without importing torch)
     "qwen3-30b-a3b": (16384, 128, 8, 2048, 768), "deepseek-v3": (8192, 256, 8, 7168, 2048),
     "mixtral": (8192, 8, 2, 4096, 14336)}
@@ -44,17 +45,17 @@ def expert_ids(T, E, top_k, seed=0):
     return ids
 
 
-def raster(t, n_tiles, ids):
-    group, r = divmod(t, RASTER_BLOCKS * n_tiles)
-    first = group * RASTER_BLOCKS
-    in_group = min(RASTER_BLOCKS, len(ids) - first)
+def raster(t, n_tiles, ids, group_blocks):
+    group, r = divmod(t, group_blocks * n_tiles)
+    first = group * group_blocks
+    in_group = min(group_blocks, len(ids) - first)
     return first + r % in_group, r // in_group
 
 
-def raster_by_expert(t, n_tiles, ids):
+def raster_by_expert(t, n_tiles, ids, group_blocks):
     b = t // n_tiles
-    first = b // RASTER_BLOCKS * RASTER_BLOCKS
-    last = min(first + RASTER_BLOCKS, len(ids))
+    first = b // group_blocks * group_blocks
+    last = min(first + group_blocks, len(ids))
     start, end = b, b + 1
     while start > first and ids[start - 1] == ids[b]:
         start -= 1
@@ -64,8 +65,8 @@ def raster_by_expert(t, n_tiles, ids):
     return start + r % (end - start), r // (end - start)
 
 
-def hbm_bytes(ids, n_tiles, k_steps, a_bytes, b_bytes, order, l2_bytes, staggered):
-    tiles = [tile for tile in (order(t, n_tiles, ids) for t in range(len(ids) * n_tiles)) if ids[tile[0]] >= 0]
+def hbm_bytes(ids, n_tiles, k_steps, a_bytes, b_bytes, order, group_blocks, l2_bytes, staggered):
+    tiles = [tile for tile in (order(t, n_tiles, ids, group_blocks) for t in range(len(ids) * n_tiles)) if ids[tile[0]] >= 0]
     cache, cached, missed = OrderedDict(), 0, 0
 
     def read(key, size):
@@ -101,6 +102,8 @@ def main():
     parser.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--l2-mib", type=float, default=30.0, help="the LRU's size (H100 and H200: 50 MiB of L2)")
     parser.add_argument("--lockstep", action="store_true", help="all CTAs start together")
+    parser.add_argument("--raster-blocks", type=int, default=CONSTANTS["RASTER_BLOCKS"],
+                        help="blocks per raster group (default: kernel.toml's RASTER_BLOCKS)")
     args = parser.parse_args()
     step = BK * K_SLICE
     for shape in args.shape:
@@ -110,7 +113,7 @@ def main():
             "gate/up": (hidden // 128, dim), "down": (dim // 256, hidden), "dH": (hidden // 256, dim),
             "dX": (dim // 256, 2 * hidden)}
         for name, (n_tiles, K) in kernels.items():
-            gb = {label: hbm_bytes(ids, n_tiles, K // step, BM * step * 2, 256 * step * 2, order,
+            gb = {label: hbm_bytes(ids, n_tiles, K // step, BM * step * 2, 256 * step * 2, order, args.raster_blocks,
                                    args.l2_mib * 2**20, not args.lockstep) / 1e9
                   for label, order in (("groups", raster), ("runs", raster_by_expert))}
             print(f"{shape:14s} {name:8s} {len(ids)} blocks x {n_tiles} column tiles: HBM reads "
