@@ -1,10 +1,11 @@
 """Per-kernel GPU time of one flash_moe forward (never a test): torch.profiler over a few calls of ``moe`` (bf16 or
 mxfp8) or of ``fused_moe_mxfp8`` on pre-quantized operands, summed per kernel name and divided by the call count.
 
-    python bench/profile_flash_moe.py [--shape deepseek-v3|qwen3-30b-a3b|mixtral] [--calls 5] [--backward]
+    python bench/profile_flash_moe.py [--shape deepseek-v3|qwen3-30b-a3b|mixtral] [--calls 5] [--backward] [--plain]
 
---backward: the bf16 ``moe`` forward + backward instead (gradients of x, the weights and topk_weights; also the
-workload of gpu_check.sh's hbm phase).
+--backward: the bf16 ``moe`` forward + backward instead (gradients of x, the weights and topk_weights). --plain: the
+calls without torch.profiler, for Nsight Compute (gpu_check.sh's profile and hbm phases), which must own the GPU's
+counters (CUPTI takes one subscriber).
 
 Prints, for each path, the kernels that take >= 1% of its time; where a path's time goes is what decides the next
 kernel change (docs/notes/flash_moe.md).
@@ -38,6 +39,7 @@ def main():
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=[s[0] for s in SHAPES[:3]])
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--backward", action="store_true", help="bf16 moe forward + backward only")
+    parser.add_argument("--plain", action="store_true", help="the calls only, no torch.profiler (for Nsight Compute)")
     args = parser.parse_args()
     from prime_kernels_flash_moe import ops
 
@@ -64,6 +66,12 @@ def main():
                      lambda: ops.fused_moe_mxfp8(xq, xs, wq, ws, w2q, w2s, s, e, n, p[5], out, k)}
     for label, fn in paths.items():
         with torch.set_grad_enabled(args.backward):
+            if args.plain:
+                for _ in range(args.calls):
+                    fn()
+                torch.cuda.synchronize()
+                print(f"{args.shape} {label}: {args.calls} calls")
+                continue
             totals = per_kernel_ms(fn, args.calls)
         whole = sum(totals.values())
         print(f"{args.shape} {label}: {whole:.3f} ms of kernels per call")

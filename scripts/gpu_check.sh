@@ -293,7 +293,7 @@ fi
 if phase hbm; then
   # Nsight Compute's HBM and L2 counters (bench/ncu_hbm.py's METRICS) of PROFILE's launches matching PROFILE_KERNELS
   # (at most PROFILE_COUNT), one line per launch in hbm.txt; e.g. PROFILE="bench/profile_flash_moe.py --shape
-  # deepseek-v3 --backward" PROFILE_KERNELS="moe_gemm_kernel|device_kernel" PROFILE_COUNT=7.
+  # deepseek-v3 --backward --plain --calls 2" PROFILE_KERNELS="moe_gemm_kernel" PROFILE_COUNT=8.
   metrics=$("$py" -c 'import sys; sys.path.insert(0, "bench"); import ncu_hbm; print(ncu_hbm.METRICS)')
   # shellcheck disable=SC2086
   timeout 540 ncu --clock-control none --csv --print-units base --metrics "$metrics" -c "${PROFILE_COUNT:-8}" \
