@@ -21,13 +21,13 @@ import tomllib
 from collections import OrderedDict
 from pathlib import Path
 
+from bench_flash_moe import SHAPES as BENCH_SHAPES
+
 MANIFEST = Path(__file__).resolve().parents[1] / "plugins/flash_moe/prime_kernels_flash_moe/kernel.toml"
 CONSTANTS = tomllib.loads(MANIFEST.read_text())["flash_moe"]["constants"]
 BM, BK, CLUSTER_BLOCKS = CONSTANTS["BLOCK_M"], CONSTANTS["BLOCK_K"], CONSTANTS["CLUSTER_BLOCKS"]
 SMS = 132
-SHAPES = {  # T, E, top_k, dim, hidden (bench_flash_moe.py's, without importing torch)
-    "qwen3-30b-a3b": (16384, 128, 8, 2048, 768), "deepseek-v3": (8192, 256, 8, 7168, 2048),
-    "mixtral": (8192, 8, 2, 4096, 14336)}
+SHAPES = {name: dims for name, *dims in BENCH_SHAPES[:3]}  # T, E, top_k, dim, hidden
 K_SLICE = 4  # BLOCK_K steps per simulated step: coarser steps, same bytes
 
 
