@@ -251,13 +251,13 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   bool paired = false;
   const uint32_t rank = kPersistent ? 0u : cluster_ctarank();
   if constexpr (!kPersistent) {
-    raster(static_cast<int>(blockIdx.x), p.n_tiles, p.blocks, own_block, own_tile);
+    raster_by_expert(static_cast<int>(blockIdx.x), p.n_tiles, p.blocks, p.expert_ids, own_block, own_tile);
     if (own_block * BM >= ntpp) return;  // past the routed blocks: the whole CTA leaves
     own_expert = __ldg(p.expert_ids + own_block);
     if (own_expert < 0 || own_expert >= p.num_experts) return;
     if ((blockIdx.x ^ 1u) < tiles) {
       int peer_block, peer_tile;
-      raster(static_cast<int>(blockIdx.x ^ 1u), p.n_tiles, p.blocks, peer_block, peer_tile);
+      raster_by_expert(static_cast<int>(blockIdx.x ^ 1u), p.n_tiles, p.blocks, p.expert_ids, peer_block, peer_tile);
       paired = peer_tile == own_tile && peer_block * BM < ntpp && __ldg(p.expert_ids + peer_block) == own_expert;
     }
   }
@@ -274,7 +274,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
   auto tile_free_bar = [&](int b) { return bars + 8u * (2 * STAGES + b); };
   auto rows_ready_bar = [&](int b) { return bars + 8u * (2 * STAGES + 2 + b); };
-  // the tile number of routing-row buffer b, -1 once the CTA's tiles are done
+  // the tile of routing-row buffer b as block x n_tiles + column tile (decoded once, by the claiming thread), -1 once
+  // the CTA's tiles are done
   int* const tile_of = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + 2 * BM * 12 + (2 * STAGES + 4) * 8);
   if (threadIdx.x == 0) {
     // paired: a stage is free once the consumers of both CTAs released it (the peer's TMA writes into it too)
@@ -314,21 +315,22 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
           uint32_t cand = i == 0 ? blockIdx.x : p.ctas + atomicAdd(p.tile_counter, 1);
           for (; cand < tiles; cand = p.ctas + atomicAdd(p.tile_counter, 1)) {
             int block, n_tile;
-            raster(static_cast<int>(cand), p.n_tiles, live, block, n_tile);
+            raster_by_expert(static_cast<int>(cand), p.n_tiles, live, p.expert_ids, block, n_tile);
             const int expert = __ldg(p.expert_ids + block);
-            if (expert >= 0 && expert < p.num_experts) break;
+            if (expert >= 0 && expert < p.num_experts) {
+              t = block * p.n_tiles + n_tile;
+              break;
+            }
           }
-          t = cand < tiles ? static_cast<int>(cand) : -1;
         } else {
-          t = i == 0 ? static_cast<int>(blockIdx.x) : -1;
+          t = i == 0 ? own_block * p.n_tiles + own_tile : -1;
         }
         tile_of[buf] = t;
       }
       asm volatile("bar.sync 1, 128;\n" ::: "memory");  // the producer warps only
       const int t = tile_of[buf];
-      int block = 0, n_tile = 0;
+      const int block = t >= 0 ? t / p.n_tiles : 0, n_tile = t >= 0 ? t % p.n_tiles : 0;
       if (t >= 0) {
-        raster(t, p.n_tiles, live, block, n_tile);
         if constexpr (kDx) {  // A's row: the slot's compact row of dg / du, -1 (zero-filled) for padding
           const int row = block * BM + threadIdx.x;
           const int slot = routed_slot(p, row);
@@ -403,8 +405,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     mbar_wait(rows_ready_bar(buf), (i / 2) & 1);
     const int t = tile_of[buf];
     if (t < 0) break;
-    int block, n_tile;
-    raster(t, p.n_tiles, live, block, n_tile);
+    const int block = t / p.n_tiles, n_tile = t % p.n_tiles;
     const int* const slot_of = slot_rows + buf * BM;
     // When this warpgroup's 64 rows are all padding it only keeps the ring turning, and the other warpgroup's wgmmas
     // get the tensor cores (DeepSeek-V3: 256 ± 16 slots per expert, so about half the experts end in a block of <= 64
