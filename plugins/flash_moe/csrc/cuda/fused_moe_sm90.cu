@@ -305,27 +305,32 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     // k tiles issued before this tile, over all earlier tiles, modulo 2 STAGES: the ring runs on across tiles (stage
     // ks % STAGES, phase parity (ks / STAGES) & 1)
     uint32_t ks = 0;
+    // Persistent: the first tile from cand on (then claimed ones) whose block runs an expert of the launch, as block x
+    // n_tiles + column tile, -1 past the last
+    auto claim = [&](uint32_t cand) {
+      for (; cand < tiles; cand = p.ctas + atomicAdd(p.tile_counter, 1)) {
+        int block, n_tile;
+        raster_by_expert(static_cast<int>(cand), p.n_tiles, live, p.expert_ids, block, n_tile);
+        const int expert = __ldg(p.expert_ids + block);
+        if (expert >= 0 && expert < p.num_experts) return block * p.n_tiles + n_tile;
+      }
+      return -1;
+    };
+    // Thread 0 claims tile i + 1 while it issues tile i's last STAGES + 1 k tiles (the ring full, so the consumers
+    // have work while the atomic and the decode's loads make their round trips) instead of after them, when the
+    // consumers are down to the ring's last stages.
+    int next_tile = -1;
+    const int claim_at = max(0, p.k_tiles - 1 - STAGES);
     for (int i = 0;; ++i) {
       const int buf = i & 1;
       // Tile i's routing rows replace tile i - 2's once every consumer warp is done with those.
       if (i >= 2) mbar_wait(tile_free_bar(buf), ((i - 2) / 2) & 1);
-      if (threadIdx.x == 0) {  // tile i: the first (own or claimed) one whose block runs an expert of the launch
-        int t = -1;
+      if (threadIdx.x == 0) {
         if constexpr (kPersistent) {
-          uint32_t cand = i == 0 ? blockIdx.x : p.ctas + atomicAdd(p.tile_counter, 1);
-          for (; cand < tiles; cand = p.ctas + atomicAdd(p.tile_counter, 1)) {
-            int block, n_tile;
-            raster_by_expert(static_cast<int>(cand), p.n_tiles, live, p.expert_ids, block, n_tile);
-            const int expert = __ldg(p.expert_ids + block);
-            if (expert >= 0 && expert < p.num_experts) {
-              t = block * p.n_tiles + n_tile;
-              break;
-            }
-          }
+          tile_of[buf] = i == 0 ? claim(blockIdx.x) : next_tile;
         } else {
-          t = i == 0 ? own_block * p.n_tiles + own_tile : -1;
+          tile_of[buf] = i == 0 ? own_block * p.n_tiles + own_tile : -1;
         }
-        tile_of[buf] = t;
       }
       asm volatile("bar.sync 1, 128;\n" ::: "memory");  // the producer warps only
       const int t = tile_of[buf];
@@ -353,6 +358,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       for (int kt = 0; kt < p.k_tiles; ++kt) {
         const uint32_t k = ks + kt;
         const int stage = acquire_stage<STAGES>(bars, k);
+        if (kPersistent && threadIdx.x == 0 && kt == claim_at) next_tile = claim(p.ctas + atomicAdd(p.tile_counter, 1));
         const uint32_t st = base + stage * STAGE_BYTES;
         // DX: the first k_half tiles read dg and w1, the others du and w3, each from its own K offset 0
         const bool second = kDx && kt >= p.k_half;
