@@ -56,10 +56,6 @@ def raster_by_expert(t, n_tiles, ids, group_blocks):
     b = t // n_tiles
     first = b // group_blocks * group_blocks
     last = min(first + group_blocks, len(ids))
-    group = ids[first:last]
-    experts = sum(1 for j, e in enumerate(group) if e >= 0 and (j == 0 or group[j - 1] != e))
-    if experts < CONSTANTS["RASTER_RUNS_MIN_EXPERTS"]:
-        return raster(t, n_tiles, ids, group_blocks)
     start, end = b, b + 1
     while start > first and ids[start - 1] == ids[b]:
         start -= 1

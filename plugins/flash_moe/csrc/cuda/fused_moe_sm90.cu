@@ -135,6 +135,7 @@ struct Params {
   int blocks;   // aligned blocks of the launch
   int ctas;     // persistent launches: CTAs of the grid
   int* tile_counter;  // persistent launches: tiles claimed after each CTA's first (zero at launch)
+  bool raster_runs;   // the tile order: raster_by_expert() if set, else raster() (sm90::launch sets it: raster_runs)
   int top_k;
   int num_experts;
   int num_slots;  // M * top_k: sorted entries outside [0, num_slots) are padding
@@ -216,6 +217,15 @@ __device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* a
 }
 #endif
 
+// CTA or tile number -> (aligned block, column tile) in the launch's order (Params::raster_runs).
+__device__ __forceinline__ void tile_order(const Params& p, int cta, int blocks, int& block, int& n_tile) {
+  if (p.raster_runs) {
+    raster_by_expert(cta, p.n_tiles, blocks, p.expert_ids, block, n_tile);
+  } else {
+    raster(cta, p.n_tiles, blocks, block, n_tile);
+  }
+}
+
 // Accumulator register i of a consumer thread holds row (warp * 16 + lane / 4 + 8 * ((i / 2) % 2)) and column
 // (8 * (i / 4) + 2 * (lane % 4) + i % 2) of its warpgroup's 64 x 256 tile.
 template <int MODE>
@@ -251,13 +261,13 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   bool paired = false;
   const uint32_t rank = kPersistent ? 0u : cluster_ctarank();
   if constexpr (!kPersistent) {
-    raster_by_expert(static_cast<int>(blockIdx.x), p.n_tiles, p.blocks, p.expert_ids, own_block, own_tile);
+    tile_order(p, static_cast<int>(blockIdx.x), p.blocks, own_block, own_tile);
     if (own_block * BM >= ntpp) return;  // past the routed blocks: the whole CTA leaves
     own_expert = __ldg(p.expert_ids + own_block);
     if (own_expert < 0 || own_expert >= p.num_experts) return;
     if ((blockIdx.x ^ 1u) < tiles) {
       int peer_block, peer_tile;
-      raster_by_expert(static_cast<int>(blockIdx.x ^ 1u), p.n_tiles, p.blocks, p.expert_ids, peer_block, peer_tile);
+      tile_order(p, static_cast<int>(blockIdx.x ^ 1u), p.blocks, peer_block, peer_tile);
       paired = peer_tile == own_tile && peer_block * BM < ntpp && __ldg(p.expert_ids + peer_block) == own_expert;
     }
   }
@@ -315,7 +325,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
           uint32_t cand = i == 0 ? blockIdx.x : p.ctas + atomicAdd(p.tile_counter, 1);
           for (; cand < tiles; cand = p.ctas + atomicAdd(p.tile_counter, 1)) {
             int block, n_tile;
-            raster_by_expert(static_cast<int>(cand), p.n_tiles, live, p.expert_ids, block, n_tile);
+            tile_order(p, static_cast<int>(cand), live, block, n_tile);
             const int expert = __ldg(p.expert_ids + block);
             if (expert >= 0 && expert < p.num_experts) {
               t = block * p.n_tiles + n_tile;
@@ -511,11 +521,17 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   __trap();  // compiled for an arch other than sm_90a: the host side never launches it there
 #endif
 }
+// Runs of one expert (raster_by_expert) where the routed slots per local expert (from the shapes: no sync) average
+// under half a raster group, i.e. a group holds more than two experts; else raster(), whose groups then keep a block's
+// A rows in L2 as well and whose decode reads no expert ids (kernel.toml, RASTER_BLOCKS).
+bool raster_runs(const MoeShape& s) { return 2 * s.M * s.top_k < static_cast<int64_t>(RASTER_BLOCKS) * BM * s.E; }
+
 template <int MODE>
-void launch(const Params& p, int n_tiles, int64_t blocks, cudaStream_t stream) {
+void launch(Params p, int n_tiles, const MoeShape& s, cudaStream_t stream) {
   constexpr bool kPersistent = persistent_mode(MODE);
+  p.raster_runs = raster_runs(s);
   launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, SMEM_BYTES, kPersistent ? 1 : CLUSTER_BLOCKS, kPersistent>(
-      p, n_tiles, blocks, stream);
+      p, n_tiles, s.blocks, stream);
 }
 
 }  // namespace sm90
@@ -571,12 +587,12 @@ bool gate_up_persistent(const MoeShape& s) { return s.M * s.top_k >= sm90::PERSI
 template <int MODE>
 void launch_gate_up(sm90::Params& p, const at::Tensor& sorted, const MoeShape& s, cudaStream_t stream) {
   if (!gate_up_persistent(s)) {
-    sm90::launch<MODE>(p, gate_up_tiles(s), s.blocks, stream);
+    sm90::launch<MODE>(p, gate_up_tiles(s), s, stream);
     return;
   }
   const auto tile_counter = at::zeros({1}, sorted.options().dtype(at::kInt));
   p.tile_counter = tile_counter.mutable_data_ptr<int>();
-  sm90::launch<sm90::persistent_twin(MODE)>(p, gate_up_tiles(s), s.blocks, stream);
+  sm90::launch<sm90::persistent_twin(MODE)>(p, gate_up_tiles(s), s, stream);
 }
 
 // Runs gate/up + down; mode DOWN_ATOMIC writes acc32 [M, dim] (zeroed here), DOWN_SLOTS yslots [M * top_k, dim]
@@ -713,10 +729,10 @@ void run(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::
   if (mode == sm90::DOWN_ATOMIC) {
     p.topk_weights = tw.const_data_ptr<float>();
     p.acc32 = result.mutable_data_ptr<float>();
-    sm90::launch<sm90::DOWN_ATOMIC>(p, n_tiles, s.blocks, stream);
+    sm90::launch<sm90::DOWN_ATOMIC>(p, n_tiles, s, stream);
   } else {
     p.yslots = reinterpret_cast<__nv_bfloat16*>(result.mutable_data_ptr());
-    sm90::launch<sm90::DOWN_SLOTS>(p, n_tiles, s.blocks, stream);
+    sm90::launch<sm90::DOWN_SLOTS>(p, n_tiles, s, stream);
   }
 }
 
@@ -786,7 +802,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda
     p.weighted_h = reinterpret_cast<__nv_bfloat16*>(weighted_h.mutable_data_ptr());
     p.dot_partials = partials.mutable_data_ptr<float>();
     p.tile_counter = tile_counter.mutable_data_ptr<int>();
-    sm90::launch<sm90::DH_SWIGLU>(p, n_tiles, s.blocks, stream);
+    sm90::launch<sm90::DH_SWIGLU>(p, n_tiles, s, stream);
   }
   // the column tiles' partial sums in tile order: the same bits on every run
   return {grad_gate, grad_up, weighted_h, partials.sum(0).view({s.M, s.top_k})};
@@ -843,10 +859,10 @@ at::Tensor moe_grad_x_cuda(const at::Tensor& grad_gate, const at::Tensor& grad_u
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     if (deterministic) {
       p.yslots = reinterpret_cast<__nv_bfloat16*>(result.mutable_data_ptr());
-      sm90::launch<sm90::DX_SLOTS>(p, n_tiles, s.blocks, stream);
+      sm90::launch<sm90::DX_SLOTS>(p, n_tiles, s, stream);
     } else {
       p.acc32 = result.mutable_data_ptr<float>();
-      sm90::launch<sm90::DX_ATOMIC>(p, n_tiles, s.blocks, stream);
+      sm90::launch<sm90::DX_ATOMIC>(p, n_tiles, s, stream);
     }
   }
   if (!deterministic) return result.to(at::kBFloat16);

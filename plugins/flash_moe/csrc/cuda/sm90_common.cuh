@@ -22,10 +22,6 @@ using namespace prime_kernels::sm90;
 #error "FLASH_MOE_RASTER_BLOCKS must come from kernel.toml ([flash_moe.constants])"
 #endif
 constexpr int RASTER_BLOCKS = FLASH_MOE_RASTER_BLOCKS;
-#ifndef FLASH_MOE_RASTER_RUNS_MIN_EXPERTS
-#error "FLASH_MOE_RASTER_RUNS_MIN_EXPERTS must come from kernel.toml ([flash_moe.constants])"
-#endif
-constexpr int RASTER_RUNS_MIN_EXPERTS = FLASH_MOE_RASTER_RUNS_MIN_EXPERTS;
 
 // CTA blockIdx.x -> (aligned block, column tile) over a 1-D grid of blocks x n_tiles: groups of RASTER_BLOCKS
 // consecutive blocks, blocks fastest within a group, so the CTAs resident at one time share their A rows and their
@@ -41,9 +37,8 @@ __device__ __forceinline__ void raster(int cta, int n_tiles, int blocks, int& bl
   n_tile = r / in_group;
 }
 
-// raster() with groups that never mix experts: each window of RASTER_BLOCKS consecutive blocks that holds at least
-// RASTER_RUNS_MIN_EXPERTS experts splits into its runs of one expert id, blocks fastest within a run (a window of
-// fewer, as Mixtral's ~16 blocks per expert make, keeps raster()'s order). With few blocks per expert (DeepSeek-V3: 2-3) a block's column tiles are
+// raster() with groups that never mix experts: each window of RASTER_BLOCKS consecutive blocks splits into its runs of
+// one expert id, blocks fastest within a run. With few blocks per expert (DeepSeek-V3: 2-3) a block's column tiles are
 // then claimed 2-3 tiles apart instead of RASTER_BLOCKS, close enough in time for its A rows to still be in L2, and an
 // expert's weight columns are never split between two groups (Nsight Compute, H100, session 22: the dH GEMM read 18.8
 // GB from HBM where its weights, A rows and g | u are 8.2 GB; an L2 model of the claim order puts raster()'s at 17.3
@@ -57,21 +52,9 @@ __device__ __forceinline__ void raster_by_expert(int cta, int n_tiles, int block
   const int in_window = min(RASTER_BLOCKS, blocks - first);
   const int expert = __ldg(expert_ids + b);
   uint64_t other = 1ull << in_window;  // bit j: block first + j is past the window or runs another expert id
-  int experts = 0, previous = -1;       // an expert's blocks are consecutive; -1 marks the alignment blocks
 #pragma unroll
   for (int j = 0; j < RASTER_BLOCKS; ++j) {
-    if (j < in_window) {
-      const int id = __ldg(expert_ids + first + j);
-      if (id != expert) other |= 1ull << j;
-      if (id >= 0 && id != previous) ++experts;
-      previous = id;
-    }
-  }
-  if (experts < RASTER_RUNS_MIN_EXPERTS) {
-    const int r = cta - first * n_tiles;
-    block = first + r % in_window;
-    n_tile = r / in_window;
-    return;
+    if (j < in_window && __ldg(expert_ids + first + j) != expert) other |= 1ull << j;
   }
   const int local = b - first;
   const uint64_t below = other & ((1ull << local) - 1ull);
