@@ -5,12 +5,12 @@
 // Only the slots the alignment routes contribute: their weights are selected, not multiplied into the zero rows of
 // the others, so a NaN or inf weight on a slot that is not routed (id -1, another rank's expert) changes nothing.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "../flash_moe.h"
 #include "bf16x8.cuh"
+#include "grid_stride.cuh"
 #include "routing.cuh"
 
 namespace flash_moe {
@@ -65,20 +65,17 @@ at::Tensor combine_in_k_order_cuda(const at::Tensor& y, const at::Tensor& topk_w
   if (total == 0) return out;
   const auto weights = topk_weights.contiguous();
   const auto sorted_c = sorted.contiguous(), eids_c = expert_ids.contiguous();
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const auto stream = c10::cuda::getCurrentCUDAStream();
   auto routed = at::zeros({s.M * s.top_k}, y.options().dtype(at::kByte));
   const int64_t entries = sorted_c.numel();
   if (entries > 0) {
-    const auto mark_blocks = static_cast<unsigned>(std::min<int64_t>((entries + kThreads - 1) / kThreads, sms * 16));
-    mark_routed_kernel<<<mark_blocks, kThreads, 0, stream>>>(
+    mark_routed_kernel<<<grid_stride_blocks(entries, kThreads), kThreads, 0, stream>>>(
         sorted_c.const_data_ptr<int>(), eids_c.const_data_ptr<int>(), num_tokens_post_padded.const_data_ptr<int>(),
         entries, static_cast<int>(kBlockM), static_cast<int>(s.E), static_cast<int>(s.M * s.top_k),
         routed.mutable_data_ptr<uint8_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  const auto blocks = static_cast<unsigned>(std::min<int64_t>((total + kThreads - 1) / kThreads, sms * 16));
-  combine_in_k_order_kernel<<<blocks, kThreads, 0, stream>>>(
+  combine_in_k_order_kernel<<<grid_stride_blocks(total, kThreads), kThreads, 0, stream>>>(
       reinterpret_cast<const uint4*>(y.const_data_ptr()), weights.const_data_ptr<float>(),
       routed.const_data_ptr<uint8_t>(), reinterpret_cast<uint4*>(out.mutable_data_ptr()), s.dim / kVec,
       static_cast<int>(s.top_k), total);

@@ -35,12 +35,13 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <iterator>
 #include <vector>
 
 #include "../flash_moe.h"
+#include "grid_stride.cuh"
 #include "routing.cuh"
 #include "sm90_common.cuh"
 
@@ -617,8 +618,6 @@ __global__ void compact_rows_kernel(const int* __restrict__ flags, int* __restri
   }
 }
 
-unsigned elementwise_grid(int64_t n) { return static_cast<unsigned>(std::clamp<int64_t>((n + 255) / 256, 1, 1024)); }
-
 // Each padded row's compact row (the routed rows numbered in sorted order, -1 for the others): where the gate/up kernel
 // stores g | u and the dH kernel reads it and writes dg / du / p h (p.dst_rows points into `rows`), and their count
 // (int32 [1], on the device).
@@ -635,12 +634,12 @@ CompactRows compact_rows(sm90::Params& p, const at::Tensor& sorted, const at::Te
   if (padded == 0) return c;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   auto flags = at::empty({padded}, sorted.options());
-  routed_flags_kernel<<<elementwise_grid(padded), 256, 0, stream>>>(
+  routed_flags_kernel<<<grid_stride_blocks(padded, 256), 256, 0, stream>>>(
       sorted.const_data_ptr<int>(), eids.const_data_ptr<int>(), ntpp.const_data_ptr<int>(), padded,
       static_cast<int>(s.M * s.top_k), static_cast<int>(s.E), flags.mutable_data_ptr<int>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   at::cumsum_out(c.rows, flags, 0);
-  compact_rows_kernel<<<elementwise_grid(padded), 256, 0, stream>>>(flags.const_data_ptr<int>(),
+  compact_rows_kernel<<<grid_stride_blocks(padded, 256), 256, 0, stream>>>(flags.const_data_ptr<int>(),
                                                                      c.rows.mutable_data_ptr<int>(), padded,
                                                                      c.count.mutable_data_ptr<int>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -666,12 +665,13 @@ __global__ void zero_rows_past_kernel(RowsPast out, const int* routed, int64_t r
 // `tensors`: bf16 [rows, width] with width a multiple of 8; `routed`: compact_rows' count.
 void zero_rows_past(std::initializer_list<at::Tensor*> tensors, const at::Tensor& routed) {
   RowsPast out{};
+  TORCH_INTERNAL_ASSERT(tensors.size() >= 1 && tensors.size() <= std::size(out.tensors));
   int n = 0;
   for (at::Tensor* t : tensors) out.tensors[n++] = reinterpret_cast<uint4*>(t->mutable_data_ptr());
   const at::Tensor& first = **tensors.begin();
   const int64_t rows = first.size(0), vecs = first.size(1) / 8, total = rows * vecs;
   if (total == 0) return;
-  zero_rows_past_kernel<<<elementwise_grid(total), 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+  zero_rows_past_kernel<<<grid_stride_blocks(total, 256), 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
       out, routed.const_data_ptr<int>(), rows, vecs);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
