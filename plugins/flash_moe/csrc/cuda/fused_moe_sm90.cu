@@ -76,6 +76,10 @@ constexpr int BK = FLASH_MOE_BLOCK_K;
 constexpr int STAGES = FLASH_MOE_STAGES;
 constexpr int CLUSTER_BLOCKS = FLASH_MOE_CLUSTER_BLOCKS;
 constexpr int64_t PERSISTENT_GATE_UP_MIN_SLOTS = FLASH_MOE_PERSISTENT_GATE_UP_MIN_SLOTS;
+#ifndef FLASH_MOE_DH_PREFETCH_K_TILES
+#error "FLASH_MOE_DH_PREFETCH_K_TILES must come from kernel.toml ([flash_moe.constants])"
+#endif
+constexpr int DH_PREFETCH_K_TILES = FLASH_MOE_DH_PREFETCH_K_TILES;
 constexpr int BN = WGMMA_N;
 static_assert(BM == 128, "BLOCK_M must be 128 (two consumer warpgroups of wgmma m64)");
 static_assert(2 * BN_GU == BN && BN_DOWN == BN, "BLOCK_N_GATE_UP must be 128 and BLOCK_N_DOWN 256 (m64n256k16)");
@@ -364,6 +368,22 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       for (int kt = 0; kt < p.k_tiles; ++kt) {
         const uint32_t k = ks + kt;
         const int stage = acquire_stage<STAGES>(bars, k);
+        if constexpr (kDh) {
+          // The epilogue's g | u of this thread's row, into L2 while the last k tiles run (the epilogue's loads then
+          // hit L2 instead of waiting on HBM with the tensor cores idle); late, so that the k loop's A and B streams
+          // do not evict them first (a prefetch before the k loop measured slower: docs/notes/flash_moe.md)
+          if (kt == max(0, p.k_tiles - DH_PREFETCH_K_TILES)) {
+            const int slot = slot_rows[buf * BM + threadIdx.x];
+            const int row = slot >= 0 ? __ldg(p.dst_rows + block * BM + threadIdx.x) : -1;
+            if (row >= 0 && row < p.dst_limit) {
+              const int n0 = n_tile * BN;
+              const uint32_t bytes = 2u * static_cast<uint32_t>(min(BN, p.n_total - n0));  // n_total % 64 == 0
+              const __nv_bfloat16* gate = p.saved + static_cast<int64_t>(row) * p.ld_saved + n0;
+              prefetch_l2(gate, bytes);
+              prefetch_l2(gate + p.n_total, bytes);
+            }
+          }
+        }
         const uint32_t st = base + stage * STAGE_BYTES;
         // DX: the first k_half tiles read dg and w1, the others du and w3, each from its own K offset 0
         const bool second = kDx && kt >= p.k_half;

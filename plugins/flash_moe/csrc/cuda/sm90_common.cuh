@@ -207,6 +207,11 @@ __device__ __forceinline__ void routing_row(const Params& p, int block, int r, i
   }
 }
 
+// Bulk prefetch of [ptr, ptr + bytes) into L2 (16-byte aligned, bytes a multiple of 16); no completion to wait on.
+__device__ __forceinline__ void prefetch_l2(const void* ptr, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(ptr), "r"(bytes) : "memory");
+}
+
 // The stage ring's mbarriers (one thread): "full" completes on kFullArrivals arrivals, "empty" on empty_arrivals.
 // The caller makes them visible with fence_mbarrier_init() and a CTA barrier before any other thread uses them.
 template <int STAGES>
