@@ -47,7 +47,8 @@ __device__ __forceinline__ void raster(int cta, int n_tiles, int blocks, int& bl
 // the tiles [first block of r, last block of r + 1) x n_tiles, and t / n_tiles names a block of the run holding t.
 __device__ __forceinline__ void raster_by_expert(int cta, int n_tiles, int blocks, const int* expert_ids, int& block,
                                                  int& n_tile) {
-  static_assert(RASTER_BLOCKS >= 1 && RASTER_BLOCKS <= 32, "RASTER_BLOCKS must be in [1, 32] (one 32-bit mask)");
+  static_assert(RASTER_BLOCKS >= 1 && RASTER_BLOCKS <= 63,
+                "RASTER_BLOCKS must be in [1, 63] (a window and its end bit in one 64-bit mask)");
   const int b = cta / n_tiles;
   const int first = b / RASTER_BLOCKS * RASTER_BLOCKS;
   const int in_window = min(RASTER_BLOCKS, blocks - first);
