@@ -265,9 +265,13 @@ if phase sonicmoe; then
   # SONIC_TIMEOUT seconds each): its first call at a shape compiles and autotunes its kernels for minutes (session 21
   # on an H100: > 450 s at Qwen3-30B-A3B, 56 s for the next process). The compiled kernels go to .sonic_cache (quack's
   # persistent .o cache and Triton's), packed after each shape into OUT/sonic_cache.tgz.part_* (15 MiB parts: a file
-  # comes back up to 16 MiB): move them to $OUT's top (eight files come back), `cat` them into tar here and carry
-  # .sonic_cache in later calls and sessions. The autotuning choices are not cached: SonicMoE tunes on the GPU that
-  # times it.
+  # comes back up to 16 MiB): move them to $OUT's top (eight files come back) and keep them here in .sonic_cache_tgz/,
+  # carried in later calls and sessions (unpacked, the cache is ~200 MB: over the 64 MiB a call carries; packed 27 MB
+  # after session 24's Qwen3, Mixtral and part of DeepSeek-V3). The autotuning choices are not cached: SonicMoE tunes
+  # on the GPU that times it.
+  if [ ! -d .sonic_cache ] && ls .sonic_cache_tgz/sonic_cache.tgz.part_* > /dev/null 2>&1; then
+    cat .sonic_cache_tgz/sonic_cache.tgz.part_* | tar xz
+  fi
   export QUACK_CACHE_DIR=$PWD/.sonic_cache/quack TRITON_CACHE_DIR=$PWD/.sonic_cache/triton
   for shape in ${SONIC_SHAPES:-qwen3-30b-a3b deepseek-v3 mixtral}; do
     log="$out/sonicmoe-$shape.log"
