@@ -176,7 +176,7 @@ __device__ __forceinline__ void fence_acc(float* d) { fence_regs<128>(d); }
 // before any of their stores: the compiler cannot prove the outputs do not alias g | u, so a load after a store waits
 // for it (SASS of the first version: one load pair, the math and three stores per column group, 64 DRAM round trips
 // in a row per thread and tile).
-constexpr int kChunk = 4;
+constexpr int kChunk = 8;  // a whole row (BN / 32 groups) per batch of loads: two DRAM round trips per tile, not four
 __device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* acc, int h, int quad, int slot, int row,
                                                  int n0) {
   const float w = __ldg(p.topk_weights + slot);
