@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "grid_stride.cuh"
+
 namespace flash_moe {
 namespace sm90 {
 
@@ -87,10 +89,7 @@ void launch_rastered(Params p, int n_tiles, int64_t blocks, cudaStream_t stream)
   p.blocks = static_cast<int>(blocks);
   int64_t grid = (ctas + kCluster - 1) / kCluster * kCluster;
   if constexpr (kPersistent) {
-    int device = 0, sms = 0;
-    C10_CUDA_CHECK(cudaGetDevice(&device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    grid = std::min<int64_t>(ctas, sms);
+    grid = std::min<int64_t>(ctas, current_device_sms());
     p.ctas = static_cast<int>(grid);
   }
   C10_CUDA_CHECK(prime_kernels::sm90::launch_in_clusters(kKernel, static_cast<unsigned>(grid), kThreads, kSmemBytes,
