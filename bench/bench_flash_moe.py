@@ -422,8 +422,9 @@ def main():
             leaves = [p[i] for i in (0, 1, 2, 3, 5)]
             fb_all = interleaved({"ours": lambda: ops.moe(*p).backward(go),
                                   "recompute": lambda: ops.moe(*p, recompute_gate_up=True).backward(go),
+                                  "det": lambda: ops.moe(*p, deterministic=True).backward(go),
                                   "peer": lambda: moe_grouped_mm(*p).backward(go)}, grad_to_none=leaves)
-            fb, fb_recompute, fb_peer = fb_all["ours"], fb_all["recompute"], fb_all["peer"]
+            fb, fb_recompute, fb_det, fb_peer = fb_all["ours"], fb_all["recompute"], fb_all["det"], fb_all["peer"]
             out, out_peer = ops.moe(*p), moe_grouped_mm(*p)
             bwd_all = interleaved({"ours": lambda: torch.autograd.grad(out, leaves, go, retain_graph=True),
                                    "peer": lambda: torch.autograd.grad(out_peer, leaves, go, retain_graph=True)})
@@ -440,7 +441,7 @@ def main():
             for t in leaves:
                 t.grad = None
             row.update(peak_gib=mem["ours"], peak_recompute_gib=mem["recompute"], peer_peak_gib=mem["peer"])
-            row.update(fwd_bwd_ms=fb, fwd_bwd_recompute_ms=fb_recompute, peer_fwd_bwd_ms=fb_peer,
+            row.update(fwd_bwd_ms=fb, fwd_bwd_recompute_ms=fb_recompute, fwd_bwd_det_ms=fb_det, peer_fwd_bwd_ms=fb_peer,
                        fwd_bwd_speedup=fb_peer / fb, fwd_bwd_recompute_speedup=fb_peer / fb_recompute,
                        fwd_bwd_tflops=3 * flops / fb / 1e9,
                        bwd_ms=bwd, peer_bwd_ms=bwd_peer, bwd_speedup=bwd_peer / bwd, bwd_tflops=2 * flops / bwd / 1e9,
@@ -454,7 +455,8 @@ def main():
               f" (target {row['target']})" + (f" | fwd+bwd {row['fwd_bwd_ms']:7.3f} vs {row['peer_fwd_bwd_ms']:7.3f} ms"
                                                f" x{row['fwd_bwd_speedup']:.2f}; recompute g|u "
                                                f"{row['fwd_bwd_recompute_ms']:7.3f}"
-                                               f" x{row['fwd_bwd_recompute_speedup']:.2f} | bwd {row['bwd_ms']:7.3f} "
+                                               f" x{row['fwd_bwd_recompute_speedup']:.2f}; deterministic "
+                                               f"{row['fwd_bwd_det_ms']:7.3f} | bwd {row['bwd_ms']:7.3f} "
                                                f"({row['bwd_tflops']:5.0f} TFLOP/s) vs {row['peer_bwd_ms']:7.3f} ms "
                                                f"({row['peer_bwd_tflops']:5.0f}) x{row['bwd_speedup']:.2f}, floor "
                                                f"{row['floor_bwd_ms']:.3f} ms at the {ceiling / 1e12:.0f} TFLOP/s "
