@@ -57,16 +57,19 @@ for name in ("_C", "_C_stable"):
 # else compiles it from source; says which, output in LOG.
 install_plugin() {  # PLUGIN_DIR LOG [SITE]
   local plugin=$1 log=$2 site=${3:-} wheel
-  local target=(${site:+--target "$site" --upgrade})  # --upgrade: replace what an earlier install left in SITE
+  # --upgrade: replace what an earlier install left in SITE; --force-reinstall: a warm machine's install of the same
+  # version (another revision of the tree) is otherwise kept as "already satisfied"
+  local target=(${site:+--target "$site" --upgrade}) replace=()
+  [ -z "$site" ] && replace=(--force-reinstall)
   wheel=$(ls .device_wheels/"$(basename "$plugin")-$(plugin_hash "$plugin" "$kit")"/*.whl 2>/dev/null | head -n 1)
-  if [ -n "$wheel" ] && pip_offline "${target[@]}" "$wheel" > "$log" 2>&1 \
+  if [ -n "$wheel" ] && pip_offline "${target[@]}" "${replace[@]}" "$wheel" > "$log" 2>&1 \
       && compiled_modules_import "$plugin" "$site" >> "$log" 2>&1; then
     echo "prebuilt"
     return 0
   fi
   [ -n "$wheel" ] && echo "[gpu_check] $wheel does not import here: compiling $plugin" >> "$log"
   rm -rf "$plugin/build"
-  pip_offline "${target[@]}" "$plugin" >> "$log" 2>&1 && echo "compiled"
+  pip_offline "${target[@]}" "${replace[@]}" "$plugin" >> "$log" 2>&1 && echo "compiled"
 }
 plugins=$(ls -d plugins/*/ examples/*/ 2>/dev/null | while read -r p; do [ -f "$p/pyproject.toml" ] && echo "$p"; done)
 phase() { case " $phases " in *" $1 "*) return 0;; *) return 1;; esac; }
