@@ -31,9 +31,9 @@ configuration from kernel.toml and always run split: gate/up + SwiGLU kernel, th
 Numerics: bf16 inputs, fp32 accumulation, SwiGLU in fp32 on the accumulators, the intermediate stored as bf16, the
 down projection in fp32. Combine: on CUDA, ``fused_moe_bf16`` and ``moe(deterministic=False)`` add the weighted fp32
 expert outputs into an fp32 buffer with atomics (order varies run to run: not bitwise deterministic), then round once
-to bf16; ``moe(deterministic=True)`` stores each slot's expert output as bf16 and sums the top_k slots of a token in
-k order in fp32 (bitwise reproducible; its backward also reduces dx in a fixed order). The CPU path is always
-fixed-order.
+to bf16; ``moe(deterministic=True)``, and bf16 ``moe()`` from top_k = SLOT_COMBINE_MIN_TOP_K (kernel.toml) on, where
+it measured faster, stores each slot's expert output as bf16 and sums the top_k slots of a token in k order in fp32
+(bitwise reproducible; its backward also reduces dx in a fixed order). The CPU path is always fixed-order.
 """
 from __future__ import annotations
 
@@ -673,7 +673,8 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | 
     gradients only for the inputs that need them.
     ``deterministic=True``: fixed-order combines (forward output, dx: a token's slots in k order): bitwise
     reproducible end to end; False: on CUDA the forward combine and dx's sum use fp32 atomics (not bitwise
-    reproducible; the other gradients are).
+    reproducible; the other gradients are), except in bf16 from top_k = SLOT_COMBINE_MIN_TOP_K (kernel.toml) on, where
+    the fixed-order combines measured faster.
     Saved for the backward (bf16 path, when a gradient is needed): x, the routing and the pre-activations g | u
     (top_k * tokens x 2 hidden bf16, the forward's gate/up kernel stores them: e.g. 384 MiB per layer for Qwen3-30B-A3B
     at 16384 tokens; SonicMoE saves the same). ``recompute_gate_up=True`` saves only x and the routing and recomputes
@@ -722,6 +723,7 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | 
         # grad mode read here: inside Function.forward it is always off, and needs_input_grad stays True under
         # no_grad / inference_mode, where a stored g | u would never be used
         out = _MoE.apply(x.reshape(-1, x.shape[-1]), w1, w2, w3, topk_ids.reshape(-1, top_k),
-                         topk_weights.reshape(-1, top_k), expert_start, num_experts, deterministic,
+                         topk_weights.reshape(-1, top_k), expert_start, num_experts,
+                         deterministic or top_k >= CONSTANTS["SLOT_COMBINE_MIN_TOP_K"],
                          recompute_gate_up or not torch.is_grad_enabled())
     return out.view(*lead, x.shape[-1])
