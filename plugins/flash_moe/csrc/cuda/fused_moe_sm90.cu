@@ -83,6 +83,7 @@ static_assert(BK == 64, "BLOCK_K must be 64 (one 128-byte swizzle row of bf16)")
 static_assert(CLUSTER_BLOCKS == kPairCtas, "CLUSTER_BLOCKS must be core's kPairCtas (weight tiles shared by CTA pairs)");
 static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be 2 to 4 (shared memory)");
 static_assert(kDimAlign % BK == 0 && kHiddenAlign % BK == 0, "DIM_ALIGN and HIDDEN_ALIGN must be multiples of BLOCK_K");
+static_assert(BK % 32 == 0, "the epilogues access whole groups of 32 columns of dim / hidden (store_row_bf16)");
 
 constexpr int CONSUMERS = BM / 64;  // consumer warpgroups, 64 rows each (wgmma m64)
 constexpr int NUM_THREADS = 128 * (1 + CONSUMERS);
@@ -171,10 +172,11 @@ __device__ __forceinline__ void fence_acc(float* d) { fence_regs<128>(d); }
 // DH_SWIGLU's epilogue for accumulator row h of a consumer thread: grad_h (unweighted, fp32) of slot `slot` over the
 // columns n0 + 8 j + 2 quad + e, g | u from compact row `row`; writes dg, du, p h there (as swiglu_backward does:
 // dh = p grad_h, du = dh silu(g), dg = dh u sig (1 + g (1 - sig))) and returns this thread's part of <grad_h, h>.
-// The g | u loads of kChunk column groups are issued before any of their stores: the compiler cannot prove the
-// outputs do not alias g | u, so a load after a store waits for it (SASS of the first version: one load pair, the
-// math and three stores per column group, 64 DRAM round trips in a row per thread and tile).
-constexpr int kChunk = 16;
+// Every access is 16 bytes per lane through quad_transpose (groups of 4 j). The g | u loads of kChunk groups are issued
+// before any of their stores: the compiler cannot prove the outputs do not alias g | u, so a load after a store waits
+// for it (SASS of the first version: one load pair, the math and three stores per column group, 64 DRAM round trips
+// in a row per thread and tile).
+constexpr int kChunk = 4;
 __device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* acc, int h, int quad, int slot, int row,
                                                  int n0) {
   const float w = __ldg(p.topk_weights + slot);
@@ -182,25 +184,31 @@ __device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* a
   const __nv_bfloat16* gate = p.saved + static_cast<int64_t>(row) * p.ld_saved + n0;
   float dot = 0.f;
 #pragma unroll
-  for (int j0 = 0; j0 < BN / 8; j0 += kChunk) {
-    __nv_bfloat162 g2[kChunk], u2[kChunk];
+  for (int g0 = 0; g0 < BN / 32; g0 += kChunk) {
+    uint4 g4[kChunk] = {}, u4[kChunk] = {};
 #pragma unroll
-    for (int jj = 0; jj < kChunk; ++jj) {
-      const int col = 8 * (j0 + jj) + 2 * quad;
-      if (n0 + col < p.n_total) {  // n_total is even: col + 1 is valid too
-        g2[jj] = *reinterpret_cast<const __nv_bfloat162*>(gate + col);
-        u2[jj] = *reinterpret_cast<const __nv_bfloat162*>(gate + p.n_total + col);
+    for (int gg = 0; gg < kChunk; ++gg) {
+      const int col = 32 * (g0 + gg) + 8 * quad;
+      if (n0 + 32 * (g0 + gg) < p.n_total) {  // n_total: a multiple of 32 (whole groups)
+        g4[gg] = *reinterpret_cast<const uint4*>(gate + col);
+        u4[gg] = *reinterpret_cast<const uint4*>(gate + p.n_total + col);
       }
     }
 #pragma unroll
-    for (int jj = 0; jj < kChunk; ++jj) {
-      const int j = j0 + jj, col = 8 * j + 2 * quad;
-      if (n0 + col < p.n_total) {
-        const float2 g = __bfloat1622float2(g2[jj]), u = __bfloat1622float2(u2[jj]);
+    for (int gg = 0; gg < kChunk; ++gg) {
+      const int g = g0 + gg;
+      if (n0 + 32 * g >= p.n_total) break;
+      const uint4 gt = quad_transpose(g4[gg], quad), ut = quad_transpose(u4[gg], quad);
+      const uint32_t gw[4] = {gt.x, gt.y, gt.z, gt.w}, uw[4] = {ut.x, ut.y, ut.z, ut.w};
+      uint32_t dgw[4], duw[4], phw[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float2 gv2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gw[k]));
+        const float2 uv2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&uw[k]));
         float dg[2], du[2], ph[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float gv = e ? g.y : g.x, uv = e ? u.y : u.x, gh = acc[4 * j + 2 * h + e];
+          const float gv = e ? gv2.y : gv2.x, uv = e ? uv2.y : uv2.x, gh = acc[4 * (4 * g + k) + 2 * h + e];
           const float sig = 1.f / (1.f + __expf(-gv));
           const float a = gv * sig, hv = a * uv, dh = gh * w;
           dot += gh * hv;
@@ -208,10 +216,14 @@ __device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* a
           dg[e] = dh * uv * sig * (1.f + gv * (1.f - sig));
           ph[e] = w * hv;
         }
-        *reinterpret_cast<__nv_bfloat162*>(p.grad_gate + base + col) = __floats2bfloat162_rn(dg[0], dg[1]);
-        *reinterpret_cast<__nv_bfloat162*>(p.grad_up + base + col) = __floats2bfloat162_rn(du[0], du[1]);
-        *reinterpret_cast<__nv_bfloat162*>(p.weighted_h + base + col) = __floats2bfloat162_rn(ph[0], ph[1]);
+        dgw[k] = bf16x2_bits(dg[0], dg[1]);
+        duw[k] = bf16x2_bits(du[0], du[1]);
+        phw[k] = bf16x2_bits(ph[0], ph[1]);
       }
+      const int64_t at = base + 32 * g + 8 * quad;
+      *reinterpret_cast<uint4*>(p.grad_gate + at) = quad_transpose(make_uint4(dgw[0], dgw[1], dgw[2], dgw[3]), quad);
+      *reinterpret_cast<uint4*>(p.grad_up + at) = quad_transpose(make_uint4(duw[0], duw[1], duw[2], duw[3]), quad);
+      *reinterpret_cast<uint4*>(p.weighted_h + at) = quad_transpose(make_uint4(phw[0], phw[1], phw[2], phw[3]), quad);
     }
   }
   return dot;
@@ -465,32 +477,20 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         const int lr = wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
         if constexpr (kMode == GATE_UP || kMode == GATE_UP_AND_SAVE) {
           const int n0 = n_tile * BN_GU;
-          __nv_bfloat16* dst = p.inter + static_cast<int64_t>(block * BM + lr) * p.ld_inter + n0;
-#pragma unroll
-          for (int j = 0; j < BN_GU / 8; ++j) {
-            const int col = 8 * j + 2 * quad;
-            if (n0 + col < p.n_total) {  // n_total is even: col + 1 is valid too
-              const float h0 = silu_mul(acc[4 * j + 2 * h], acc[4 * (j + BN_GU / 8) + 2 * h]);
-              const float h1 = silu_mul(acc[4 * j + 2 * h + 1], acc[4 * (j + BN_GU / 8) + 2 * h + 1]);
-              *reinterpret_cast<__nv_bfloat162*>(dst + col) = __floats2bfloat162_rn(h0, h1);
-            }
-          }
+          store_row_bf16<BN_GU>(p.inter + static_cast<int64_t>(block * BM + lr) * p.ld_inter + n0, n0, p.n_total, quad,
+                                [&](int j, int e) {
+                                  return silu_mul(acc[4 * j + 2 * h + e], acc[4 * (j + BN_GU / 8) + 2 * h + e]);
+                                });
         }
         if constexpr (kMode == GATE_UP_SAVE || kMode == GATE_UP_AND_SAVE) {
           const int dst_row = p.dst_rows[block * BM + lr];
           if (dst_row >= 0 && dst_row < p.dst_limit) {
             const int n0 = n_tile * BN_GU;
             __nv_bfloat16* dst = p.saved + static_cast<int64_t>(dst_row) * p.ld_saved + n0;
-#pragma unroll
-            for (int j = 0; j < BN_GU / 8; ++j) {
-              const int col = 8 * j + 2 * quad;
-              if (n0 + col < p.n_total) {  // gate columns, then the up columns hidden (n_total) further
-                *reinterpret_cast<__nv_bfloat162*>(dst + col) =
-                    __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-                *reinterpret_cast<__nv_bfloat162*>(dst + p.n_total + col) =
-                    __floats2bfloat162_rn(acc[4 * (j + BN_GU / 8) + 2 * h], acc[4 * (j + BN_GU / 8) + 2 * h + 1]);
-              }
-            }
+            // gate columns, then the up columns hidden (n_total) further
+            store_row_bf16<BN_GU>(dst, n0, p.n_total, quad, [&](int j, int e) { return acc[4 * j + 2 * h + e]; });
+            store_row_bf16<BN_GU>(dst + p.n_total, n0, p.n_total, quad,
+                                  [&](int j, int e) { return acc[4 * (j + BN_GU / 8) + 2 * h + e]; });
           }
         }
         if constexpr (kDh) {

@@ -240,28 +240,75 @@ __device__ __forceinline__ void fence_mbarrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
+// A wgmma accumulator row is spread over the 4 lanes of a quad: lane q holds columns 8 j + 2 q, + 1 for every j. A
+// warp's 32-bit access per j then touches 8 rows x 16 bytes (8 cache lines for 128 bytes); the epilogues instead
+// exchange within the quad so that each lane accesses 16 contiguous bytes (8 rows x 64 bytes per instruction).
+// quad_transpose: the quad's 4 x 4 words, x[k] of lane q = the bf16 pair of columns 8 (j0 + k) + 2 q, + 1, become
+// lane q's pairs of group j0 + q in column order (8 contiguous bf16); its own inverse (a 16-byte load per lane, then
+// this, gives each lane its accumulator-layout pairs). Every lane of the quad must call it (they share one row).
+__device__ __forceinline__ uint4 quad_transpose(uint4 v, int quad) {
+  uint32_t x[4] = {v.x, v.y, v.z, v.w};
+  const unsigned mask = 0xFu << (threadIdx.x & 28u);  // this lane's quad
+#pragma unroll
+  for (int d = 2; d >= 1; d >>= 1) {
+    const bool upper = (quad & d) != 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (k & d) continue;
+      const uint32_t recv = __shfl_xor_sync(mask, upper ? x[k] : x[k | d], d);
+      x[k] = upper ? recv : x[k];
+      x[k | d] = upper ? x[k | d] : recv;
+    }
+  }
+  return make_uint4(x[0], x[1], x[2], x[3]);
+}
+__device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+// Stores a quad's row of COLS accumulator-layout values as bf16 to dst (the row's first column, 16-byte aligned):
+// value(j, e) is column 8 j + 2 quad + e. Columns from n_total on (a multiple of 32: whole groups) are left alone.
+template <int COLS, class Value>
+__device__ __forceinline__ void store_row_bf16(__nv_bfloat16* dst, int n0, int n_total, int quad, Value value) {
+  static_assert(COLS % 32 == 0, "whole groups of 4 j (32 columns)");
+#pragma unroll
+  for (int g = 0; g < COLS / 32; ++g) {
+    if (n0 + 32 * g >= n_total) break;
+    uint4 w;
+    w.x = bf16x2_bits(value(4 * g, 0), value(4 * g, 1));
+    w.y = bf16x2_bits(value(4 * g + 1, 0), value(4 * g + 1, 1));
+    w.z = bf16x2_bits(value(4 * g + 2, 0), value(4 * g + 2, 1));
+    w.w = bf16x2_bits(value(4 * g + 3, 0), value(4 * g + 3, 1));
+    *reinterpret_cast<uint4*>(dst + 32 * g + 8 * quad) = quad_transpose(w, quad);
+  }
+}
+
 // The down GEMMs' epilogue for accumulator row h (0 or 1) of a consumer thread holding COLS columns of slot `slot`
 // (register 4 j + 2 h + e is column 8 j + 2 quad + e, from column n0): kAtomic adds topk_weight * y (kWeighted; else
-// y) into the fp32 [M, dim] buffer with float2 reductions, else y is stored as bf16 to the slot's row.
+// y) into the fp32 [M, dim] buffer, else y is stored as bf16 to the slot's row. The atomics go 16 bytes at a time
+// (red.global.add.v4.f32, sm_90): lanes q and q ^ 1 swap a float2 of j and j + 1 so that the even lane adds columns
+// 4 (q / 2) .. + 3 of group j and the odd lane the same of group j + 1.
 template <int COLS, bool kAtomic, bool kWeighted = true, class Params>
 __device__ __forceinline__ void store_down_row(const Params& p, const float* acc, int h, int quad, int slot, int n0) {
   if constexpr (kAtomic) {
+    static_assert(COLS % 16 == 0, "pairs of j (16 columns)");
     const float w = kWeighted ? __ldg(p.topk_weights + slot) : 1.f;
     float* dst = p.acc32 + static_cast<int64_t>(slot / p.top_k) * p.ld_out + n0;
+    const unsigned mask = 0xFu << (threadIdx.x & 28u);
+    const bool odd = (quad & 1) != 0;
 #pragma unroll
-    for (int j = 0; j < COLS / 8; ++j) {
-      const int col = 8 * j + 2 * quad;
-      if (n0 + col < p.n_total)
-        atomicAdd(reinterpret_cast<float2*>(dst + col), make_float2(w * acc[4 * j + 2 * h], w * acc[4 * j + 2 * h + 1]));
+    for (int j = 0; j < COLS / 8; j += 2) {
+      if (n0 + 8 * j >= p.n_total) break;  // n_total: a multiple of 16
+      const float2 a = make_float2(w * acc[4 * j + 2 * h], w * acc[4 * j + 2 * h + 1]);
+      const float2 b = make_float2(w * acc[4 * j + 4 + 2 * h], w * acc[4 * j + 4 + 2 * h + 1]);
+      const float2 give = odd ? a : b;
+      const float2 got = make_float2(__shfl_xor_sync(mask, give.x, 1), __shfl_xor_sync(mask, give.y, 1));
+      const float4 v = odd ? make_float4(got.x, got.y, b.x, b.y) : make_float4(a.x, a.y, got.x, got.y);
+      atomicAdd(reinterpret_cast<float4*>(dst + 8 * (j + odd) + 4 * (quad >> 1)), v);
     }
   } else {
-    __nv_bfloat16* dst = p.yslots + static_cast<int64_t>(slot) * p.ld_out + n0;
-#pragma unroll
-    for (int j = 0; j < COLS / 8; ++j) {
-      const int col = 8 * j + 2 * quad;
-      if (n0 + col < p.n_total)
-        *reinterpret_cast<__nv_bfloat162*>(dst + col) = __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-    }
+    store_row_bf16<COLS>(p.yslots + static_cast<int64_t>(slot) * p.ld_out + n0, n0, p.n_total, quad,
+                         [&](int j, int e) { return acc[4 * j + 2 * h + e]; });
   }
 }
 #endif
