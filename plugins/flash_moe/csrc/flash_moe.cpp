@@ -394,11 +394,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cpu(
                    TORCH_CHECK(row + n <= slots, op, ": sorted_token_ids routes more than M * top_k=", slots,
                                " slots");
                    const auto slot_t = at::tensor(slot_list, grad_out.options().dtype(at::kLong));
-                   // grad_h = grad_out_t W2[e], unweighted, in fp32 (never rounded: the CUDA kernel keeps it in its
-                   // accumulators)
+                   // grad_h = grad_out_t W2[e], unweighted, accumulated in fp32 and rounded once to bf16 (the CUDA
+                   // kernel hands it to its epilogue warps so, as the grouped-mm path's GEMM returns it)
                    const auto gh = grad_out.index_select(0, at::floor_divide(slot_t, s.top_k))
                                        .to(at::kFloat)
-                                       .mm(w2[e].to(at::kFloat));
+                                       .mm(w2[e].to(at::kFloat))
+                                       .to(at::kBFloat16)
+                                       .to(at::kFloat);
                    const auto gu = gate_up.narrow(0, row, n).to(at::kFloat);
                    const auto g = gu.narrow(1, 0, s.hidden), u = gu.narrow(1, s.hidden, s.hidden);
                    const auto pw = flat_weights.index_select(0, slot_t).unsqueeze(1);

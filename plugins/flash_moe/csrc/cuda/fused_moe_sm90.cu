@@ -20,9 +20,11 @@
 //   stores y as bf16 per slot (moe_forward deterministic; the top_k slots of a token are then summed in k order).
 // Kernel 3 (the backward's dH, moe_grad_gate_up; persistent like down): A = grad_out rows gathered like x's, B =
 //   w2[e] read N-major (w2 is (dim, hidden): for grad_h = grad_out W2 the K dimension is dim, and 256 hidden columns
-//   are four 64-column TMA boxes; wgmma's transposed-B form); the epilogue takes g | u of the slot's compact row and
-//   writes the SwiGLU derivative (dg, du, p h) and each slot's partial <grad_h, h> over the tile's columns (summed
-//   over the column tiles afterwards in a fixed order: deterministic). grad_h itself never reaches memory.
+//   are four 64-column TMA boxes; wgmma's transposed-B form); the consumers store grad_h as bf16 to a staging tile in
+//   shared memory and go on to their next tile, while the producer warpgroup, between that tile's loads, takes g | u
+//   of each slot's compact row and writes the SwiGLU derivative (dg, du, p h) and each slot's partial <grad_h, h>
+//   over the tile's columns (summed over the column tiles afterwards in a fixed order: deterministic). grad_h itself
+//   never reaches global memory.
 // Kernel 4 (the backward's dX, moe_grad_x): persistent like down; A = the block's rows of dg, then of du (compact rows
 //   through dst_rows, K = 2 hidden), B = w1[e], then w3[e], N-major as in kernel 3 (they are (hidden, dim): K =
 //   hidden, N = dim); the epilogue adds the fp32 result into dx [M, dim] with float2 atomics (DX_ATOMIC) or stores
@@ -92,8 +94,6 @@ constexpr int A_BYTES = BM * BK * 2;
 constexpr int B_BYTES = BN * BK * 2;
 constexpr int B_BOX_ROWS = BN / 2;  // one TMA box: the gate (or up) half of a gate/up tile, half a down tile
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + 2 * BM * 8 /* A row offsets */ +
-                           2 * BM * 4 /* slots */ + (2 * STAGES + 4) * 8 /* mbarriers */ + 2 * 4 /* tile numbers */;
 
 // GATE_UP_SAVE (the backward's recomputation): the epilogue stores the gate and up pre-activations as bf16 to row
 // dst_rows[padded row] of a compact [routed slots, 2 hidden] tensor instead of h.
@@ -120,6 +120,25 @@ constexpr bool persistent_mode(int mode) {
   return mode == DOWN_ATOMIC || mode == DOWN_SLOTS || mode == DX_ATOMIC || mode == DX_SLOTS || mode == DH_SWIGLU ||
          mode == GATE_UP_PERSISTENT || mode == GATE_UP_SAVE_PERSISTENT || mode == GATE_UP_AND_SAVE_PERSISTENT;
 }
+// DH_SWIGLU's consumers hand grad_h to the producer warpgroup as a bf16 tile in shared memory (see moe_gemm_kernel):
+// the tile takes more than one ring stage's room, so that mode's ring is one stage shorter. A staged row is padded by
+// 16 bytes, so that the 8 rows of a consumer warp's 16-byte stores fall on different banks.
+constexpr bool stages_grad_h(int mode) { return base_mode(mode) == DH_SWIGLU; }
+constexpr int STAGING_PITCH = BN * 2 + 16;
+constexpr int STAGING_BYTES = BM * STAGING_PITCH;
+constexpr int ring_stages(int mode) { return stages_grad_h(mode) ? STAGES - 1 : STAGES; }
+static_assert(STAGES >= 3, "DH_SWIGLU runs a ring of STAGES - 1 stages beside its staging tile");
+// Shared memory from the 1024-byte-aligned base: the ring, the staging tile, the routing rows of two tiles (A row
+// offsets, BM int64 each, then slots, BM int each), the mbarriers (full and empty per stage; tile_free and rows_ready
+// per routing-row buffer; staging full and empty), the two tiles' numbers.
+constexpr int rows_offset(int mode) {
+  return ring_stages(mode) * STAGE_BYTES + (stages_grad_h(mode) ? STAGING_BYTES : 0);
+}
+constexpr int bars_offset(int mode) { return rows_offset(mode) + 2 * BM * 12; }
+constexpr int smem_bytes(int mode) {
+  return 1024 /* alignment slack */ + bars_offset(mode) + (2 * ring_stages(mode) + 6) * 8 + 2 * 4;
+}
+static_assert(smem_bytes(DH_SWIGLU) <= 227 * 1024, "DH_SWIGLU's ring and staging tile exceed shared memory");
 // The backward's N-major B tiles: atoms of 64 columns (128 bytes of bf16, the 128-byte swizzle's row), a TMA box each.
 constexpr int MN_ATOMS = BN / MN_ATOM;
 
@@ -169,62 +188,41 @@ struct Params {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void fence_acc(float* d) { fence_regs<128>(d); }
 
-// DH_SWIGLU's epilogue for accumulator row h of a consumer thread: grad_h (unweighted, fp32) of slot `slot` over the
-// columns n0 + 8 j + 2 quad + e, g | u from compact row `row`; writes dg, du, p h there (as swiglu_backward does:
-// dh = p grad_h, du = dh silu(g), dg = dh u sig (1 + g (1 - sig))) and returns this thread's part of <grad_h, h>.
-// Every access is 16 bytes per lane through quad_transpose (groups of 4 j). The g | u loads of kChunk groups are issued
-// before any of their stores: the compiler cannot prove the outputs do not alias g | u, so a load after a store waits
-// for it (SASS of the first version: one load pair, the math and three stores per column group, 64 DRAM round trips
-// in a row per thread and tile).
-constexpr int kChunk = 4;
-__device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* acc, int h, int quad, int slot, int row,
-                                                 int n0) {
-  const float w = __ldg(p.topk_weights + slot);
-  const int64_t base = static_cast<int64_t>(row) * p.n_total + n0;
-  const __nv_bfloat16* gate = p.saved + static_cast<int64_t>(row) * p.ld_saved + n0;
+// DH_SWIGLU's epilogue, run by the producer warpgroup on a staged tile: 8 columns of one slot (a lane's 16 bytes of
+// each tensor), grad_h (unweighted, as staged in bf16), the slot weight w and g | u of its compact row; writes dg, du,
+// p h at element `at` of the compact outputs (as swiglu_backward does: dh = p grad_h, du = dh silu(g),
+// dg = dh u sig (1 + g (1 - sig))) and returns this lane's part of <grad_h, h>.
+__device__ __forceinline__ float swiglu_grad_8(const Params& p, uint4 grad_h, uint4 g8, uint4 u8, float w, int64_t at) {
+  const uint32_t ghw[4] = {grad_h.x, grad_h.y, grad_h.z, grad_h.w}, gw[4] = {g8.x, g8.y, g8.z, g8.w},
+                 uw[4] = {u8.x, u8.y, u8.z, u8.w};
   float dot = 0.f;
 #pragma unroll
-  for (int g0 = 0; g0 < BN / 32; g0 += kChunk) {
-    uint4 g4[kChunk] = {}, u4[kChunk] = {};
+  for (int half = 0; half < 2; ++half) {  // 8 bytes of each output at a time: the producer has 56 registers
+    uint32_t dgw[2], duw[2], phw[2];
 #pragma unroll
-    for (int gg = 0; gg < kChunk; ++gg) {
-      const int col = 32 * (g0 + gg) + 8 * quad;
-      if (n0 + 32 * (g0 + gg) < p.n_total) {  // n_total: a multiple of 32 (whole groups)
-        g4[gg] = *reinterpret_cast<const uint4*>(gate + col);
-        u4[gg] = *reinterpret_cast<const uint4*>(gate + p.n_total + col);
+    for (int k = 0; k < 2; ++k) {
+      const int word = 2 * half + k;
+      const float2 gh2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ghw[word]));
+      const float2 gv2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gw[word]));
+      const float2 uv2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&uw[word]));
+      float dg[2], du[2], ph[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float gv = e ? gv2.y : gv2.x, uv = e ? uv2.y : uv2.x, gh = e ? gh2.y : gh2.x;
+        const float sig = 1.f / (1.f + __expf(-gv));
+        const float a = gv * sig, hv = a * uv, dh = gh * w;
+        dot += gh * hv;
+        du[e] = dh * a;
+        dg[e] = dh * uv * sig * (1.f + gv * (1.f - sig));
+        ph[e] = w * hv;
       }
+      dgw[k] = bf16x2_bits(dg[0], dg[1]);
+      duw[k] = bf16x2_bits(du[0], du[1]);
+      phw[k] = bf16x2_bits(ph[0], ph[1]);
     }
-#pragma unroll
-    for (int gg = 0; gg < kChunk; ++gg) {
-      const int g = g0 + gg;
-      if (n0 + 32 * g >= p.n_total) break;
-      const uint4 gt = quad_transpose(g4[gg], quad), ut = quad_transpose(u4[gg], quad);
-      const uint32_t gw[4] = {gt.x, gt.y, gt.z, gt.w}, uw[4] = {ut.x, ut.y, ut.z, ut.w};
-      uint32_t dgw[4], duw[4], phw[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float2 gv2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gw[k]));
-        const float2 uv2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&uw[k]));
-        float dg[2], du[2], ph[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float gv = e ? gv2.y : gv2.x, uv = e ? uv2.y : uv2.x, gh = acc[4 * (4 * g + k) + 2 * h + e];
-          const float sig = 1.f / (1.f + __expf(-gv));
-          const float a = gv * sig, hv = a * uv, dh = gh * w;
-          dot += gh * hv;
-          du[e] = dh * a;
-          dg[e] = dh * uv * sig * (1.f + gv * (1.f - sig));
-          ph[e] = w * hv;
-        }
-        dgw[k] = bf16x2_bits(dg[0], dg[1]);
-        duw[k] = bf16x2_bits(du[0], du[1]);
-        phw[k] = bf16x2_bits(ph[0], ph[1]);
-      }
-      const int64_t at = base + 32 * g + 8 * quad;
-      *reinterpret_cast<uint4*>(p.grad_gate + at) = quad_transpose(make_uint4(dgw[0], dgw[1], dgw[2], dgw[3]), quad);
-      *reinterpret_cast<uint4*>(p.grad_up + at) = quad_transpose(make_uint4(duw[0], duw[1], duw[2], duw[3]), quad);
-      *reinterpret_cast<uint4*>(p.weighted_h + at) = quad_transpose(make_uint4(phw[0], phw[1], phw[2], phw[3]), quad);
-    }
+    *reinterpret_cast<uint2*>(p.grad_gate + at + 4 * half) = make_uint2(dgw[0], dgw[1]);
+    *reinterpret_cast<uint2*>(p.grad_up + at + 4 * half) = make_uint2(duw[0], duw[1]);
+    *reinterpret_cast<uint2*>(p.weighted_h + at + 4 * half) = make_uint2(phw[0], phw[1]);
   }
   return dot;
 }
@@ -261,6 +259,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   // benchmark shapes (4.6% slower at DeepSeek-V3; its epilogue moves 10 bytes per element, which pairs do not overlap
   // with anything).
   constexpr bool kPersistent = persistent_mode(MODE);
+  constexpr bool kStaging = stages_grad_h(MODE);
+  constexpr int kStages = ring_stages(MODE);
   const int ntpp = __ldg(p.ntpp);
   // Persistent: the tiles of the live blocks (block * BM < num_tokens_post_padded, read here: no host sync) in raster
   // order; 32-bit tile numbers (the host keeps blocks x n_tiles below 2^31, so t + p.ctas cannot wrap).
@@ -290,33 +290,41 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   uint8_t* const gbase = smem_raw + (base - raw);
   // the routing rows of two tiles (tile i in buffer i & 1): the producer writes tile i + 1's while the consumers still
   // read tile i's
-  int64_t* const a_rows = reinterpret_cast<int64_t*>(gbase + STAGES * STAGE_BYTES);
-  int* const slot_rows = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + 2 * BM * 8);
-  const uint32_t bars = base + STAGES * STAGE_BYTES + 2 * BM * 12;
+  int64_t* const a_rows = reinterpret_cast<int64_t*>(gbase + rows_offset(MODE));
+  int* const slot_rows = reinterpret_cast<int*>(gbase + rows_offset(MODE) + 2 * BM * 8);
+  const uint32_t bars = base + bars_offset(MODE);
   auto full_bar = [&](int s) { return bars + 8u * s; };
-  auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
-  auto tile_free_bar = [&](int b) { return bars + 8u * (2 * STAGES + b); };
-  auto rows_ready_bar = [&](int b) { return bars + 8u * (2 * STAGES + 2 + b); };
+  auto empty_bar = [&](int s) { return bars + 8u * (kStages + s); };
+  auto tile_free_bar = [&](int b) { return bars + 8u * (2 * kStages + b); };
+  auto rows_ready_bar = [&](int b) { return bars + 8u * (2 * kStages + 2 + b); };
+  // DH_SWIGLU: the staged grad_h tile is full once each consumer warp stored its rows, empty once each producer warp
+  // is done with them
+  const uint32_t staging_full_bar = bars + 8u * (2 * kStages + 4), staging_empty_bar = bars + 8u * (2 * kStages + 5);
+  uint8_t* const staging = gbase + kStages * STAGE_BYTES;
   // the tile of routing-row buffer b as block x n_tiles + column tile (decoded once, by the claiming thread), -1 once
   // the CTA's tiles are done
-  int* const tile_of = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + 2 * BM * 12 + (2 * STAGES + 4) * 8);
+  int* const tile_of = reinterpret_cast<int*>(gbase + bars_offset(MODE) + (2 * kStages + 6) * 8);
   if (threadIdx.x == 0) {
     // paired: a stage is free once the consumers of both CTAs released it (the peer's TMA writes into it too)
-    init_ring<STAGES>(bars, (paired ? 2 : 1) * CONSUMER_WARPS);
+    init_ring<kStages>(bars, (paired ? 2 : 1) * CONSUMER_WARPS);
     // a routing-row buffer is free again once each consumer warp is done with its tile
     for (int b = 0; b < 2; ++b) mbar_init(tile_free_bar(b), CONSUMER_WARPS);
     // and holds the next tile's rows once each producer thread wrote its row (and thread 0 the tile number)
     for (int b = 0; b < 2; ++b) mbar_init(rows_ready_bar(b), 128);
+    if constexpr (kStaging) {
+      mbar_init(staging_full_bar, 128 * CONSUMERS);
+      mbar_init(staging_empty_bar, 4);
+    }
     fence_mbarrier_init();
   }
   __syncthreads();
   if (paired) cluster_sync();  // both rings initialised before either CTA's copies or arrivals reach the other
   // Releasing stage s after k tile j: this CTA's empty barrier, and the peer's while the peer will still wait on it
-  // (its producer waits for k tiles j < k_tiles - STAGES only; an arrival after the peer may have exited is not
+  // (its producer waits for k tiles j < k_tiles - kStages only; an arrival after the peer may have exited is not
   // allowed).
   auto release = [&](int s, int j) {
     mbar_arrive(empty_bar(s));
-    if (paired && j < p.k_tiles - STAGES) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
+    if (paired && j < p.k_tiles - kStages) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
   };
 
   const int warpgroup = threadIdx.x / 128;
@@ -325,13 +333,67 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     static_assert(BM == 128, "one routing row per producer thread");
     const int c = threadIdx.x & 7;    // 16-byte chunk of the 128-byte K slice
     const int r0 = threadIdx.x >> 3;  // rows r0 + 16 i
-    // k tiles issued before this tile, over all earlier tiles, modulo 2 STAGES: the ring runs on across tiles (stage
-    // ks % STAGES, phase parity (ks / STAGES) & 1)
+    // k tiles issued before this tile, over all earlier tiles, modulo 2 kStages: the ring runs on across tiles (stage
+    // ks % kStages, phase parity (ks / kStages) & 1)
     uint32_t ks = 0;
-    for (int i = 0;; ++i) {
+    // DH_SWIGLU: the epilogue of tile i - 1 runs here, between tile i's k-tile issues. The consumers store its grad_h
+    // (bf16) to the staging tile and go on to tile i's mainloop, so the tensor cores wait for those stores only, not
+    // for the epilogue's 320 KB of g | u, dg, du and p h per tile. Warp w takes rows 32 w .. 32 w + 31, one row at a
+    // time (each lane 8 columns), each row's g | u loads issued before the previous row's math.
+    // The pending tile is the previous one: its routing rows and number in buffer pbuf = (i - 1) & 1, its fill of the
+    // staging tile the (i - 1)-th (parity pbuf).
+    const int pwarp = threadIdx.x / 32, plane = threadIdx.x % 32;
+    const int ep_per_step = (32 + max(1, p.k_tiles - kStages) - 1) / max(1, p.k_tiles - kStages);
+    int ep_next = 0, ep_row = -1;  // this warp's next row of the pending tile, and its compact row (-1: nothing to store)
+    bool ep_ready = false;         // the pending tile's grad_h is staged
+    uint4 ep_g = make_uint4(0u, 0u, 0u, 0u), ep_u = ep_g;  // g | u of row ep_next (loads in flight)
+    // issues the g | u loads of the pending tile's row r (this lane's 8 columns); returns its compact row or -1
+    auto ep_issue = [&](int pbuf, int r) {
+      const int lr = 32 * pwarp + r, pt = tile_of[pbuf];
+      const int slot = slot_rows[pbuf * BM + lr];
+      const int row = slot >= 0 ? p.dst_rows[pt / p.n_tiles * BM + lr] : -1;
+      if (row < 0 || row >= p.dst_limit) return -1;
+      const int col = pt % p.n_tiles * BN + 8 * plane;
+      if (col < p.n_total) {  // n_total: whole groups of 8
+        const __nv_bfloat16* gu = p.saved + static_cast<int64_t>(row) * p.ld_saved + col;
+        ep_g = *reinterpret_cast<const uint4*>(gu);
+        ep_u = *reinterpret_cast<const uint4*>(gu + p.n_total);
+      }
+      return row;
+    };
+    // finishes this warp's rows of the pending tile up to `upto`; returns at once while grad_h is not yet staged
+    // unless `wait`
+    auto ep_advance = [&](int pbuf, int upto, bool wait) {
+      if (!ep_ready) {
+        if (!wait && !__any_sync(0xffffffffu, mbar_test_wait(staging_full_bar, pbuf))) return;
+        mbar_wait(staging_full_bar, pbuf);
+        ep_ready = true;
+        ep_row = ep_issue(pbuf, 0);
+      }
+      for (; ep_next < upto; ++ep_next) {
+        const uint4 g8 = ep_g, u8 = ep_u;
+        const int row = ep_row, lr = 32 * pwarp + ep_next;
+        if (ep_next + 1 < 32) ep_row = ep_issue(pbuf, ep_next + 1);
+        if (row < 0) continue;
+        const int slot = slot_rows[pbuf * BM + lr], n_tile = tile_of[pbuf] % p.n_tiles;
+        const int col = n_tile * BN + 8 * plane;
+        float dot = 0.f;
+        if (col < p.n_total) {
+          const uint4 gh = *reinterpret_cast<const uint4*>(staging + lr * STAGING_PITCH + 16 * plane);
+          dot = swiglu_grad_8(p, gh, g8, u8, __ldg(p.topk_weights + slot), static_cast<int64_t>(row) * p.n_total + col);
+        }
+#pragma unroll
+        for (int d = 16; d; d >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, d);
+        if (plane == 0) p.dot_partials[static_cast<int64_t>(n_tile) * p.num_slots + slot] = dot;
+      }
+    };
+    int i = 0;
+    for (;; ++i) {
       const int buf = i & 1;
       // Tile i's routing rows replace tile i - 2's once every consumer warp is done with those.
       if (i >= 2) mbar_wait(tile_free_bar(buf), ((i - 2) / 2) & 1);
+      // DH_SWIGLU: and every producer warp is done with them too (tile i - 2's epilogue, which reads its number)
+      if constexpr (kStaging) asm volatile("bar.sync 1, 128;\n" ::: "memory");
       if (threadIdx.x == 0) {  // tile i: the first (own or claimed) one whose block runs an expert of the launch
         int t = -1;
         if constexpr (kPersistent) {
@@ -375,7 +437,10 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       const int b_row = expert * p.b_rows_per_expert + (kMajorN ? 0 : n_tile * (kGateUp ? BN_GU : BN_DOWN));
       for (int kt = 0; kt < p.k_tiles; ++kt) {
         const uint32_t k = ks + kt;
-        const int stage = acquire_stage<STAGES>(bars, k);
+        if constexpr (kStaging) {
+          if (i > 0) ep_advance(buf ^ 1, min(32, ep_next + ep_per_step), false);
+        }
+        const int stage = acquire_stage<kStages>(bars, k);
         const uint32_t st = base + stage * STAGE_BYTES;
         // DX: the first k_half tiles read dg and w1, the others du and w3, each from its own K offset 0
         const bool second = kDx && kt >= p.k_half;
@@ -410,7 +475,18 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         }
         cp_async_mbar_arrive_noinc(full_bar(stage));  // fires when this thread's copies of the stage have landed
       }
-      ks = (ks + p.k_tiles) % (2 * STAGES);
+      ks = (ks + p.k_tiles) % (2 * kStages);
+      if constexpr (kStaging) {  // the previous tile's epilogue ends here, and this tile's becomes the pending one
+        if (i > 0) {
+          ep_advance(buf ^ 1, 32, true);
+          __syncwarp();
+          if (plane == 0) mbar_arrive(staging_empty_bar);
+        }
+        ep_next = 0, ep_ready = false;
+      }
+    }
+    if constexpr (kStaging) {
+      if (i > 0) ep_advance((i - 1) & 1, 32, true);
     }
     drain_cp_async();
     return;
@@ -422,7 +498,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   const int ctid = threadIdx.x - 128 * warpgroup;
   const int warp = ctid / 32, lane = ctid % 32, quad = lane & 3;
   const uint32_t a_off = wg * 64 * 128;
-  RingPosition<STAGES> ring;  // in step with the producer's ks
+  RingPosition<kStages> ring;  // in step with the producer's ks
   for (int i = 0;; ++i) {
     const int buf = i & 1;
     mbar_wait(rows_ready_bar(buf), (i / 2) & 1);
@@ -439,7 +515,10 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         if (lane == 0) release(ring.stage, kt);
         ring.advance();
       }
-      // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them
+      // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them; DH_SWIGLU's
+      // producer passes by padding rows of the staging tile. Its arrival below still waits for the previous tile's
+      // fill to be consumed (a warp that passes by tiles runs ahead of the other warpgroup).
+      if constexpr (kStaging) mbar_wait(staging_empty_bar, (i & 1) ^ 1);
     } else {
       float acc[128];
       int prev = 0;
@@ -472,6 +551,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       fence_acc(acc);
       if (lane == 0) release(prev, p.k_tiles - 1);  // the ring's next turn (persistent: the next tile) may refill it
       // ------------------------------- epilogue -------------------------------
+      if constexpr (kStaging) mbar_wait(staging_empty_bar, (i & 1) ^ 1);  // the producer is done with tile i - 1's
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int lr = wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
@@ -493,15 +573,9 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
                                   [&](int j, int e) { return acc[4 * (j + BN_GU / 8) + 2 * h + e]; });
           }
         }
-        if constexpr (kDh) {
-          const int slot = slot_of[lr];
-          const int row = slot >= 0 ? p.dst_rows[block * BM + lr] : -1;
-          const bool routed = row >= 0 && row < p.dst_limit;
-          float dot = routed ? swiglu_grad_row(p, acc, h, quad, slot, row, n_tile * BN) : 0.f;
-          // the 4 lanes of a quad hold the row's columns: every lane takes part in the shuffles
-          dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-          dot += __shfl_xor_sync(0xffffffffu, dot, 2);
-          if (routed && quad == 0) p.dot_partials[static_cast<int64_t>(n_tile) * p.num_slots + slot] = dot;
+        if constexpr (kStaging) {  // grad_h, unweighted, for the producer warpgroup's SwiGLU derivative
+          store_row_bf16<BN>(reinterpret_cast<__nv_bfloat16*>(staging + lr * STAGING_PITCH), n_tile * BN, p.n_total,
+                             quad, [&](int j, int e) { return acc[4 * j + 2 * h + e]; });
         }
         if constexpr (!kGather) {
           const int slot = slot_of[lr];
@@ -514,6 +588,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         }
       }
     }
+    if constexpr (kStaging) mbar_arrive(staging_full_bar);  // each thread: its staged rows are written
     // every lane's reads of the tile's routing rows are done before lane 0 frees them for tile i + 2
     __syncwarp();
     if (lane == 0) mbar_arrive(tile_free_bar(buf));
@@ -531,7 +606,7 @@ template <int MODE>
 void launch(Params p, int n_tiles, const MoeShape& s, cudaStream_t stream) {
   constexpr bool kPersistent = persistent_mode(MODE);
   p.raster_runs = raster_runs(s);
-  launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, SMEM_BYTES, kPersistent ? 1 : CLUSTER_BLOCKS, kPersistent>(
+  launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, smem_bytes(MODE), kPersistent ? 1 : CLUSTER_BLOCKS, kPersistent>(
       p, n_tiles, s.blocks, stream);
 }
 
