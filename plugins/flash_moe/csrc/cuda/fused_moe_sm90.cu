@@ -15,20 +15,21 @@
 //                wgmma group in flight, releasing the previous stage on its "empty" mbarrier (one arrival per warp).
 // Kernel 1 (gate/up): the B tile is 128 gate rows + the 128 matching up rows, so each thread holds gate and up of
 //   the same columns: h = silu(g) * u in fp32, stored as bf16 to the intermediate [padded slots, hidden].
-// Kernel 2 (down): A = intermediate rows of the block, B = w2[e] rows; the epilogue either adds
-//   topk_weight * y (fp32) into an fp32 [M, dim] buffer with float2 atomics (fused_moe_bf16 / moe_forward), or
-//   stores y as bf16 per slot (moe_forward deterministic; the top_k slots of a token are then summed in k order).
+// Kernels 2-4 (persistent) end in the producer warpgroup: the consumers store their result tile as bf16 to a staging
+//   tile in shared memory and go on to their next tile, while the producer, between that tile's loads, runs the
+//   epilogue below on the staged one.
+// Kernel 2 (down): A = intermediate rows of the block, B = w2[e] rows; the epilogue either adds topk_weight * y into
+//   an fp32 [M, dim] buffer with float4 atomics (fused_moe_bf16 / moe_forward), or stores y per slot (moe_forward
+//   deterministic; the top_k slots of a token are then summed in k order).
 // Kernel 3 (the backward's dH, moe_grad_gate_up; persistent like down): A = grad_out rows gathered like x's, B =
 //   w2[e] read N-major (w2 is (dim, hidden): for grad_h = grad_out W2 the K dimension is dim, and 256 hidden columns
-//   are four 64-column TMA boxes; wgmma's transposed-B form); the consumers store grad_h as bf16 to a staging tile in
-//   shared memory and go on to their next tile, while the producer warpgroup, between that tile's loads, takes g | u
-//   of each slot's compact row and writes the SwiGLU derivative (dg, du, p h) and each slot's partial <grad_h, h>
-//   over the tile's columns (summed over the column tiles afterwards in a fixed order: deterministic). grad_h itself
-//   never reaches global memory.
+//   are four 64-column TMA boxes; wgmma's transposed-B form); the epilogue takes g | u of each slot's compact row and
+//   writes the SwiGLU derivative (dg, du, p h) and each slot's partial <grad_h, h> over the tile's columns (summed
+//   over the column tiles afterwards in a fixed order: deterministic). grad_h itself never reaches global memory.
 // Kernel 4 (the backward's dX, moe_grad_x): persistent like down; A = the block's rows of dg, then of du (compact rows
 //   through dst_rows, K = 2 hidden), B = w1[e], then w3[e], N-major as in kernel 3 (they are (hidden, dim): K =
-//   hidden, N = dim); the epilogue adds the fp32 result into dx [M, dim] with float2 atomics (DX_ATOMIC) or stores
-//   it as bf16 per slot (DX_SLOTS: summed over a token's slots in k order afterwards, bitwise reproducible).
+//   hidden, N = dim); the epilogue adds the result into dx [M, dim] (fp32) with float4 atomics (DX_ATOMIC) or stores
+//   it per slot (DX_SLOTS: summed over a token's slots in k order afterwards, bitwise reproducible).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -120,19 +121,22 @@ constexpr bool persistent_mode(int mode) {
   return mode == DOWN_ATOMIC || mode == DOWN_SLOTS || mode == DX_ATOMIC || mode == DX_SLOTS || mode == DH_SWIGLU ||
          mode == GATE_UP_PERSISTENT || mode == GATE_UP_SAVE_PERSISTENT || mode == GATE_UP_AND_SAVE_PERSISTENT;
 }
-// DH_SWIGLU's consumers hand grad_h to the producer warpgroup as a bf16 tile in shared memory (see moe_gemm_kernel):
-// the tile takes more than one ring stage's room, so that mode's ring is one stage shorter. A staged row is padded by
-// 16 bytes, so that the 8 rows of a consumer warp's 16-byte stores fall on different banks.
-constexpr bool stages_grad_h(int mode) { return base_mode(mode) == DH_SWIGLU; }
+// The persistent down-projection-shaped GEMMs (dH, down, dX) hand their result tile to the producer warpgroup as bf16
+// in shared memory, which runs the epilogue under the next tile's loads (see moe_gemm_kernel): the tile takes more
+// than one ring stage's room, so their ring is one stage shorter. A staged row is padded by 16 bytes, so that the 8
+// rows of a consumer warp's 16-byte stores fall on different banks.
+constexpr bool stages_output(int mode) {
+  return mode == DH_SWIGLU || mode == DOWN_ATOMIC || mode == DOWN_SLOTS || mode == DX_ATOMIC || mode == DX_SLOTS;
+}
 constexpr int STAGING_PITCH = BN * 2 + 16;
 constexpr int STAGING_BYTES = BM * STAGING_PITCH;
-constexpr int ring_stages(int mode) { return stages_grad_h(mode) ? STAGES - 1 : STAGES; }
+constexpr int ring_stages(int mode) { return stages_output(mode) ? STAGES - 1 : STAGES; }
 static_assert(STAGES >= 3, "DH_SWIGLU runs a ring of STAGES - 1 stages beside its staging tile");
 // Shared memory from the 1024-byte-aligned base: the ring, the staging tile, the routing rows of two tiles (A row
 // offsets, BM int64 each, then slots, BM int each), the mbarriers (full and empty per stage; tile_free and rows_ready
 // per routing-row buffer; staging full and empty), the two tiles' numbers.
 constexpr int rows_offset(int mode) {
-  return ring_stages(mode) * STAGE_BYTES + (stages_grad_h(mode) ? STAGING_BYTES : 0);
+  return ring_stages(mode) * STAGE_BYTES + (stages_output(mode) ? STAGING_BYTES : 0);
 }
 constexpr int bars_offset(int mode) { return rows_offset(mode) + 2 * BM * 12; }
 constexpr int smem_bytes(int mode) {
@@ -226,6 +230,29 @@ __device__ __forceinline__ float swiglu_grad_8(const Params& p, uint4 grad_h, ui
   }
   return dot;
 }
+
+// The down and dX epilogue, run by the producer warpgroup on a staged tile: 8 columns (a lane's 16 bytes) of slot
+// `slot`'s result y (bf16) from column col, added into the fp32 [M, n] buffer (kAtomic: two 16-byte reductions; times
+// the slot weight where kWeighted) or stored to the slot's bf16 row.
+template <bool kAtomic, bool kWeighted>
+__device__ __forceinline__ void store_down_8(const Params& p, uint4 y8, int slot, int col) {
+  if constexpr (kAtomic) {
+    const float w = kWeighted ? __ldg(p.topk_weights + slot) : 1.f;
+    float* dst = p.acc32 + static_cast<int64_t>(slot / p.top_k) * p.ld_out + col;
+    const uint32_t yw[4] = {y8.x, y8.y, y8.z, y8.w};
+    float v[8];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&yw[k]));
+      v[2 * k] = w * f.x;
+      v[2 * k + 1] = w * f.y;
+    }
+    atomicAdd(reinterpret_cast<float4*>(dst), make_float4(v[0], v[1], v[2], v[3]));
+    atomicAdd(reinterpret_cast<float4*>(dst + 4), make_float4(v[4], v[5], v[6], v[7]));
+  } else {
+    *reinterpret_cast<uint4*>(p.yslots + static_cast<int64_t>(slot) * p.ld_out + col) = y8;
+  }
+}
 #endif
 
 // CTA or tile number -> (aligned block, column tile) in the launch's order (Params::raster_runs).
@@ -259,7 +286,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   // benchmark shapes (4.6% slower at DeepSeek-V3; its epilogue moves 10 bytes per element, which pairs do not overlap
   // with anything).
   constexpr bool kPersistent = persistent_mode(MODE);
-  constexpr bool kStaging = stages_grad_h(MODE);
+  constexpr bool kStaging = stages_output(MODE);
   constexpr int kStages = ring_stages(MODE);
   const int ntpp = __ldg(p.ntpp);
   // Persistent: the tiles of the live blocks (block * BM < num_tokens_post_padded, read here: no host sync) in raster
@@ -336,21 +363,24 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     // k tiles issued before this tile, over all earlier tiles, modulo 2 kStages: the ring runs on across tiles (stage
     // ks % kStages, phase parity (ks / kStages) & 1)
     uint32_t ks = 0;
-    // DH_SWIGLU: the epilogue of tile i - 1 runs here, between tile i's k-tile issues. The consumers store its grad_h
-    // (bf16) to the staging tile and go on to tile i's mainloop, so the tensor cores wait for those stores only, not
-    // for the epilogue's 320 KB of g | u, dg, du and p h per tile. Warp w takes rows 32 w .. 32 w + 31, one row at a
-    // time (each lane 8 columns), each row's g | u loads issued before the previous row's math.
+    // dH, down, dX (stages_output): the epilogue of tile i - 1 runs here, between tile i's k-tile issues. The consumers
+    // store its result (bf16) to the staging tile and go on to tile i's mainloop, so the tensor cores wait for those
+    // stores only, not for the epilogue (dH: 320 KB of g | u, dg, du and p h per tile; down, dX: 128 KB of fp32
+    // reductions). Warp w takes rows 32 w .. 32 w + 31, one row at a time (each lane 8 columns); dH issues each row's
+    // g | u loads before the previous row's math.
     // The pending tile is the previous one: its routing rows and number in buffer pbuf = (i - 1) & 1, its fill of the
     // staging tile the (i - 1)-th (parity pbuf).
     const int pwarp = threadIdx.x / 32, plane = threadIdx.x % 32;
     const int ep_per_step = (32 + max(1, p.k_tiles - kStages) - 1) / max(1, p.k_tiles - kStages);
-    int ep_next = 0, ep_row = -1;  // this warp's next row of the pending tile, and its compact row (-1: nothing to store)
-    bool ep_ready = false;         // the pending tile's grad_h is staged
+    // this warp's next row of the pending tile, and where it goes (dH: its compact row; else its slot; -1: nowhere)
+    int ep_next = 0, ep_row = -1;
+    bool ep_ready = false;  // the pending tile's result is staged
     uint4 ep_g = make_uint4(0u, 0u, 0u, 0u), ep_u = ep_g;  // g | u of row ep_next (loads in flight)
-    // issues the g | u loads of the pending tile's row r (this lane's 8 columns); returns its compact row or -1
+    // where the pending tile's row r goes; dH: issues its g | u loads (this lane's 8 columns)
     auto ep_issue = [&](int pbuf, int r) {
       const int lr = 32 * pwarp + r, pt = tile_of[pbuf];
       const int slot = slot_rows[pbuf * BM + lr];
+      if constexpr (!kDh) return slot;
       const int row = slot >= 0 ? p.dst_rows[pt / p.n_tiles * BM + lr] : -1;
       if (row < 0 || row >= p.dst_limit) return -1;
       const int col = pt % p.n_tiles * BN + 8 * plane;
@@ -377,14 +407,18 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         if (row < 0) continue;
         const int slot = slot_rows[pbuf * BM + lr], n_tile = tile_of[pbuf] % p.n_tiles;
         const int col = n_tile * BN + 8 * plane;
-        float dot = 0.f;
-        if (col < p.n_total) {
-          const uint4 gh = *reinterpret_cast<const uint4*>(staging + lr * STAGING_PITCH + 16 * plane);
-          dot = swiglu_grad_8(p, gh, g8, u8, __ldg(p.topk_weights + slot), static_cast<int64_t>(row) * p.n_total + col);
-        }
+        const uint4* const y8 = reinterpret_cast<const uint4*>(staging + lr * STAGING_PITCH + 16 * plane);
+        if constexpr (kDh) {
+          float dot = 0.f;
+          if (col < p.n_total) {
+            dot = swiglu_grad_8(p, *y8, g8, u8, __ldg(p.topk_weights + slot), static_cast<int64_t>(row) * p.n_total + col);
+          }
 #pragma unroll
-        for (int d = 16; d; d >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, d);
-        if (plane == 0) p.dot_partials[static_cast<int64_t>(n_tile) * p.num_slots + slot] = dot;
+          for (int d = 16; d; d >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, d);
+          if (plane == 0) p.dot_partials[static_cast<int64_t>(n_tile) * p.num_slots + slot] = dot;
+        } else if (col < p.n_total) {  // dx unweighted (dg and du carry the slot weight)
+          store_down_8<kMode == DOWN_ATOMIC || kMode == DX_ATOMIC, kMode == DOWN_ATOMIC>(p, *y8, slot, col);
+        }
       }
     };
     int i = 0;
@@ -392,7 +426,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       const int buf = i & 1;
       // Tile i's routing rows replace tile i - 2's once every consumer warp is done with those.
       if (i >= 2) mbar_wait(tile_free_bar(buf), ((i - 2) / 2) & 1);
-      // DH_SWIGLU: and every producer warp is done with them too (tile i - 2's epilogue, which reads its number)
+      // stages_output: and every producer warp is done with them too (tile i - 2's epilogue, which reads its number)
       if constexpr (kStaging) asm volatile("bar.sync 1, 128;\n" ::: "memory");
       if (threadIdx.x == 0) {  // tile i: the first (own or claimed) one whose block runs an expert of the launch
         int t = -1;
@@ -515,8 +549,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         if (lane == 0) release(ring.stage, kt);
         ring.advance();
       }
-      // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them; DH_SWIGLU's
-      // producer passes by padding rows of the staging tile. Its arrival below still waits for the previous tile's
+      // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them; the staging
+      // modes' producer passes by padding rows of the staging tile. Its arrival below still waits for the previous tile's
       // fill to be consumed (a warp that passes by tiles runs ahead of the other warpgroup).
       if constexpr (kStaging) mbar_wait(staging_empty_bar, (i & 1) ^ 1);
     } else {
@@ -573,18 +607,9 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
                                   [&](int j, int e) { return acc[4 * (j + BN_GU / 8) + 2 * h + e]; });
           }
         }
-        if constexpr (kStaging) {  // grad_h, unweighted, for the producer warpgroup's SwiGLU derivative
+        if constexpr (kStaging) {  // unweighted, for the producer warpgroup's epilogue
           store_row_bf16<BN>(reinterpret_cast<__nv_bfloat16*>(staging + lr * STAGING_PITCH), n_tile * BN, p.n_total,
                              quad, [&](int j, int e) { return acc[4 * j + 2 * h + e]; });
-        }
-        if constexpr (!kGather) {
-          const int slot = slot_of[lr];
-          if (slot < 0) continue;
-          if constexpr (kDx) {  // dx: unweighted (dg and du carry the slot weight)
-            store_down_row<BN_DOWN, kMode == DX_ATOMIC, false>(p, acc, h, quad, slot, n_tile * BN_DOWN);
-          } else {
-            store_down_row<BN_DOWN, kMode == DOWN_ATOMIC>(p, acc, h, quad, slot, n_tile * BN_DOWN);
-          }
         }
       }
     }
