@@ -246,9 +246,11 @@ __device__ __forceinline__ void fence_mbarrier_init() {
 // quad_transpose: the quad's 4 x 4 words, x[k] of lane q = the bf16 pair of columns 8 (j0 + k) + 2 q, + 1, become
 // lane q's pairs of group j0 + q in column order (8 contiguous bf16); its own inverse (a 16-byte load per lane, then
 // this, gives each lane its accumulator-layout pairs). Every lane of the quad must call it (they share one row).
+// The shuffle mask of this lane's quad.
+__device__ __forceinline__ unsigned quad_mask() { return 0xFu << (threadIdx.x & 28u); }
 __device__ __forceinline__ uint4 quad_transpose(uint4 v, int quad) {
   uint32_t x[4] = {v.x, v.y, v.z, v.w};
-  const unsigned mask = 0xFu << (threadIdx.x & 28u);  // this lane's quad
+  const unsigned mask = quad_mask();
 #pragma unroll
   for (int d = 2; d >= 1; d >>= 1) {
     const bool upper = (quad & d) != 0;
@@ -262,6 +264,8 @@ __device__ __forceinline__ uint4 quad_transpose(uint4 v, int quad) {
   }
   return make_uint4(x[0], x[1], x[2], x[3]);
 }
+// One bf16 pair as its 32 bits. Not bf16x8.cuh's pack8 over an 8-float array: in the dH epilogue that compiled to 320
+// bf16 conversions instead of 192 (SASS, session 25).
 __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
@@ -294,7 +298,7 @@ __device__ __forceinline__ void store_down_row(const Params& p, const float* acc
     static_assert(COLS % 16 == 0, "pairs of j (16 columns)");
     const float w = kWeighted ? __ldg(p.topk_weights + slot) : 1.f;
     float* dst = p.acc32 + static_cast<int64_t>(slot / p.top_k) * p.ld_out + n0;
-    const unsigned mask = 0xFu << (threadIdx.x & 28u);
+    const unsigned mask = quad_mask();
     const bool odd = (quad & 1) != 0;
 #pragma unroll
     for (int j = 0; j < COLS / 8; j += 2) {
