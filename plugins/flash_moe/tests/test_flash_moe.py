@@ -415,29 +415,20 @@ def test_moe_checks_operands_before_either_path(change, message, mxfp8):
 
 
 class OpCalls(TorchDispatchMode):
-    """Counts the ops that run under it by name ("aten::_grouped_mm", "flash_moe::moe_gate_up", ...)."""
+    """Counts the ops that run under it by name ("aten::_grouped_mm", "flash_moe::moe_gate_up", ...), and keeps the
+    ``deterministic`` argument of each flash_moe op that takes one (the combine order it was asked for)."""
 
     def __init__(self):
         super().__init__()
         self.counts = collections.Counter()
+        self.deterministic = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[func.name()] += 1
-        return func(*args, **(kwargs or {}))
-
-
-class CombineOrders(TorchDispatchMode):
-    """The ``deterministic`` argument of each flash_moe op that runs under it and takes one, by op name."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         names = [a.name for a in func._schema.arguments]
         if func.namespace == "flash_moe" and "deterministic" in names:
             at = names.index("deterministic")
-            self.seen[func.name()] = args[at] if at < len(args) else kwargs["deterministic"]
+            self.deterministic[func.name()] = args[at] if at < len(args) else kwargs["deterministic"]
         return func(*args, **(kwargs or {}))
 
 
@@ -449,10 +440,10 @@ def test_moe_takes_the_fixed_order_combines_where_they_measured_faster(top_k, de
     from there on (forward and dx); deterministic=True always in fixed order."""
     x, w1, w2, w3, ids, tw = make(32, 128, 64, 8, top_k, seed=10)
     x.requires_grad_()
-    with CombineOrders() as orders:
+    with OpCalls() as calls:
         ops.moe(x, w1, w2, w3, ids, tw, deterministic=deterministic).sum().backward()
     fixed = deterministic or top_k >= ops.CONSTANTS["SLOT_COMBINE_MIN_TOP_K"]
-    assert orders.seen == {"flash_moe::moe_forward": fixed, "flash_moe::moe_grad_x": fixed}
+    assert calls.deterministic == {"flash_moe::moe_forward": fixed, "flash_moe::moe_grad_x": fixed}
 
 
 GRADIENT_INPUTS = ("x", "w1", "w2", "w3", "topk_weights")
