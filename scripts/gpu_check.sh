@@ -19,7 +19,8 @@
 # --mxfp8-only") for the tree and each built variant (AB_VARIANTS names a subset; quotes inside a command keep an
 # argument with spaces together). profile: Nsight Compute on one
 # script (PROFILE, PROFILE_KERNELS, PROFILE_COUNT, PROFILE_SET; e.g. PROFILE="bench/profile_fused_logp.py"
-# PROFILE_KERNELS="fused_logp_(fwd|bwd)_kernel" PROFILE_COUNT=6).
+# PROFILE_KERNELS="fused_logp_(fwd|bwd)_kernel" PROFILE_COUNT=6; PROFILE_SKIP: matching launches skipped first);
+# profile_sass.csv beside the details page holds the warp-state samples of every SASS instruction.
 # BENCHES="bench_a bench_b" limits the bench phase to those scripts (default: every bench/bench_*.py); TEST_SUITES
 # (test folders or files), SANITIZE_SCRIPTS and STABLE_SUITES (space-separated paths) limit the test, sanitize and
 # stable phases likewise.
@@ -291,10 +292,13 @@ if phase profile; then
   # PROFILE_COUNT launches, PROFILE_SET sections; the report and its details page go to OUT (clocks left alone).
   # shellcheck disable=SC2086
   timeout 540 ncu --clock-control none --set "${PROFILE_SET:-full}" -c "${PROFILE_COUNT:-8}" \
+    ${PROFILE_SKIP:+--launch-skip "$PROFILE_SKIP"} \
     -k "regex:${PROFILE_KERNELS:?PROFILE_KERNELS: a regex}" --export "$out/profile" --force-overwrite \
     "$py" ${PROFILE:?PROFILE: a script and its arguments} > "$out/profile.log" 2>&1
   record profile "$PROFILE" "exit $?; $(tail -n 1 "$out/profile.log")"
   ncu --import "$out/profile.ncu-rep" --page details > "$out/profile.txt" 2>&1
+  # the warp-state samples per SASS instruction (where a kernel's warps wait: mainloop or epilogue)
+  ncu --import "$out/profile.ncu-rep" --page source --print-source sass --csv > "$out/profile_sass.csv" 2>&1
 fi
 
 if phase hbm; then
