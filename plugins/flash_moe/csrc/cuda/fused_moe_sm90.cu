@@ -209,7 +209,7 @@ __device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* a
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const float gv = e ? gv2.y : gv2.x, uv = e ? uv2.y : uv2.x, gh = acc[4 * (4 * g + k) + 2 * h + e];
-          const float sig = 1.f / (1.f + __expf(-gv));
+          const float sig = fast_sigmoid(gv);
           const float a = gv * sig, hv = a * uv, dh = gh * w;
           dot += gh * hv;
           du[e] = dh * a;

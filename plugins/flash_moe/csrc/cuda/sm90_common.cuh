@@ -178,7 +178,17 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16_bn(float* d, uint64_t da, 
       : "l"(da), "l"(db), "r"(scale_d), "n"(kTransA));
 }
 
-__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
+// sigmoid(x) = 1 / (1 + 2^(-x log2 e)) in two MUFU operations (ex2.approx.ftz, rcp.approx.ftz: a few ulp of fp32,
+// far below the bf16 rounding of every result it feeds). The IEEE division and the non-ftz ex2 that `1.f / (1.f +
+// __expf(-x))` compiles to add ~12 instructions per element (range fix-ups, a branch to a slow-path call), and the
+// SwiGLU epilogues run it once per accumulator element. Limits: x -> -inf gives 0 (2^+inf = inf), x -> +inf 1.
+__device__ __forceinline__ float fast_sigmoid(float x) {
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(-1.4426950408889634f * x));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.f + e));
+  return r;
+}
+__device__ __forceinline__ float silu_mul(float g, float u) { return g * fast_sigmoid(g) * u; }
 
 // sorted_token_ids[row], or padding (-1) for an entry outside [0, p.num_slots): such an entry would gather past x and
 // write past the output, and checking the values on the host would cost a sync.
