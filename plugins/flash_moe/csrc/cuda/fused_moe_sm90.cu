@@ -172,7 +172,8 @@ __device__ __forceinline__ void fence_acc(float* d) { fence_regs<128>(d); }
 // DH_SWIGLU's epilogue for accumulator row h of a consumer thread: grad_h (unweighted, fp32) of slot `slot` over the
 // columns n0 + 8 j + 2 quad + e, g | u from compact row `row`; writes dg, du, p h there (as swiglu_backward does:
 // dh = p grad_h, du = dh silu(g), dg = dh u sig (1 + g (1 - sig))) and returns this thread's part of <grad_h, h>.
-// Every access is 16 bytes per lane through quad_transpose (groups of 4 j). The g | u loads of kChunk groups are issued
+// Every access is 16 bytes per lane through quad_transpose (groups of 4 j), cache-streaming as in store_row_bf16 (g | u
+// is read once). The g | u loads of kChunk groups are issued
 // before any of their stores: the compiler cannot prove the outputs do not alias g | u, so a load after a store waits
 // for it (SASS of the first version: one load pair, the math and three stores per column group, 64 DRAM round trips
 // in a row per thread and tile).
@@ -190,8 +191,8 @@ __device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* a
     for (int gg = 0; gg < kChunk; ++gg) {
       const int col = 32 * (g0 + gg) + 8 * quad;
       if (n0 + 32 * (g0 + gg) < p.n_total) {  // n_total: a multiple of 32 (whole groups)
-        g4[gg] = *reinterpret_cast<const uint4*>(gate + col);
-        u4[gg] = *reinterpret_cast<const uint4*>(gate + p.n_total + col);
+        g4[gg] = __ldcs(reinterpret_cast<const uint4*>(gate + col));
+        u4[gg] = __ldcs(reinterpret_cast<const uint4*>(gate + p.n_total + col));
       }
     }
 #pragma unroll
@@ -221,9 +222,9 @@ __device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* a
         phw[k] = bf16x2_bits(ph[0], ph[1]);
       }
       const int64_t at = base + 32 * g + 8 * quad;
-      *reinterpret_cast<uint4*>(p.grad_gate + at) = quad_transpose(make_uint4(dgw[0], dgw[1], dgw[2], dgw[3]), quad);
-      *reinterpret_cast<uint4*>(p.grad_up + at) = quad_transpose(make_uint4(duw[0], duw[1], duw[2], duw[3]), quad);
-      *reinterpret_cast<uint4*>(p.weighted_h + at) = quad_transpose(make_uint4(phw[0], phw[1], phw[2], phw[3]), quad);
+      __stcs(reinterpret_cast<uint4*>(p.grad_gate + at), quad_transpose(make_uint4(dgw[0], dgw[1], dgw[2], dgw[3]), quad));
+      __stcs(reinterpret_cast<uint4*>(p.grad_up + at), quad_transpose(make_uint4(duw[0], duw[1], duw[2], duw[3]), quad));
+      __stcs(reinterpret_cast<uint4*>(p.weighted_h + at), quad_transpose(make_uint4(phw[0], phw[1], phw[2], phw[3]), quad));
     }
   }
   return dot;

@@ -282,6 +282,8 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
 }
 // Stores a quad's row of COLS accumulator-layout values as bf16 to dst (the row's first column, 16-byte aligned):
 // value(j, e) is column 8 j + 2 quad + e. Columns from n_total on (a multiple of 32: whole groups) are left alone.
+// Cache-streaming stores (evict-first in L2): an epilogue's output is read next by another kernel, after far more
+// bytes than L2 holds, while the k loops keep re-reading their A rows and weight tiles from L2.
 template <int COLS, class Value>
 __device__ __forceinline__ void store_row_bf16(__nv_bfloat16* dst, int n0, int n_total, int quad, Value value) {
   static_assert(COLS % 32 == 0, "whole groups of 4 j (32 columns)");
@@ -293,7 +295,7 @@ __device__ __forceinline__ void store_row_bf16(__nv_bfloat16* dst, int n0, int n
     w.y = bf16x2_bits(value(4 * g + 1, 0), value(4 * g + 1, 1));
     w.z = bf16x2_bits(value(4 * g + 2, 0), value(4 * g + 2, 1));
     w.w = bf16x2_bits(value(4 * g + 3, 0), value(4 * g + 3, 1));
-    *reinterpret_cast<uint4*>(dst + 32 * g + 8 * quad) = quad_transpose(w, quad);
+    __stcs(reinterpret_cast<uint4*>(dst + 32 * g + 8 * quad), quad_transpose(w, quad));
   }
 }
 
