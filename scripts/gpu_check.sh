@@ -20,7 +20,8 @@
 # argument with spaces together). profile: Nsight Compute on one
 # script (PROFILE, PROFILE_KERNELS, PROFILE_COUNT, PROFILE_SET; e.g. PROFILE="bench/profile_fused_logp.py"
 # PROFILE_KERNELS="fused_logp_(fwd|bwd)_kernel" PROFILE_COUNT=6; PROFILE_SKIP: matching launches skipped first);
-# profile_sass.csv beside the details page holds the warp-state samples of every SASS instruction.
+# profile_sass.csv beside the details page holds the warp-state samples of every SASS instruction, profile_sass.txt
+# their summary (bench/ncu_sass.py).
 # BENCHES="bench_a bench_b" limits the bench phase to those scripts (default: every bench/bench_*.py); TEST_SUITES
 # (test folders or files), SANITIZE_SCRIPTS and STABLE_SUITES (space-separated paths) limit the test, sanitize and
 # stable phases likewise.
@@ -299,6 +300,7 @@ if phase profile; then
   ncu --import "$out/profile.ncu-rep" --page details > "$out/profile.txt" 2>&1
   # the warp-state samples per SASS instruction (where a kernel's warps wait: mainloop or epilogue)
   ncu --import "$out/profile.ncu-rep" --page source --print-source sass --csv > "$out/profile_sass.csv" 2>&1
+  "$py" bench/ncu_sass.py "$out/profile_sass.csv" > "$out/profile_sass.txt" 2>&1
 fi
 
 if phase hbm; then

@@ -368,9 +368,9 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       mbar_arrive(rows_ready_bar(buf));  // the consumers read this thread's row (and the tile number) after it
       if (t < 0) break;                  // the consumers stop at the -1
       asm volatile("bar.sync 1, 128;\n" ::: "memory");  // each producer thread reads the others' rows below
-      // This thread's A rows' offsets, read once per tile: read per stage, each shared-memory load waited on the
-      // previous row's cp.async (the asm's memory clobber orders them), ~8 dependent loads between a stage's release
-      // and its copies (Nsight Compute: a quarter of the producer's time stalled on them).
+      // This thread's A rows' offsets, in registers for the whole tile: loaded from shared memory in the k loop, each
+      // load would wait for the previous row's cp.async (the asm's memory clobber orders them), ~8 dependent loads
+      // between a stage's release and its copies (Nsight Compute: a quarter of the producer's time).
       int64_t row_off[BM / 16];
 #pragma unroll
       for (int r = 0; r < BM / 16; ++r) row_off[r] = a_rows[buf * BM + r0 + 16 * r];
