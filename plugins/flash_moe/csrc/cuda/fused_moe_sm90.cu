@@ -3,7 +3,7 @@
 // One kernel template over tiles of one aligned block of BLOCK_M = 128 routed slots (one expert) x one 256-wide column
 // tile, 384 threads per CTA (gate/up: one CTA per tile, in CTA pairs, or persistent with many routed slots per expert;
 // down and the backward's: persistent, one CTA per SM walking tiles, its ring and routing rows running on from tile to
-// tile):
+// tile; persistent CTAs run in pairs that walk two blocks of one expert together and share its weight tiles):
 //   warpgroup 0  producer: cp.async 16-byte copies into a STAGES-deep ring of 128-byte-swizzled shared memory. The A
 //                rows are gathered: row r of the block reads x[sorted_token_ids[r] / top_k] (zero-filled for -1
 //                padding), so the token permutation never touches global memory. B rows are the expert's weight
@@ -93,7 +93,7 @@ constexpr int B_BYTES = BN * BK * 2;
 constexpr int B_BOX_ROWS = BN / 2;  // one TMA box: the gate (or up) half of a gate/up tile, half a down tile
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + 2 * BM * 8 /* A row offsets */ +
-                           2 * BM * 4 /* slots */ + (2 * STAGES + 4) * 8 /* mbarriers */ + 2 * 4 /* tile numbers */;
+                           2 * BM * 4 /* slots */ + (2 * STAGES + 8) * 8 /* mbarriers */ + 4 * 4 /* tile numbers */;
 
 // GATE_UP_SAVE (the backward's recomputation): the epilogue stores the gate and up pre-activations as bf16 to row
 // dst_rows[padded row] of a compact [routed slots, 2 hidden] tensor instead of h.
@@ -231,9 +231,10 @@ __device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* a
 #endif
 
 // CTA or tile number -> (aligned block, column tile) in the launch's order (Params::raster_runs).
-__device__ __forceinline__ void tile_order(const Params& p, int cta, int blocks, int& block, int& n_tile) {
+__device__ __forceinline__ void tile_order(const Params& p, int cta, int blocks, int& block, int& n_tile,
+                                           int ids_stride = 1) {
   if (p.raster_runs) {
-    raster_by_expert(cta, p.n_tiles, blocks, p.expert_ids, block, n_tile);
+    raster_by_expert(cta, p.n_tiles, blocks, p.expert_ids, block, n_tile, ids_stride);
   } else {
     raster(cta, p.n_tiles, blocks, block, n_tile);
   }
@@ -263,16 +264,29 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   constexpr bool kPersistent = persistent_mode(MODE);
   const int ntpp = __ldg(p.ntpp);
   // Persistent: the tiles of the live blocks (block * BM < num_tokens_post_padded, read here: no host sync) in raster
-  // order; 32-bit tile numbers (the host keeps blocks x n_tiles below 2^31, so t + p.ctas cannot wrap).
+  // order; 32-bit tile numbers (the host keeps blocks x n_tiles below 2^31, so t + p.ctas cannot wrap). They run in CTA
+  // pairs (clusters of kPairCtas): a unit is the blocks 2 u, 2 u + 1 (moe_align's block_align makes them one expert,
+  // or an expert and an empty block) x one column tile, rank r computing block 2 u + r; where the two blocks share an
+  // expert (or one has none) each CTA loads half of every weight tile for both (TMA multicast): 32 KB per CTA per k
+  // tile instead of 48, for mainloops that wait on their loads (Nsight Compute, session 26).
   const int live = kPersistent ? (ntpp <= 0 ? 0 : min(p.blocks, (ntpp - 1) / BM + 1)) : p.blocks;
-  const uint32_t tiles = static_cast<uint32_t>(live) * p.n_tiles;
-  if (blockIdx.x >= tiles) return;  // also the CTAs that round the grid up to whole clusters
+  const int live_units = kPersistent ? (live + kPairCtas - 1) / kPairCtas : live;
+  const uint32_t tiles = static_cast<uint32_t>(live_units) * p.n_tiles;
+  const uint32_t first_unit = kPersistent ? blockIdx.x / kPairCtas : blockIdx.x;
+  if (first_unit >= tiles) return;  // also the CTAs that round the grid up to whole clusters (both CTAs of a pair)
   // One CTA per tile: the cluster's other CTA (blockIdx.x ^ 1), when it runs the same expert's same column tile, loads
   // half of each weight tile for both (TMA multicast), halving the weight traffic from L2 (where DeepSeek-V3's
   // kernels were bound: 96% L2 throughput). Both CTAs reach the same decision; a CTA that left never pairs.
   int own_block = 0, own_tile = 0, own_expert = -1;
   bool paired = false;
-  const uint32_t rank = kPersistent ? 0u : cluster_ctarank();
+  const uint32_t rank = cluster_ctarank();
+  // Persistent: the expert of unit u's block 2 u + r, -1 for an empty block, one past the live blocks or one of an
+  // expert outside the launch (its rows are computed as padding).
+  auto unit_expert = [&](int unit, uint32_t r) {
+    const int block = unit * kPairCtas + static_cast<int>(r);
+    const int expert = block < live ? __ldg(p.expert_ids + block) : -1;
+    return expert >= 0 && expert < p.num_experts ? expert : -1;
+  };
   if constexpr (!kPersistent) {
     tile_order(p, static_cast<int>(blockIdx.x), p.blocks, own_block, own_tile);
     if (own_block * BM >= ntpp) return;  // past the routed blocks: the whole CTA leaves
@@ -297,26 +311,40 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
   auto tile_free_bar = [&](int b) { return bars + 8u * (2 * STAGES + b); };
   auto rows_ready_bar = [&](int b) { return bars + 8u * (2 * STAGES + 2 + b); };
-  // the tile of routing-row buffer b as block x n_tiles + column tile (decoded once, by the claiming thread), -1 once
-  // the CTA's tiles are done
-  int* const tile_of = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + 2 * BM * 12 + (2 * STAGES + 4) * 8);
+  // persistent pairs: rank 0 claims each unit and hands it to rank 1 through rank 1's mailbox[b] (claim_ready there),
+  // which is free again once rank 1 read it (mailbox_free in rank 0)
+  auto claim_ready_bar = [&](int b) { return bars + 8u * (2 * STAGES + 4 + b); };
+  auto mailbox_free_bar = [&](int b) { return bars + 8u * (2 * STAGES + 6 + b); };
+  // the tile of routing-row buffer b as block (persistent: unit) x n_tiles + column tile (decoded once, by the claiming
+  // thread), -1 once the CTA's tiles are done
+  int* const tile_of = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + 2 * BM * 12 + (2 * STAGES + 8) * 8);
+  int* const mailbox = tile_of + 2;
+  const bool ring_pair = kPersistent || paired;
   if (threadIdx.x == 0) {
     // paired: a stage is free once the consumers of both CTAs released it (the peer's TMA writes into it too)
-    init_ring<STAGES>(bars, (paired ? 2 : 1) * CONSUMER_WARPS);
+    init_ring<STAGES>(bars, (ring_pair ? 2 : 1) * CONSUMER_WARPS);
     // a routing-row buffer is free again once each consumer warp is done with its tile
     for (int b = 0; b < 2; ++b) mbar_init(tile_free_bar(b), CONSUMER_WARPS);
     // and holds the next tile's rows once each producer thread wrote its row (and thread 0 the tile number)
     for (int b = 0; b < 2; ++b) mbar_init(rows_ready_bar(b), 128);
+    for (int b = 0; b < 2; ++b) mbar_init(claim_ready_bar(b), 1);
+    for (int b = 0; b < 2; ++b) mbar_init(mailbox_free_bar(b), 1);
     fence_mbarrier_init();
   }
   __syncthreads();
-  if (paired) cluster_sync();  // both rings initialised before either CTA's copies or arrivals reach the other
+  if (ring_pair) cluster_sync();  // both rings initialised before either CTA's copies or arrivals reach the other
   // Releasing stage s after k tile j: this CTA's empty barrier, and the peer's while the peer will still wait on it
-  // (its producer waits for k tiles j < k_tiles - STAGES only; an arrival after the peer may have exited is not
-  // allowed).
+  // (one CTA per tile: its producer waits for k tiles j < k_tiles - STAGES only; an arrival after the peer may have
+  // exited is not allowed. Persistent pairs walk the same units, and both stay until a cluster barrier at the end).
   auto release = [&](int s, int j) {
     mbar_arrive(empty_bar(s));
-    if (paired && j < p.k_tiles - STAGES) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
+    if (kPersistent || (paired && j < p.k_tiles - STAGES)) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
+  };
+  // tile_of's value -> this CTA's block and column tile
+  auto decode = [&](int t, int& block, int& n_tile) {
+    const int unit = t / p.n_tiles;
+    n_tile = t % p.n_tiles;
+    block = kPersistent ? unit * kPairCtas + static_cast<int>(rank) : unit;
   };
 
   const int warpgroup = threadIdx.x / 128;
@@ -335,15 +363,23 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       if (threadIdx.x == 0) {  // tile i: the first (own or claimed) one whose block runs an expert of the launch
         int t = -1;
         if constexpr (kPersistent) {
-          uint32_t cand = i == 0 ? blockIdx.x : p.ctas + atomicAdd(p.tile_counter, 1);
-          for (; cand < tiles; cand = p.ctas + atomicAdd(p.tile_counter, 1)) {
-            int block, n_tile;
-            tile_order(p, static_cast<int>(cand), live, block, n_tile);
-            const int expert = __ldg(p.expert_ids + block);
-            if (expert >= 0 && expert < p.num_experts) {
-              t = block * p.n_tiles + n_tile;
-              break;
+          if (rank == 0) {  // the first unit with a block of an expert of the launch
+            uint32_t cand = i == 0 ? first_unit : p.ctas + atomicAdd(p.tile_counter, 1);
+            for (; cand < tiles; cand = p.ctas + atomicAdd(p.tile_counter, 1)) {
+              int unit, n_tile;
+              tile_order(p, static_cast<int>(cand), live_units, unit, n_tile, kPairCtas);
+              if (unit_expert(unit, 0) >= 0 || unit_expert(unit, 1) >= 0) {
+                t = unit * p.n_tiles + n_tile;
+                break;
+              }
             }
+            if (i >= 2) mbar_wait_acquire_cluster(mailbox_free_bar(buf), ((i - 2) / 2) & 1);
+            st_shared_cluster(mapa_shared(smem_u32(mailbox + buf), 1u), t);
+            mbar_arrive_release_cluster(mapa_shared(claim_ready_bar(buf), 1u));
+          } else {
+            mbar_wait_acquire_cluster(claim_ready_bar(buf), (i / 2) & 1);
+            t = *reinterpret_cast<volatile int*>(mailbox + buf);
+            mbar_arrive_release_cluster(mapa_shared(mailbox_free_bar(buf), 0u));
           }
         } else {
           t = i == 0 ? own_block * p.n_tiles + own_tile : -1;
@@ -352,8 +388,16 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       }
       asm volatile("bar.sync 1, 128;\n" ::: "memory");  // the producer warps only
       const int t = tile_of[buf];
-      const int block = t >= 0 ? t / p.n_tiles : 0, n_tile = t >= 0 ? t % p.n_tiles : 0;
-      if (t >= 0) {
+      int block = 0, n_tile = 0;
+      if (t >= 0) decode(t, block, n_tile);
+      // persistent: this block's expert (-1: its rows are padding) and whether the pair shares the weight tiles
+      const int own = kPersistent ? (t >= 0 ? unit_expert(block / kPairCtas, rank) : -1) : 0;
+      const int other = kPersistent ? (t >= 0 ? unit_expert(block / kPairCtas, rank ^ 1u) : -1) : 0;
+      const bool share_b = kPersistent ? (own < 0 || other < 0 || own == other) : paired;
+      if (t >= 0 && kPersistent && own < 0) {  // no expert of the launch: rows of padding, nothing read
+        slot_rows[buf * BM + threadIdx.x] = -1;
+        a_rows[buf * BM + threadIdx.x] = -1;
+      } else if (t >= 0) {
         if constexpr (kDx) {  // A's row: the slot's compact row of dg / du, -1 (zero-filled) for padding
           const int row = block * BM + threadIdx.x;
           const int slot = routed_slot(p, row);
@@ -374,7 +418,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       int64_t row_off[BM / 16];
 #pragma unroll
       for (int r = 0; r < BM / 16; ++r) row_off[r] = a_rows[buf * BM + r0 + 16 * r];
-      const int expert = __ldg(p.expert_ids + block);
+      // the expert whose weight tiles this CTA loads (a persistent pair's padding block: its peer's)
+      const int expert = kPersistent ? (own >= 0 ? own : other) : __ldg(p.expert_ids + block);
 
       // N-major B: the expert's first weight row (the k tile adds its rows); else its first row of this column tile
       const int b_row = expert * p.b_rows_per_expert + (kMajorN ? 0 : n_tile * (kGateUp ? BN_GU : BN_DOWN));
@@ -387,20 +432,25 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         const int kofs = (second ? kt - p.k_half : kt) * BK;
         const __nv_bfloat16* const a_src = second ? p.a2 : p.a;
         if (kMajorN && threadIdx.x == 0) {  // the B tile: MN_ATOMS boxes of weight rows kofs.., 64 columns each
-          static_assert(!kMajorN || kPersistent, "N-major B tiles are loaded per CTA (no CTA-pair multicast)");
-          mbar_expect_tx(full_bar(stage), B_BYTES);
+          static_assert(!kMajorN || kPersistent, "N-major B tiles are loaded by persistent CTA pairs");
+          static_assert(MN_ATOMS % kPairCtas == 0, "a pair's CTAs load whole boxes of the B tile");
+          mbar_expect_tx(full_bar(stage), B_BYTES);  // shared: half from this CTA's copy, half from the peer's
           const CUtensorMap* map = second ? &p.tm_b1 : &p.tm_b0;
 #pragma unroll
           for (int q = 0; q < MN_ATOMS; ++q) {
-            tma_load_2d(st + A_BYTES + q * (B_BYTES / MN_ATOMS), map, full_bar(stage), n_tile * BN + q * MN_ATOM,
-                        b_row + kofs);
+            const uint32_t dst = st + A_BYTES + q * (B_BYTES / MN_ATOMS);
+            if (!share_b) {
+              tma_load_2d(dst, map, full_bar(stage), n_tile * BN + q * MN_ATOM, b_row + kofs);
+            } else if (q / (MN_ATOMS / kPairCtas) == static_cast<int>(rank)) {
+              tma_load_2d_multicast(dst, map, full_bar(stage), n_tile * BN + q * MN_ATOM, b_row + kofs, kPairMask);
+            }
           }
         }
         if (!kMajorN && threadIdx.x == 0) {  // the B tile: two TMA boxes (GATE_UP: gate rows, then the same up rows)
           mbar_expect_tx(full_bar(stage), B_BYTES);  // paired: half from this CTA's copy, half from the peer's
           const CUtensorMap* box1 = kGateUp ? &p.tm_b1 : &p.tm_b0;
           const int row1 = kGateUp ? b_row : b_row + B_BOX_ROWS;
-          if (paired) {
+          if (share_b) {
             tma_load_2d_multicast(st + A_BYTES + rank * (B_BYTES / 2), rank ? box1 : &p.tm_b0, full_bar(stage), kofs,
                                   rank ? row1 : b_row, kPairMask);
           } else {
@@ -433,7 +483,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     mbar_wait(rows_ready_bar(buf), (i / 2) & 1);
     const int t = tile_of[buf];
     if (t < 0) break;
-    const int block = t / p.n_tiles, n_tile = t % p.n_tiles;
+    int block, n_tile;
+    decode(t, block, n_tile);
     const int* const slot_of = slot_rows + buf * BM;
     // When this warpgroup's 64 rows are all padding it only keeps the ring turning, and the other warpgroup's wgmmas
     // get the tensor cores (DeepSeek-V3: 256 ± 16 slots per expert, so about half the experts end in a block of <= 64
@@ -523,6 +574,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     __syncwarp();
     if (lane == 0) mbar_arrive(tile_free_bar(buf));
   }
+  // persistent pairs: neither CTA leaves while the other's consumers may still arrive on its empty barriers
+  if constexpr (kPersistent) cluster_sync();
 #else
   __trap();  // compiled for an arch other than sm_90a: the host side never launches it there
 #endif
@@ -536,7 +589,7 @@ template <int MODE>
 void launch(Params p, int n_tiles, const MoeShape& s, cudaStream_t stream) {
   constexpr bool kPersistent = persistent_mode(MODE);
   p.raster_runs = raster_runs(s);
-  launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, SMEM_BYTES, kPersistent ? 1 : CLUSTER_BLOCKS, kPersistent>(
+  launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, SMEM_BYTES, CLUSTER_BLOCKS, kPersistent>(
       p, n_tiles, s.blocks, stream);
 }
 

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
 #include <cuda_bf16.h>
 #include <prime_kernels/sm90.cuh>
@@ -47,18 +48,19 @@ __device__ __forceinline__ void raster(int cta, int n_tiles, int blocks, int& bl
 // GB and this one's at 8.8; measured in session 23: 18.1 -> 13.5 GB). The host picks it per launch (fused_moe_sm90.cu,
 // raster_runs). A bijection over [0, blocks x n_tiles) whatever expert_ids holds: run r of a window takes
 // the tiles [first block of r, last block of r + 1) x n_tiles, and t / n_tiles names a block of the run holding t.
+// ids_stride: unit b's expert id is expert_ids[ids_stride * b] (persistent CTA pairs: a unit is blocks 2 b, 2 b + 1).
 __device__ __forceinline__ void raster_by_expert(int cta, int n_tiles, int blocks, const int* expert_ids, int& block,
-                                                 int& n_tile) {
+                                                 int& n_tile, int ids_stride = 1) {
   static_assert(RASTER_BLOCKS >= 1 && RASTER_BLOCKS <= 63,
                 "RASTER_BLOCKS must be in [1, 63] (a window and its end bit in one 64-bit mask)");
   const int b = cta / n_tiles;
   const int first = b / RASTER_BLOCKS * RASTER_BLOCKS;
   const int in_window = min(RASTER_BLOCKS, blocks - first);
-  const int expert = __ldg(expert_ids + b);
+  const int expert = __ldg(expert_ids + ids_stride * b);
   uint64_t other = 1ull << in_window;  // bit j: block first + j is past the window or runs another expert id
 #pragma unroll
   for (int j = 0; j < RASTER_BLOCKS; ++j) {
-    if (j < in_window && __ldg(expert_ids + first + j) != expert) other |= 1ull << j;
+    if (j < in_window && __ldg(expert_ids + ids_stride * (first + j)) != expert) other |= 1ull << j;
   }
   const int local = b - first;
   const uint64_t below = other & ((1ull << local) - 1ull);
@@ -72,11 +74,11 @@ __device__ __forceinline__ void raster_by_expert(int cta, int n_tiles, int block
 
 // One launch of a GEMM kernel over blocks x n_tiles CTAs (the raster above decodes blockIdx.x), in clusters of
 // kCluster consecutive CTAs (the grid rounded up to whole clusters: CTAs past blocks x n_tiles leave at once); each
-// kernel (each mode) gets its shared-memory size once. kPersistent: a grid of min(blocks x n_tiles, SMs) CTAs instead
-// (p.ctas), each walking the tiles blockIdx.x, + p.ctas, ... itself: for kernels of one resident CTA per SM.
+// kernel (each mode) gets its shared-memory size once. kPersistent: clusters of kCluster CTAs (one resident CTA per
+// SM), as many as fit at once and no more than the units of work, a unit being kCluster consecutive blocks x one
+// column tile (p.ctas: the clusters), each cluster walking units from its index on.
 template <auto kKernel, int kThreads, int kSmemBytes, int kCluster = 1, bool kPersistent = false, class Params>
 void launch_rastered(Params p, int n_tiles, int64_t blocks, cudaStream_t stream) {
-  static_assert(!kPersistent || kCluster == 1, "persistent launches run without clusters");
   static const bool configured = [] {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
     return true;
@@ -89,8 +91,31 @@ void launch_rastered(Params p, int n_tiles, int64_t blocks, cudaStream_t stream)
   p.blocks = static_cast<int>(blocks);
   int64_t grid = (ctas + kCluster - 1) / kCluster * kCluster;
   if constexpr (kPersistent) {
-    grid = std::min<int64_t>(ctas, current_device_sms());
-    p.ctas = static_cast<int>(grid);
+    // the clusters that fit at once: one CTA per SM, and for pairs fewer than SMs / 2 where a GPC has an SM over
+    // (asked once per process and device)
+    static int resident[64] = {};
+    const int device = c10::cuda::current_device();
+    int& fit = resident[device % 64];
+    if (kCluster == 1) {
+      fit = static_cast<int>(current_device_sms());
+    } else if (fit == 0) {
+      cudaLaunchConfig_t config{};
+      config.gridDim = dim3(kCluster * static_cast<unsigned>(current_device_sms()));
+      config.blockDim = dim3(kThreads);
+      config.dynamicSmemBytes = kSmemBytes;
+      cudaLaunchAttribute cluster{};
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = kCluster;
+      cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+      config.attrs = &cluster;
+      config.numAttrs = 1;
+      int n = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kKernel, &config));
+      fit = std::max(n, 1);
+    }
+    const int64_t clusters = std::min<int64_t>((blocks + kCluster - 1) / kCluster * n_tiles, fit);
+    grid = clusters * kCluster;
+    p.ctas = static_cast<int>(clusters);
   }
   C10_CUDA_CHECK(prime_kernels::sm90::launch_in_clusters(kKernel, static_cast<unsigned>(grid), kThreads, kSmemBytes,
                                                          stream, kCluster, p));
@@ -137,6 +162,23 @@ inline void check_cuda_operand(const char* op, const char* name, const at::Tenso
 constexpr int kProducerRegs = 56, kConsumerRegs = 224;
 static_assert(128 * (kProducerRegs + 2 * kConsumerRegs) <= 384 * (65536 / 384 / 8 * 8),
               "setmaxnreg: the consumers' registers must come from the producer's");
+
+// A value handed to a cluster peer: stored into its shared memory (a mapa address), then an arrival on its mbarrier
+// that releases the store at cluster scope; the peer's wait acquires it.
+__device__ __forceinline__ void st_shared_cluster(uint32_t cluster_addr, int value) {
+  asm volatile("st.shared::cluster.s32 [%0], %1;\n" ::"r"(cluster_addr), "r"(value) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_release_cluster(uint32_t cluster_addr) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
+}
+__device__ __forceinline__ void mbar_wait_acquire_cluster(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred P1;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%0], %1;\n"
+      "@!P1 bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
 
 // A stage is full once each of the 128 producer threads has arrived (its A copies landed) and thread 0's expect_tx
 // arrival has seen the B tile's TMA bytes: both GEMM kernels (bf16 and mxfp8) fill their stages this way.
