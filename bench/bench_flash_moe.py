@@ -281,7 +281,8 @@ def bench_sonicmoe(ops, shapes, ceiling):
     """SonicMoE (sonic-moe 0.1.2.post1 on the CuTe DSL: scripts/peer_wheels.sh) on each shape: the same x, weights and
     routing (its layout built once, outside the timing: w1|w3 as (2I, H, E) and w2 as (H, I, E) views of E-major
     memory, [gate; up] concatenated), forward, forward+backward and the backward alone against ours, same run, with
-    its output's error against the grouped-mm path as a layout check; or the exact error that stopped it."""
+    its output's error against the grouped-mm path as a layout check; or the exact error that stopped it. Ours runs on
+    the same tensors (leaves sharing their storage), its timings interleaved with SonicMoE's."""
     from prime_kernels_flash_moe.reference import moe_grouped_mm
 
     try:
@@ -299,37 +300,47 @@ def bench_sonicmoe(ops, shapes, ceiling):
         tokens = torch.arange(T, device="cuda", dtype=torch.int32).repeat_interleave(k)
         experts, scores = ids.reshape(-1).contiguous(), tw.reshape(-1).float().requires_grad_()
         xg = x.detach().requires_grad_()
+        # ours on the same inputs: leaves sharing their storage (at DeepSeek-V3 the weights are 21 GiB and each
+        # implementation's weight gradients as much again: a second problem, or both gradient sets kept, overflows
+        # an 80 GiB card)
+        mine = [t.detach().requires_grad_() for t in (x, w1, w2, w3, tw)]
+        ours_args = (*mine[:4], ids, mine[4])
 
         def sonic():
             return moe_general_routing_inputs(xg, scores, tokens, experts, w13, None, w2s, None, E,
                                               torch.cuda.current_stream().cuda_stream, ActivationType.SWIGLU, False,
                                               True)[0]
+
+        def drop_grads():
+            for t in (*leaves, *mine):
+                t.grad = None
         row = {"peer": "sonicmoe", "shape": name}
+        leaves = [xg, w13, w2s, scores]
         try:
             out = sonic()  # the first call compiles its kernels (minutes)
             ref = moe_grouped_mm(x, w1, w2, w3, ids, tw).float()
             row["rel_err_vs_grouped_mm"] = ((out.float() - ref).norm() / ref.norm()).item()
+            del out, ref
             go = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
-            leaves = [xg, w13, w2s, scores]
             with torch.no_grad():
                 row["fwd_ms"] = do_bench(sonic)
-                row["ours_fwd_ms"] = do_bench(lambda: ops.moe(x, w1, w2, w3, ids, tw))
+                row["ours_fwd_ms"] = do_bench(lambda: ops.moe(*ours_args))
             row["fwd_bwd_ms"] = do_bench(lambda: sonic().backward(go), grad_to_none=leaves)
-            p = problem(T, E, k, dim, hidden, grad=True)
-            ours_leaves = [p[i] for i in (0, 1, 2, 3, 5)]
-            row["ours_fwd_bwd_ms"] = do_bench(lambda: ops.moe(*p).backward(go), grad_to_none=ours_leaves)
+            drop_grads()
+            row["ours_fwd_bwd_ms"] = do_bench(lambda: ops.moe(*ours_args).backward(go), grad_to_none=mine)
+            drop_grads()
             # the backward alone, autograd.grad on a kept graph, as the main rows time ours
             try:
                 kept = sonic()
                 row["bwd_ms"] = do_bench(lambda: torch.autograd.grad(kept, leaves, go, retain_graph=True))
-                kept = ops.moe(*p)
-                row["ours_bwd_ms"] = do_bench(lambda: torch.autograd.grad(kept, ours_leaves, go, retain_graph=True))
+                kept = ops.moe(*ours_args)
+                row["ours_bwd_ms"] = do_bench(lambda: torch.autograd.grad(kept, mine, go, retain_graph=True))
                 del kept
             except Exception as exc:  # noqa: BLE001: the other timings of the row stand
                 row["bwd_error"] = f"{type(exc).__name__}: {exc}"
-            for t in leaves:
-                t.grad = None
+            drop_grads()
             row["peak_gib"] = peak_extra(lambda: sonic().backward(go)) / 2**30
+            drop_grads()
             row.update(fwd_tflops=flops / row["fwd_ms"] / 1e9, fwd_ratio=row["fwd_ms"] / row["ours_fwd_ms"],
                        fwd_bwd_ratio=row["fwd_bwd_ms"] / row["ours_fwd_bwd_ms"], ceiling_tflops=ceiling / 1e12)
             print(f"sonicmoe {name:24s} fwd {row['fwd_ms']:7.3f} ms ({row['fwd_tflops']:5.0f} TFLOP/s) vs ours "
@@ -339,12 +350,11 @@ def bench_sonicmoe(ops, shapes, ceiling):
                      f"{row['bwd_ms']:7.3f} vs {row['ours_bwd_ms']:7.3f} ms")
                   + f" | peak {row['peak_gib']:.2f} GiB"
                   f" | output vs grouped-mm rel err {row['rel_err_vs_grouped_mm']:.2e}", flush=True)
-            del p
         except Exception as exc:  # noqa: BLE001: its exact error is the row's result
             row["error"] = f"{type(exc).__name__}: {exc}"
             print(f"sonicmoe {name}: {row['error']}", flush=True)
         rows.append(row)
-        del x, w1, w2, w3, ids, tw, w13, w2s, tokens, experts, scores, xg
+        del x, w1, w2, w3, ids, tw, w13, w2s, tokens, experts, scores, xg, mine, ours_args, leaves
         free()
     return rows
 
