@@ -35,6 +35,7 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
+#include <climits>
 #include <cstdint>
 #include <initializer_list>
 #include <iterator>
@@ -93,7 +94,8 @@ constexpr int B_BYTES = BN * BK * 2;
 constexpr int B_BOX_ROWS = BN / 2;  // one TMA box: the gate (or up) half of a gate/up tile, half a down tile
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + 2 * BM * 8 /* A row offsets */ +
-                           2 * BM * 4 /* slots */ + (2 * STAGES + 4) * 8 /* mbarriers */ + 2 * 4 /* tile numbers */;
+                           2 * BM * 4 /* slots */ + (2 * STAGES + 4) * 8 /* mbarriers */ + 2 * 4 /* tile numbers */ +
+                           2 * 4 * 4 /* per producer warp: bounds of its rows' A row - row */;
 
 // GATE_UP_SAVE (the backward's recomputation): the epilogue stores the gate and up pre-activations as bf16 to row
 // dst_rows[padded row] of a compact [routed slots, 2 hidden] tensor instead of h.
@@ -124,6 +126,10 @@ constexpr bool persistent_mode(int mode) {
 constexpr int MN_ATOMS = BN / MN_ATOM;
 
 struct Params {
+  // DOWN_*, DX_*: A by TMA where a tile's A rows are consecutive rows (always the intermediate's; dg / du's compact
+  // rows unless the routing interleaves padding), boxes of BM x BK: the intermediate or dg (tm_a0), du (tm_a1)
+  CUtensorMap tm_a0;
+  CUtensorMap tm_a1;
   // B tiles by TMA: 2-D maps over the weight rows (boxes of B_BOX_ROWS x BK); expert e's row n is map row
   // e * b_rows_per_expert + n. GATE_UP: tm_b0 the gate rows, tm_b1 the up rows; DOWN: tm_b0 w2's rows.
   CUtensorMap tm_b0;
@@ -250,6 +256,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   constexpr bool kGather = kGateUp || kDh;  // A rows gathered from a [tokens, dim] tensor, K = dim
   constexpr bool kDx = kMode == DX_ATOMIC || kMode == DX_SLOTS;
   constexpr bool kMajorN = kDh || kDx;  // B read N-major (wgmma's transposed B)
+  // A rows read from a row-major operand in the block's order (not gathered by token): one TMA box per stage
+  constexpr bool kTmaA = kDx || kMode == DOWN_ATOMIC || kMode == DOWN_SLOTS;
   // The down GEMMs run persistent: one CTA per SM, its producer filling the ring with the next tile while the
   // consumers finish the last: their K (hidden: 12 k tiles at Qwen3, 32 at DeepSeek-V3) is too short to hide a CTA's
   // launch, ring fill and epilogue. A CTA's first tile is blockIdx.x, the next ones are claimed from a counter, so the
@@ -300,6 +308,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   // the tile of routing-row buffer b as block x n_tiles + column tile (decoded once, by the claiming thread), -1 once
   // the CTA's tiles are done
   int* const tile_of = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + 2 * BM * 12 + (2 * STAGES + 4) * 8);
+  int* const warp_bounds = tile_of + 2;
   if (threadIdx.x == 0) {
     // paired: a stage is free once the consumers of both CTAs released it (the peer's TMA writes into it too)
     init_ring<STAGES>(bars, (paired ? 2 : 1) * CONSUMER_WARPS);
@@ -353,20 +362,32 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       asm volatile("bar.sync 1, 128;\n" ::: "memory");  // the producer warps only
       const int t = tile_of[buf];
       const int block = t >= 0 ? t / p.n_tiles : 0, n_tile = t >= 0 ? t % p.n_tiles : 0;
+      // DX: this thread's compact row minus its row in the block, for a routed row
+      bool routed_a = false;
+      int row_shift = 0;
       if (t >= 0) {
         if constexpr (kDx) {  // A's row: the slot's compact row of dg / du, -1 (zero-filled) for padding
           const int row = block * BM + threadIdx.x;
           const int slot = routed_slot(p, row);
           const int compact = slot >= 0 ? p.dst_rows[row] : -1;
           slot_rows[buf * BM + threadIdx.x] = slot;
-          a_rows[buf * BM + threadIdx.x] =
-              compact >= 0 && compact < p.dst_limit ? static_cast<int64_t>(compact) * p.lda : -1;
+          routed_a = compact >= 0 && compact < p.dst_limit;
+          row_shift = compact - static_cast<int>(threadIdx.x);
+          a_rows[buf * BM + threadIdx.x] = routed_a ? static_cast<int64_t>(compact) * p.lda : -1;
         } else {
           routing_row<BM, kGather>(p, block, threadIdx.x, a_rows + buf * BM, slot_rows + buf * BM);
         }
       }
       mbar_arrive(rows_ready_bar(buf));  // the consumers read this thread's row (and the tile number) after it
       if (t < 0) break;                  // the consumers stop at the -1
+      if constexpr (kDx) {  // the bounds of the routed rows' shifts, per warp
+        const int lo = __reduce_min_sync(0xffffffffu, routed_a ? row_shift : INT_MAX);
+        const int hi = __reduce_max_sync(0xffffffffu, routed_a ? row_shift : INT_MIN);
+        if ((threadIdx.x & 31) == 0) {
+          warp_bounds[2 * (threadIdx.x / 32)] = lo;
+          warp_bounds[2 * (threadIdx.x / 32) + 1] = hi;
+        }
+      }
       asm volatile("bar.sync 1, 128;\n" ::: "memory");  // each producer thread reads the others' rows below
       // This thread's A rows' offsets, in registers for the whole tile: loaded from shared memory in the k loop, each
       // load would wait for the previous row's cp.async (the asm's memory clobber orders them), ~8 dependent loads
@@ -375,6 +396,21 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
 #pragma unroll
       for (int r = 0; r < BM / 16; ++r) row_off[r] = a_rows[buf * BM + r0 + 16 * r];
       const int expert = __ldg(p.expert_ids + block);
+      // A by TMA from row a_row0 on: the intermediate's rows are the block's; dg / du's where every routed row's
+      // compact row is a_row0 + its row (one shift: moe_align's routing, padding after an expert's slots), the rows
+      // of padding slots then reading whatever is there (their results are never stored), else gathered by cp.async.
+      bool tma_a = kTmaA;
+      int a_row0 = block * BM;
+      if constexpr (kDx) {
+        int lo = INT_MAX, hi = INT_MIN;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          lo = min(lo, warp_bounds[2 * w]);
+          hi = max(hi, warp_bounds[2 * w + 1]);
+        }
+        tma_a = lo == hi;  // one shift (and some routed row)
+        a_row0 = lo;
+      }
 
       // N-major B: the expert's first weight row (the k tile adds its rows); else its first row of this column tile
       const int b_row = expert * p.b_rows_per_expert + (kMajorN ? 0 : n_tile * (kGateUp ? BN_GU : BN_DOWN));
@@ -388,7 +424,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         const __nv_bfloat16* const a_src = second ? p.a2 : p.a;
         if (kMajorN && threadIdx.x == 0) {  // the B tile: MN_ATOMS boxes of weight rows kofs.., 64 columns each
           static_assert(!kMajorN || kPersistent, "N-major B tiles are loaded per CTA (no CTA-pair multicast)");
-          mbar_expect_tx(full_bar(stage), B_BYTES);
+          mbar_expect_tx(full_bar(stage), B_BYTES + (tma_a ? A_BYTES : 0));
+          if (tma_a) tma_load_2d(st, second ? &p.tm_a1 : &p.tm_a0, full_bar(stage), kofs, a_row0);
           const CUtensorMap* map = second ? &p.tm_b1 : &p.tm_b0;
 #pragma unroll
           for (int q = 0; q < MN_ATOMS; ++q) {
@@ -397,7 +434,9 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
           }
         }
         if (!kMajorN && threadIdx.x == 0) {  // the B tile: two TMA boxes (GATE_UP: gate rows, then the same up rows)
-          mbar_expect_tx(full_bar(stage), B_BYTES);  // paired: half from this CTA's copy, half from the peer's
+          // paired: half from this CTA's copy, half from the peer's
+          mbar_expect_tx(full_bar(stage), B_BYTES + (tma_a ? A_BYTES : 0));
+          if (tma_a) tma_load_2d(st, &p.tm_a0, full_bar(stage), kofs, a_row0);
           const CUtensorMap* box1 = kGateUp ? &p.tm_b1 : &p.tm_b0;
           const int row1 = kGateUp ? b_row : b_row + B_BOX_ROWS;
           if (paired) {
@@ -407,6 +446,10 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
             tma_load_2d(st + A_BYTES, &p.tm_b0, full_bar(stage), kofs, b_row);
             tma_load_2d(st + A_BYTES + B_BYTES / 2, box1, full_bar(stage), kofs, row1);
           }
+        }
+        if (tma_a) {
+          mbar_arrive(full_bar(stage));  // thread 0's expect_tx above holds the stage until the A box lands too
+          continue;
         }
 #pragma unroll
         for (int r = 0; r < BM / 16; ++r) {
@@ -546,6 +589,11 @@ namespace {
 
 void weight_map(const char* op, const char* name, CUtensorMap* map, const at::Tensor& w, int64_t rows, int64_t K) {
   sm90::expert_weight_map(op, name, map, w, rows, K, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, sm90::B_BOX_ROWS, sm90::BK);
+}
+
+// A map over the rows of an A operand the kernels read a stage at a time by TMA (Params::tm_a0 / tm_a1).
+void a_rows_map(const char* op, const char* name, CUtensorMap* map, const at::Tensor& a) {
+  sm90::operand_rows_map(op, name, map, a, sm90::BM, sm90::BK);
 }
 
 // The gate/up GEMM's parameters for gate/up views (E, hidden, dim); the contiguous copies it needed stay in `keep`.
@@ -723,6 +771,7 @@ void run(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::
   // down + combine
   p.a = reinterpret_cast<const __nv_bfloat16*>(inter.const_data_ptr());
   p.lda = s.hidden;
+  a_rows_map(op, "the intermediate", &p.tm_a0, inter);
   p.b_rows_per_expert = static_cast<int>(s.dim);
   weight_map(op, "w2", &p.tm_b0, w2, s.dim, s.hidden);
   p.n_total = static_cast<int>(s.dim);
@@ -849,6 +898,8 @@ at::Tensor moe_grad_x_cuda(const at::Tensor& grad_gate, const at::Tensor& grad_u
     p.a = reinterpret_cast<const __nv_bfloat16*>(dg.const_data_ptr());
     p.a2 = reinterpret_cast<const __nv_bfloat16*>(du.const_data_ptr());
     p.lda = s.hidden;
+    a_rows_map(op, "grad_gate", &p.tm_a0, dg);
+    a_rows_map(op, "grad_up", &p.tm_a1, du);
     p.b_rows_per_expert = static_cast<int>(w1.stride(0) / w1.stride(1));
     // boxes of BK weight rows (K = hidden) x MN_ATOM dim columns (N, contiguous); columns past dim read as zeros
     sm90::expert_weight_map(op, "w1", &p.tm_b0, w1, s.hidden, s.dim, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, sm90::BK,

@@ -117,6 +117,15 @@ inline void expert_weight_map(const char* op, const char* name, CUtensorMap* map
   TORCH_CHECK(rc == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for ", name, " (CUresult ", rc, ")");
 }
 
+// The TMA map over a row-major 2-D bf16 operand with unit column stride (A tiles of consecutive rows), boxes of
+// box_rows x box_k; rows past the end read as zeros.
+inline void operand_rows_map(const char* op, const char* name, CUtensorMap* map, const at::Tensor& t, int box_rows,
+                             int box_k) {
+  const int rc = prime_kernels::make_tmap_2d(map, t.const_data_ptr(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, t.size(0),
+                                             t.size(1), t.stride(0), box_rows, box_k);
+  TORCH_CHECK(rc == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for ", name, " (CUresult ", rc, ")");
+}
+
 // The N of the bf16 kernels' wgmma (m64n256k16), and the columns of one 128-byte swizzle row of bf16 (an MN-major
 // atom of smem_desc_mn's layout, one TMA box wide).
 constexpr int WGMMA_N = 256;
