@@ -813,7 +813,10 @@ def test_cuda_numerics(case, weight_grads):
 @pytest.mark.parametrize("shape", [(256, 2048, 768, 16, 8), (1000, 2048, 768, 128, 8), (77, 512, 320, 8, 2),
                                    # 1024 slots per expert: the GEMMs in raster()'s order (fused_moe_sm90.cu's
                                    # raster_runs), the other shapes in runs of one expert
-                                   (2048, 512, 384, 4, 2)])
+                                   (2048, 512, 384, 4, 2),
+                                   # 2048 slots per expert and 64 k tiles in every persistent GEMM: their
+                                   # SHALLOW_STAGES ring (kernel.toml)
+                                   (2048, 4096, 4096, 2, 2)])
 def test_cuda_numerics_qwen_like(shape, weight_grads):
     T, dim, hidden, E, top_k = shape
     check_numerics(*make(T, dim, hidden, E, top_k, "cuda", seed=9), f"cuda {shape} {weight_grads}")

@@ -62,6 +62,10 @@
 #ifndef FLASH_MOE_STAGES
 #error "FLASH_MOE_STAGES must come from kernel.toml ([flash_moe.constants])"
 #endif
+#if !defined(FLASH_MOE_SHALLOW_STAGES) || !defined(FLASH_MOE_SHALLOW_RING_MIN_SLOTS) || \
+    !defined(FLASH_MOE_SHALLOW_RING_MIN_K_TILES)
+#error "FLASH_MOE_SHALLOW_STAGES, _SHALLOW_RING_MIN_SLOTS, _SHALLOW_RING_MIN_K_TILES must come from kernel.toml"
+#endif
 #ifndef FLASH_MOE_PERSISTENT_GATE_UP_MIN_SLOTS
 #error "FLASH_MOE_PERSISTENT_GATE_UP_MIN_SLOTS must come from kernel.toml ([flash_moe.constants])"
 #endif
@@ -74,6 +78,9 @@ constexpr int BN_GU = FLASH_MOE_BLOCK_N_GATE_UP;
 constexpr int BN_DOWN = FLASH_MOE_BLOCK_N_DOWN;
 constexpr int BK = FLASH_MOE_BLOCK_K;
 constexpr int STAGES = FLASH_MOE_STAGES;
+constexpr int SHALLOW_STAGES = FLASH_MOE_SHALLOW_STAGES;
+constexpr int64_t SHALLOW_RING_MIN_SLOTS = FLASH_MOE_SHALLOW_RING_MIN_SLOTS;
+constexpr int SHALLOW_RING_MIN_K_TILES = FLASH_MOE_SHALLOW_RING_MIN_K_TILES;
 constexpr int CLUSTER_BLOCKS = FLASH_MOE_CLUSTER_BLOCKS;
 constexpr int64_t PERSISTENT_GATE_UP_MIN_SLOTS = FLASH_MOE_PERSISTENT_GATE_UP_MIN_SLOTS;
 constexpr int BN = WGMMA_N;
@@ -81,7 +88,8 @@ static_assert(BM == 128, "BLOCK_M must be 128 (two consumer warpgroups of wgmma 
 static_assert(2 * BN_GU == BN && BN_DOWN == BN, "BLOCK_N_GATE_UP must be 128 and BLOCK_N_DOWN 256 (m64n256k16)");
 static_assert(BK == 64, "BLOCK_K must be 64 (one 128-byte swizzle row of bf16)");
 static_assert(CLUSTER_BLOCKS == kPairCtas, "CLUSTER_BLOCKS must be core's kPairCtas (weight tiles shared by CTA pairs)");
-static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be 2 to 4 (shared memory)");
+static_assert(STAGES >= 2 && STAGES <= 4 && SHALLOW_STAGES >= 2 && SHALLOW_STAGES <= STAGES,
+              "STAGES must be 2 to 4 (shared memory), SHALLOW_STAGES 2 to STAGES");
 static_assert(kDimAlign % BK == 0 && kHiddenAlign % BK == 0, "DIM_ALIGN and HIDDEN_ALIGN must be multiples of BLOCK_K");
 static_assert(BK % 32 == 0, "the epilogues access whole groups of 32 columns of dim / hidden (store_row_bf16)");
 
@@ -92,8 +100,10 @@ constexpr int A_BYTES = BM * BK * 2;
 constexpr int B_BYTES = BN * BK * 2;
 constexpr int B_BOX_ROWS = BN / 2;  // one TMA box: the gate (or up) half of a gate/up tile, half a down tile
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + 2 * BM * 8 /* A row offsets */ +
-                           2 * BM * 4 /* slots */ + (2 * STAGES + 4) * 8 /* mbarriers */ + 2 * 4 /* tile numbers */;
+constexpr int smem_bytes(int stages) {
+  return 1024 /* alignment slack */ + stages * STAGE_BYTES + 2 * BM * 8 /* A row offsets */ + 2 * BM * 4 /* slots */ +
+         (2 * stages + 4) * 8 /* mbarriers */ + 2 * 4 /* tile numbers */;
+}
 
 // GATE_UP_SAVE (the backward's recomputation): the epilogue stores the gate and up pre-activations as bf16 to row
 // dst_rows[padded row] of a compact [routed slots, 2 hidden] tensor instead of h.
@@ -241,7 +251,7 @@ __device__ __forceinline__ void tile_order(const Params& p, int cta, int blocks,
 
 // Accumulator register i of a consumer thread holds row (warp * 16 + lane / 4 + 8 * ((i / 2) % 2)) and column
 // (8 * (i / 4) + 2 * (lane % 4) + i % 2) of its warpgroup's 64 x 256 tile.
-template <int MODE>
+template <int MODE, int kStages>
 __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kMode = base_mode(MODE);  // a persistent twin computes what its base mode does
@@ -290,19 +300,19 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   uint8_t* const gbase = smem_raw + (base - raw);
   // the routing rows of two tiles (tile i in buffer i & 1): the producer writes tile i + 1's while the consumers still
   // read tile i's
-  int64_t* const a_rows = reinterpret_cast<int64_t*>(gbase + STAGES * STAGE_BYTES);
-  int* const slot_rows = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + 2 * BM * 8);
-  const uint32_t bars = base + STAGES * STAGE_BYTES + 2 * BM * 12;
+  int64_t* const a_rows = reinterpret_cast<int64_t*>(gbase + kStages * STAGE_BYTES);
+  int* const slot_rows = reinterpret_cast<int*>(gbase + kStages * STAGE_BYTES + 2 * BM * 8);
+  const uint32_t bars = base + kStages * STAGE_BYTES + 2 * BM * 12;
   auto full_bar = [&](int s) { return bars + 8u * s; };
-  auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
-  auto tile_free_bar = [&](int b) { return bars + 8u * (2 * STAGES + b); };
-  auto rows_ready_bar = [&](int b) { return bars + 8u * (2 * STAGES + 2 + b); };
+  auto empty_bar = [&](int s) { return bars + 8u * (kStages + s); };
+  auto tile_free_bar = [&](int b) { return bars + 8u * (2 * kStages + b); };
+  auto rows_ready_bar = [&](int b) { return bars + 8u * (2 * kStages + 2 + b); };
   // the tile of routing-row buffer b as block x n_tiles + column tile (decoded once, by the claiming thread), -1 once
   // the CTA's tiles are done
-  int* const tile_of = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + 2 * BM * 12 + (2 * STAGES + 4) * 8);
+  int* const tile_of = reinterpret_cast<int*>(gbase + kStages * STAGE_BYTES + 2 * BM * 12 + (2 * kStages + 4) * 8);
   if (threadIdx.x == 0) {
     // paired: a stage is free once the consumers of both CTAs released it (the peer's TMA writes into it too)
-    init_ring<STAGES>(bars, (paired ? 2 : 1) * CONSUMER_WARPS);
+    init_ring<kStages>(bars, (paired ? 2 : 1) * CONSUMER_WARPS);
     // a routing-row buffer is free again once each consumer warp is done with its tile
     for (int b = 0; b < 2; ++b) mbar_init(tile_free_bar(b), CONSUMER_WARPS);
     // and holds the next tile's rows once each producer thread wrote its row (and thread 0 the tile number)
@@ -312,11 +322,11 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   __syncthreads();
   if (paired) cluster_sync();  // both rings initialised before either CTA's copies or arrivals reach the other
   // Releasing stage s after k tile j: this CTA's empty barrier, and the peer's while the peer will still wait on it
-  // (its producer waits for k tiles j < k_tiles - STAGES only; an arrival after the peer may have exited is not
+  // (its producer waits for k tiles j < k_tiles - kStages only; an arrival after the peer may have exited is not
   // allowed).
   auto release = [&](int s, int j) {
     mbar_arrive(empty_bar(s));
-    if (paired && j < p.k_tiles - STAGES) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
+    if (paired && j < p.k_tiles - kStages) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
   };
 
   const int warpgroup = threadIdx.x / 128;
@@ -325,8 +335,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     static_assert(BM == 128, "one routing row per producer thread");
     const int c = threadIdx.x & 7;    // 16-byte chunk of the 128-byte K slice
     const int r0 = threadIdx.x >> 3;  // rows r0 + 16 i
-    // k tiles issued before this tile, over all earlier tiles, modulo 2 STAGES: the ring runs on across tiles (stage
-    // ks % STAGES, phase parity (ks / STAGES) & 1)
+    // k tiles issued before this tile, over all earlier tiles, modulo 2 kStages: the ring runs on across tiles (stage
+    // ks % kStages, phase parity (ks / kStages) & 1)
     uint32_t ks = 0;
     for (int i = 0;; ++i) {
       const int buf = i & 1;
@@ -380,7 +390,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       const int b_row = expert * p.b_rows_per_expert + (kMajorN ? 0 : n_tile * (kGateUp ? BN_GU : BN_DOWN));
       for (int kt = 0; kt < p.k_tiles; ++kt) {
         const uint32_t k = ks + kt;
-        const int stage = acquire_stage<STAGES>(bars, k);
+        const int stage = acquire_stage<kStages>(bars, k);
         const uint32_t st = base + stage * STAGE_BYTES;
         // DX: the first k_half tiles read dg and w1, the others du and w3, each from its own K offset 0
         const bool second = kDx && kt >= p.k_half;
@@ -415,7 +425,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         }
         cp_async_mbar_arrive_noinc(full_bar(stage));  // fires when this thread's copies of the stage have landed
       }
-      ks = (ks + p.k_tiles) % (2 * STAGES);
+      ks = (ks + p.k_tiles) % (2 * kStages);
     }
     drain_cp_async();
     return;
@@ -427,7 +437,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   const int ctid = threadIdx.x - 128 * warpgroup;
   const int warp = ctid / 32, lane = ctid % 32, quad = lane & 3;
   const uint32_t a_off = wg * 64 * 128;
-  RingPosition<STAGES> ring;  // in step with the producer's ks
+  RingPosition<kStages> ring;  // in step with the producer's ks
   for (int i = 0;; ++i) {
     const int buf = i & 1;
     mbar_wait(rows_ready_bar(buf), (i / 2) & 1);
@@ -532,12 +542,25 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
 // A rows in L2 as well and whose decode reads no expert ids (kernel.toml, RASTER_BLOCKS).
 bool raster_runs(const MoeShape& s) { return 2 * s.M * s.top_k < static_cast<int64_t>(RASTER_BLOCKS) * BM * s.E; }
 
+// The ring depth of a persistent launch: SHALLOW_STAGES with many routed slots per local expert (from the shapes: no
+// sync) and a long K, else STAGES (kernel.toml).
+bool shallow_ring(const MoeShape& s, int k_tiles) {
+  return s.M * s.top_k >= SHALLOW_RING_MIN_SLOTS * s.E && k_tiles >= SHALLOW_RING_MIN_K_TILES;
+}
+
 template <int MODE>
 void launch(Params p, int n_tiles, const MoeShape& s, cudaStream_t stream) {
   constexpr bool kPersistent = persistent_mode(MODE);
   p.raster_runs = raster_runs(s);
-  launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, SMEM_BYTES, kPersistent ? 1 : CLUSTER_BLOCKS, kPersistent>(
-      p, n_tiles, s.blocks, stream);
+  if constexpr (kPersistent) {
+    if (shallow_ring(s, p.k_tiles)) {
+      launch_rastered<moe_gemm_kernel<MODE, SHALLOW_STAGES>, NUM_THREADS, smem_bytes(SHALLOW_STAGES), 1, true>(
+          p, n_tiles, s.blocks, stream);
+      return;
+    }
+  }
+  launch_rastered<moe_gemm_kernel<MODE, STAGES>, NUM_THREADS, smem_bytes(STAGES), kPersistent ? 1 : CLUSTER_BLOCKS,
+                  kPersistent>(p, n_tiles, s.blocks, stream);
 }
 
 }  // namespace sm90
