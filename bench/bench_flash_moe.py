@@ -305,6 +305,7 @@ def bench_sonicmoe(ops, shapes, ceiling):
         # an 80 GiB card)
         mine = [t.detach().requires_grad_() for t in (x, w1, w2, w3, tw)]
         ours_args = (*mine[:4], ids, mine[4])
+        leaves = [xg, w13, w2s, scores]
 
         def sonic():
             return moe_general_routing_inputs(xg, scores, tokens, experts, w13, None, w2s, None, E,
@@ -315,7 +316,6 @@ def bench_sonicmoe(ops, shapes, ceiling):
             for t in (*leaves, *mine):
                 t.grad = None
         row = {"peer": "sonicmoe", "shape": name}
-        leaves = [xg, w13, w2s, scores]
         try:
             out = sonic()  # the first call compiles its kernels (minutes)
             ref = moe_grouped_mm(x, w1, w2, w3, ids, tw).float()
@@ -340,7 +340,6 @@ def bench_sonicmoe(ops, shapes, ceiling):
                 row["bwd_error"] = f"{type(exc).__name__}: {exc}"
             drop_grads()
             row["peak_gib"] = peak_extra(lambda: sonic().backward(go)) / 2**30
-            drop_grads()
             row.update(fwd_tflops=flops / row["fwd_ms"] / 1e9, fwd_ratio=row["fwd_ms"] / row["ours_fwd_ms"],
                        fwd_bwd_ratio=row["fwd_bwd_ms"] / row["ours_fwd_bwd_ms"], ceiling_tflops=ceiling / 1e12)
             print(f"sonicmoe {name:24s} fwd {row['fwd_ms']:7.3f} ms ({row['fwd_tflops']:5.0f} TFLOP/s) vs ours "
