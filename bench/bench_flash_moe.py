@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 from common import (CEILING_WARMUP_MS, do_bench, free, gpu_timeline, interleaved, matmul_ceiling, peak_extra,
@@ -277,12 +278,13 @@ def problem(T, E, k, dim, hidden, grad=False):
     return x, w1, w2, w3, ids, tw
 
 
-def bench_sonicmoe(ops, shapes, ceiling):
+def bench_sonicmoe(ops, shapes, ceiling, warm_only=False):
     """SonicMoE (sonic-moe 0.1.2.post1 on the CuTe DSL: scripts/peer_wheels.sh) on each shape: the same x, weights and
     routing (its layout built once, outside the timing: w1|w3 as (2I, H, E) and w2 as (H, I, E) views of E-major
     memory, [gate; up] concatenated), forward, forward+backward and the backward alone against ours, same run, with
     its output's error against the grouped-mm path as a layout check; or the exact error that stopped it. Ours runs on
-    the same tensors (leaves sharing their storage), its timings interleaved with SonicMoE's."""
+    the same tensors (leaves sharing their storage), its timings interleaved with SonicMoE's. warm_only: only its first
+    forward+backward per shape (which compiles its kernels into the persistent caches), timed as a whole."""
     from prime_kernels_flash_moe.reference import moe_grouped_mm
 
     try:
@@ -317,38 +319,47 @@ def bench_sonicmoe(ops, shapes, ceiling):
                 t.grad = None
         row = {"peer": "sonicmoe", "shape": name}
         try:
+            start = time.perf_counter()
             out = sonic()  # the first call compiles its kernels (minutes)
-            ref = moe_grouped_mm(x, w1, w2, w3, ids, tw).float()
-            row["rel_err_vs_grouped_mm"] = ((out.float() - ref).norm() / ref.norm()).item()
-            del out, ref
-            go = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
-            with torch.no_grad():
-                row["fwd_ms"] = do_bench(sonic)
-                row["ours_fwd_ms"] = do_bench(lambda: ops.moe(*ours_args))
-            row["fwd_bwd_ms"] = do_bench(lambda: sonic().backward(go), grad_to_none=leaves)
-            drop_grads()
-            row["ours_fwd_bwd_ms"] = do_bench(lambda: ops.moe(*ours_args).backward(go), grad_to_none=mine)
-            drop_grads()
-            # the backward alone, autograd.grad on a kept graph, as the main rows time ours
-            try:
-                kept = sonic()
-                row["bwd_ms"] = do_bench(lambda: torch.autograd.grad(kept, leaves, go, retain_graph=True))
-                kept = ops.moe(*ours_args)
-                row["ours_bwd_ms"] = do_bench(lambda: torch.autograd.grad(kept, mine, go, retain_graph=True))
-                del kept
-            except Exception as exc:  # noqa: BLE001: the other timings of the row stand
-                row["bwd_error"] = f"{type(exc).__name__}: {exc}"
-            drop_grads()
-            row["peak_gib"] = peak_extra(lambda: sonic().backward(go)) / 2**30
-            row.update(fwd_tflops=flops / row["fwd_ms"] / 1e9, fwd_ratio=row["fwd_ms"] / row["ours_fwd_ms"],
-                       fwd_bwd_ratio=row["fwd_bwd_ms"] / row["ours_fwd_bwd_ms"], ceiling_tflops=ceiling / 1e12)
-            print(f"sonicmoe {name:24s} fwd {row['fwd_ms']:7.3f} ms ({row['fwd_tflops']:5.0f} TFLOP/s) vs ours "
-                  f"{row['ours_fwd_ms']:7.3f} (sonic / ours x{row['fwd_ratio']:.2f}) | fwd+bwd {row['fwd_bwd_ms']:7.3f}"
-                  f" vs {row['ours_fwd_bwd_ms']:7.3f} ms (x{row['fwd_bwd_ratio']:.2f}) | bwd "
-                  + (row["bwd_error"] if "bwd_error" in row else
-                     f"{row['bwd_ms']:7.3f} vs {row['ours_bwd_ms']:7.3f} ms")
-                  + f" | peak {row['peak_gib']:.2f} GiB"
-                  f" | output vs grouped-mm rel err {row['rel_err_vs_grouped_mm']:.2e}", flush=True)
+            if warm_only:
+                out.backward(torch.randn_like(out))
+                torch.cuda.synchronize()
+                row["first_fwd_bwd_s"] = time.perf_counter() - start
+                print(f"sonicmoe {name}: first forward+backward {row['first_fwd_bwd_s']:.0f} s", flush=True)
+                del out
+            else:
+                ref = moe_grouped_mm(x, w1, w2, w3, ids, tw).float()
+                row["rel_err_vs_grouped_mm"] = ((out.float() - ref).norm() / ref.norm()).item()
+                del out, ref
+                go = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
+                with torch.no_grad():
+                    row["fwd_ms"] = do_bench(sonic)
+                    row["ours_fwd_ms"] = do_bench(lambda: ops.moe(*ours_args))
+                row["fwd_bwd_ms"] = do_bench(lambda: sonic().backward(go), grad_to_none=leaves)
+                drop_grads()
+                row["ours_fwd_bwd_ms"] = do_bench(lambda: ops.moe(*ours_args).backward(go), grad_to_none=mine)
+                drop_grads()
+                # the backward alone, autograd.grad on a kept graph, as the main rows time ours
+                try:
+                    kept = sonic()
+                    row["bwd_ms"] = do_bench(lambda: torch.autograd.grad(kept, leaves, go, retain_graph=True))
+                    kept = ops.moe(*ours_args)
+                    row["ours_bwd_ms"] = do_bench(lambda: torch.autograd.grad(kept, mine, go, retain_graph=True))
+                    del kept
+                except Exception as exc:  # noqa: BLE001: the other timings of the row stand
+                    row["bwd_error"] = f"{type(exc).__name__}: {exc}"
+                drop_grads()
+                row["peak_gib"] = peak_extra(lambda: sonic().backward(go)) / 2**30
+                row.update(fwd_tflops=flops / row["fwd_ms"] / 1e9, fwd_ratio=row["fwd_ms"] / row["ours_fwd_ms"],
+                           fwd_bwd_ratio=row["fwd_bwd_ms"] / row["ours_fwd_bwd_ms"], ceiling_tflops=ceiling / 1e12)
+                print(f"sonicmoe {name:24s} fwd {row['fwd_ms']:7.3f} ms ({row['fwd_tflops']:5.0f} TFLOP/s) vs ours "
+                      f"{row['ours_fwd_ms']:7.3f} (sonic / ours x{row['fwd_ratio']:.2f}) | fwd+bwd "
+                      f"{row['fwd_bwd_ms']:7.3f} vs {row['ours_fwd_bwd_ms']:7.3f} ms (x{row['fwd_bwd_ratio']:.2f})"
+                      " | bwd "
+                      + (row["bwd_error"] if "bwd_error" in row else
+                         f"{row['bwd_ms']:7.3f} vs {row['ours_bwd_ms']:7.3f} ms")
+                      + f" | peak {row['peak_gib']:.2f} GiB"
+                      f" | output vs grouped-mm rel err {row['rel_err_vs_grouped_mm']:.2e}", flush=True)
         except Exception as exc:  # noqa: BLE001: its exact error is the row's result
             row["error"] = f"{type(exc).__name__}: {exc}"
             print(f"sonicmoe {name}: {row['error']}", flush=True)
@@ -374,6 +385,8 @@ def main():
                         help="only the host's time per forward+backward and the operators that spend it")
     parser.add_argument("--sonicmoe", action="store_true",
                         help="only SonicMoE against ours on the shapes (its first call compiles for minutes)")
+    parser.add_argument("--sonicmoe-warm", action="store_true",
+                        help="only SonicMoE's first forward+backward per shape (fills its compile caches)")
     args = parser.parse_args()
     import prime_kernels
     from prime_kernels_flash_moe.reference import moe_grouped_mm
@@ -381,15 +394,15 @@ def main():
     ops = prime_kernels.load("flash_moe")
     ceiling = matmul_ceiling()
     print(f"bf16 matmul ceiling 8192^3: {ceiling / 1e12:.0f} TFLOP/s")
-    fp8_peak = None if args.no_mxfp8 or args.sonicmoe else fp8_ceiling()
+    fp8_peak = None if args.no_mxfp8 or args.sonicmoe or args.sonicmoe_warm else fp8_ceiling()
     if fp8_peak is not None:
         print(f"fp8 (e4m3 torch._scaled_mm) ceiling 8192^3: {fp8_peak / 1e12:.0f} TFLOP/s")
     summary = []
     shapes = [] if args.mxfp8_only else SHAPES[:3] if args.quick else SHAPES
     if args.shapes:
         shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
-    if args.sonicmoe:
-        rows = bench_sonicmoe(ops, shapes, ceiling)
+    if args.sonicmoe or args.sonicmoe_warm:
+        rows = bench_sonicmoe(ops, shapes, ceiling, warm_only=args.sonicmoe_warm)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"ceiling_tflops": ceiling / 1e12, "sonicmoe": rows}, f, indent=2)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU harness, for a bare H200 machine (torch preinstalled, no network):
 #   bash scripts/gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [smoke] [variant-tests] [stable] [bench]
-#     [sonicmoe] [profile] [hbm] [ab]
+#     [sonicmoe-warm] [sonicmoe] [profile] [hbm] [ab]
 #   (default: build test sanitize bench)
 # One device call runs at most 10 minutes: run "build test sanitize" in one call and "bench" in the next (the machine
 # keeps what the first installed while it stays warm, 30 s after a call).
@@ -31,7 +31,7 @@
 # on the warm machine adds that site as the variant "stable-wheel" (AB_ROUNDS: rounds, default 2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [smoke] [variant-tests] [stable] [bench] [sonicmoe] [profile] [hbm] [ab]}; shift
+out=${1:?usage: gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [smoke] [variant-tests] [stable] [bench] [sonicmoe-warm] [sonicmoe] [profile] [hbm] [ab]}; shift
 phases=${*:-build test sanitize bench}
 mkdir -p "$out"
 py=${PYTHON:-python3}
@@ -121,6 +121,28 @@ if phase build; then
   echo "[gpu_check] build took $(( $(date +%s) - start )) s"
   "$py" -m prime_kernels | tee "$out/status.txt"
   "$py" -m prime_kernels --json > "$out/status.json"
+fi
+
+# SonicMoE's compile caches, filled by one background process per shape (SONIC_SHAPES) in a session of its own
+# (setsid), so that it outlives this call while the machine stays warm: the first calls compile for minutes each, on
+# the CPU, in parallel, while a later phase of this call (not a timing one: the warm-ups load the GPU) or the next
+# call runs. The sonicmoe phase waits for them (SONIC_WARM_WAIT seconds at most) and times in its own processes (the
+# autotuning choices are not cached), its logs in OUT.
+sonic_warm_dir=/tmp/sonic_warm
+sonic_cache_env() {
+  if [ ! -d .sonic_cache ] && ls .sonic_cache_tgz/sonic_cache.tgz.part_* > /dev/null 2>&1; then
+    cat .sonic_cache_tgz/sonic_cache.tgz.part_* | tar xz
+  fi
+  export QUACK_CACHE_DIR=$PWD/.sonic_cache/quack TRITON_CACHE_DIR=$PWD/.sonic_cache/triton
+}
+if phase sonicmoe-warm; then
+  sonic_cache_env
+  mkdir -p "$sonic_warm_dir"
+  for shape in ${SONIC_SHAPES:-qwen3-30b-a3b deepseek-v3 mixtral}; do
+    setsid nohup timeout "${SONIC_WARM_TIMEOUT:-1500}" "$py" bench/bench_flash_moe.py --sonicmoe-warm --shapes "$shape" \
+      > "$sonic_warm_dir/$shape.log" 2>&1 < /dev/null &
+    record sonicmoe-warm "$shape" "started (pid $!)"
+  done
 fi
 
 # The staged variants build on the CPUs while the GPU runs the tests (a warm machine keeps them for later calls).
@@ -274,10 +296,15 @@ if phase sonicmoe; then
   # carried in later calls and sessions (unpacked, the cache is ~200 MB: over the 64 MiB a call carries; packed 27 MB
   # after session 24's Qwen3, Mixtral and part of DeepSeek-V3). The autotuning choices are not cached: SonicMoE tunes
   # on the GPU that times it.
-  if [ ! -d .sonic_cache ] && ls .sonic_cache_tgz/sonic_cache.tgz.part_* > /dev/null 2>&1; then
-    cat .sonic_cache_tgz/sonic_cache.tgz.part_* | tar xz
-  fi
-  export QUACK_CACHE_DIR=$PWD/.sonic_cache/quack TRITON_CACHE_DIR=$PWD/.sonic_cache/triton
+  sonic_cache_env
+  waited=0
+  while pgrep -f -- "--sonicmoe-warm" > /dev/null && [ "$waited" -lt "${SONIC_WARM_WAIT:-540}" ]; do
+    sleep 5; waited=$((waited + 5))
+  done
+  for log in "$sonic_warm_dir"/*.log; do
+    [ -e "$log" ] && cp "$log" "$out/sonicmoe-warm-$(basename "$log")" && record sonicmoe-warm "$(basename "$log" .log)" \
+      "after ${waited} s of waiting: $(tail -n 1 "$log" | cut -c1-200)"
+  done
   for shape in ${SONIC_SHAPES:-qwen3-30b-a3b deepseek-v3 mixtral}; do
     log="$out/sonicmoe-$shape.log"
     timeout "${SONIC_TIMEOUT:-420}" "$py" bench/bench_flash_moe.py --sonicmoe --shapes "$shape" \
