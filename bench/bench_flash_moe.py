@@ -297,7 +297,11 @@ def bench_sonicmoe(ops, shapes, ceiling, warm_only=False):
     for name, T, E, k, dim, hidden in shapes:
         flops = 2 * T * k * dim * 2 * hidden + 2 * T * k * hidden * dim
         x, w1, w2, w3, ids, tw = problem(T, E, k, dim, hidden)
-        w13 = torch.cat([w1, w3], 1).permute(1, 2, 0).detach().requires_grad_()
+        # [W1; W3] once, for both: SonicMoE's (2I, H, E) view and ours' stacked (E, 2I, H) form (at DeepSeek-V3 a
+        # second copy of the gate/up weights overflows an 80 GiB card)
+        w13_stacked = torch.cat([w1, w3], 1).detach()
+        del w1, w3
+        w13 = w13_stacked.permute(1, 2, 0).detach().requires_grad_()
         w2s = w2.permute(1, 2, 0).detach().requires_grad_()
         tokens = torch.arange(T, device="cuda", dtype=torch.int32).repeat_interleave(k)
         experts, scores = ids.reshape(-1).contiguous(), tw.reshape(-1).float().requires_grad_()
@@ -305,8 +309,8 @@ def bench_sonicmoe(ops, shapes, ceiling, warm_only=False):
         # ours on the same inputs: leaves sharing their storage (at DeepSeek-V3 the weights are 21 GiB and each
         # implementation's weight gradients as much again: a second problem, or both gradient sets kept, overflows
         # an 80 GiB card)
-        mine = [t.detach().requires_grad_() for t in (x, w1, w2, w3, tw)]
-        ours_args = (*mine[:4], ids, mine[4])
+        mine = [t.detach().requires_grad_() for t in (x, w13_stacked, w2, tw)]
+        ours_args = (*mine[:3], None, ids, mine[3])
         leaves = [xg, w13, w2s, scores]
 
         def sonic():
@@ -328,7 +332,9 @@ def bench_sonicmoe(ops, shapes, ceiling, warm_only=False):
                 print(f"sonicmoe {name}: first forward+backward {row['first_fwd_bwd_s']:.0f} s", flush=True)
                 del out
             else:
-                ref = moe_grouped_mm(x, w1, w2, w3, ids, tw).float()
+                with torch.no_grad():
+                    ref = moe_grouped_mm(x, w13_stacked[:, :hidden].contiguous(), w2,
+                                         w13_stacked[:, hidden:].contiguous(), ids, tw).float()
                 row["rel_err_vs_grouped_mm"] = ((out.float() - ref).norm() / ref.norm()).item()
                 del out, ref
                 go = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
@@ -364,7 +370,7 @@ def bench_sonicmoe(ops, shapes, ceiling, warm_only=False):
             row["error"] = f"{type(exc).__name__}: {exc}"
             print(f"sonicmoe {name}: {row['error']}", flush=True)
         rows.append(row)
-        del x, w1, w2, w3, ids, tw, w13, w2s, tokens, experts, scores, xg, mine, ours_args, leaves
+        del x, w13_stacked, w2, ids, tw, w13, w2s, tokens, experts, scores, xg, mine, ours_args, leaves
         free()
     return rows
 

@@ -141,6 +141,7 @@ if phase sonicmoe-warm; then
   for shape in ${SONIC_SHAPES:-qwen3-30b-a3b deepseek-v3 mixtral}; do
     setsid nohup timeout "${SONIC_WARM_TIMEOUT:-1500}" "$py" bench/bench_flash_moe.py --sonicmoe-warm --shapes "$shape" \
       > "$sonic_warm_dir/$shape.log" 2>&1 < /dev/null &
+    echo $! > "$sonic_warm_dir/$shape.pid"
     record sonicmoe-warm "$shape" "started (pid $!)"
   done
 fi
@@ -298,7 +299,9 @@ if phase sonicmoe; then
   # on the GPU that times it.
   sonic_cache_env
   waited=0
-  while pgrep -f -- "--sonicmoe-warm" > /dev/null && [ "$waited" -lt "${SONIC_WARM_WAIT:-540}" ]; do
+  warming() { for pid in $(cat "$sonic_warm_dir"/*.pid 2>/dev/null); do kill -0 "$pid" 2>/dev/null && return 0; done
+              return 1; }
+  while warming && [ "$waited" -lt "${SONIC_WARM_WAIT:-540}" ]; do
     sleep 5; waited=$((waited + 5))
   done
   for log in "$sonic_warm_dir"/*.log; do
