@@ -283,7 +283,8 @@ def bench_sonicmoe(ops, shapes, ceiling, warm_only=False):
     routing (its layout built once, outside the timing: w1|w3 as (2I, H, E) and w2 as (H, I, E) views of E-major
     memory, [gate; up] concatenated), forward, forward+backward and the backward alone against ours, same run, with
     its output's error against the grouped-mm path as a layout check; or the exact error that stopped it. Ours runs on
-    the same tensors (leaves sharing their storage), its timings interleaved with SonicMoE's. warm_only: only its first
+    the same tensors (leaves sharing their storage), each timing in turns with SonicMoE's (common.interleaved: under
+    sustained load the clocks drop, which a fixed order charges to the later one). warm_only: only its first
     forward+backward per shape (which compiles its kernels into the persistent caches), timed as a whole."""
     from prime_kernels_flash_moe.reference import moe_grouped_mm
 
@@ -318,6 +319,16 @@ def bench_sonicmoe(ops, shapes, ceiling, warm_only=False):
                                               torch.cuda.current_stream().cuda_stream, ActivationType.SWIGLU, False,
                                               True)[0]
 
+        def ours():
+            return ops.moe(*ours_args)
+
+        def fwd_bwd(run, others):
+            def step():
+                for t in others:  # the other one's gradients, freed before this one's are allocated
+                    t.grad = None
+                run().backward(go)
+            return step
+
         def drop_grads():
             for t in (*leaves, *mine):
                 t.grad = None
@@ -339,23 +350,26 @@ def bench_sonicmoe(ops, shapes, ceiling, warm_only=False):
                 del out, ref
                 go = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
                 with torch.no_grad():
-                    row["fwd_ms"] = do_bench(sonic)
-                    row["ours_fwd_ms"] = do_bench(lambda: ops.moe(*ours_args))
-                row["fwd_bwd_ms"] = do_bench(lambda: sonic().backward(go), grad_to_none=leaves)
+                    fwd = interleaved({"sonic": sonic, "ours": ours})
+                fwd_bwd_ms = interleaved({"sonic": fwd_bwd(sonic, mine), "ours": fwd_bwd(ours, leaves)},
+                                         grad_to_none=leaves + mine)
                 drop_grads()
-                row["ours_fwd_bwd_ms"] = do_bench(lambda: ops.moe(*ours_args).backward(go), grad_to_none=mine)
-                drop_grads()
+                row.update(fwd_ms=fwd["sonic"], ours_fwd_ms=fwd["ours"], fwd_bwd_ms=fwd_bwd_ms["sonic"],
+                           ours_fwd_bwd_ms=fwd_bwd_ms["ours"])
                 # the backward alone, autograd.grad on a kept graph, as the main rows time ours
                 try:
-                    kept = sonic()
-                    row["bwd_ms"] = do_bench(lambda: torch.autograd.grad(kept, leaves, go, retain_graph=True))
-                    kept = ops.moe(*ours_args)
-                    row["ours_bwd_ms"] = do_bench(lambda: torch.autograd.grad(kept, mine, go, retain_graph=True))
-                    del kept
+                    kept_sonic, kept_ours = sonic(), ours()
+                    bwd = interleaved({
+                        "sonic": lambda: torch.autograd.grad(kept_sonic, leaves, go, retain_graph=True),
+                        "ours": lambda: torch.autograd.grad(kept_ours, mine, go, retain_graph=True)})
+                    row.update(bwd_ms=bwd["sonic"], ours_bwd_ms=bwd["ours"])
+                    del kept_sonic, kept_ours
                 except Exception as exc:  # noqa: BLE001: the other timings of the row stand
                     row["bwd_error"] = f"{type(exc).__name__}: {exc}"
                 drop_grads()
                 row["peak_gib"] = peak_extra(lambda: sonic().backward(go)) / 2**30
+                drop_grads()
+                row["ours_peak_gib"] = peak_extra(lambda: ours().backward(go)) / 2**30
                 row.update(fwd_tflops=flops / row["fwd_ms"] / 1e9, fwd_ratio=row["fwd_ms"] / row["ours_fwd_ms"],
                            fwd_bwd_ratio=row["fwd_bwd_ms"] / row["ours_fwd_bwd_ms"], ceiling_tflops=ceiling / 1e12)
                 print(f"sonicmoe {name:24s} fwd {row['fwd_ms']:7.3f} ms ({row['fwd_tflops']:5.0f} TFLOP/s) vs ours "
@@ -364,7 +378,7 @@ def bench_sonicmoe(ops, shapes, ceiling, warm_only=False):
                       " | bwd "
                       + (row["bwd_error"] if "bwd_error" in row else
                          f"{row['bwd_ms']:7.3f} vs {row['ours_bwd_ms']:7.3f} ms")
-                      + f" | peak {row['peak_gib']:.2f} GiB"
+                      + f" | peak {row['peak_gib']:.2f} vs {row['ours_peak_gib']:.2f} GiB"
                       f" | output vs grouped-mm rel err {row['rel_err_vs_grouped_mm']:.2e}", flush=True)
         except Exception as exc:  # noqa: BLE001: its exact error is the row's result
             row["error"] = f"{type(exc).__name__}: {exc}"
