@@ -282,7 +282,8 @@ def bench_sonicmoe(ops, shapes, ceiling, warm_only=False):
     """SonicMoE (sonic-moe 0.1.2.post1 on the CuTe DSL: scripts/peer_wheels.sh) on each shape: the same x, weights and
     routing (its layout built once, outside the timing: w1|w3 as (2I, H, E) and w2 as (H, I, E) views of E-major
     memory, [gate; up] concatenated), forward, forward+backward and the backward alone against ours, same run, with
-    its output's error against the grouped-mm path as a layout check; or the exact error that stopped it. Ours runs on
+    its output's error against the grouped-mm path as a layout check, and both forward+backward timelines (its
+    kernels beside ours); or the exact error that stopped it. Ours runs on
     the same tensors (leaves sharing their storage), each timing in turns with SonicMoE's (common.interleaved: under
     sustained load the clocks drop, which a fixed order charges to the later one). warm_only: only its first
     forward+backward per shape (which compiles its kernels into the persistent caches), timed as a whole."""
@@ -380,6 +381,10 @@ def bench_sonicmoe(ops, shapes, ceiling, warm_only=False):
                          f"{row['bwd_ms']:7.3f} vs {row['ours_bwd_ms']:7.3f} ms")
                       + f" | peak {row['peak_gib']:.2f} vs {row['ours_peak_gib']:.2f} GiB"
                       f" | output vs grouped-mm rel err {row['rel_err_vs_grouped_mm']:.2e}", flush=True)
+                # where each one's time goes, kernel by kernel (the same tensors, one after the other)
+                for label, run, others in (("sonicmoe", sonic, mine), ("moe", ours, leaves)):
+                    row[f"{label}_timeline"] = gpu_timeline(fwd_bwd(run, others), top=16, grad_to_none=leaves + mine)
+                    print_timeline(label, row[f"{label}_timeline"])
         except Exception as exc:  # noqa: BLE001: its exact error is the row's result
             row["error"] = f"{type(exc).__name__}: {exc}"
             print(f"sonicmoe {name}: {row['error']}", flush=True)
