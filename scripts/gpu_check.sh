@@ -293,10 +293,10 @@ if phase sonicmoe; then
   # SONIC_TIMEOUT seconds each): its first call at a shape compiles and autotunes its kernels for minutes (session 21
   # on an H100: > 450 s at Qwen3-30B-A3B, 56 s for the next process). The compiled kernels go to .sonic_cache (quack's
   # persistent .o cache and Triton's), packed after each shape into OUT/sonic_cache.tgz.part_* (15 MiB parts: a file
-  # comes back up to 16 MiB): move them to $OUT's top (eight files come back) and keep them here in .sonic_cache_tgz/,
-  # carried in later calls and sessions (unpacked, the cache is ~200 MB: over the 64 MiB a call carries; packed 27 MB
-  # after session 24's Qwen3, Mixtral and part of DeepSeek-V3). The autotuning choices are not cached: SonicMoE tunes
-  # on the GPU that times it.
+  # comes back up to 16 MiB) and keep them here in .sonic_cache_tgz/, carried when a later call must start a fresh
+  # machine (unpacked the cache is ~200 MB, over the 64 MiB a call carries; packed ~21-29 MB for the three shapes; an
+  # ignored folder, so a new checkout starts without it). The autotuning choices are not cached: SonicMoE tunes on
+  # the GPU that times it. Logs: OUT/sonicmoe.log (the warm-ups', then each shape's), rows in OUT/sonicmoe-SHAPE.json.
   sonic_cache_env
   waited=0
   warming() { for pid in $(cat "$sonic_warm_dir"/*.pid 2>/dev/null); do kill -0 "$pid" 2>/dev/null && return 0; done
@@ -304,15 +304,20 @@ if phase sonicmoe; then
   while warming && [ "$waited" -lt "${SONIC_WARM_WAIT:-540}" ]; do
     sleep 5; waited=$((waited + 5))
   done
-  for log in "$sonic_warm_dir"/*.log; do
-    [ -e "$log" ] && cp "$log" "$out/sonicmoe-warm-$(basename "$log")" && record sonicmoe-warm "$(basename "$log" .log)" \
-      "after ${waited} s of waiting: $(tail -n 1 "$log" | cut -c1-200)"
+  # every log into one file (a call brings back eight files): the warm-ups', then each shape's
+  log="$out/sonicmoe.log"
+  for warm in "$sonic_warm_dir"/*.log; do
+    [ -e "$warm" ] || continue
+    { echo "== warm-up $(basename "$warm" .log)"; cat "$warm"; } >> "$log"
+    record sonicmoe-warm "$(basename "$warm" .log)" "after ${waited} s of waiting: $(tail -n 1 "$warm" | cut -c1-200)"
   done
   for shape in ${SONIC_SHAPES:-qwen3-30b-a3b deepseek-v3 mixtral}; do
-    log="$out/sonicmoe-$shape.log"
+    echo "== $shape" >> "$log"
     timeout "${SONIC_TIMEOUT:-420}" "$py" bench/bench_flash_moe.py --sonicmoe --shapes "$shape" \
-      --json "$out/sonicmoe-$shape.json" > "$log" 2>&1
-    record sonicmoe "$shape" "exit $?; $(tail -n 1 "$log" | cut -c1-200)"
+      --json "$out/sonicmoe-$shape.json" >> "$log" 2>&1
+    code=$?
+    record sonicmoe "$shape" "exit $code; $(awk -v head="== $shape" '$0 == head {on = 1; next} /^== / {on = 0}
+      on && /^sonicmoe / {last = $0} END {print last}' "$log" | cut -c1-200)"
     rm -f "$out"/sonic_cache.tgz.part_*
     tar cz .sonic_cache | split -b 15M - "$out/sonic_cache.tgz.part_"
   done
