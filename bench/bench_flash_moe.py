@@ -6,6 +6,7 @@
     python bench/bench_flash_moe.py --sonicmoe --no-mxfp8 [--shapes NAME,NAME]   (peer wheels: scripts/peer_wheels.sh)
     python bench/bench_flash_moe.py --weight-grad-paths --no-mxfp8 [--shapes NAME,NAME]
     python bench/bench_flash_moe.py --timeline --no-mxfp8 [--shapes NAME,NAME]
+    python bench/bench_flash_moe.py --expert-parallel RANKS --no-mxfp8 [--shapes NAME,NAME]
 
 Timing: triton.testing.do_bench median; ours and the grouped-mm path timed in turns, the order reversed each round
 (``common.interleaved``: the H200 lowers its clocks at its power cap within a run). FLOPs = 2 T k dim 2 hidden + 2 T k
@@ -24,6 +25,7 @@ against the bf16 flash_moe forward, all measured in the same run.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -265,6 +267,37 @@ def bench_host(ops, name, T, E, k, dim, hidden, iters=20):
     return {"shape": name, "host_ms": host_ms, "top": [{"op": key, "ms": ms, "calls": n} for ms, n, key in top]}
 
 
+def bench_expert_parallel(ops, name, T, E, k, dim, hidden, ranks, ceiling):
+    """One rank of expert parallelism over ``ranks`` (experts [start, start + E / ranks) local; all T tokens routed
+    over all E experts, as moe(expert_start=) takes them): forward+backward with the kernels' launch rules given the
+    global expert count (moe's num_experts) against the local count (num_experts not passed: the rules' estimate
+    of routed slots per local expert ``ranks`` times too high) and the grouped-mm path, in turns."""
+    from prime_kernels_flash_moe.reference import moe_grouped_mm
+
+    local = E // ranks
+    start = local * (ranks // 2)
+    x, w1, w2, w3, _, tw = problem(T, local, k, dim, hidden, grad=True)
+    ids = torch.rand(T, E, device="cuda").topk(k, -1).indices.to(torch.int32)
+    go = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
+    leaves = [x, w1, w2, w3, tw]
+    times = interleaved({
+        "global count": lambda: ops.moe(x, w1, w2, w3, ids, tw, expert_start=start, num_experts=E).backward(go),
+        "local count": lambda: ops.moe(x, w1, w2, w3, ids, tw, expert_start=start).backward(go),
+        "grouped-mm": lambda: moe_grouped_mm(x, w1, w2, w3, ids, tw, start).backward(go)}, grad_to_none=leaves)
+    routed = ((ids >= start) & (ids < start + local)).sum().item()
+    flops = 3 * (2 * routed * dim * 2 * hidden + 2 * routed * hidden * dim)
+    print(f"  {name} EP{ranks} (experts [{start}, {start + local}), {routed} routed slots) fwd+bwd: global count "
+          f"{times['global count']:.3f} ms ({flops / times['global count'] / 1e9:.0f} TFLOP/s), local count "
+          f"{times['local count']:.3f} (x{times['local count'] / times['global count']:.3f}), grouped-mm "
+          f"{times['grouped-mm']:.3f} (x{times['grouped-mm'] / times['global count']:.3f}); floor "
+          f"{flops / ceiling * 1e3:.3f} ms", flush=True)
+    del x, w1, w2, w3, tw, ids, go, leaves
+    free()
+    return {"shape": name, "ranks": ranks, "expert_start": start, "routed_slots": routed,
+            **{f"{key.replace(' ', '_').replace('-', '_')}_fwd_bwd_ms": ms for key, ms in times.items()},
+            "floor_ms": flops / ceiling * 1e3}
+
+
 def problem(T, E, k, dim, hidden, grad=False):
     x = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
     w1 = torch.randn(E, hidden, dim, device="cuda", dtype=torch.bfloat16) / dim**0.5
@@ -410,6 +443,9 @@ def main():
                         help="only the host's time per forward+backward and the operators that spend it")
     parser.add_argument("--sonicmoe", action="store_true",
                         help="only SonicMoE against ours on the shapes (its first call compiles for minutes)")
+    parser.add_argument("--expert-parallel", type=int, default=None, metavar="RANKS",
+                        help="only one rank of expert parallelism over RANKS: the launch rules with the global "
+                             "expert count against the local one, and the grouped-mm path")
     parser.add_argument("--sonicmoe-warm", action="store_true",
                         help="only SonicMoE's first forward+backward per shape (fills its compile caches)")
     args = parser.parse_args()
@@ -419,7 +455,7 @@ def main():
     ops = prime_kernels.load("flash_moe")
     ceiling = matmul_ceiling()
     print(f"bf16 matmul ceiling 8192^3: {ceiling / 1e12:.0f} TFLOP/s")
-    fp8_peak = None if args.no_mxfp8 or args.sonicmoe or args.sonicmoe_warm else fp8_ceiling()
+    fp8_peak = None if args.no_mxfp8 or args.sonicmoe or args.sonicmoe_warm or args.expert_parallel else fp8_ceiling()
     if fp8_peak is not None:
         print(f"fp8 (e4m3 torch._scaled_mm) ceiling 8192^3: {fp8_peak / 1e12:.0f} TFLOP/s")
     summary = []
@@ -432,8 +468,9 @@ def main():
             with open(args.json, "w") as f:
                 json.dump({"ceiling_tflops": ceiling / 1e12, "sonicmoe": rows}, f, indent=2)
         return
+    ep = functools.partial(bench_expert_parallel, ranks=args.expert_parallel, ceiling=ceiling)
     for flag, bench in (("weight_grad_paths", bench_weight_grad_paths), ("timeline", bench_timelines),
-                        ("host", bench_host)):
+                        ("host", bench_host), ("expert_parallel", ep)):
         if getattr(args, flag):
             rows = [bench(ops, *shape) for shape in shapes]
             if args.json:

@@ -312,10 +312,12 @@ void fused_moe_bf16_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tens
 // the pieces of moe()'s closed-form backward
 at::Tensor moe_gate_up_cpu(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3,
                            const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
-                           const at::Tensor& num_tokens_post_padded, int64_t top_k, int64_t block_m) {
+                           const at::Tensor& num_tokens_post_padded, int64_t top_k, int64_t block_m,
+                           int64_t num_experts) {
   const char* op = "moe_gate_up";
-  const MoeShape s = check_moe_args(op, x, w1, w3, nullptr, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                                    nullptr, top_k, block_m, "w1/w3");
+  MoeShape s = check_moe_args(op, x, w1, w3, nullptr, sorted_token_ids, expert_ids, num_tokens_post_padded, nullptr,
+                              top_k, block_m, "w1/w3");
+  set_global_experts(op, num_experts, s);
   TORCH_CHECK(x.device().is_cpu(), op, " (CPU): x must be a CPU tensor, got ", x.device());
   auto out = at::zeros({s.M * s.top_k, 2 * s.hidden}, x.options());
   int64_t row = 0;
@@ -338,16 +340,18 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(const at::Tensor& x, const at
                                                    const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
                                                    const at::Tensor& topk_weights, int64_t top_k, int64_t block_m,
                                                    bool /*deterministic: the CPU combine is always in k order*/,
-                                                   bool save_gate_up) {
+                                                   bool save_gate_up, int64_t num_experts) {
   const char* op = "moe_forward";
-  const MoeShape s = check_moe_args(op, x, w1, w3, &w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                                    &topk_weights, top_k, block_m, "w1/w3");
+  MoeShape s = check_moe_args(op, x, w1, w3, &w2, sorted_token_ids, expert_ids, num_tokens_post_padded, &topk_weights,
+                              top_k, block_m, "w1/w3");
+  set_global_experts(op, num_experts, s);
   const auto y = slot_outputs_cpu(op, x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m,
                                   round_bf16);
   return {combine_in_k_order(y, routed_weights_cpu(op, topk_weights, sorted_token_ids, expert_ids,
                                                   num_tokens_post_padded, s, block_m),
                              s),
-          save_gate_up ? moe_gate_up_cpu(x, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_m)
+          save_gate_up ? moe_gate_up_cpu(x, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
+                                         block_m, num_experts)
                        : at::empty({0, 2 * s.hidden}, x.options())};
 }
 
@@ -377,10 +381,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> swiglu_backward_cpu(c
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cpu(
     const at::Tensor& grad_out, const at::Tensor& w2, const at::Tensor& gate_up, const at::Tensor& sorted_token_ids,
     const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights,
-    int64_t top_k, int64_t block_m) {
+    int64_t top_k, int64_t block_m, int64_t num_experts) {
   const char* op = "moe_grad_gate_up";
-  const MoeShape s = check_grad_gate_up_args(op, grad_out, w2, gate_up, sorted_token_ids, expert_ids,
-                                             num_tokens_post_padded, topk_weights, top_k, block_m);
+  MoeShape s = check_grad_gate_up_args(op, grad_out, w2, gate_up, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                                       topk_weights, top_k, block_m);
+  set_global_experts(op, num_experts, s);
   TORCH_CHECK(grad_out.device().is_cpu(), op, " (CPU): grad_out must be a CPU tensor, got ", grad_out.device());
   const int64_t slots = s.M * s.top_k;
   auto grad_gate = at::zeros({slots, s.hidden}, grad_out.options());
@@ -418,10 +423,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cpu(
 at::Tensor moe_grad_x_cpu(const at::Tensor& grad_gate, const at::Tensor& grad_up, const at::Tensor& w1,
                           const at::Tensor& w3, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                           const at::Tensor& num_tokens_post_padded, int64_t top_k, int64_t block_m,
-                          bool /*deterministic: always k order on CPU*/) {
+                          bool /*deterministic: always k order on CPU*/, int64_t num_experts) {
   const char* op = "moe_grad_x";
-  const MoeShape s = check_grad_x_args(op, grad_gate, grad_up, w1, w3, sorted_token_ids, expert_ids,
-                                       num_tokens_post_padded, top_k, block_m);
+  MoeShape s = check_grad_x_args(op, grad_gate, grad_up, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                                 top_k, block_m);
+  set_global_experts(op, num_experts, s);
   TORCH_CHECK(grad_gate.device().is_cpu(), op, " (CPU): grad_gate must be a CPU tensor, got ", grad_gate.device());
   auto per_slot = at::zeros({s.M * s.top_k, s.dim}, grad_gate.options().dtype(at::kFloat));
   int64_t row = 0;
@@ -483,16 +489,17 @@ TORCH_LIBRARY(flash_moe, m) {
         "int warp_n, int stages, int bpc, int cpc, bool split) -> ()");
   m.def("moe_forward(Tensor x, Tensor w1, Tensor w3, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids, "
         "Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, int block_m, bool deterministic, "
-        "bool save_gate_up=False) -> (Tensor out, Tensor gate_up)");
+        "bool save_gate_up=False, int num_experts=-1) -> (Tensor out, Tensor gate_up)");
   m.def("moe_gate_up(Tensor x, Tensor w1, Tensor w3, Tensor sorted_token_ids, Tensor expert_ids, "
-        "Tensor num_tokens_post_padded, int top_k, int block_m) -> Tensor");
+        "Tensor num_tokens_post_padded, int top_k, int block_m, int num_experts=-1) -> Tensor");
   m.def("swiglu_backward(Tensor gate_up, Tensor grad_h, Tensor row_weights, Tensor valid) -> (Tensor grad_gate, "
         "Tensor grad_up, Tensor weighted_h, Tensor grad_row_weights)");
   m.def("moe_grad_gate_up(Tensor grad_out, Tensor w2, Tensor gate_up, Tensor sorted_token_ids, Tensor expert_ids, "
-        "Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, int block_m) -> (Tensor grad_gate, "
-        "Tensor grad_up, Tensor weighted_h, Tensor grad_topk_weights)");
+        "Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, int block_m, int num_experts=-1) -> "
+        "(Tensor grad_gate, Tensor grad_up, Tensor weighted_h, Tensor grad_topk_weights)");
   m.def("moe_grad_x(Tensor grad_gate, Tensor grad_up, Tensor w1, Tensor w3, Tensor sorted_token_ids, "
-        "Tensor expert_ids, Tensor num_tokens_post_padded, int top_k, int block_m, bool deterministic) -> Tensor");
+        "Tensor expert_ids, Tensor num_tokens_post_padded, int top_k, int block_m, bool deterministic, "
+        "int num_experts=-1) -> Tensor");
   m.def("moe_grad_weight(Tensor rows, Tensor source, Tensor row_token, Tensor expert_ends, bool source_major, "
         "bool fp32=False) -> Tensor");
   m.def("quantize_mxfp8(Tensor t, int block) -> (Tensor data, Tensor scales)");

@@ -107,9 +107,21 @@ inline AlignPlan check_align_args(const at::Tensor& topk_ids, int64_t num_expert
   return p;
 }
 
+// E: the local experts (the weights' first dimension); global_experts: all experts of an expert-parallel run, which
+// the CUDA launch rules spread the M * top_k routed slots over (set_global_experts; E unless given).
 struct MoeShape {
-  int64_t M, dim, hidden, E, top_k, blocks;
+  int64_t M, dim, hidden, E, top_k, blocks, global_experts;
 };
+
+// The ops' num_experts: the global expert count, for the CUDA launch rules' estimate of the routed slots per local
+// expert (M * top_k / num_experts, from the shapes: no sync); -1: the local count E (no expert parallelism, or every
+// slot of x routed to a local expert).
+inline void set_global_experts(const char* op, int64_t num_experts, MoeShape& s) {
+  TORCH_CHECK(num_experts == -1 || (num_experts >= s.E && num_experts <= kInt32Max), op,
+              ": num_experts (the global expert count) must be -1 or in [E, 2^31 - 1] (E=", s.E,
+              " local experts), got ", num_experts);
+  s.global_experts = num_experts == -1 ? s.E : num_experts;
+}
 
 // gate, up: (E, hidden, dim) views (possibly halves of one (E, 2 hidden, dim) tensor); w2: (E, dim, hidden), or
 // nullptr for the ops without a down projection.
@@ -130,6 +142,7 @@ inline MoeShape check_moe_args(const char* op, const at::Tensor& x, const at::Te
   s.M = x.size(0);
   s.dim = x.size(1);
   s.E = gate.size(0);
+  s.global_experts = s.E;
   s.hidden = gate.size(1);
   s.top_k = top_k;
   TORCH_CHECK(up.sizes() == gate.sizes(), op, ": the gate and up weights must have one shape (E, hidden, dim), got ",

@@ -250,6 +250,14 @@ def check_swiglu_backward_args(gate_up, grad_h, row_weights, valid):
     return hidden
 
 
+def check_global_experts(op, num_experts, local_experts):
+    """set_global_experts: the ops' num_experts (the global expert count for the launch rules) is -1 or at least the
+    local count (and fits int32, as moe()'s num_experts)."""
+    require(num_experts == -1 or local_experts <= num_experts <= _INT32_MAX,
+            f"{op}: num_experts (the global expert count) must be -1 or in [E, 2^31 - 1] (E={local_experts} local "
+            f"experts), got {num_experts}")
+
+
 def check_grad_gate_up_args(op, grad_out, w2, gate_up, sorted_token_ids, expert_ids, num_tokens_post_padded,
                             topk_weights, top_k, block_m, constants):
     """check_grad_gate_up_args: returns (M, dim, hidden, E)."""

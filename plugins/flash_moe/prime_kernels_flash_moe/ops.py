@@ -99,17 +99,19 @@ def _(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weigh
 
 @torch.library.register_fake("flash_moe::moe_forward")
 def _(x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k, block_m,
-      deterministic, save_gate_up=False):
+      deterministic, save_gate_up=False, num_experts=-1):
     checks.check_moe_args("moe_forward", x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
                           topk_weights, top_k, block_m, "w1/w3", CONSTANTS)
+    checks.check_global_experts("moe_forward", num_experts, w1.shape[0])
     rows = x.shape[0] * top_k if save_gate_up else 0
     return x.new_empty(x.shape), x.new_empty(rows, 2 * w1.shape[1])
 
 
 @torch.library.register_fake("flash_moe::moe_gate_up")
-def _(x, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_m):
+def _(x, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_m, num_experts=-1):
     checks.check_moe_args("moe_gate_up", x, w1, w3, None, sorted_token_ids, expert_ids, num_tokens_post_padded, None,
                           top_k, block_m, "w1/w3", CONSTANTS)
+    checks.check_global_experts("moe_gate_up", num_experts, w1.shape[0])
     return x.new_empty((x.shape[0] * top_k, 2 * w1.shape[1]))
 
 
@@ -121,19 +123,22 @@ def _(gate_up, grad_h, row_weights, valid):
 
 
 @torch.library.register_fake("flash_moe::moe_grad_gate_up")
-def _(grad_out, w2, gate_up, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k, block_m):
-    M, _, hidden, _ = checks.check_grad_gate_up_args("moe_grad_gate_up", grad_out, w2, gate_up, sorted_token_ids,
+def _(grad_out, w2, gate_up, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k, block_m,
+      num_experts=-1):
+    M, _, hidden, E = checks.check_grad_gate_up_args("moe_grad_gate_up", grad_out, w2, gate_up, sorted_token_ids,
                                                      expert_ids, num_tokens_post_padded, topk_weights, top_k,
                                                      block_m, CONSTANTS)
+    checks.check_global_experts("moe_grad_gate_up", num_experts, E)
     rows = grad_out.new_empty((M * top_k, hidden))
     return rows, rows.new_empty(rows.shape), rows.new_empty(rows.shape), topk_weights.new_empty((M, top_k))
 
 
 @torch.library.register_fake("flash_moe::moe_grad_x")
 def _(grad_gate, grad_up, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_m,
-      deterministic):
-    M, dim, _, _ = checks.check_grad_x_args("moe_grad_x", grad_gate, grad_up, w1, w3, sorted_token_ids, expert_ids,
+      deterministic, num_experts=-1):
+    M, dim, _, E = checks.check_grad_x_args("moe_grad_x", grad_gate, grad_up, w1, w3, sorted_token_ids, expert_ids,
                                             num_tokens_post_padded, top_k, block_m, CONSTANTS)
+    checks.check_global_experts("moe_grad_x", num_experts, E)
     return grad_gate.new_empty((M, dim))
 
 
@@ -462,7 +467,7 @@ def _needed_grads(ctx, w3):
 
 class _MoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, w2, w3, topk_ids, topk_weights, expert_start, num_experts, deterministic,
+    def forward(ctx, x, w1, w2, w3, topk_ids, topk_weights, expert_start, num_experts, global_experts, deterministic,
                 recompute_gate_up):
         top_k = topk_ids.shape[1]
         tw = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
@@ -471,11 +476,12 @@ class _MoE(torch.autograd.Function):
         save = not recompute_gate_up and any(ctx.needs_input_grad[:6])
         gate, up = _gate_and_up(w1, w3)
         out, gate_up = torch.ops.flash_moe.moe_forward(x, gate, up, w2, *align, tw, top_k, BLOCK_M, deterministic,
-                                                       save)
+                                                       save, global_experts)
         ctx.save_for_backward(x, w1, w2, w3, topk_ids, tw, *align, gate_up, topk_weights)
         ctx.saved_gate_up = save
         ctx.deterministic = deterministic
         ctx.expert_start = expert_start
+        ctx.global_experts = global_experts
         ctx.tw_dtype = topk_weights.dtype
         return out
 
@@ -486,16 +492,18 @@ class _MoE(torch.autograd.Function):
         gate, up = _gate_and_up(w1, w3)
         with torch.no_grad():
             grads = _closed_form_backward(grad_out, x, gate, w2, up, ids, tw, align, needs, ctx.expert_start,
-                                          ctx.tw_dtype, ctx.deterministic, gate_up if ctx.saved_gate_up else None,
-                                          stacked)
-        return (*_first_order_only(grads, (grad_out, x, w1, w2, w3, topk_weights)), None, None, None, None)
+                                          ctx.global_experts, ctx.tw_dtype, ctx.deterministic,
+                                          gate_up if ctx.saved_gate_up else None, stacked)
+        return (*_first_order_only(grads, (grad_out, x, w1, w2, w3, topk_weights)), None, None, None, None, None)
 
 
-def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert_start, tw_dtype, deterministic,
-                          gate_up=None, stacked=False):
+def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert_start, global_experts, tw_dtype,
+                          deterministic, gate_up=None, stacked=False):
     """(grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw): the gradients of (x, w1, w2, w3, topk_ids, topk_weights).
     ``stacked``: w1 and w3 are the halves of one (E, 2 hidden, dim) tensor, whose gradient comes back whole as grad_w1
     (from one weight-gradient GEMM over [dg | du]; needs[1] and needs[3] equal) and grad_w3 is None.
+    ``global_experts``: the expert count the launch rules spread the routed slots over (the ops' num_experts; -1: the
+    local count).
 
     Per routed slot s (token t, expert e, weight p): g | u = x_t [W1; W3]^T recomputed by the fused gate/up kernel
     (``moe_gate_up``) unless the forward kept it (``gate_up``); ``moe_grad_gate_up`` (one GEMM kernel on CUDA) forms
@@ -523,19 +531,20 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     tok = order // top_k
 
     if gate_up is None:
-        gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, BLOCK_M)
+        gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, BLOCK_M, global_experts)
     grad_tw = grad_x = grad_w1 = grad_w2 = grad_w3 = grad_gate = grad_up = None
     go = grad_out.to(x.dtype)
     if need_x or need_w1 or need_w3 or need_tw:
         grad_gate, grad_up, weighted_h, grad_p = torch.ops.flash_moe.moe_grad_gate_up(go, w2, gate_up, *align, tw,
-                                                                                      top_k, BLOCK_M)
+                                                                                      top_k, BLOCK_M, global_experts)
         if need_tw:
             grad_tw = grad_p.to(tw_dtype)
     else:  # w2's gradient alone takes only p h, which swiglu_backward computes without reading grad_h
         _, _, weighted_h, _ = torch.ops.flash_moe.swiglu_backward(gate_up, go.new_zeros(S, w2.shape[2]),
                                                                   tw.reshape(-1)[order], ok)
     if need_x:  # before the weight gradients, so that a stacked w1's [dg | du] below replaces dg and du
-        grad_x = torch.ops.flash_moe.moe_grad_x(grad_gate, grad_up, w1, w3, *align, top_k, BLOCK_M, deterministic)
+        grad_x = torch.ops.flash_moe.moe_grad_x(grad_gate, grad_up, w1, w3, *align, top_k, BLOCK_M, deterministic,
+                                                global_experts)
     # the weight gradients: per expert, its rows of dg / du / p h against x / grad_out gathered by token; dW1 and dW3
     # of a stacked w1 in one GEMM over [dg | du] (S x 2 hidden), straight into its (E, 2 hidden, dim) gradient
     if stacked:
@@ -543,7 +552,8 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     else:
         rows_x = (grad_gate if need_w1 else None, grad_up if need_w3 else None)
     del grad_gate, grad_up  # held by rows_x alone where still needed
-    if _fused_weight_grads(S, E, w1.shape[1]):  # the gathers inside the kernel: no S x dim copy of x or grad_out
+    # moe_grad_weight: the gathers inside the kernel, no S x dim copy of x or grad_out
+    if _fused_weight_grads(S, E if global_experts == -1 else global_experts, w1.shape[1]):
         row_token = torch.where(ok, tok, -1).to(torch.int32)
         if need_w2:
             grad_w2 = torch.ops.flash_moe.moe_grad_weight(weighted_h, go, row_token, offs, True)
@@ -568,7 +578,7 @@ def _grouped_against(rows, gathered, offs):
 
 def _fused_weight_grads(slots: int, experts: int, hidden: int) -> bool:
     """Whether moe()'s backward takes moe_grad_weight for dW1 / dW2 / dW3 (kernel.toml: FUSED_DW_MIN_SLOTS, where
-    the measurements behind the rule are named)."""
+    the measurements behind the rule are named): ``slots`` (M * top_k) spread over ``experts`` (the global count)."""
     return slots >= CONSTANTS["FUSED_DW_MIN_SLOTS"] * experts and hidden <= CONSTANTS["FUSED_DW_MAX_HIDDEN"]
 
 
@@ -578,7 +588,7 @@ class _MoEMxfp8(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, w2, w3, topk_ids, topk_weights, wq, ws, w2q, w2s, expert_start, num_experts,
-                deterministic):
+                global_experts, deterministic):
         top_k = topk_ids.shape[1]
         tw = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
         xq, xs = quantize_mxfp8(x, exponent_block=MXFP8_ALIGN)
@@ -589,6 +599,7 @@ class _MoEMxfp8(torch.autograd.Function):
         ctx.save_for_backward(xq, xs, wq, ws, w2q, w2s, topk_ids, tw, *align, x, w1, w2, w3, topk_weights)
         ctx.deterministic = deterministic
         ctx.expert_start = expert_start
+        ctx.global_experts = global_experts
         ctx.tw_dtype = topk_weights.dtype
         ctx.x_dtype = x.dtype
         return out
@@ -603,9 +614,9 @@ class _MoEMxfp8(torch.autograd.Function):
         needs, stacked = _needed_grads(ctx, w3_in)
         with torch.no_grad():
             grads = _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, ctx.expert_start,
-                                          ctx.tw_dtype, ctx.deterministic, stacked=stacked)
+                                          ctx.global_experts, ctx.tw_dtype, ctx.deterministic, stacked=stacked)
         return (*_first_order_only(grads, (grad_out, x_in, w1_in, w2_in, w3_in, tw_in)), None, None, None, None, None,
-                None, None)
+                None, None, None)
 
 
 def _check_moe_args(x, w1, w2, w3, topk_ids, topk_weights):
@@ -662,8 +673,9 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | 
     (..., top_k) int32 or int64 (global ids; -1 or ``num_experts`` = not routed, the latter transformers' marking of
     unrouted slots and of other ranks' experts; other ids out of range as ``moe_align`` treats them);
     topk_weights (..., top_k) float. Expert parallelism: experts [expert_start, expert_start + E_local) are local,
-    other ids contribute nothing (``num_experts``: the global count for the id range check; default E_local when
-    expert_start is 0, unchecked above otherwise).
+    other ids contribute nothing (``num_experts``: the global count, for the id range check and for the CUDA kernels'
+    launch rules, which estimate the routed slots per local expert as M * top_k / num_experts: pass it under expert
+    parallelism; default E_local when expert_start is 0, unchecked above otherwise).
     Forward: ``moe_align`` (experts aligned to CLUSTER_BLOCKS blocks) + ``moe_forward`` (the fused kernels; w1 and w3
     are read in place, never concatenated).
     Backward: closed form: the gate/up projections g | u saved by the forward (or recomputed: below), the
@@ -706,6 +718,7 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | 
                              f"got {num_experts}")
     lead = x.shape[:-1]
     top_k = topk_ids.shape[-1]
+    global_experts = -1 if num_experts is None else num_experts  # the kernels' launch rules (-1: the local count)
     if num_experts is None:
         num_experts = w1.shape[0] if expert_start == 0 else _INT32_MAX
     # transformers marks a slot with no expert by id == num_experts; moe_align (CPU and CUDA) skips -1
@@ -718,12 +731,12 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | 
         wq, ws, w2q, w2s = _cached_quantized_weights(gate, w2, up)
         out = _MoEMxfp8.apply(x.reshape(-1, x.shape[-1]), w1, w2, w3, topk_ids.reshape(-1, top_k),
                               topk_weights.reshape(-1, top_k), wq, ws, w2q, w2s, expert_start, num_experts,
-                              deterministic)
+                              global_experts, deterministic)
     else:
         # grad mode read here: inside Function.forward it is always off, and needs_input_grad stays True under
         # no_grad / inference_mode, where a stored g | u would never be used
         out = _MoE.apply(x.reshape(-1, x.shape[-1]), w1, w2, w3, topk_ids.reshape(-1, top_k),
-                         topk_weights.reshape(-1, top_k), expert_start, num_experts,
+                         topk_weights.reshape(-1, top_k), expert_start, num_experts, global_experts,
                          deterministic or top_k >= CONSTANTS["SLOT_COMBINE_MIN_TOP_K"],
                          recompute_gate_up or not torch.is_grad_enabled())
     return out.view(*lead, x.shape[-1])

@@ -502,6 +502,15 @@ def test_stacked_gate_up_takes_one_weight_gradient_gemm_for_both(frozen_gate_up,
         assert torch.equal(a, b)
 
 
+def op_arguments(func, args, kwargs) -> dict:
+    """An op call's arguments by name as a dispatch mode sees them, the defaults filled in (the dispatcher drops
+    trailing arguments equal to their defaults)."""
+    named = {a.name: a.default_value for a in func._schema.arguments if a.has_default_value()}
+    named.update(zip((a.name for a in func._schema.arguments), args))
+    named.update(kwargs or {})
+    return named
+
+
 @cpu
 @pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode", "no input needs grad"])
 def test_forward_stores_gate_up_only_for_a_backward(mode):
@@ -516,12 +525,66 @@ def test_forward_stores_gate_up_only_for_a_backward(mode):
     class Saves(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.name() == "flash_moe::moe_forward":
-                saves.append(args[-1])
+                saves.append(op_arguments(func, args, kwargs)["save_gate_up"])
             return func(*args, **(kwargs or {}))
 
     with context(), Saves():
         ops.moe(x, w1, w2, w3, ids, tw)
     assert saves == [mode == "grad"]
+
+
+@cpu
+@pytest.mark.parametrize("num_experts", [None, 12])
+@pytest.mark.parametrize("path", ["saved g | u", "recompute g | u", "mxfp8"])
+def test_moe_gives_the_kernels_the_global_expert_count(num_experts, path):
+    """Under expert parallelism the kernels' launch rules (persistent or paired gate/up, the tile order, the fused dW)
+    estimate the routed slots per local expert as M * top_k / num_experts: moe() hands every op the global count it
+    was given, -1 (the local count) when none was."""
+    x, w1, w2, w3, ids, tw = make(16, 128, 128, 4, 2, seed=14, num_global=12)
+    leaves = [t.clone().requires_grad_() for t in (x, w1, w2, w3, tw)]
+    seen = {}
+
+    class Counts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.name() in ("flash_moe::moe_forward", "flash_moe::moe_gate_up", "flash_moe::moe_grad_gate_up",
+                               "flash_moe::moe_grad_x"):
+                seen[func.name()] = op_arguments(func, args, kwargs)["num_experts"]
+            return func(*args, **(kwargs or {}))
+
+    with Counts():
+        out = ops.moe(*leaves[:4], ids, leaves[4], expert_start=4, num_experts=num_experts,
+                      recompute_gate_up=path == "recompute g | u", mxfp8=path == "mxfp8")
+        out.float().sum().backward()
+    want = {"flash_moe::moe_grad_gate_up", "flash_moe::moe_grad_x"}
+    want |= {"saved g | u": {"flash_moe::moe_forward"}, "recompute g | u": {"flash_moe::moe_forward",
+                                                                             "flash_moe::moe_gate_up"},
+             "mxfp8": {"flash_moe::moe_gate_up"}}[path]
+    assert seen == dict.fromkeys(want, -1 if num_experts is None else num_experts)
+
+
+@cpu
+@pytest.mark.parametrize("num_experts", [3, 2**31, -2])
+def test_ops_refuse_a_global_expert_count_below_the_local_one(num_experts):
+    x, w1, w2, w3, ids, tw = make(16, 128, 128, 4, 2, seed=15)
+    align = ops.moe_align(ids, 4)
+    gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, 2, ops.BLOCK_M)
+    dg = torch.randn(32, 128, generator=torch.Generator().manual_seed(16)).to(torch.bfloat16)
+    calls = {
+        "moe_forward": lambda *a: torch.ops.flash_moe.moe_forward(*a[:4], *a[4:7], a[7], 2, ops.BLOCK_M, False,
+                                                                  num_experts=num_experts),
+        "moe_gate_up": lambda *a: torch.ops.flash_moe.moe_gate_up(a[0], a[1], a[3], *a[4:7], 2, ops.BLOCK_M,
+                                                                  num_experts=num_experts),
+        "moe_grad_gate_up": lambda *a: torch.ops.flash_moe.moe_grad_gate_up(a[0], a[2], a[8], *a[4:7], a[7], 2,
+                                                                            ops.BLOCK_M, num_experts=num_experts),
+        "moe_grad_x": lambda *a: torch.ops.flash_moe.moe_grad_x(a[9], a[9], a[1], a[3], *a[4:7], 2, ops.BLOCK_M,
+                                                                False, num_experts=num_experts),
+    }
+    for name, call in calls.items():
+        for device in ("cpu", "meta"):  # the C++ check and its Python twin (the fake) say the same
+            operands = [t.to(device) for t in (x, w1, w2, w3, *align, tw, gate_up, dg)]
+            with pytest.raises(RuntimeError, match=rf"{name}: num_experts \(the global expert count\) must be -1 or "
+                                                   rf"in \[E, 2\^31 - 1\] \(E=4 local experts\), got {num_experts}"):
+                call(*operands)
 
 
 @cpu

@@ -527,10 +527,13 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   __trap();  // compiled for an arch other than sm_90a: the host side never launches it there
 #endif
 }
-// Runs of one expert (raster_by_expert) where the routed slots per local expert (from the shapes: no sync) average
-// under half a raster group, i.e. a group holds more than two experts; else raster(), whose groups then keep a block's
-// A rows in L2 as well and whose decode reads no expert ids (kernel.toml, RASTER_BLOCKS).
-bool raster_runs(const MoeShape& s) { return 2 * s.M * s.top_k < static_cast<int64_t>(RASTER_BLOCKS) * BM * s.E; }
+// Runs of one expert (raster_by_expert) where the routed slots per local expert (M * top_k over the global experts,
+// from the shapes: no sync) average under half a raster group, i.e. a group holds more than two experts; else
+// raster(), whose groups then keep a block's A rows in L2 as well and whose decode reads no expert ids (kernel.toml,
+// RASTER_BLOCKS).
+bool raster_runs(const MoeShape& s) {
+  return 2 * s.M * s.top_k < static_cast<int64_t>(RASTER_BLOCKS) * BM * s.global_experts;
+}
 
 template <int MODE>
 void launch(Params p, int n_tiles, const MoeShape& s, cudaStream_t stream) {
@@ -584,9 +587,11 @@ sm90::Params gate_up_params(const char* op, const at::Tensor& x_in, const at::Te
 
 int gate_up_tiles(const MoeShape& s) { return static_cast<int>((s.hidden + sm90::BN_GU - 1) / sm90::BN_GU); }
 
-// Whether the gate/up GEMM runs persistent rather than in CTA pairs: the routed slots per local expert, from the shapes
-// (no sync), against kernel.toml's PERSISTENT_GATE_UP_MIN_SLOTS.
-bool gate_up_persistent(const MoeShape& s) { return s.M * s.top_k >= sm90::PERSISTENT_GATE_UP_MIN_SLOTS * s.E; }
+// Whether the gate/up GEMM runs persistent rather than in CTA pairs: the routed slots per local expert (as in
+// raster_runs) against kernel.toml's PERSISTENT_GATE_UP_MIN_SLOTS.
+bool gate_up_persistent(const MoeShape& s) {
+  return s.M * s.top_k >= sm90::PERSISTENT_GATE_UP_MIN_SLOTS * s.global_experts;
+}
 
 // The gate/up GEMM in MODE, or where gate_up_persistent in its persistent twin, which claims tiles from a counter
 // that must be zero at launch.
@@ -743,10 +748,12 @@ void run(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::
 
 at::Tensor moe_gate_up_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3,
                             const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
-                            const at::Tensor& num_tokens_post_padded, int64_t top_k, int64_t block_m) {
+                            const at::Tensor& num_tokens_post_padded, int64_t top_k, int64_t block_m,
+                            int64_t num_experts) {
   const char* op = "moe_gate_up";
-  const MoeShape s = check_moe_args(op, x, w1, w3, nullptr, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                                    nullptr, top_k, block_m, "w1/w3");
+  MoeShape s = check_moe_args(op, x, w1, w3, nullptr, sorted_token_ids, expert_ids, num_tokens_post_padded, nullptr,
+                              top_k, block_m, "w1/w3");
+  set_global_experts(op, num_experts, s);
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<at::Tensor> keep;
   sm90::Params p = gate_up_params(op, x, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, s, keep);
@@ -760,10 +767,11 @@ at::Tensor moe_gate_up_cuda(const at::Tensor& x, const at::Tensor& w1, const at:
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda(
     const at::Tensor& grad_out, const at::Tensor& w2_in, const at::Tensor& gate_up, const at::Tensor& sorted_token_ids,
     const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights,
-    int64_t top_k, int64_t block_m) {
+    int64_t top_k, int64_t block_m, int64_t num_experts) {
   const char* op = "moe_grad_gate_up";
-  const MoeShape s = check_grad_gate_up_args(op, grad_out, w2_in, gate_up, sorted_token_ids, expert_ids,
-                                             num_tokens_post_padded, topk_weights, top_k, block_m);
+  MoeShape s = check_grad_gate_up_args(op, grad_out, w2_in, gate_up, sorted_token_ids, expert_ids,
+                                       num_tokens_post_padded, topk_weights, top_k, block_m);
+  set_global_experts(op, num_experts, s);
   const c10::cuda::CUDAGuard guard(grad_out.device());
   sm90::check_sm90(op, grad_out);
   const auto go = grad_out.contiguous(), gu = gate_up.contiguous(), tw = topk_weights.contiguous();
@@ -816,10 +824,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda
 at::Tensor moe_grad_x_cuda(const at::Tensor& grad_gate, const at::Tensor& grad_up, const at::Tensor& w1_in,
                            const at::Tensor& w3_in, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                            const at::Tensor& num_tokens_post_padded, int64_t top_k, int64_t block_m,
-                           bool deterministic) {
+                           bool deterministic, int64_t num_experts) {
   const char* op = "moe_grad_x";
-  const MoeShape s = check_grad_x_args(op, grad_gate, grad_up, w1_in, w3_in, sorted_token_ids, expert_ids,
-                                       num_tokens_post_padded, top_k, block_m);
+  MoeShape s = check_grad_x_args(op, grad_gate, grad_up, w1_in, w3_in, sorted_token_ids, expert_ids,
+                                 num_tokens_post_padded, top_k, block_m);
+  set_global_experts(op, num_experts, s);
   const c10::cuda::CUDAGuard guard(grad_gate.device());
   sm90::check_sm90(op, grad_gate);
   const auto dg = grad_gate.contiguous(), du = grad_up.contiguous();
@@ -898,10 +907,11 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cuda(const at::Tensor& x, const a
                                                     const at::Tensor& expert_ids,
                                                     const at::Tensor& num_tokens_post_padded,
                                                     const at::Tensor& topk_weights, int64_t top_k, int64_t block_m,
-                                                    bool deterministic, bool save_gate_up) {
+                                                    bool deterministic, bool save_gate_up, int64_t num_experts) {
   const char* op = "moe_forward";
-  const MoeShape s = check_moe_args(op, x, w1, w3, &w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                                    &topk_weights, top_k, block_m, "w1/w3");
+  MoeShape s = check_moe_args(op, x, w1, w3, &w2, sorted_token_ids, expert_ids, num_tokens_post_padded, &topk_weights,
+                              top_k, block_m, "w1/w3");
+  set_global_experts(op, num_experts, s);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor result, gate_up = at::empty({0, 2 * s.hidden}, x.options());
   run(op, x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, s,
