@@ -50,8 +50,11 @@ def op_samples(kernel, device):
         ("moe_forward", (x, w1, w3, w2, sorted_ids, eids, ntpp, tw, 2, ops.BLOCK_M, False), {}),
         ("moe_forward", (x, w1, w3, w2, sorted_ids, eids, ntpp, tw, 2, ops.BLOCK_M, True), {}),
         ("moe_forward", (x, w1, w3, w2, sorted_ids, eids, ntpp, tw, 2, ops.BLOCK_M, False, True), {}),
+        # expert parallelism: the launch rules' global expert count
+        ("moe_forward", (x, w1, w3, w2, sorted_ids, eids, ntpp, tw, 2, ops.BLOCK_M, False, True), {"num_experts": 12}),
         ("moe_forward", (x1, w11, w31, w21, s1, e1, n1, tw1, 1, ops.BLOCK_M, False), {}),
         ("moe_gate_up", (x, w1, w3, sorted_ids, eids, ntpp, 2, ops.BLOCK_M), {}),
+        ("moe_gate_up", (x, w1, w3, sorted_ids, eids, ntpp, 2, ops.BLOCK_M), {"num_experts": 12}),
         ("moe_gate_up", (x1, w11, w31, s1, e1, n1, 1, ops.BLOCK_M), {}),
         *grad_gate_up_samples(ops, x, w1, w2, w3, tw, (sorted_ids, eids, ntpp), 2),
         *grad_gate_up_samples(ops, x1, w11, w21, w31, tw1, (s1, e1, n1), 1),
@@ -66,9 +69,11 @@ def grad_gate_up_samples(ops, x, w1, w2, w3, tw, align, top_k):
     gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, ops.BLOCK_M)
     grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(8)).to(x.dtype).to(x.device)
     dg, du, _, _ = torch.ops.flash_moe.moe_grad_gate_up(grad_out, w2, gate_up, *align, tw, top_k, ops.BLOCK_M)
+    global_experts = {"num_experts": 4 * w1.shape[0]}  # expert parallelism: the launch rules' global count
     return [("moe_grad_gate_up", (grad_out, w2, gate_up, *align, tw, top_k, ops.BLOCK_M), {}),
+            ("moe_grad_gate_up", (grad_out, w2, gate_up, *align, tw, top_k, ops.BLOCK_M), global_experts),
             ("moe_grad_x", (dg, du, w1, w3, *align, top_k, ops.BLOCK_M, False), {}),
-            ("moe_grad_x", (dg, du, w1, w3, *align, top_k, ops.BLOCK_M, True), {})]
+            ("moe_grad_x", (dg, du, w1, w3, *align, top_k, ops.BLOCK_M, True), global_experts)]
 
 
 def grad_weight_samples(device, rows=21, tokens=9, width=64):
