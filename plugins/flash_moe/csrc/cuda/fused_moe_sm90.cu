@@ -477,8 +477,11 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       fence_acc(acc);
       if (lane == 0) release(prev, p.k_tiles - 1);  // the ring's next turn (persistent: the next tile) may refill it
       // ------------------------------- epilogue -------------------------------
+      // DIAGNOSTIC: every epilogue compiled out (the kernel's time without it; results wrong by design). One store
+      // behind a condition no finite input meets keeps the accumulators live.
+      if (acc[0] == 1.2345e-37f && acc[127] == -1.2345e-37f) p.dot_partials[0] = acc[1];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
+      for (int h = 0; h < 2 && MODE < 0; ++h) {
         const int lr = wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
         if constexpr (kMode == GATE_UP || kMode == GATE_UP_AND_SAVE) {
           const int n0 = n_tile * BN_GU;
