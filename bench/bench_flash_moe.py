@@ -274,6 +274,8 @@ def bench_expert_parallel(ops, name, T, E, k, dim, hidden, ranks, ceiling):
     of routed slots per local expert ``ranks`` times too high) and the grouped-mm path, in turns."""
     from prime_kernels_flash_moe.reference import moe_grouped_mm
 
+    if E % ranks:
+        raise SystemExit(f"--expert-parallel {ranks}: {name}'s {E} experts do not split evenly over {ranks} ranks")
     local = E // ranks
     start = local * (ranks // 2)
     x, w1, w2, w3, _, tw = problem(T, local, k, dim, hidden, grad=True)
