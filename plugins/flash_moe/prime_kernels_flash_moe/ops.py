@@ -502,8 +502,7 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     """(grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw): the gradients of (x, w1, w2, w3, topk_ids, topk_weights).
     ``stacked``: w1 and w3 are the halves of one (E, 2 hidden, dim) tensor, whose gradient comes back whole as grad_w1
     (from one weight-gradient GEMM over [dg | du]; needs[1] and needs[3] equal) and grad_w3 is None.
-    ``global_experts``: the expert count the launch rules spread the routed slots over (the ops' num_experts; -1: the
-    local count).
+    ``global_experts``: the expert count the launch rules spread the routed slots over (the ops' num_experts).
 
     Per routed slot s (token t, expert e, weight p): g | u = x_t [W1; W3]^T recomputed by the fused gate/up kernel
     (``moe_gate_up``) unless the forward kept it (``gate_up``); ``moe_grad_gate_up`` (one GEMM kernel on CUDA) forms
@@ -553,7 +552,7 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
         rows_x = (grad_gate if need_w1 else None, grad_up if need_w3 else None)
     del grad_gate, grad_up  # held by rows_x alone where still needed
     # moe_grad_weight: the gathers inside the kernel, no S x dim copy of x or grad_out
-    if _fused_weight_grads(S, E if global_experts == -1 else global_experts, w1.shape[1]):
+    if _fused_weight_grads(S, global_experts, w1.shape[1]):
         row_token = torch.where(ok, tok, -1).to(torch.int32)
         if need_w2:
             grad_w2 = torch.ops.flash_moe.moe_grad_weight(weighted_h, go, row_token, offs, True)
@@ -718,7 +717,7 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | 
                              f"got {num_experts}")
     lead = x.shape[:-1]
     top_k = topk_ids.shape[-1]
-    global_experts = -1 if num_experts is None else num_experts  # the kernels' launch rules (-1: the local count)
+    global_experts = w1.shape[0] if num_experts is None else num_experts  # the kernels' launch rules
     if num_experts is None:
         num_experts = w1.shape[0] if expert_start == 0 else _INT32_MAX
     # transformers marks a slot with no expert by id == num_experts; moe_align (CPU and CUDA) skips -1

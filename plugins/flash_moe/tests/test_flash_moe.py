@@ -539,7 +539,7 @@ def test_forward_stores_gate_up_only_for_a_backward(mode):
 def test_moe_gives_the_kernels_the_global_expert_count(num_experts, path):
     """Under expert parallelism the kernels' launch rules (persistent or paired gate/up, the tile order, the fused dW)
     estimate the routed slots per local expert as M * top_k / num_experts: moe() hands every op the global count it
-    was given, -1 (the local count) when none was."""
+    was given, the local count when none was."""
     x, w1, w2, w3, ids, tw = make(16, 128, 128, 4, 2, seed=14, num_global=12)
     leaves = [t.clone().requires_grad_() for t in (x, w1, w2, w3, tw)]
     seen = {}
@@ -559,7 +559,7 @@ def test_moe_gives_the_kernels_the_global_expert_count(num_experts, path):
     want |= {"saved g | u": {"flash_moe::moe_forward"}, "recompute g | u": {"flash_moe::moe_forward",
                                                                              "flash_moe::moe_gate_up"},
              "mxfp8": {"flash_moe::moe_gate_up"}}[path]
-    assert seen == dict.fromkeys(want, -1 if num_experts is None else num_experts)
+    assert seen == dict.fromkeys(want, w1.shape[0] if num_experts is None else num_experts)
 
 
 @cpu
