@@ -119,7 +119,8 @@ def bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling):
     row_token = tok.to(torch.int32)
     with torch.no_grad():
         gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, k, ops.BLOCK_M)
-        dg, du, ph, _ = torch.ops.flash_moe.moe_grad_gate_up(go, w2, gate_up, *align, tw, k, ops.BLOCK_M)
+        dgu, ph, _ = torch.ops.flash_moe.moe_grad_gate_up(go, w2, gate_up, *align, tw, k, ops.BLOCK_M)
+        dg, du = dgu.split(w1.shape[1], 1)  # as moe() passes them: read in place
         ok = torch.ones(S, dtype=torch.bool, device="cuda")
         parts = {
             "recompute gate_up": (lambda: torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, k, ops.BLOCK_M), 2),
@@ -134,7 +135,7 @@ def bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling):
             "dX (2 gmm + sum)": (lambda: dg.new_empty(S, dim).index_copy_(
                 0, order, _gmm(dg, w1, offs) + _gmm(du, w3, offs)).view(T, k, dim).sum(1, dtype=torch.float32), 2),
             "dW1+dW3 (gather+2 gmm)": (lambda: [_gmm(g.t(), xs, offs) for xs in [x[tok]] for g in (dg, du)], 2),
-            "dW1|dW3 (cat+gather+gmm)": (lambda: _gmm(torch.cat([dg, du], 1).t(), x[tok], offs), 2),
+            "dW1|dW3 (gather+gmm over dg | du)": (lambda: _gmm(dgu.t(), x[tok], offs), 2),
             "dW2 (gather+gmm)": (lambda: _gmm(go[tok].t(), ph, offs), 1),
             "dW1+dW3 (fused)": (lambda: (torch.ops.flash_moe.moe_grad_weight(dg, x, row_token, offs, False),
                                          torch.ops.flash_moe.moe_grad_weight(du, x, row_token, offs, False)), 2),
@@ -144,7 +145,7 @@ def bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling):
             ms = do_bench(fn)
             tflops = 2 * S * dim * hidden * units / ms / 1e9
             print(f"  {name:22s} {part:24s} {ms:7.3f} ms {tflops:5.0f} TFLOP/s (ceiling {ceiling / 1e12:.0f})")
-    del x, w1, w2, w3, gate_up, dg, du, ph
+    del x, w1, w2, w3, gate_up, dgu, dg, du, ph
     free()
 
 
@@ -212,19 +213,23 @@ def print_timeline(label, line):
 
 
 def bench_timelines(ops, name, T, E, k, dim, hidden):
-    """GPU timelines of forward+backward through moe() (default mode) and through the grouped-mm path: where each
-    one's time goes in place (kernels, idle, host), the in-situ companion of --parts."""
+    """GPU timelines of forward+backward through moe() (default mode; also on one stacked [W1; W3] tensor,
+    transformers' gate_up_proj layout) and through the grouped-mm path: where each one's time goes in place (kernels,
+    idle, host), the in-situ companion of --parts."""
     from prime_kernels_flash_moe.reference import moe_grouped_mm
 
     p = problem(T, E, k, dim, hidden, grad=True)
+    x, w1, w2, w3, ids, tw = p
+    stacked = torch.cat([w1, w3], 1).detach().requires_grad_()
     go = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
-    leaves = [p[i] for i in (0, 1, 2, 3, 5)]
+    leaves = [x, w1, w2, w3, tw, stacked]
     row = {"shape": name}
     print(f"  {name}")
-    for label, fn in (("moe", ops.moe), ("grouped-mm", moe_grouped_mm)):
-        row[label] = gpu_timeline(lambda fn=fn: fn(*p).backward(go), top=12, grad_to_none=leaves)
+    for label, run in (("moe", lambda: ops.moe(*p)), ("moe [W1; W3]", lambda: ops.moe(x, stacked, w2, None, ids, tw)),
+                       ("grouped-mm", lambda: moe_grouped_mm(*p))):
+        row[label] = gpu_timeline(lambda run=run: run().backward(go), top=12, grad_to_none=leaves)
         print_timeline(label, row[label])
-    del p, go, leaves
+    del p, x, w1, w2, w3, ids, tw, stacked, go, leaves
     free()
     return row
 

@@ -15,11 +15,14 @@
 //                   dg and du with dh = p grad_h, du = dh silu(g), dg = dh u sig(g) (1 + g (1 - sig(g))); p h; and
 //                   dL/dp = sum_j grad_h h. Rows with valid = false give zeros.
 //   moe_grad_gate_up moe()'s backward, fused: grad_h = grad_out_t W2[e] of each routed slot (fp32, never stored) and
-//                   from it and g | u (moe_gate_up's rows) swiglu_backward's dg, du, p h (compact rows, zero past the
-//                   routed ones) and dL/dp (M, top_k) (zero for unrouted slots).
+//                   from it and g | u (moe_gate_up's rows) swiglu_backward's dg | du side by side in one
+//                   (M * top_k, 2 hidden) tensor (g | u's layout: a stacked [W1; W3] takes its gradient from it in one
+//                   GEMM, no concatenation), p h (compact rows, zero past the routed ones) and dL/dp (M, top_k) (zero
+//                   for unrouted slots).
 //   moe_grad_x      moe()'s backward: dx[t] = sum over t's routed slots in k order of dg W1[e] + du W3[e] (dg, du:
-//                   moe_grad_gate_up's rows), fp32 accumulation, rounded once to bf16; `deterministic` selects the
-//                   fixed-order sum on CUDA (else fp32 atomics; the CPU sum is always in k order).
+//                   moe_grad_gate_up's rows, e.g. the two halves of its dg | du), fp32 accumulation, rounded once to
+//                   bf16; `deterministic` selects the fixed-order sum on CUDA (else fp32 atomics; the CPU sum is
+//                   always in k order).
 //
 //   quantize_mxfp8  t (..., K) -> (e4m3 data (..., K), e8m0 scales (..., K / block)), the rule in mxfp8.h.
 //   share_exponents_mxfp8  mxfp8 (..., K) -> the same values with every MXFP8_ALIGN elements' scales shared
@@ -378,7 +381,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> swiglu_backward_cpu(c
 }
 
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cpu(
     const at::Tensor& grad_out, const at::Tensor& w2, const at::Tensor& gate_up, const at::Tensor& sorted_token_ids,
     const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights,
     int64_t top_k, int64_t block_m, int64_t num_experts) {
@@ -388,8 +391,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cpu(
   set_global_experts(op, num_experts, s);
   TORCH_CHECK(grad_out.device().is_cpu(), op, " (CPU): grad_out must be a CPU tensor, got ", grad_out.device());
   const int64_t slots = s.M * s.top_k;
-  auto grad_gate = at::zeros({slots, s.hidden}, grad_out.options());
-  auto grad_up = at::zeros_like(grad_gate), weighted_h = at::zeros_like(grad_gate);
+  auto grad_gate_up = at::zeros({slots, 2 * s.hidden}, grad_out.options());
+  auto grad_gate = grad_gate_up.narrow(1, 0, s.hidden), grad_up = grad_gate_up.narrow(1, s.hidden, s.hidden);
+  auto weighted_h = at::zeros({slots, s.hidden}, grad_out.options());
   auto grad_weights = at::zeros({slots}, topk_weights.options());
   const auto flat_weights = topk_weights.reshape({slots});
   int64_t row = 0;
@@ -417,7 +421,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cpu(
                    grad_weights.index_copy_(0, slot_t, (gh * h).sum(1));
                    row += n;
                  });
-  return {grad_gate, grad_up, weighted_h, grad_weights.view({s.M, s.top_k})};
+  return {grad_gate_up, weighted_h, grad_weights.view({s.M, s.top_k})};
 }
 
 at::Tensor moe_grad_x_cpu(const at::Tensor& grad_gate, const at::Tensor& grad_up, const at::Tensor& w1,
@@ -496,7 +500,7 @@ TORCH_LIBRARY(flash_moe, m) {
         "Tensor grad_up, Tensor weighted_h, Tensor grad_row_weights)");
   m.def("moe_grad_gate_up(Tensor grad_out, Tensor w2, Tensor gate_up, Tensor sorted_token_ids, Tensor expert_ids, "
         "Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, int block_m, int num_experts=-1) -> "
-        "(Tensor grad_gate, Tensor grad_up, Tensor weighted_h, Tensor grad_topk_weights)");
+        "(Tensor grad_gate_up, Tensor weighted_h, Tensor grad_topk_weights)");
   m.def("moe_grad_x(Tensor grad_gate, Tensor grad_up, Tensor w1, Tensor w3, Tensor sorted_token_ids, "
         "Tensor expert_ids, Tensor num_tokens_post_padded, int top_k, int block_m, bool deterministic, "
         "int num_experts=-1) -> Tensor");

@@ -314,7 +314,8 @@ inline MoeShape check_grad_gate_up_args(const char* op, const at::Tensor& grad_o
   return s;
 }
 
-// moe_grad_x: grad_gate, grad_up (M * top_k, hidden) bf16 (what moe_grad_gate_up returns), w1 / w3 (E, hidden, dim)
+// moe_grad_x: grad_gate, grad_up (M * top_k, hidden) bf16 (the halves of what moe_grad_gate_up returns, or any two
+// such tensors), w1 / w3 (E, hidden, dim)
 // bf16, the alignment, all on grad_gate's device. M = rows / top_k.
 inline MoeShape check_grad_x_args(const char* op, const at::Tensor& grad_gate, const at::Tensor& grad_up,
                                   const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& sorted_token_ids,

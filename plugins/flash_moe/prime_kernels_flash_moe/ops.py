@@ -129,8 +129,8 @@ def _(grad_out, w2, gate_up, sorted_token_ids, expert_ids, num_tokens_post_padde
                                                      expert_ids, num_tokens_post_padded, topk_weights, top_k,
                                                      block_m, CONSTANTS)
     checks.check_global_experts("moe_grad_gate_up", num_experts, E)
-    rows = grad_out.new_empty((M * top_k, hidden))
-    return rows, rows.new_empty(rows.shape), rows.new_empty(rows.shape), topk_weights.new_empty((M, top_k))
+    return (grad_out.new_empty((M * top_k, 2 * hidden)), grad_out.new_empty((M * top_k, hidden)),
+            topk_weights.new_empty((M, top_k)))
 
 
 @torch.library.register_fake("flash_moe::moe_grad_x")
@@ -531,26 +531,29 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
 
     if gate_up is None:
         gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, BLOCK_M, global_experts)
-    grad_tw = grad_x = grad_w1 = grad_w2 = grad_w3 = grad_gate = grad_up = None
+    grad_tw = grad_x = grad_w1 = grad_w2 = grad_w3 = grad_gate_up = grad_gate = grad_up = None
     go = grad_out.to(x.dtype)
     if need_x or need_w1 or need_w3 or need_tw:
-        grad_gate, grad_up, weighted_h, grad_p = torch.ops.flash_moe.moe_grad_gate_up(go, w2, gate_up, *align, tw,
-                                                                                      top_k, BLOCK_M, global_experts)
+        grad_gate_up, weighted_h, grad_p = torch.ops.flash_moe.moe_grad_gate_up(go, w2, gate_up, *align, tw, top_k,
+                                                                                BLOCK_M, global_experts)
+        hidden = w1.shape[1]
+        grad_gate, grad_up = grad_gate_up[:, :hidden], grad_gate_up[:, hidden:]  # views: read in place below
         if need_tw:
             grad_tw = grad_p.to(tw_dtype)
     else:  # w2's gradient alone takes only p h, which swiglu_backward computes without reading grad_h
         _, _, weighted_h, _ = torch.ops.flash_moe.swiglu_backward(gate_up, go.new_zeros(S, w2.shape[2]),
                                                                   tw.reshape(-1)[order], ok)
-    if need_x:  # before the weight gradients, so that a stacked w1's [dg | du] below replaces dg and du
+    if need_x:
         grad_x = torch.ops.flash_moe.moe_grad_x(grad_gate, grad_up, w1, w3, *align, top_k, BLOCK_M, deterministic,
                                                 global_experts)
     # the weight gradients: per expert, its rows of dg / du / p h against x / grad_out gathered by token; dW1 and dW3
-    # of a stacked w1 in one GEMM over [dg | du] (S x 2 hidden), straight into its (E, 2 hidden, dim) gradient
+    # of a stacked w1 in one GEMM over moe_grad_gate_up's [dg | du] (S x 2 hidden, as it comes: no concatenation),
+    # straight into its (E, 2 hidden, dim) gradient
     if stacked:
-        rows_x = (torch.cat((grad_gate, grad_up), 1) if need_w1 else None, None)
+        rows_x = (grad_gate_up if need_w1 else None, None)
     else:
         rows_x = (grad_gate if need_w1 else None, grad_up if need_w3 else None)
-    del grad_gate, grad_up  # held by rows_x alone where still needed
+    del grad_gate_up, grad_gate, grad_up  # held by rows_x alone where still needed
     # moe_grad_weight: the gathers inside the kernel, no S x dim copy of x or grad_out
     if _fused_weight_grads(S, global_experts, w1.shape[1]):
         row_token = torch.where(ok, tok, -1).to(torch.int32)

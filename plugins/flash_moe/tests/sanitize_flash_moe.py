@@ -45,9 +45,11 @@ for T, dim, hidden, E, k in [(1, 64, 64, 2, 1), (37, 320, 192, 5, 2), (130, 256,
         if not torch.allclose(a.cpu().float(), b.float(), rtol=3e-2, atol=3e-2):
             sys.exit(f"moe_grad_gate_up mismatch for {(T, dim, hidden, E, k)}")
     # the backward's dX kernel (persistent, atomics or per slot)
-    want_dx = torch.ops.flash_moe.moe_grad_x(*want_grads[:2], w1, w3, *align, k, ops.BLOCK_M, False).float()
-    for det in (False, True):
-        got_dx = torch.ops.flash_moe.moe_grad_x(*got_grads[:2], cu[1], cu[3], *got_align, k, ops.BLOCK_M, det)
+    want_dx = torch.ops.flash_moe.moe_grad_x(*want_grads[0].split(hidden, 1), w1, w3, *align, k, ops.BLOCK_M,
+                                             False).float()
+    for det in (False, True):  # dg and du read in place from the halves of dg | du
+        got_dx = torch.ops.flash_moe.moe_grad_x(*got_grads[0].split(hidden, 1), cu[1], cu[3], *got_align, k,
+                                                ops.BLOCK_M, det)
         if not torch.allclose(got_dx.cpu().float(), want_dx, rtol=3e-2, atol=3e-2):
             sys.exit(f"moe_grad_x(deterministic={det}) mismatch for {(T, dim, hidden, E, k)}")
     # the backward's dW kernel (persistent; each expert's compact rows, source rows gathered by token): dW1 and dW2

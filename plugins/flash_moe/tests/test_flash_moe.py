@@ -696,23 +696,26 @@ def check_moe_grad_gate_up(device, T=300, dim=256, hidden=192, E=6, top_k=2, exp
     p = tw.cpu().reshape(-1)[slot_t].double()
     want = swiglu_backward_reference(gate_up.cpu()[:n], grad_h, p, torch.ones(n, dtype=torch.bool))
     want_tw = torch.zeros(T * top_k, dtype=torch.float64).index_copy_(0, slot_t, want[3]).view(T, top_k)
-    for name, a, b in zip(("grad_gate", "grad_up", "weighted_h"), got[:3], want[:3]):
+    dgu = got[0]
+    assert dgu.dtype == torch.bfloat16 and dgu.shape == (T * top_k, 2 * hidden)
+    for name, a, b in zip(("grad_gate", "grad_up", "weighted_h"), (*dgu.split(hidden, 1), got[1]), want[:3]):
         assert a.dtype == torch.bfloat16 and a.shape == (T * top_k, hidden), name
         # grad_h in fp32 (never rounded), each element rounded once to bf16
         torch.testing.assert_close(a[:n].cpu().double(), b, rtol=2**-7, atol=1e-3, msg=name)
         assert not a[n:].any(), f"{name}: rows past the routed slots must be zero"
-    assert got[3].dtype == torch.float32 and got[3].shape == (T, top_k)
-    torch.testing.assert_close(got[3].cpu().double(), want_tw, rtol=2**-12, atol=1e-3)
+    assert got[2].dtype == torch.float32 and got[2].shape == (T, top_k)
+    torch.testing.assert_close(got[2].cpu().double(), want_tw, rtol=2**-12, atol=1e-3)
     return got, (grad_out, w2, gate_up, *align, tw, top_k, ops.BLOCK_M)
 
 
 def check_moe_grad_x(device, T=300, dim=256, hidden=192, E=6, top_k=2, expert_start=0, num_global=None, idle=False,
                      deterministic=True):
     """moe_grad_x against float64 sums of dg W1[e] + du W3[e] over each token's routed slots, on the op's own bf16
-    inputs (moe_grad_gate_up's rows). fp32 accumulation rounded once; the deterministic CUDA path also rounds each
-    slot's row to bf16 before the k-order sum, hence the absolute term relative to the largest element."""
+    inputs (the halves of moe_grad_gate_up's dg | du, read in place). fp32 accumulation rounded once; the
+    deterministic CUDA path also rounds each slot's row to bf16 before the k-order sum, hence the absolute term
+    relative to the largest element."""
     got_gu, args = check_moe_grad_gate_up(device, T, dim, hidden, E, top_k, expert_start, num_global, idle)
-    dg, du = got_gu[:2]
+    dg, du = got_gu[0].split(hidden, 1)
     grad_out, w2, gate_up, sorted_ids, eids, ntpp, tw = args[:7]
     w1, w3 = make(T, dim, hidden, E, top_k, device, seed=14, num_global=num_global)[1:4:2]
     got = torch.ops.flash_moe.moe_grad_x(dg, du, w1, w3, sorted_ids, eids, ntpp, top_k, ops.BLOCK_M, deterministic)
@@ -1042,6 +1045,8 @@ def test_cuda_moe_grad_x_matches_reference(case):
     deterministic one the same bits on a second run, the atomic one close to it."""
     got, args = check_moe_grad_x("cuda", **case)
     assert torch.equal(got, torch.ops.flash_moe.moe_grad_x(*args))
+    # dg and du read in place (the halves of dg | du) or from contiguous copies: the same bits
+    assert torch.equal(got, torch.ops.flash_moe.moe_grad_x(args[0].contiguous(), args[1].contiguous(), *args[2:]))
     atomic, _ = check_moe_grad_x("cuda", deterministic=False, **case)
     torch.testing.assert_close(atomic.float(), got.float(), rtol=2**-6, atol=2**-7 * got.float().abs().max().item())
 

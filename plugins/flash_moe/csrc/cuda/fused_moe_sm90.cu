@@ -155,10 +155,11 @@ struct Params {
   __nv_bfloat16* yslots;      // DOWN_SLOTS output [M * top_k, dim]
   int64_t ld_out;             // dim
   // DH_SWIGLU: g | u in `saved` (the compact rows dst_rows names), the slot weights in topk_weights; outputs at the
-  // compact rows [slots, hidden] (row stride n_total): dg, du, p h; and <grad_h, h> of each slot over each column
-  // tile, dot_partials [n_tiles, num_slots]
+  // compact rows: dg, du (row stride ld_grad: side by side in one [slots, 2 hidden] tensor), p h [slots, hidden] (row
+  // stride n_total); and <grad_h, h> of each slot over each column tile, dot_partials [n_tiles, num_slots]
   __nv_bfloat16* grad_gate;
   __nv_bfloat16* grad_up;
+  int64_t ld_grad;
   __nv_bfloat16* weighted_h;
   float* dot_partials;
   // DX_*: A's second half (du rows; `a` holds dg's), K tiles per half; tm_b0 / tm_b1 map w1 / w3
@@ -180,7 +181,7 @@ constexpr int kChunk = 4;
 __device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* acc, int h, int quad, int slot, int row,
                                                  int n0) {
   const float w = __ldg(p.topk_weights + slot);
-  const int64_t base = static_cast<int64_t>(row) * p.n_total + n0;
+  const int64_t grad_base = static_cast<int64_t>(row) * p.ld_grad + n0, h_base = static_cast<int64_t>(row) * p.n_total + n0;
   const __nv_bfloat16* gate = p.saved + static_cast<int64_t>(row) * p.ld_saved + n0;
   float dot = 0.f;
 #pragma unroll
@@ -220,10 +221,13 @@ __device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* a
         duw[k] = bf16x2_bits(du[0], du[1]);
         phw[k] = bf16x2_bits(ph[0], ph[1]);
       }
-      const int64_t at = base + 32 * g + 8 * quad;
-      *reinterpret_cast<uint4*>(p.grad_gate + at) = quad_transpose(make_uint4(dgw[0], dgw[1], dgw[2], dgw[3]), quad);
-      *reinterpret_cast<uint4*>(p.grad_up + at) = quad_transpose(make_uint4(duw[0], duw[1], duw[2], duw[3]), quad);
-      *reinterpret_cast<uint4*>(p.weighted_h + at) = quad_transpose(make_uint4(phw[0], phw[1], phw[2], phw[3]), quad);
+      const int col = 32 * g + 8 * quad;
+      *reinterpret_cast<uint4*>(p.grad_gate + grad_base + col) =
+          quad_transpose(make_uint4(dgw[0], dgw[1], dgw[2], dgw[3]), quad);
+      *reinterpret_cast<uint4*>(p.grad_up + grad_base + col) =
+          quad_transpose(make_uint4(duw[0], duw[1], duw[2], duw[3]), quad);
+      *reinterpret_cast<uint4*>(p.weighted_h + h_base + col) =
+          quad_transpose(make_uint4(phw[0], phw[1], phw[2], phw[3]), quad);
     }
   }
   return dot;
@@ -764,7 +768,7 @@ at::Tensor moe_gate_up_cuda(const at::Tensor& x, const at::Tensor& w1, const at:
   return result;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda(
     const at::Tensor& grad_out, const at::Tensor& w2_in, const at::Tensor& gate_up, const at::Tensor& sorted_token_ids,
     const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights,
     int64_t top_k, int64_t block_m, int64_t num_experts) {
@@ -783,8 +787,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda
   }
   const auto sorted = sorted_token_ids.contiguous(), eids = expert_ids.contiguous();
   const int64_t slots = s.M * s.top_k;
-  auto grad_gate = at::empty({slots, s.hidden}, go.options());
-  auto grad_up = at::empty_like(grad_gate), weighted_h = at::empty_like(grad_gate);
+  auto grad_gate_up = at::empty({slots, 2 * s.hidden}, go.options());
+  auto weighted_h = at::empty({slots, s.hidden}, go.options());
   const int n_tiles = static_cast<int>((s.hidden + sm90::BN - 1) / sm90::BN);
   auto partials = at::zeros({n_tiles, slots}, go.options().dtype(at::kFloat));
   const auto tile_counter = at::zeros({1}, sorted_token_ids.options().dtype(at::kInt));
@@ -793,7 +797,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda
   p.saved = const_cast<__nv_bfloat16*>(reinterpret_cast<const __nv_bfloat16*>(gu.const_data_ptr()));
   p.ld_saved = 2 * s.hidden;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  zero_rows_past({&grad_gate, &grad_up, &weighted_h}, rows.count);
+  zero_rows_past({&grad_gate_up}, rows.count);
+  zero_rows_past({&weighted_h}, rows.count);
   if (s.blocks > 0 && s.M > 0) {
     p.top_k = static_cast<int>(s.top_k);
     p.num_experts = static_cast<int>(s.E);
@@ -810,15 +815,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda
     p.n_total = static_cast<int>(s.hidden);
     p.k_tiles = static_cast<int>(s.dim / sm90::BK);
     p.topk_weights = tw.const_data_ptr<float>();
-    p.grad_gate = reinterpret_cast<__nv_bfloat16*>(grad_gate.mutable_data_ptr());
-    p.grad_up = reinterpret_cast<__nv_bfloat16*>(grad_up.mutable_data_ptr());
+    p.grad_gate = reinterpret_cast<__nv_bfloat16*>(grad_gate_up.mutable_data_ptr());
+    p.grad_up = p.grad_gate + s.hidden;
+    p.ld_grad = 2 * s.hidden;
     p.weighted_h = reinterpret_cast<__nv_bfloat16*>(weighted_h.mutable_data_ptr());
     p.dot_partials = partials.mutable_data_ptr<float>();
     p.tile_counter = tile_counter.mutable_data_ptr<int>();
     sm90::launch<sm90::DH_SWIGLU>(p, n_tiles, s, stream);
   }
   // the column tiles' partial sums in tile order: the same bits on every run
-  return {grad_gate, grad_up, weighted_h, partials.sum(0).view({s.M, s.top_k})};
+  return {grad_gate_up, weighted_h, partials.sum(0).view({s.M, s.top_k})};
 }
 
 at::Tensor moe_grad_x_cuda(const at::Tensor& grad_gate, const at::Tensor& grad_up, const at::Tensor& w1_in,
@@ -831,7 +837,11 @@ at::Tensor moe_grad_x_cuda(const at::Tensor& grad_gate, const at::Tensor& grad_u
   set_global_experts(op, num_experts, s);
   const c10::cuda::CUDAGuard guard(grad_gate.device());
   sm90::check_sm90(op, grad_gate);
-  const auto dg = grad_gate.contiguous(), du = grad_up.contiguous();
+  // read in place when their rows are whole 16-byte units at one row stride (the halves of moe_grad_gate_up's
+  // dg | du: row stride 2 hidden), else as contiguous copies
+  const bool in_place = grad_gate.stride(1) == 1 && grad_up.stride(1) == 1 &&
+                        grad_gate.stride(0) == grad_up.stride(0) && grad_gate.stride(0) % 8 == 0;
+  const auto dg = in_place ? grad_gate : grad_gate.contiguous(), du = in_place ? grad_up : grad_up.contiguous();
   auto w1 = w1_in, w3 = w3_in;  // read in place when TMA can (whole 16-byte rows, whole rows between experts)
   if (w1.stride(2) != 1 || w3.strides() != w1.strides() || w1.stride(1) % 8 != 0 || w1.stride(0) % w1.stride(1) != 0) {
     w1 = w1.contiguous();
@@ -857,7 +867,7 @@ at::Tensor moe_grad_x_cuda(const at::Tensor& grad_gate, const at::Tensor& grad_u
     p.ntpp = num_tokens_post_padded.const_data_ptr<int>();
     p.a = reinterpret_cast<const __nv_bfloat16*>(dg.const_data_ptr());
     p.a2 = reinterpret_cast<const __nv_bfloat16*>(du.const_data_ptr());
-    p.lda = s.hidden;
+    p.lda = dg.stride(0);
     p.b_rows_per_expert = static_cast<int>(w1.stride(0) / w1.stride(1));
     // boxes of BK weight rows (K = hidden) x MN_ATOM dim columns (N, contiguous); columns past dim read as zeros
     sm90::expert_weight_map(op, "w1", &p.tm_b0, w1, s.hidden, s.dim, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, sm90::BK,
