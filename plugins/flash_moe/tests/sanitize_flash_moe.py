@@ -57,7 +57,8 @@ for T, dim, hidden, E, k in [(1, 64, 64, 2, 1), (37, 320, 192, 5, 2), (130, 256,
     order = torch.sort(key, stable=True).indices
     row_token = torch.where(key[order] < E, order // k, -1).to(torch.int32)
     ends = torch.bincount(key, minlength=E + 1)[:E].cumsum(0).to(torch.int32)
-    for rows, source, source_major in ((got_grads[0], x, False), (got_grads[2], grad_out, True)):
+    # dW1 from dg read in place (the left half of dg | du), dW2 from p h
+    for rows, source, source_major in ((got_grads[0][:, :hidden], x, False), (got_grads[1], grad_out, True)):
         want_w = torch.ops.flash_moe.moe_grad_weight(rows.cpu(), source, row_token, ends, source_major).float()
         got_w = torch.ops.flash_moe.moe_grad_weight(rows, source.cuda(), row_token.cuda(), ends.cuda(), source_major)
         if not torch.allclose(got_w.cpu().float(), want_w, rtol=3e-2, atol=3e-2):
