@@ -62,6 +62,9 @@
 #ifndef FLASH_MOE_STAGES
 #error "FLASH_MOE_STAGES must come from kernel.toml ([flash_moe.constants])"
 #endif
+#ifndef FLASH_MOE_EPILOGUE_WARPGROUP_STAGES
+#error "FLASH_MOE_EPILOGUE_WARPGROUP_STAGES must come from kernel.toml ([flash_moe.constants])"
+#endif
 #ifndef FLASH_MOE_PERSISTENT_GATE_UP_MIN_SLOTS
 #error "FLASH_MOE_PERSISTENT_GATE_UP_MIN_SLOTS must come from kernel.toml ([flash_moe.constants])"
 #endif
@@ -74,6 +77,7 @@ constexpr int BN_GU = FLASH_MOE_BLOCK_N_GATE_UP;
 constexpr int BN_DOWN = FLASH_MOE_BLOCK_N_DOWN;
 constexpr int BK = FLASH_MOE_BLOCK_K;
 constexpr int STAGES = FLASH_MOE_STAGES;
+constexpr int EPILOGUE_WARPGROUP_STAGES = FLASH_MOE_EPILOGUE_WARPGROUP_STAGES;
 constexpr int CLUSTER_BLOCKS = FLASH_MOE_CLUSTER_BLOCKS;
 constexpr int64_t PERSISTENT_GATE_UP_MIN_SLOTS = FLASH_MOE_PERSISTENT_GATE_UP_MIN_SLOTS;
 constexpr int BN = WGMMA_N;
@@ -82,6 +86,8 @@ static_assert(2 * BN_GU == BN && BN_DOWN == BN, "BLOCK_N_GATE_UP must be 128 and
 static_assert(BK == 64, "BLOCK_K must be 64 (one 128-byte swizzle row of bf16)");
 static_assert(CLUSTER_BLOCKS == kPairCtas, "CLUSTER_BLOCKS must be core's kPairCtas (weight tiles shared by CTA pairs)");
 static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be 2 to 4 (shared memory)");
+static_assert(EPILOGUE_WARPGROUP_STAGES >= 2 && EPILOGUE_WARPGROUP_STAGES <= 3,
+              "EPILOGUE_WARPGROUP_STAGES must be 2 or 3 (shared memory: the ring beside the 64 KiB staging tile)");
 static_assert(kDimAlign % BK == 0 && kHiddenAlign % BK == 0, "DIM_ALIGN and HIDDEN_ALIGN must be multiples of BLOCK_K");
 static_assert(BK % 32 == 0, "the epilogues access whole groups of 32 columns of dim / hidden (store_row_bf16)");
 
@@ -92,8 +98,11 @@ constexpr int A_BYTES = BM * BK * 2;
 constexpr int B_BYTES = BN * BK * 2;
 constexpr int B_BOX_ROWS = BN / 2;  // one TMA box: the gate (or up) half of a gate/up tile, half a down tile
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + 2 * BM * 8 /* A row offsets */ +
-                           2 * BM * 4 /* slots */ + (2 * STAGES + 4) * 8 /* mbarriers */ + 2 * 4 /* tile numbers */;
+// A tile's result as bf16 (the epilogue warps' input): 128 rows of 512 bytes, the 16-byte chunks of row r at
+// chunk ^ (r % 8), so that a warp's 16-byte stores from the accumulator layout (8 rows x 4 chunks) and its loads of
+// one whole row both touch each bank group the minimum number of times.
+constexpr int STAGING_ROW_BYTES = BN * 2;
+constexpr int STAGING_BYTES = BM * STAGING_ROW_BYTES;
 
 // GATE_UP_SAVE (the backward's recomputation): the epilogue stores the gate and up pre-activations as bf16 to row
 // dst_rows[padded row] of a compact [routed slots, 2 hidden] tensor instead of h.
@@ -122,6 +131,32 @@ constexpr bool persistent_mode(int mode) {
 }
 // The backward's N-major B tiles: atoms of 64 columns (128 bytes of bf16, the 128-byte swizzle's row), a TMA box each.
 constexpr int MN_ATOMS = BN / MN_ATOM;
+// The modes whose epilogue runs in epilogue warps from the staging tile while the consumers go on to the next tile
+// (kernel.toml: EPILOGUE_WARPGROUP_STAGES): the first warpgroup's warps 2-3, beside a producer of warps 0-1. A fourth
+// warpgroup cannot be had: at 512 threads ptxas gets 128 registers per thread, and a wgmma with a 64 x 256 fp32
+// accumulator needs 154. Persistent modes only: a CTA of one tile has nothing to overlap.
+constexpr bool epilogue_warpgroup(int mode) { return mode == DH_SWIGLU; }
+constexpr int ring_stages(int mode) { return epilogue_warpgroup(mode) ? EPILOGUE_WARPGROUP_STAGES : STAGES; }
+constexpr int producer_threads(int mode) { return epilogue_warpgroup(mode) ? 64 : 128; }
+constexpr int EPILOGUE_WARPS = 2;
+// Shared memory from the 1024-aligned base: the ring, the staging tile, the routing rows of two tiles (A row offsets,
+// slots), the mbarriers (full and empty per stage; tile free, rows ready per routing buffer; staging full, staging
+// empty), the tile numbers of the two routing buffers.
+constexpr int routing_offset(int mode) {
+  return ring_stages(mode) * STAGE_BYTES + (epilogue_warpgroup(mode) ? STAGING_BYTES : 0);
+}
+constexpr int barriers_offset(int mode) { return routing_offset(mode) + 2 * BM * 12; }
+constexpr int num_barriers(int mode) { return 2 * ring_stages(mode) + 6; }
+constexpr int smem_bytes(int mode) {
+  return 1024 /* alignment slack */ + barriers_offset(mode) + num_barriers(mode) * 8 + 2 * 4;
+}
+static_assert(smem_bytes(DH_SWIGLU) <= 227 * 1024 && smem_bytes(GATE_UP) <= 227 * 1024,
+              "the ring (and staging tile) must fit the 227 KiB of shared memory per block");
+// Registers with epilogue warps: the first warpgroup (producer and epilogue warps: setmaxnreg is per warpgroup) keeps
+// kSplitProducerRegs (four rows of g, u and grad_h in flight per epilogue warp), the consumers the rest.
+constexpr int kSplitProducerRegs = 96, kEpilogueConsumerRegs = 192;
+static_assert(128 * (kSplitProducerRegs + 2 * kEpilogueConsumerRegs) <= 384 * (65536 / 384 / 8 * 8),
+              "setmaxnreg: the consumers' registers must come from the first warpgroup's");
 
 struct Params {
   // B tiles by TMA: 2-D maps over the weight rows (boxes of B_BOX_ROWS x BK); expert e's row n is map row
@@ -169,64 +204,109 @@ struct Params {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void fence_acc(float* d) { fence_regs<128>(d); }
 
-// DH_SWIGLU's epilogue for accumulator row h of a consumer thread: grad_h (unweighted, fp32) of slot `slot` over the
-// columns n0 + 8 j + 2 quad + e, g | u from compact row `row`; writes dg, du, p h there (as swiglu_backward does:
-// dh = p grad_h, du = dh silu(g), dg = dh u sig (1 + g (1 - sig))) and returns this thread's part of <grad_h, h>.
-// Every access is 16 bytes per lane through quad_transpose (groups of 4 j). The g | u loads of kChunk groups are issued
-// before any of their stores: the compiler cannot prove the outputs do not alias g | u, so a load after a store waits
-// for it (SASS of the first version: one load pair, the math and three stores per column group, 64 DRAM round trips
-// in a row per thread and tile).
-constexpr int kChunk = 4;
-__device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* acc, int h, int quad, int slot, int row,
-                                                 int n0) {
-  const float w = __ldg(p.topk_weights + slot);
-  const int64_t base = static_cast<int64_t>(row) * p.n_total + n0;
-  const __nv_bfloat16* gate = p.saved + static_cast<int64_t>(row) * p.ld_saved + n0;
+// The SwiGLU derivative of 8 columns (as swiglu_backward does: dh = p grad_h, du = dh silu(g), dg = dh u sig (1 + g
+// (1 - sig)), p h) from bf16 g, u, grad_h (16 bytes each); returns their part of <grad_h, h>.
+__device__ __forceinline__ float swiglu_grad8(uint4 g8, uint4 u8, uint4 gh8, float w, uint4& dg8, uint4& du8,
+                                              uint4& ph8) {
+  const uint32_t gw[4] = {g8.x, g8.y, g8.z, g8.w}, uw[4] = {u8.x, u8.y, u8.z, u8.w},
+                 hw[4] = {gh8.x, gh8.y, gh8.z, gh8.w};
+  uint32_t dgw[4], duw[4], phw[4];
   float dot = 0.f;
 #pragma unroll
-  for (int g0 = 0; g0 < BN / 32; g0 += kChunk) {
-    uint4 g4[kChunk] = {}, u4[kChunk] = {};
+  for (int k = 0; k < 4; ++k) {
+    const float2 gv2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gw[k]));
+    const float2 uv2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&uw[k]));
+    const float2 gh2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&hw[k]));
+    float dg[2], du[2], ph[2];
 #pragma unroll
-    for (int gg = 0; gg < kChunk; ++gg) {
-      const int col = 32 * (g0 + gg) + 8 * quad;
-      if (n0 + 32 * (g0 + gg) < p.n_total) {  // n_total: a multiple of 32 (whole groups)
-        g4[gg] = *reinterpret_cast<const uint4*>(gate + col);
-        u4[gg] = *reinterpret_cast<const uint4*>(gate + p.n_total + col);
+    for (int e = 0; e < 2; ++e) {
+      const float gv = e ? gv2.y : gv2.x, uv = e ? uv2.y : uv2.x, gh = e ? gh2.y : gh2.x;
+      const float sig = fast_sigmoid(gv);
+      const float a = gv * sig, hv = a * uv, dh = gh * w;
+      dot += gh * hv;
+      du[e] = dh * a;
+      dg[e] = dh * uv * sig * (1.f + gv * (1.f - sig));
+      ph[e] = w * hv;
+    }
+    dgw[k] = bf16x2_bits(dg[0], dg[1]);
+    duw[k] = bf16x2_bits(du[0], du[1]);
+    phw[k] = bf16x2_bits(ph[0], ph[1]);
+  }
+  dg8 = make_uint4(dgw[0], dgw[1], dgw[2], dgw[3]);
+  du8 = make_uint4(duw[0], duw[1], duw[2], duw[3]);
+  ph8 = make_uint4(phw[0], phw[1], phw[2], phw[3]);
+  return dot;
+}
+
+// DH_SWIGLU's epilogue in the epilogue warps, from the staging tile (grad_h unweighted, bf16): warp `ewarp` takes
+// rows 64 ewarp .. + 63 of the tile, one row at a time across its 32 lanes (8 columns each: every global access is
+// 512 contiguous bytes), g | u of kRows rows loaded before any of their math. Writes dg, du, p h at the slot's compact
+// row and <grad_h, h> of the slot over the tile's columns to dot_partials.
+__device__ __forceinline__ void dh_epilogue_rows(const Params& p, const uint8_t* staging, const int* slot_of,
+                                                 int block, int n_tile, int ewarp, int lane) {
+  constexpr int kRows = 4;
+  const int n0 = n_tile * BN;
+  const bool live = n0 + 8 * lane < p.n_total;  // n_total: a multiple of 8
+  for (int half = 0; half < 2; ++half) {
+  // lane l holds row `first` + l's slot, compact row (-1: nothing to write) and slot weight
+  const int first = 64 * ewarp + 32 * half, own = first + lane;
+  const int own_slot = slot_of[own];
+  int own_row = own_slot >= 0 ? __ldg(p.dst_rows + block * BM + own) : -1;
+  if (own_row >= p.dst_limit) own_row = -1;
+  const float own_w = own_row >= 0 ? __ldg(p.topk_weights + own_slot) : 0.f;
+  for (int r0 = 0; r0 < 32; r0 += kRows) {
+    uint4 g8[kRows], u8[kRows];
+    int row[kRows];
+#pragma unroll
+    for (int q = 0; q < kRows; ++q) {
+      row[q] = __shfl_sync(0xffffffffu, own_row, r0 + q);
+      g8[q] = u8[q] = make_uint4(0, 0, 0, 0);
+      if (row[q] >= 0 && live) {
+        const __nv_bfloat16* gate = p.saved + static_cast<int64_t>(row[q]) * p.ld_saved + n0 + 8 * lane;
+        g8[q] = *reinterpret_cast<const uint4*>(gate);
+        u8[q] = *reinterpret_cast<const uint4*>(gate + p.n_total);
       }
     }
 #pragma unroll
-    for (int gg = 0; gg < kChunk; ++gg) {
-      const int g = g0 + gg;
-      if (n0 + 32 * g >= p.n_total) break;
-      const uint4 gt = quad_transpose(g4[gg], quad), ut = quad_transpose(u4[gg], quad);
-      const uint32_t gw[4] = {gt.x, gt.y, gt.z, gt.w}, uw[4] = {ut.x, ut.y, ut.z, ut.w};
-      uint32_t dgw[4], duw[4], phw[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float2 gv2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gw[k]));
-        const float2 uv2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&uw[k]));
-        float dg[2], du[2], ph[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float gv = e ? gv2.y : gv2.x, uv = e ? uv2.y : uv2.x, gh = acc[4 * (4 * g + k) + 2 * h + e];
-          const float sig = fast_sigmoid(gv);
-          const float a = gv * sig, hv = a * uv, dh = gh * w;
-          dot += gh * hv;
-          du[e] = dh * a;
-          dg[e] = dh * uv * sig * (1.f + gv * (1.f - sig));
-          ph[e] = w * hv;
-        }
-        dgw[k] = bf16x2_bits(dg[0], dg[1]);
-        duw[k] = bf16x2_bits(du[0], du[1]);
-        phw[k] = bf16x2_bits(ph[0], ph[1]);
+    for (int q = 0; q < kRows; ++q) {
+      const float w = __shfl_sync(0xffffffffu, own_w, r0 + q);
+      const int slot = __shfl_sync(0xffffffffu, own_slot, r0 + q);
+      if (row[q] < 0) continue;  // the whole warp: one row
+      const int r = first + r0 + q;
+      const uint4 gh8 = *reinterpret_cast<const uint4*>(staging + r * STAGING_ROW_BYTES + ((lane ^ (r & 7)) << 4));
+      uint4 dg8, du8, ph8;
+      float dot = swiglu_grad8(g8[q], u8[q], gh8, w, dg8, du8, ph8);
+      if (live) {
+        const int64_t at = static_cast<int64_t>(row[q]) * p.n_total + n0 + 8 * lane;
+        *reinterpret_cast<uint4*>(p.grad_gate + at) = dg8;
+        *reinterpret_cast<uint4*>(p.grad_up + at) = du8;
+        *reinterpret_cast<uint4*>(p.weighted_h + at) = ph8;
       }
-      const int64_t at = base + 32 * g + 8 * quad;
-      *reinterpret_cast<uint4*>(p.grad_gate + at) = quad_transpose(make_uint4(dgw[0], dgw[1], dgw[2], dgw[3]), quad);
-      *reinterpret_cast<uint4*>(p.grad_up + at) = quad_transpose(make_uint4(duw[0], duw[1], duw[2], duw[3]), quad);
-      *reinterpret_cast<uint4*>(p.weighted_h + at) = quad_transpose(make_uint4(phw[0], phw[1], phw[2], phw[3]), quad);
+#pragma unroll
+      for (int d = 16; d >= 1; d >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, d);
+      if (lane == 0) p.dot_partials[static_cast<int64_t>(n_tile) * p.num_slots + slot] = dot;
     }
   }
-  return dot;
+  }
+}
+
+// A consumer thread's two accumulator rows as bf16 into the staging tile (row lr of the warpgroup's: see above).
+__device__ __forceinline__ void stage_rows_bf16(uint8_t* staging, const float* acc, int lr0, int quad) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int lr = lr0 + 8 * h;
+    uint8_t* const dst = staging + lr * STAGING_ROW_BYTES;
+#pragma unroll
+    for (int g = 0; g < BN / 32; ++g) {
+      uint4 w;
+      w.x = bf16x2_bits(acc[4 * (4 * g) + 2 * h], acc[4 * (4 * g) + 2 * h + 1]);
+      w.y = bf16x2_bits(acc[4 * (4 * g + 1) + 2 * h], acc[4 * (4 * g + 1) + 2 * h + 1]);
+      w.z = bf16x2_bits(acc[4 * (4 * g + 2) + 2 * h], acc[4 * (4 * g + 2) + 2 * h + 1]);
+      w.w = bf16x2_bits(acc[4 * (4 * g + 3) + 2 * h], acc[4 * (4 * g + 3) + 2 * h + 1]);
+      // after the transpose lane `quad` holds columns 32 g + 8 quad .. + 7: chunk 4 g + quad of the row
+      *reinterpret_cast<uint4*>(dst + (((4 * g + quad) ^ (lr & 7)) << 4)) = quad_transpose(w, quad);
+    }
+  }
 }
 #endif
 
@@ -261,6 +341,11 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   // benchmark shapes (4.6% slower at DeepSeek-V3; its epilogue moves 10 bytes per element, which pairs do not overlap
   // with anything).
   constexpr bool kPersistent = persistent_mode(MODE);
+  constexpr bool kEpilogueWarpgroup = epilogue_warpgroup(MODE);
+  static_assert(!kEpilogueWarpgroup || kPersistent, "the epilogue warpgroup overlaps a CTA's next tile");
+  constexpr int kStages = ring_stages(MODE);
+  constexpr int kProducers = producer_threads(MODE);
+  constexpr int kRowStep = kProducers / 8;  // rows of a pass of the producer threads over a stage (8 chunks a row)
   const int ntpp = __ldg(p.ntpp);
   // Persistent: the tiles of the live blocks (block * BM < num_tokens_post_padded, read here: no host sync) in raster
   // order; 32-bit tile numbers (the host keeps blocks x n_tiles below 2^31, so t + p.ctas cannot wrap).
@@ -290,23 +375,31 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   uint8_t* const gbase = smem_raw + (base - raw);
   // the routing rows of two tiles (tile i in buffer i & 1): the producer writes tile i + 1's while the consumers still
   // read tile i's
-  int64_t* const a_rows = reinterpret_cast<int64_t*>(gbase + STAGES * STAGE_BYTES);
-  int* const slot_rows = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + 2 * BM * 8);
-  const uint32_t bars = base + STAGES * STAGE_BYTES + 2 * BM * 12;
+  uint8_t* const staging = gbase + kStages * STAGE_BYTES;
+  int64_t* const a_rows = reinterpret_cast<int64_t*>(gbase + routing_offset(MODE));
+  int* const slot_rows = reinterpret_cast<int*>(gbase + routing_offset(MODE) + 2 * BM * 8);
+  const uint32_t bars = base + barriers_offset(MODE);
   auto full_bar = [&](int s) { return bars + 8u * s; };
-  auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
-  auto tile_free_bar = [&](int b) { return bars + 8u * (2 * STAGES + b); };
-  auto rows_ready_bar = [&](int b) { return bars + 8u * (2 * STAGES + 2 + b); };
+  auto empty_bar = [&](int s) { return bars + 8u * (kStages + s); };
+  auto tile_free_bar = [&](int b) { return bars + 8u * (2 * kStages + b); };
+  auto rows_ready_bar = [&](int b) { return bars + 8u * (2 * kStages + 2 + b); };
+  const uint32_t staging_full_bar = bars + 8u * (2 * kStages + 4), staging_empty_bar = staging_full_bar + 8u;
   // the tile of routing-row buffer b as block x n_tiles + column tile (decoded once, by the claiming thread), -1 once
   // the CTA's tiles are done
-  int* const tile_of = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + 2 * BM * 12 + (2 * STAGES + 4) * 8);
+  int* const tile_of = reinterpret_cast<int*>(gbase + barriers_offset(MODE) + num_barriers(MODE) * 8);
   if (threadIdx.x == 0) {
     // paired: a stage is free once the consumers of both CTAs released it (the peer's TMA writes into it too)
-    init_ring<STAGES>(bars, (paired ? 2 : 1) * CONSUMER_WARPS);
-    // a routing-row buffer is free again once each consumer warp is done with its tile
-    for (int b = 0; b < 2; ++b) mbar_init(tile_free_bar(b), CONSUMER_WARPS);
+    init_ring<kStages>(bars, (paired ? 2 : 1) * CONSUMER_WARPS, kProducers + 1);
+    // a routing-row buffer is free again once each consumer warp (and epilogue warp) is done with its tile
+    for (int b = 0; b < 2; ++b) {
+      mbar_init(tile_free_bar(b), CONSUMER_WARPS + (kEpilogueWarpgroup ? EPILOGUE_WARPS : 0));
+    }
     // and holds the next tile's rows once each producer thread wrote its row (and thread 0 the tile number)
-    for (int b = 0; b < 2; ++b) mbar_init(rows_ready_bar(b), 128);
+    for (int b = 0; b < 2; ++b) mbar_init(rows_ready_bar(b), kProducers);
+    // the staging tile holds a tile's result once each consumer warp stored its rows, and is free again once each
+    // epilogue warp is done with them
+    mbar_init(staging_full_bar, CONSUMER_WARPS);
+    mbar_init(staging_empty_bar, EPILOGUE_WARPS);
     fence_mbarrier_init();
   }
   __syncthreads();
@@ -316,15 +409,37 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   // allowed).
   auto release = [&](int s, int j) {
     mbar_arrive(empty_bar(s));
-    if (paired && j < p.k_tiles - STAGES) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
+    if (paired && j < p.k_tiles - kStages) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
   };
 
   const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    if constexpr (kEpilogueWarpgroup) {
+      shrink_registers<kSplitProducerRegs>();
+    } else {
+      producer_registers();
+    }
+  }
+  if (kEpilogueWarpgroup && warpgroup == 0 && threadIdx.x >= kProducers) {  // ------------ epilogue ------------
+    const int ewarp = (threadIdx.x - kProducers) / 32, lane = threadIdx.x % 32;
+    for (int i = 0;; ++i) {
+      const int buf = i & 1;
+      mbar_wait(rows_ready_bar(buf), (i / 2) & 1);
+      const int t = tile_of[buf];
+      if (t < 0) break;
+      mbar_wait(staging_full_bar, i & 1);
+      dh_epilogue_rows(p, staging, slot_rows + buf * BM, t / p.n_tiles, t % p.n_tiles, ewarp, lane);
+      __syncwarp();  // every lane's staging reads and routing-row reads are done before lane 0 frees them
+      if (lane == 0) {
+        mbar_arrive(staging_empty_bar);
+        mbar_arrive(tile_free_bar(buf));
+      }
+    }
+    return;
+  }
   if (warpgroup == 0) {  // ------------------------------- producer -------------------------------
-    producer_registers();
-    static_assert(BM == 128, "one routing row per producer thread");
     const int c = threadIdx.x & 7;    // 16-byte chunk of the 128-byte K slice
-    const int r0 = threadIdx.x >> 3;  // rows r0 + 16 i
+    const int r0 = threadIdx.x >> 3;  // rows r0 + kRowStep i
     // k tiles issued before this tile, over all earlier tiles, modulo 2 STAGES: the ring runs on across tiles (stage
     // ks % STAGES, phase parity (ks / STAGES) & 1)
     uint32_t ks = 0;
@@ -350,37 +465,36 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         }
         tile_of[buf] = t;
       }
-      asm volatile("bar.sync 1, 128;\n" ::: "memory");  // the producer warps only
+      asm volatile("bar.sync 1, %0;\n" ::"n"(kProducers) : "memory");  // the producer warps only
       const int t = tile_of[buf];
       const int block = t >= 0 ? t / p.n_tiles : 0, n_tile = t >= 0 ? t % p.n_tiles : 0;
-      if (t >= 0) {
+      for (int r = threadIdx.x; t >= 0 && r < BM; r += kProducers) {
         if constexpr (kDx) {  // A's row: the slot's compact row of dg / du, -1 (zero-filled) for padding
-          const int row = block * BM + threadIdx.x;
+          const int row = block * BM + r;
           const int slot = routed_slot(p, row);
           const int compact = slot >= 0 ? p.dst_rows[row] : -1;
-          slot_rows[buf * BM + threadIdx.x] = slot;
-          a_rows[buf * BM + threadIdx.x] =
-              compact >= 0 && compact < p.dst_limit ? static_cast<int64_t>(compact) * p.lda : -1;
+          slot_rows[buf * BM + r] = slot;
+          a_rows[buf * BM + r] = compact >= 0 && compact < p.dst_limit ? static_cast<int64_t>(compact) * p.lda : -1;
         } else {
-          routing_row<BM, kGather>(p, block, threadIdx.x, a_rows + buf * BM, slot_rows + buf * BM);
+          routing_row<BM, kGather>(p, block, r, a_rows + buf * BM, slot_rows + buf * BM);
         }
       }
-      mbar_arrive(rows_ready_bar(buf));  // the consumers read this thread's row (and the tile number) after it
+      mbar_arrive(rows_ready_bar(buf));  // the consumers read this thread's rows (and the tile number) after it
       if (t < 0) break;                  // the consumers stop at the -1
-      asm volatile("bar.sync 1, 128;\n" ::: "memory");  // each producer thread reads the others' rows below
+      asm volatile("bar.sync 1, %0;\n" ::"n"(kProducers) : "memory");  // each producer thread reads the others' rows
       // This thread's A rows' offsets, in registers for the whole tile: loaded from shared memory in the k loop, each
       // load would wait for the previous row's cp.async (the asm's memory clobber orders them), ~8 dependent loads
       // between a stage's release and its copies (Nsight Compute: a quarter of the producer's time).
-      int64_t row_off[BM / 16];
+      int64_t row_off[BM / kRowStep];
 #pragma unroll
-      for (int r = 0; r < BM / 16; ++r) row_off[r] = a_rows[buf * BM + r0 + 16 * r];
+      for (int r = 0; r < BM / kRowStep; ++r) row_off[r] = a_rows[buf * BM + r0 + kRowStep * r];
       const int expert = __ldg(p.expert_ids + block);
 
       // N-major B: the expert's first weight row (the k tile adds its rows); else its first row of this column tile
       const int b_row = expert * p.b_rows_per_expert + (kMajorN ? 0 : n_tile * (kGateUp ? BN_GU : BN_DOWN));
       for (int kt = 0; kt < p.k_tiles; ++kt) {
         const uint32_t k = ks + kt;
-        const int stage = acquire_stage<STAGES>(bars, k);
+        const int stage = acquire_stage<kStages>(bars, k);
         const uint32_t st = base + stage * STAGE_BYTES;
         // DX: the first k_half tiles read dg and w1, the others du and w3, each from its own K offset 0
         const bool second = kDx && kt >= p.k_half;
@@ -409,25 +523,29 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
           }
         }
 #pragma unroll
-        for (int r = 0; r < BM / 16; ++r) {
+        for (int r = 0; r < BM / kRowStep; ++r) {
           const int64_t off = row_off[r];
-          cp_async_16(st + swz(r0 + 16 * r, c), a_src + (off >= 0 ? off + kofs + c * 8 : 0), off >= 0 ? 16u : 0u);
+          cp_async_16(st + swz(r0 + kRowStep * r, c), a_src + (off >= 0 ? off + kofs + c * 8 : 0), off >= 0 ? 16u : 0u);
         }
         cp_async_mbar_arrive_noinc(full_bar(stage));  // fires when this thread's copies of the stage have landed
       }
-      ks = (ks + p.k_tiles) % (2 * STAGES);
+      ks = (ks + p.k_tiles) % (2 * kStages);
     }
     drain_cp_async();
     return;
   }
-  consumer_registers();
+  if constexpr (kEpilogueWarpgroup) {  // the first warpgroup gave back what the consumers take here
+    grow_registers<kEpilogueConsumerRegs>();
+  } else {
+    consumer_registers();
+  }
 
   // ------------------------------- consumers -------------------------------
   const int wg = warpgroup - 1;
   const int ctid = threadIdx.x - 128 * warpgroup;
   const int warp = ctid / 32, lane = ctid % 32, quad = lane & 3;
   const uint32_t a_off = wg * 64 * 128;
-  RingPosition<STAGES> ring;  // in step with the producer's ks
+  RingPosition<kStages> ring;  // in step with the producer's ks
   for (int i = 0;; ++i) {
     const int buf = i & 1;
     mbar_wait(rows_ready_bar(buf), (i / 2) & 1);
@@ -444,7 +562,12 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         if (lane == 0) release(ring.stage, kt);
         ring.advance();
       }
-      // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them
+      // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them; the epilogue
+      // warpgroup passes their (unwritten) staging rows by, but the staging tile's turn still needs this warp
+      if constexpr (kEpilogueWarpgroup) {
+        mbar_wait(staging_empty_bar, (i & 1) ^ 1);
+        if (lane == 0) mbar_arrive(staging_full_bar);
+      }
     } else {
       float acc[128];
       int prev = 0;
@@ -476,9 +599,15 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       wgmma_wait<0>();
       fence_acc(acc);
       if (lane == 0) release(prev, p.k_tiles - 1);  // the ring's next turn (persistent: the next tile) may refill it
+      if constexpr (kEpilogueWarpgroup) {  // the result to the staging tile once the epilogue warpgroup is done with it
+        mbar_wait(staging_empty_bar, (i & 1) ^ 1);
+        stage_rows_bf16(staging, acc, wg * 64 + warp * 16 + (lane >> 2), quad);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(staging_full_bar);
+      }
       // ------------------------------- epilogue -------------------------------
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
+      for (int h = 0; h < 2 && !kEpilogueWarpgroup; ++h) {
         const int lr = wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
         if constexpr (kMode == GATE_UP || kMode == GATE_UP_AND_SAVE) {
           const int n0 = n_tile * BN_GU;
@@ -497,16 +626,6 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
             store_row_bf16<BN_GU>(dst + p.n_total, n0, p.n_total, quad,
                                   [&](int j, int e) { return acc[4 * (j + BN_GU / 8) + 2 * h + e]; });
           }
-        }
-        if constexpr (kDh) {
-          const int slot = slot_of[lr];
-          const int row = slot >= 0 ? p.dst_rows[block * BM + lr] : -1;
-          const bool routed = row >= 0 && row < p.dst_limit;
-          float dot = routed ? swiglu_grad_row(p, acc, h, quad, slot, row, n_tile * BN) : 0.f;
-          // the 4 lanes of a quad hold the row's columns: every lane takes part in the shuffles
-          dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-          dot += __shfl_xor_sync(0xffffffffu, dot, 2);
-          if (routed && quad == 0) p.dot_partials[static_cast<int64_t>(n_tile) * p.num_slots + slot] = dot;
         }
         if constexpr (!kGather) {
           const int slot = slot_of[lr];
@@ -539,7 +658,7 @@ template <int MODE>
 void launch(Params p, int n_tiles, const MoeShape& s, cudaStream_t stream) {
   constexpr bool kPersistent = persistent_mode(MODE);
   p.raster_runs = raster_runs(s);
-  launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, SMEM_BYTES, kPersistent ? 1 : CLUSTER_BLOCKS, kPersistent>(
+  launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, smem_bytes(MODE), kPersistent ? 1 : CLUSTER_BLOCKS, kPersistent>(
       p, n_tiles, s.blocks, stream);
 }
 

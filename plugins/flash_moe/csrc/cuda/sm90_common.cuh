@@ -143,12 +143,16 @@ static_assert(128 * (kProducerRegs + 2 * kConsumerRegs) <= 384 * (65536 / 384 / 
 constexpr int kFullArrivals = 128 + 1;
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ void producer_registers() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+template <int kRegs>
+__device__ __forceinline__ void shrink_registers() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
-__device__ __forceinline__ void consumer_registers() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+template <int kRegs>
+__device__ __forceinline__ void grow_registers() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
+__device__ __forceinline__ void producer_registers() { shrink_registers<kProducerRegs>(); }
+__device__ __forceinline__ void consumer_registers() { grow_registers<kConsumerRegs>(); }
 // A producer thread's end: it leaves once its last cp.async copies have landed.
 __device__ __forceinline__ void drain_cp_async() {
   cp_async_commit();
@@ -217,12 +221,13 @@ __device__ __forceinline__ void routing_row(const Params& p, int block, int r, i
   }
 }
 
-// The stage ring's mbarriers (one thread): "full" completes on kFullArrivals arrivals, "empty" on empty_arrivals.
+// The stage ring's mbarriers (one thread): "full" completes on full_arrivals arrivals, "empty" on empty_arrivals.
 // The caller makes them visible with fence_mbarrier_init() and a CTA barrier before any other thread uses them.
 template <int STAGES>
-__device__ __forceinline__ void init_ring(uint32_t bars, uint32_t empty_arrivals) {
+__device__ __forceinline__ void init_ring(uint32_t bars, uint32_t empty_arrivals,
+                                          uint32_t full_arrivals = kFullArrivals) {
   for (int s = 0; s < STAGES; ++s) {
-    mbar_init(bars + 8u * s, kFullArrivals);
+    mbar_init(bars + 8u * s, full_arrivals);
     mbar_init(bars + 8u * (STAGES + s), empty_arrivals);
   }
 }
