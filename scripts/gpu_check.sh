@@ -143,6 +143,7 @@ if phase sonicmoe-warm; then
       > "$sonic_warm_dir/$shape.log" 2>&1 < /dev/null &
     echo $! > "$sonic_warm_dir/$shape.pid"
     record sonicmoe-warm "$shape" "started (pid $!)"
+    disown $!  # out of the job table: the later phases' `wait`s (and the call) do not wait for the compiles
   done
 fi
 
