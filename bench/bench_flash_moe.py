@@ -214,8 +214,9 @@ def print_timeline(label, line):
 
 def bench_timelines(ops, name, T, E, k, dim, hidden):
     """GPU timelines of forward+backward through moe() (default mode; also on one stacked [W1; W3] tensor,
-    transformers' gate_up_proj layout) and through the grouped-mm path: where each one's time goes in place (kernels,
-    idle, host), the in-situ companion of --parts."""
+    transformers' gate_up_proj layout, and with deterministic=True: its fixed-order combines, which the default takes
+    from top_k = SLOT_COMBINE_MIN_TOP_K on) and through the grouped-mm path: where each one's time goes in place
+    (kernels, idle, host), the in-situ companion of --parts."""
     from prime_kernels_flash_moe.reference import moe_grouped_mm
 
     p = problem(T, E, k, dim, hidden, grad=True)
@@ -226,6 +227,7 @@ def bench_timelines(ops, name, T, E, k, dim, hidden):
     row = {"shape": name}
     print(f"  {name}")
     for label, run in (("moe", lambda: ops.moe(*p)), ("moe [W1; W3]", lambda: ops.moe(x, stacked, w2, None, ids, tw)),
+                       ("moe deterministic", lambda: ops.moe(*p, deterministic=True)),
                        ("grouped-mm", lambda: moe_grouped_mm(*p))):
         row[label] = gpu_timeline(lambda run=run: run().backward(go), top=12, grad_to_none=leaves)
         print_timeline(label, row[label])
