@@ -181,7 +181,8 @@ constexpr int kChunk = 4;
 __device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* acc, int h, int quad, int slot, int row,
                                                  int n0) {
   const float w = __ldg(p.topk_weights + slot);
-  const int64_t grad_base = static_cast<int64_t>(row) * p.ld_grad + n0, h_base = static_cast<int64_t>(row) * p.n_total + n0;
+  const int64_t grad_base = static_cast<int64_t>(row) * p.ld_grad + n0;
+  const int64_t h_base = static_cast<int64_t>(row) * p.n_total + n0;
   const __nv_bfloat16* gate = p.saved + static_cast<int64_t>(row) * p.ld_saved + n0;
   float dot = 0.f;
 #pragma unroll
