@@ -223,6 +223,8 @@ __device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* a
         phw[k] = bf16x2_bits(ph[0], ph[1]);
       }
       const int col = 32 * g + 8 * quad;
+      // DIAGNOSTIC: dg, du, p h computed but never stored (the dot partials still are): what the stores cost
+      if (p.n_total > 0) continue;
       *reinterpret_cast<uint4*>(p.grad_gate + grad_base + col) =
           quad_transpose(make_uint4(dgw[0], dgw[1], dgw[2], dgw[3]), quad);
       *reinterpret_cast<uint4*>(p.grad_up + grad_base + col) =
