@@ -192,8 +192,14 @@ __device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* a
     for (int gg = 0; gg < kChunk; ++gg) {
       const int col = 32 * (g0 + gg) + 8 * quad;
       if (n0 + 32 * (g0 + gg) < p.n_total) {  // n_total: a multiple of 32 (whole groups)
-        g4[gg] = *reinterpret_cast<const uint4*>(gate + col);
-        u4[gg] = *reinterpret_cast<const uint4*>(gate + p.n_total + col);
+        // DIAGNOSTIC: g and u made from the accumulators instead of loaded: what the g | u loads cost
+        (void)gate;
+        (void)col;
+        const float* a = acc + 4 * (4 * (g0 + gg)) + 2 * h;
+        g4[gg] = make_uint4(bf16x2_bits(a[0], a[1]), bf16x2_bits(a[4], a[5]), bf16x2_bits(a[8], a[9]),
+                            bf16x2_bits(a[12], a[13]));
+        u4[gg] = make_uint4(bf16x2_bits(a[1], a[0]), bf16x2_bits(a[5], a[4]), bf16x2_bits(a[9], a[8]),
+                            bf16x2_bits(a[13], a[12]));
       }
     }
 #pragma unroll
