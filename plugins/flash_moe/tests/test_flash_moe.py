@@ -1014,6 +1014,9 @@ def test_cuda_backward_pieces_match_reference():
     check_moe_gate_up("cuda")
     check_moe_gate_up("cuda", T=1000, dim=2048, hidden=768, E=16, top_k=8)
     check_moe_gate_up("cuda", E=4, top_k=3, expert_start=4, num_global=8)
+    # 1024 slots per expert: the persistent kernel, g | u of whole blocks stored by TMA, of an expert's last
+    # block row by row; hidden 320: the last column tile's second gate box and up box are past hidden
+    check_moe_gate_up("cuda", T=2048, dim=512, hidden=320, E=4, top_k=2)
     check_swiglu_backward("cuda")
     check_swiglu_backward("cuda", rows=70, hidden=14336)
 

@@ -62,6 +62,9 @@
 #ifndef FLASH_MOE_STAGES
 #error "FLASH_MOE_STAGES must come from kernel.toml ([flash_moe.constants])"
 #endif
+#ifndef FLASH_MOE_TMA_SAVE_STAGES
+#error "FLASH_MOE_TMA_SAVE_STAGES must come from kernel.toml ([flash_moe.constants])"
+#endif
 #ifndef FLASH_MOE_PERSISTENT_GATE_UP_MIN_SLOTS
 #error "FLASH_MOE_PERSISTENT_GATE_UP_MIN_SLOTS must come from kernel.toml ([flash_moe.constants])"
 #endif
@@ -74,6 +77,7 @@ constexpr int BN_GU = FLASH_MOE_BLOCK_N_GATE_UP;
 constexpr int BN_DOWN = FLASH_MOE_BLOCK_N_DOWN;
 constexpr int BK = FLASH_MOE_BLOCK_K;
 constexpr int STAGES = FLASH_MOE_STAGES;
+constexpr int TMA_SAVE_STAGES = FLASH_MOE_TMA_SAVE_STAGES;
 constexpr int CLUSTER_BLOCKS = FLASH_MOE_CLUSTER_BLOCKS;
 constexpr int64_t PERSISTENT_GATE_UP_MIN_SLOTS = FLASH_MOE_PERSISTENT_GATE_UP_MIN_SLOTS;
 constexpr int BN = WGMMA_N;
@@ -82,6 +86,8 @@ static_assert(2 * BN_GU == BN && BN_DOWN == BN, "BLOCK_N_GATE_UP must be 128 and
 static_assert(BK == 64, "BLOCK_K must be 64 (one 128-byte swizzle row of bf16)");
 static_assert(CLUSTER_BLOCKS == kPairCtas, "CLUSTER_BLOCKS must be core's kPairCtas (weight tiles shared by CTA pairs)");
 static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be 2 to 4 (shared memory)");
+static_assert(TMA_SAVE_STAGES >= 2 && TMA_SAVE_STAGES <= 3,
+              "TMA_SAVE_STAGES must be 2 or 3 (shared memory: the ring beside the 64 KiB staging tile)");
 static_assert(kDimAlign % BK == 0 && kHiddenAlign % BK == 0, "DIM_ALIGN and HIDDEN_ALIGN must be multiples of BLOCK_K");
 static_assert(BK % 32 == 0, "the epilogues access whole groups of 32 columns of dim / hidden (store_row_bf16)");
 
@@ -92,8 +98,10 @@ constexpr int A_BYTES = BM * BK * 2;
 constexpr int B_BYTES = BN * BK * 2;
 constexpr int B_BOX_ROWS = BN / 2;  // one TMA box: the gate (or up) half of a gate/up tile, half a down tile
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + 2 * BM * 8 /* A row offsets */ +
-                           2 * BM * 4 /* slots */ + (2 * STAGES + 4) * 8 /* mbarriers */ + 2 * 4 /* tile numbers */;
+// The g | u staging tile of the TMA-save modes: four TMA boxes of 128 rows x 64 columns (128-byte rows, swizzled as
+// the ring's A tiles): gate columns n0 .., n0 + 64 .., then the same up columns.
+constexpr int SAVE_BOX_COLS = 64, SAVE_BOX_BYTES = BM * SAVE_BOX_COLS * 2, SAVE_BOXES = 2 * BN_GU / SAVE_BOX_COLS;
+constexpr int STAGING_BYTES = SAVE_BOXES * SAVE_BOX_BYTES;
 
 // GATE_UP_SAVE (the backward's recomputation): the epilogue stores the gate and up pre-activations as bf16 to row
 // dst_rows[padded row] of a compact [routed slots, 2 hidden] tensor instead of h.
@@ -122,12 +130,31 @@ constexpr bool persistent_mode(int mode) {
 }
 // The backward's N-major B tiles: atoms of 64 columns (128 bytes of bf16, the 128-byte swizzle's row), a TMA box each.
 constexpr int MN_ATOMS = BN / MN_ATOM;
+// The modes that store g | u by TMA from the staging tile (kernel.toml: TMA_SAVE_STAGES): persistent ones only, where
+// the stores overlap the CTA's next tile.
+constexpr bool tma_save(int mode) { return mode == GATE_UP_SAVE_PERSISTENT || mode == GATE_UP_AND_SAVE_PERSISTENT; }
+constexpr int ring_stages(int mode) { return tma_save(mode) ? TMA_SAVE_STAGES : STAGES; }
+// Shared memory from the 1024-aligned base: the ring, the staging tile (TMA-save modes), the routing rows of two
+// tiles (A row offsets, slots), the mbarriers (full and empty per stage; tile free and rows ready per routing
+// buffer), the tile numbers of the two routing buffers.
+constexpr int routing_offset(int mode) {
+  return ring_stages(mode) * STAGE_BYTES + (tma_save(mode) ? STAGING_BYTES : 0);
+}
+constexpr int barriers_offset(int mode) { return routing_offset(mode) + 2 * BM * 12; }
+constexpr int smem_bytes(int mode) {
+  return 1024 /* alignment slack */ + barriers_offset(mode) + (2 * ring_stages(mode) + 4) * 8 + 2 * 4;
+}
+static_assert(smem_bytes(GATE_UP) <= 227 * 1024 && smem_bytes(GATE_UP_AND_SAVE_PERSISTENT) <= 227 * 1024,
+              "the ring (and the staging tile) must fit the 227 KiB of shared memory per block");
 
 struct Params {
   // B tiles by TMA: 2-D maps over the weight rows (boxes of B_BOX_ROWS x BK); expert e's row n is map row
   // e * b_rows_per_expert + n. GATE_UP: tm_b0 the gate rows, tm_b1 the up rows; DOWN: tm_b0 w2's rows.
   CUtensorMap tm_b0;
   CUtensorMap tm_b1;
+  // TMA-save modes: `saved` [slots, 2 hidden] as a 3-D map of one batch (core's store form), boxes of BM rows x
+  // SAVE_BOX_COLS columns
+  CUtensorMap tm_saved;
   int b_rows_per_expert;
   const __nv_bfloat16* a;  // x (GATE_UP) or the intermediate (DOWN)
   int64_t lda;
@@ -266,6 +293,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   // benchmark shapes (4.6% slower at DeepSeek-V3; its epilogue moves 10 bytes per element, which pairs do not overlap
   // with anything).
   constexpr bool kPersistent = persistent_mode(MODE);
+  constexpr bool kTmaSave = tma_save(MODE);
+  constexpr int kStages = ring_stages(MODE);
   const int ntpp = __ldg(p.ntpp);
   // Persistent: the tiles of the live blocks (block * BM < num_tokens_post_padded, read here: no host sync) in raster
   // order; 32-bit tile numbers (the host keeps blocks x n_tiles below 2^31, so t + p.ctas cannot wrap).
@@ -295,19 +324,20 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   uint8_t* const gbase = smem_raw + (base - raw);
   // the routing rows of two tiles (tile i in buffer i & 1): the producer writes tile i + 1's while the consumers still
   // read tile i's
-  int64_t* const a_rows = reinterpret_cast<int64_t*>(gbase + STAGES * STAGE_BYTES);
-  int* const slot_rows = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + 2 * BM * 8);
-  const uint32_t bars = base + STAGES * STAGE_BYTES + 2 * BM * 12;
+  const uint32_t staging = base + kStages * STAGE_BYTES;
+  int64_t* const a_rows = reinterpret_cast<int64_t*>(gbase + routing_offset(MODE));
+  int* const slot_rows = reinterpret_cast<int*>(gbase + routing_offset(MODE) + 2 * BM * 8);
+  const uint32_t bars = base + barriers_offset(MODE);
   auto full_bar = [&](int s) { return bars + 8u * s; };
-  auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
-  auto tile_free_bar = [&](int b) { return bars + 8u * (2 * STAGES + b); };
-  auto rows_ready_bar = [&](int b) { return bars + 8u * (2 * STAGES + 2 + b); };
+  auto empty_bar = [&](int s) { return bars + 8u * (kStages + s); };
+  auto tile_free_bar = [&](int b) { return bars + 8u * (2 * kStages + b); };
+  auto rows_ready_bar = [&](int b) { return bars + 8u * (2 * kStages + 2 + b); };
   // the tile of routing-row buffer b as block x n_tiles + column tile (decoded once, by the claiming thread), -1 once
   // the CTA's tiles are done
-  int* const tile_of = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + 2 * BM * 12 + (2 * STAGES + 4) * 8);
+  int* const tile_of = reinterpret_cast<int*>(gbase + barriers_offset(MODE) + (2 * kStages + 4) * 8);
   if (threadIdx.x == 0) {
     // paired: a stage is free once the consumers of both CTAs released it (the peer's TMA writes into it too)
-    init_ring<STAGES>(bars, (paired ? 2 : 1) * CONSUMER_WARPS);
+    init_ring<kStages>(bars, (paired ? 2 : 1) * CONSUMER_WARPS);
     // a routing-row buffer is free again once each consumer warp is done with its tile
     for (int b = 0; b < 2; ++b) mbar_init(tile_free_bar(b), CONSUMER_WARPS);
     // and holds the next tile's rows once each producer thread wrote its row (and thread 0 the tile number)
@@ -321,7 +351,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   // allowed).
   auto release = [&](int s, int j) {
     mbar_arrive(empty_bar(s));
-    if (paired && j < p.k_tiles - STAGES) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
+    if (paired && j < p.k_tiles - kStages) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
   };
 
   const int warpgroup = threadIdx.x / 128;
@@ -385,7 +415,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       const int b_row = expert * p.b_rows_per_expert + (kMajorN ? 0 : n_tile * (kGateUp ? BN_GU : BN_DOWN));
       for (int kt = 0; kt < p.k_tiles; ++kt) {
         const uint32_t k = ks + kt;
-        const int stage = acquire_stage<STAGES>(bars, k);
+        const int stage = acquire_stage<kStages>(bars, k);
         const uint32_t st = base + stage * STAGE_BYTES;
         // DX: the first k_half tiles read dg and w1, the others du and w3, each from its own K offset 0
         const bool second = kDx && kt >= p.k_half;
@@ -420,7 +450,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         }
         cp_async_mbar_arrive_noinc(full_bar(stage));  // fires when this thread's copies of the stage have landed
       }
-      ks = (ks + p.k_tiles) % (2 * STAGES);
+      ks = (ks + p.k_tiles) % (2 * kStages);
     }
     drain_cp_async();
     return;
@@ -432,7 +462,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   const int ctid = threadIdx.x - 128 * warpgroup;
   const int warp = ctid / 32, lane = ctid % 32, quad = lane & 3;
   const uint32_t a_off = wg * 64 * 128;
-  RingPosition<STAGES> ring;  // in step with the producer's ks
+  RingPosition<kStages> ring;  // in step with the producer's ks
   for (int i = 0;; ++i) {
     const int buf = i & 1;
     mbar_wait(rows_ready_bar(buf), (i / 2) & 1);
@@ -482,6 +512,50 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       fence_acc(acc);
       if (lane == 0) release(prev, p.k_tiles - 1);  // the ring's next turn (persistent: the next tile) may refill it
       // ------------------------------- epilogue -------------------------------
+      // TMA-save modes: a block whose 128 rows are all routed has consecutive compact rows (dst_rows counts the routed
+      // rows: first and last 127 apart means every row between is routed), so its g | u goes to the staging tile and
+      // out by TMA while the next tile's mainloop runs; a block with padding stores it row by row below. The decision
+      // is the same in both warpgroups (neither skips its rows in such a block), which the named barriers need.
+      bool staged = false;
+      if constexpr (kTmaSave) {
+        const int first = __ldg(p.dst_rows + block * BM), last = __ldg(p.dst_rows + block * BM + BM - 1);
+        staged = first >= 0 && last == first + BM - 1 && last < p.dst_limit;
+        if (staged) {
+          const bool storer = threadIdx.x == 128;
+          if (storer) bulk_wait_read<0>();  // the previous tile's boxes have been read out
+          asm volatile("bar.sync 2, 256;\n" ::: "memory");  // the consumer warps only
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int lr = wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {  // gate, then up (accumulator columns BN_GU on)
+#pragma unroll
+              for (int g = 0; g < BN_GU / 32; ++g) {
+                const float* a = acc + 4 * (4 * g + half * BN_GU / 8) + 2 * h;
+                const uint4 w = make_uint4(bf16x2_bits(a[0], a[1]), bf16x2_bits(a[4], a[5]),
+                                           bf16x2_bits(a[8], a[9]), bf16x2_bits(a[12], a[13]));
+                // after the transpose this lane holds columns 32 g + 8 quad .. + 7: box g / 2 of the half, chunk
+                // 4 (g % 2) + quad of the row
+                const uint32_t at = (2 * half + g / 2) * SAVE_BOX_BYTES + swz(lr, 4 * (g % 2) + quad);
+                *reinterpret_cast<uint4*>(gbase + (staging - base) + at) = quad_transpose(w, quad);
+              }
+            }
+          }
+          fence_proxy_async();  // the TMA stores read the boxes through the async proxy
+          asm volatile("bar.sync 2, 256;\n" ::: "memory");
+          if (storer) {
+            const int n0 = n_tile * BN_GU;
+#pragma unroll
+            for (int q = 0; q < SAVE_BOXES; ++q) {
+              const int col = (q / 2) * p.n_total + n0 + (q % 2) * SAVE_BOX_COLS;  // up columns hidden further
+              if (n0 + (q % 2) * SAVE_BOX_COLS < p.n_total) {
+                tma_store_3d(&p.tm_saved, staging + q * SAVE_BOX_BYTES, col, first, 0);
+              }
+            }
+            bulk_commit();
+          }
+        }
+      }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int lr = wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
@@ -493,7 +567,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
                                 });
         }
         if constexpr (kMode == GATE_UP_SAVE || kMode == GATE_UP_AND_SAVE) {
-          const int dst_row = p.dst_rows[block * BM + lr];
+          const int dst_row = staged ? -1 : p.dst_rows[block * BM + lr];
           if (dst_row >= 0 && dst_row < p.dst_limit) {
             const int n0 = n_tile * BN_GU;
             __nv_bfloat16* dst = p.saved + static_cast<int64_t>(dst_row) * p.ld_saved + n0;
@@ -528,6 +602,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     __syncwarp();
     if (lane == 0) mbar_arrive(tile_free_bar(buf));
   }
+  if (kTmaSave && threadIdx.x == 128) bulk_wait<0>();  // the last tile's stores have landed before the CTA leaves
 #else
   __trap();  // compiled for an arch other than sm_90a: the host side never launches it there
 #endif
@@ -544,7 +619,7 @@ template <int MODE>
 void launch(Params p, int n_tiles, const MoeShape& s, cudaStream_t stream) {
   constexpr bool kPersistent = persistent_mode(MODE);
   p.raster_runs = raster_runs(s);
-  launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, SMEM_BYTES, kPersistent ? 1 : CLUSTER_BLOCKS, kPersistent>(
+  launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, smem_bytes(MODE), kPersistent ? 1 : CLUSTER_BLOCKS, kPersistent>(
       p, n_tiles, s.blocks, stream);
 }
 
@@ -692,14 +767,21 @@ void zero_rows_past(std::initializer_list<at::Tensor*> tensors, const at::Tensor
 }
 
 // The pre-activations g | u of the routed slots, [M * top_k, 2 hidden] in moe_align's order (what moe_gate_up
-// returns): p.saved points at the returned tensor, p.dst_rows into `rows` (compact_rows).
-at::Tensor saved_gate_up(sm90::Params& p, const at::Tensor& sorted, const at::Tensor& eids, const at::Tensor& ntpp,
-                         const MoeShape& s, CompactRows& rows) {
-  auto saved = at::empty({s.M * s.top_k, 2 * s.hidden}, sorted.options().dtype(at::kBFloat16));
+// returns): p.saved points at the returned tensor (p.tm_saved maps it for the TMA-save modes), p.dst_rows into `rows`
+// (compact_rows).
+at::Tensor saved_gate_up(const char* op, sm90::Params& p, const at::Tensor& sorted, const at::Tensor& eids,
+                         const at::Tensor& ntpp, const MoeShape& s, CompactRows& rows) {
+  const int64_t slots = s.M * s.top_k;
+  auto saved = at::empty({slots, 2 * s.hidden}, sorted.options().dtype(at::kBFloat16));
   rows = compact_rows(p, sorted, eids, ntpp, s);
   zero_rows_past({&saved}, rows.count);
   p.saved = reinterpret_cast<__nv_bfloat16*>(saved.mutable_data_ptr());
   p.ld_saved = 2 * s.hidden;
+  if (slots > 0) {
+    const int rc = prime_kernels::make_tmap_3d(&p.tm_saved, saved.const_data_ptr(), 1, slots, 2 * s.hidden,
+                                               2 * s.hidden, slots * 2 * s.hidden, sm90::BM, sm90::SAVE_BOX_COLS);
+    TORCH_CHECK(rc == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for gate_up (CUresult ", rc, ")");
+  }
   return saved;
 }
 
@@ -718,7 +800,7 @@ void run(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::
     result = at::zeros({s.M * s.top_k, s.dim}, x.options());
   }
   CompactRows rows;
-  if (gate_up != nullptr) *gate_up = saved_gate_up(p, keep[3], keep[4], ntpp, s, rows);
+  if (gate_up != nullptr) *gate_up = saved_gate_up(op, p, keep[3], keep[4], ntpp, s, rows);
   if (s.blocks == 0 || s.M == 0) return;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   // gate/up + SwiGLU
@@ -763,7 +845,7 @@ at::Tensor moe_gate_up_cuda(const at::Tensor& x, const at::Tensor& w1, const at:
   std::vector<at::Tensor> keep;
   sm90::Params p = gate_up_params(op, x, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, s, keep);
   CompactRows rows;
-  auto result = saved_gate_up(p, keep[3], keep[4], num_tokens_post_padded, s, rows);
+  auto result = saved_gate_up(op, p, keep[3], keep[4], num_tokens_post_padded, s, rows);
   if (s.blocks == 0 || s.M == 0) return result;
   launch_gate_up<sm90::GATE_UP_SAVE>(p, keep[3], s, c10::cuda::getCurrentCUDAStream());
   return result;
