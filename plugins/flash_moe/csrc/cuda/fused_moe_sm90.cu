@@ -611,8 +611,6 @@ void launch_gate_up(sm90::Params& p, const at::Tensor& sorted, const MoeShape& s
   sm90::launch<sm90::persistent_twin(MODE)>(p, gate_up_tiles(s), s, stream);
 }
 
-// Runs gate/up + down; mode DOWN_ATOMIC writes acc32 [M, dim] (zeroed here), DOWN_SLOTS yslots [M * top_k, dim]
-// (zeroed here).
 // The flag of each padded row: 1 where it routes a slot (routing.cuh: the rows the GEMM kernels fill), else 0.
 __global__ void routed_flags_kernel(const int* __restrict__ sorted, const int* __restrict__ eids,
                                     const int* __restrict__ ntpp, int64_t padded, int slots, int experts,
@@ -703,7 +701,9 @@ at::Tensor saved_gate_up(sm90::Params& p, const at::Tensor& sorted, const at::Te
   return saved;
 }
 
-// Both GEMMs of the forward; with `gate_up` non-null the gate/up kernel also keeps g | u there for the backward.
+// Both GEMMs of the forward; with `gate_up` non-null the gate/up kernel also keeps g | u there for the backward. Mode
+// DOWN_ATOMIC adds into `result` = acc32 [M, dim], DOWN_SLOTS writes `result` = yslots [M * top_k, dim]; both zeroed
+// here.
 void run(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& w2_in,
          const at::Tensor& sorted, const at::Tensor& eids, const at::Tensor& ntpp, const at::Tensor& topk_weights,
          const MoeShape& s, int mode, at::Tensor& result, at::Tensor* gate_up = nullptr) {
