@@ -536,8 +536,7 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     if need_x or need_w1 or need_w3 or need_tw:
         grad_gate_up, weighted_h, grad_p = torch.ops.flash_moe.moe_grad_gate_up(go, w2, gate_up, *align, tw, top_k,
                                                                                 BLOCK_M, global_experts)
-        hidden = w1.shape[1]
-        grad_gate, grad_up = grad_gate_up[:, :hidden], grad_gate_up[:, hidden:]  # views: read in place below
+        grad_gate, grad_up = grad_gate_up.split(w1.shape[1], 1)  # views: read in place below
         if need_tw:
             grad_tw = grad_p.to(tw_dtype)
     else:  # w2's gradient alone takes only p h, which swiglu_backward computes without reading grad_h

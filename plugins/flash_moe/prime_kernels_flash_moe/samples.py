@@ -70,8 +70,7 @@ def grad_gate_up_samples(ops, x, w1, w2, w3, tw, align, top_k):
     gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, ops.BLOCK_M)
     grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(8)).to(x.dtype).to(x.device)
     dgu, _, _ = torch.ops.flash_moe.moe_grad_gate_up(grad_out, w2, gate_up, *align, tw, top_k, ops.BLOCK_M)
-    hidden = w1.shape[1]
-    dg, du = dgu[:, :hidden], dgu[:, hidden:]
+    dg, du = dgu.split(w1.shape[1], 1)
     global_experts = {"num_experts": 4 * w1.shape[0]}  # expert parallelism: the launch rules' global count
     return [("moe_grad_gate_up", (grad_out, w2, gate_up, *align, tw, top_k, ops.BLOCK_M), {}),
             ("moe_grad_gate_up", (grad_out, w2, gate_up, *align, tw, top_k, ops.BLOCK_M), global_experts),
