@@ -139,6 +139,8 @@ def bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling):
             "dW2 (gather+gmm)": (lambda: _gmm(go[tok].t(), ph, offs), 1),
             "dW1+dW3 (fused)": (lambda: (torch.ops.flash_moe.moe_grad_weight(dg, x, row_token, offs, False),
                                          torch.ops.flash_moe.moe_grad_weight(du, x, row_token, offs, False)), 2),
+            "dW1|dW3 (fused over dg | du)": (lambda: torch.ops.flash_moe.moe_grad_weight(dgu, x, row_token, offs,
+                                                                                          False), 2),
             "dW2 (fused)": (lambda: torch.ops.flash_moe.moe_grad_weight(ph, go, row_token, offs, True), 1),
         }
         for part, (fn, units) in parts.items():
