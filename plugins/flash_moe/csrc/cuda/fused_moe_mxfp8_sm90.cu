@@ -696,8 +696,9 @@ at::Tensor run_mx(const char* op, const at::Tensor& x_b, const at::Tensor& xs_b,
   const auto byte_opts = x.options().dtype(at::kByte);
   auto inter = at::empty({std::max<int64_t>(padded, 1), s.hidden}, byte_opts);
   auto inter_s = at::empty({std::max<int64_t>(padded, 1), s.hidden / kMxScaleBlock}, byte_opts);
+  // DOWN_SLOTS: only the routed slots' rows are written and read (as in the bf16 forward: not zeroed)
   at::Tensor result = mode == sm90::mxk::DOWN_ATOMIC ? at::zeros({s.M, s.dim}, x.options().dtype(at::kFloat))
-                                                     : at::zeros({s.M * top_k, s.dim}, x.options().dtype(at::kBFloat16));
+                                                     : at::empty({s.M * top_k, s.dim}, x.options().dtype(at::kBFloat16));
   if (s.blocks == 0 || s.M == 0) return result;
 
   sm90::mxk::Params p{};
