@@ -4,6 +4,7 @@
 
     python bench/bench_flash_moe.py [--json PATH] [--quick] [--mxfp8-only] [--no-mxfp8] [--shapes NAME,NAME]
     python bench/bench_flash_moe.py --sonicmoe --no-mxfp8 [--shapes NAME,NAME]   (peer wheels: scripts/peer_wheels.sh)
+    python bench/bench_flash_moe.py --parts --no-mxfp8 [--shapes NAME,NAME]
     python bench/bench_flash_moe.py --weight-grad-paths --no-mxfp8 [--shapes NAME,NAME]
     python bench/bench_flash_moe.py --timeline --no-mxfp8 [--shapes NAME,NAME]
     python bench/bench_flash_moe.py --expert-parallel RANKS --no-mxfp8 [--shapes NAME,NAME]
@@ -143,12 +144,14 @@ def bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling):
                                                                                           False), 2),
             "dW2 (fused)": (lambda: torch.ops.flash_moe.moe_grad_weight(ph, go, row_token, offs, True), 1),
         }
+        times = {}
         for part, (fn, units) in parts.items():
-            ms = do_bench(fn)
+            ms = times[part] = do_bench(fn)
             tflops = 2 * S * dim * hidden * units / ms / 1e9
             print(f"  {name:22s} {part:24s} {ms:7.3f} ms {tflops:5.0f} TFLOP/s (ceiling {ceiling / 1e12:.0f})")
     del x, w1, w2, w3, gate_up, dgu, dg, du, ph
     free()
+    return {"shape": name, "parts_ms": times}
 
 
 def bench_weight_grad_paths(ops, name, T, E, k, dim, hidden, rounds=3):
@@ -445,7 +448,8 @@ def main():
     parser.add_argument("--mxfp8-only", action="store_true", help="only the mxfp8 rows (and both ceilings)")
     parser.add_argument("--no-mxfp8", action="store_true", help="skip the mxfp8 rows")
     parser.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
-    parser.add_argument("--parts", action="store_true", help="time each piece of the backward alone first")
+    parser.add_argument("--parts", action="store_true",
+                        help="only each piece of the backward alone, beside what it replaced")
     parser.add_argument("--weight-grad-paths", action="store_true",
                         help="only forward+backward through each weight-gradient path, and their kernels")
     parser.add_argument("--timeline", action="store_true",
@@ -480,7 +484,8 @@ def main():
                 json.dump({"ceiling_tflops": ceiling / 1e12, "sonicmoe": rows}, f, indent=2)
         return
     ep = functools.partial(bench_expert_parallel, ranks=args.expert_parallel, ceiling=ceiling)
-    for flag, bench in (("weight_grad_paths", bench_weight_grad_paths), ("timeline", bench_timelines),
+    parts = functools.partial(bench_backward_parts, ceiling=ceiling)
+    for flag, bench in (("parts", parts), ("weight_grad_paths", bench_weight_grad_paths), ("timeline", bench_timelines),
                         ("host", bench_host), ("expert_parallel", ep)):
         if getattr(args, flag):
             rows = [bench(ops, *shape) for shape in shapes]
@@ -489,8 +494,6 @@ def main():
                     json.dump({"ceiling_tflops": ceiling / 1e12, flag: rows}, f, indent=2)
             return
     mxfp8_rows = [] if args.no_mxfp8 else bench_mxfp8(ops, fp8_peak, ceiling)
-    for name, T, E, k, dim, hidden in shapes if args.parts else []:
-        bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling)
     for name, T, E, k, dim, hidden in shapes:
         flops = 2 * T * k * dim * 2 * hidden + 2 * T * k * hidden * dim
         row = {"shape": name, "T": T, "E": E, "top_k": k, "dim": dim, "hidden": hidden}
