@@ -1,9 +1,11 @@
 """Per-kernel GPU time of one flash_moe forward (never a test): torch.profiler over a few calls of ``moe`` (bf16 or
 mxfp8) or of ``fused_moe_mxfp8`` on pre-quantized operands, summed per kernel name and divided by the call count.
 
-    python bench/profile_flash_moe.py [--shape deepseek-v3|qwen3-30b-a3b|mixtral] [--calls 5] [--backward] [--plain]
+    python bench/profile_flash_moe.py [--shape deepseek-v3|qwen3-30b-a3b|mixtral] [--calls 5] [--backward]
+        [--fused-dw] [--plain]
 
---backward: the bf16 ``moe`` forward + backward instead (gradients of x, the weights and topk_weights). --plain: the
+--backward: the bf16 ``moe`` forward + backward instead (gradients of x, the weights and topk_weights); with
+--fused-dw its weight gradients by ``moe_grad_weight`` whatever kernel.toml's FUSED_DW_* rule picks. --plain: the
 calls without torch.profiler, for Nsight Compute (gpu_check.sh's profile and hbm phases), which must own the GPU's
 counters (CUPTI takes one subscriber).
 
@@ -39,11 +41,15 @@ def main():
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=[s[0] for s in SHAPES[:3]])
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--backward", action="store_true", help="bf16 moe forward + backward only")
+    parser.add_argument("--fused-dw", action="store_true",
+                        help="--backward's weight gradients by moe_grad_weight at every shape")
     parser.add_argument("--plain", action="store_true", help="the calls only, no torch.profiler (for Nsight Compute)")
     args = parser.parse_args()
     from prime_kernels_flash_moe import ops
 
     _, T, E, k, dim, hidden = next(s for s in SHAPES if s[0] == args.shape)
+    if args.fused_dw:
+        ops.CONSTANTS.update(FUSED_DW_MIN_SLOTS=0, FUSED_DW_MAX_HIDDEN=2**40)
     if args.backward:
         p = problem(T, E, k, dim, hidden, grad=True)
         grad_out = torch.randn_like(p[0])
