@@ -51,9 +51,11 @@ constexpr int B_BYTES = BN * BK * 2;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int CONSUMER_WARPS = 8;
 constexpr int NUM_THREADS = 384;
-// bf16 output: the tile is staged here (128B-swizzled boxes of 64 columns) and stored by TMA while the next tile's
-// mainloop runs
-constexpr int STAGING_BYTES = BM * BN * 2;
+// bf16 output: the tile is staged in two halves of 128 row columns (N) each (128B-swizzled boxes of 128 x 64), each
+// stored by TMA while the consumers go on (the half-tile staging leaves room for a fourth ring stage)
+constexpr int HALF_N = BN / 2;
+constexpr int BOX_BYTES = 128 * MN_ATOM * 2;  // one 128 x 64 box
+constexpr int STAGING_BYTES = BM * HALF_N * 2;
 constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + STAGING_BYTES +
                            (2 * STAGES + 4) * 8 /* mbarriers */ + 2 * 4 /* tile numbers */;
 static_assert(SMEM_BYTES <= 227 * 1024, "GRAD_WEIGHT_STAGES: the ring and the staging tile exceed shared memory");
@@ -61,7 +63,7 @@ static_assert(SMEM_BYTES <= 227 * 1024, "GRAD_WEIGHT_STAGES: the ring and the st
 struct Params {
   CUtensorMap tm_rows;  // the per-slot operand [S, row_cols]: boxes of BK rows x MN_ATOM columns
   // bf16 output by TMA: a 3-D map over out (per expert, so a partial tile is clipped at its expert's edge), boxes of
-  // 128 rows (m) x MN_ATOM columns (n), or, transposed, of 256 rows (n) x MN_ATOM columns (m)
+  // 128 rows (m) x MN_ATOM columns (n), or, transposed, of 128 rows (n) x MN_ATOM columns (m)
   CUtensorMap tm_out;
   const __nv_bfloat16* rows;
   int64_t ld_rows;
@@ -294,49 +296,53 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
         }
       }
     } else {
-      // bf16: the tile into the staging boxes (4-byte stores, 8 rows x 16 bytes per warp instruction: conflict-free
-      // through the swizzle), then one thread stores them by TMA; the previous tile's stores have read the staging
-      // boxes before anyone rewrites them
+      // bf16, a half (row columns n in [128 hf, 128 hf + 128)) at a time: the half into the staging boxes (4-byte
+      // stores, 8 rows x 16 bytes per warp instruction: conflict-free through the swizzle), then one thread stores them
+      // by TMA; the previous half's stores have read the boxes before anyone rewrites them
       const bool storer = threadIdx.x == 128;
-      if (storer) bulk_wait_read<0>();
-      asm volatile("bar.sync 2, 256;\n" ::: "memory");  // the consumer warps only
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int m = m_local + 8 * h;
+      for (int hf = 0; hf < 2; ++hf) {
+        if (storer) bulk_wait_read<0>();
+        asm volatile("bar.sync 2, 256;\n" ::: "memory");  // the consumer warps only
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-          const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];  // C[m][n], C[m][n + 1], n = 8 j + 2 quad
-          uint32_t at;
-          __nv_bfloat162 pair;
-          if constexpr (kTransposeOut) {
-            // C^T: boxes of 256 n rows x 64 m columns (m / 64 = wg); lanes 4 apart hold rows m and m + 1 and swap
-            // one value, so the even one writes C[m..m+1][n] and the odd one C[m-1..m][n+1]
-            const bool odd = (lane >> 2) & 1;
-            const float other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
-            const int row_n = 8 * j + 2 * quad + (odd ? 1 : 0), col_m = (m & 63) - (odd ? 1 : 0);
-            at = wg * (BN * 128) + swz(row_n, col_m / 8) + (col_m % 8) * 2;
-            pair = odd ? __floats2bfloat162_rn(other, v1) : __floats2bfloat162_rn(v0, other);
-          } else {
-            // C: boxes of 128 m rows x 64 n columns (n / 64 = j / 8)
-            at = (j / 8) * (BM * 128) + swz(m, j % 8) + quad * 4;
-            pair = __floats2bfloat162_rn(v0, v1);
+        for (int h = 0; h < 2; ++h) {
+          const int m = m_local + 8 * h;
+#pragma unroll
+          for (int j = HALF_N / 8 * hf; j < HALF_N / 8 * (hf + 1); ++j) {
+            const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];  // C[m][n], C[m][n + 1], n = 8 j + 2 quad
+            uint32_t at;
+            __nv_bfloat162 pair;
+            if constexpr (kTransposeOut) {
+              // C^T: boxes of 128 n rows x 64 m columns (m / 64 = wg); lanes 4 apart hold rows m and m + 1 and swap
+              // one value, so the even one writes C[m..m+1][n] and the odd one C[m-1..m][n+1]
+              const bool odd = (lane >> 2) & 1;
+              const float other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
+              const int row_n = 8 * j + 2 * quad + (odd ? 1 : 0) - HALF_N * hf, col_m = (m & 63) - (odd ? 1 : 0);
+              at = wg * BOX_BYTES + swz(row_n, col_m / 8) + (col_m % 8) * 2;
+              pair = odd ? __floats2bfloat162_rn(other, v1) : __floats2bfloat162_rn(v0, other);
+            } else {
+              // C: boxes of 128 m rows x 64 n columns (n / 64 = j / 8)
+              at = (j / 8 - HALF_N / MN_ATOM * hf) * BOX_BYTES + swz(m, j % 8) + quad * 4;
+              pair = __floats2bfloat162_rn(v0, v1);
+            }
+            *reinterpret_cast<__nv_bfloat162*>(gbase + (staging - base) + at) = pair;
           }
-          *reinterpret_cast<__nv_bfloat162*>(gbase + (staging - base) + at) = pair;
         }
-      }
-      fence_proxy_async();  // the TMA store reads the boxes through the async proxy
-      asm volatile("bar.sync 2, 256;\n" ::: "memory");
-      if (storer) {
-        if constexpr (kTransposeOut) {
-          for (int q = 0; q < BM / MN_ATOM; ++q)
-            if (m_tile * BM + q * MN_ATOM < p.m_total)
-              tma_store_3d(&p.tm_out, staging + q * (BN * 128), m_tile * BM + q * MN_ATOM, n_tile * BN, expert);
-        } else {
-          for (int q = 0; q < BN / MN_ATOM; ++q)
-            if (n_tile * BN + q * MN_ATOM < p.n_total)
-              tma_store_3d(&p.tm_out, staging + q * (BM * 128), n_tile * BN + q * MN_ATOM, m_tile * BM, expert);
+        fence_proxy_async();  // the TMA store reads the boxes through the async proxy
+        asm volatile("bar.sync 2, 256;\n" ::: "memory");
+        if (storer) {
+          const int n0 = n_tile * BN + HALF_N * hf;
+          if constexpr (kTransposeOut) {
+            for (int q = 0; q < BM / MN_ATOM; ++q)
+              if (m_tile * BM + q * MN_ATOM < p.m_total && n0 < p.n_total)
+                tma_store_3d(&p.tm_out, staging + q * BOX_BYTES, m_tile * BM + q * MN_ATOM, n0, expert);
+          } else {
+            for (int q = 0; q < HALF_N / MN_ATOM; ++q)
+              if (n0 + q * MN_ATOM < p.n_total)
+                tma_store_3d(&p.tm_out, staging + q * BOX_BYTES, n0 + q * MN_ATOM, m_tile * BM, expert);
+          }
+          bulk_commit();
         }
-        bulk_commit();
       }
     }
   }
@@ -393,7 +399,7 @@ at::Tensor moe_grad_weight_cuda(const at::Tensor& rows_in, const at::Tensor& sou
   if (!fp32) {  // C, or C^T for dW1 / dW3: (E, rows, cols) with boxes of a tile's rows x 64 columns
     const int64_t rows = source_major ? s.K : s.N, cols = source_major ? s.N : s.K;
     const int rc_out = prime_kernels::make_tmap_3d(&p.tm_out, p.out, s.E, rows, cols, cols, rows * cols,
-                                                   source_major ? gw::BM : gw::BN, sm90::MN_ATOM);
+                                                   source_major ? gw::BM : gw::HALF_N, sm90::MN_ATOM);
     TORCH_CHECK(rc_out == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for the output (CUresult ", rc_out, ")");
   }
   p.m_total = static_cast<int>(m_total);
