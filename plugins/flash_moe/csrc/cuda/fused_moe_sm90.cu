@@ -333,6 +333,9 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     // k tiles issued before this tile, over all earlier tiles, modulo 2 STAGES: the ring runs on across tiles (stage
     // ks % STAGES, phase parity (ks / STAGES) & 1)
     uint32_t ks = 0;
+    // Persistent: thread 0's claim of the next tile, issued as the current one starts, so the atomic's round trip to
+    // L2 runs beside the current tile's copies instead of between its last stage and the next tile's first
+    uint32_t claimed = blockIdx.x;  // the CTA's first tile
     for (int i = 0;; ++i) {
       const int buf = i & 1;
       // Tile i's routing rows replace tile i - 2's once every consumer warp is done with those.
@@ -340,8 +343,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       if (threadIdx.x == 0) {  // tile i: the first (own or claimed) one whose block runs an expert of the launch
         int t = -1;
         if constexpr (kPersistent) {
-          uint32_t cand = i == 0 ? blockIdx.x : p.ctas + atomicAdd(p.tile_counter, 1);
-          for (; cand < tiles; cand = p.ctas + atomicAdd(p.tile_counter, 1)) {
+          for (uint32_t cand = claimed; cand < tiles; cand = p.ctas + atomicAdd(p.tile_counter, 1)) {
             int block, n_tile;
             tile_order(p, static_cast<int>(cand), live, block, n_tile);
             const int expert = __ldg(p.expert_ids + block);
@@ -350,6 +352,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
               break;
             }
           }
+          if (t >= 0) claimed = p.ctas + atomicAdd(p.tile_counter, 1);
         } else {
           t = i == 0 ? own_block * p.n_tiles + own_tile : -1;
         }
