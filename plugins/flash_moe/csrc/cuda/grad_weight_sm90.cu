@@ -166,13 +166,17 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
     producer_registers();
     const int tid = threadIdx.x;
     uint32_t ks = 0;  // k steps issued over all earlier tiles, modulo 2 STAGES (the ring runs on across tiles)
+    // Thread 0's claim of the next tile, issued as the current one starts: the atomic's round trip to L2 runs beside
+    // the current tile's copies instead of between its last stage and the next tile's first
+    uint32_t claimed = blockIdx.x;  // the CTA's first tile; the next ones are claimed in raster order
     for (int i = 0;; ++i) {
       const int buf = i & 1;
       if (i >= 2) mbar_wait(tile_free_bar(buf), ((i - 2) / 2) & 1);
-      if (tid == 0) {  // the CTA's first tile is blockIdx.x, the next ones are claimed in raster order
-        const uint32_t cand = i == 0 ? blockIdx.x : p.ctas + atomicAdd(p.tile_counter, 1);
+      if (tid == 0) {
+        const uint32_t cand = claimed;
         tile_of[buf] = cand < tiles ? static_cast<int>(cand) : -1;
         mbar_arrive(tile_ready_bar(buf));
+        if (cand < tiles) claimed = p.ctas + atomicAdd(p.tile_counter, 1);
       }
       asm volatile("bar.sync 1, 128;\n" ::: "memory");  // the producer warps only
       const int t = tile_of[buf];
