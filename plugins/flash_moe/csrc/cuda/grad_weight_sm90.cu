@@ -182,16 +182,17 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
       using RowsTile = RowsMN<BN>;
       using SourceTile = RowsMN<BM>;
       const int rows_col0 = n0, source_col0 = m0;
-      // The source row (token) of this lane's row of K step kt, -1 for none: loaded a K step ahead, so the load's
-      // latency is not on the path from a free stage to its copies.
+      // The source row (token) of this lane's row of K step kt, -1 for none: loaded two K steps ahead, so the load's
+      // latency is on no path from a free stage to its copies. Checked against the token count only where the copies
+      // use it: a check here made the producer wait for the load at once (SASS: the compare right after the stage's
+      // barrier wait; Nsight Compute: a long-scoreboard stall in every K step).
       auto token_of = [&](int kt) {
         const int r = SourceTile::warp_row(tid / 32, tid % 32), row = kt * BK + r;
-        const int token = tid % 32 < 16 && kt < k_steps && row < count ? __ldg(p.row_token + first + row) : -1;
-        return token < p.tokens ? token : -1;  // negative: zeros
+        return tid % 32 < 16 && kt < k_steps && row < count ? __ldg(p.row_token + first + row) : -1;
       };
-      int token = token_of(0);
+      int token = token_of(0), next_token = token_of(1);
       for (int kt = 0; kt < k_steps; ++kt) {
-        const int next_token = token_of(kt + 1);
+        const int later_token = token_of(kt + 2);
         const uint32_t k = ks + kt;
         const int stage = acquire_stage<STAGES>(bars, k);
         const uint32_t st = base + stage * STAGE_BYTES;
@@ -212,10 +213,12 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
           });
         }
         SourceTile::copy(source_tile, tid, p.source, p.ld_source, source_col0, p.source_cols, [&](int i) {
-          return __shfl_sync(0xffffffffu, token, SourceTile::lane_of(tid, i));
+          const int row = __shfl_sync(0xffffffffu, token, SourceTile::lane_of(tid, i));
+          return row < p.tokens ? row : -1;  // negative: zeros
         });
         cp_async_mbar_arrive_noinc(full_bar(stage));  // fires when this thread's copies of the stage have landed
         token = next_token;
+        next_token = later_token;
       }
       ks = (ks + k_steps) % (2 * STAGES);
     }
