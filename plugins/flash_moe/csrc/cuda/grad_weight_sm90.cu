@@ -248,7 +248,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
     int prev = 0;
     for (int kt = 0; kt < k_steps; ++kt) {
       mbar_wait(full_bar(ring.stage), ring.phase);
-      fence_proxy_async();  // parts of the stage were written by cp.async (generic proxy); wgmma reads the async proxy
+      // DIAGNOSTIC: no proxy fence (SASS: MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S) before each K step's wgmma: what it
+      // costs (the cp.async writes may then be unseen by wgmma: results undefined)
       const uint32_t st = base + ring.stage * STAGE_BYTES;
       // both operands MN-major: this warpgroup's 64 M columns are one atom of A; a k16 step is 16 slot rows (2048 B)
       const uint64_t da = smem_desc_mn(st + wg * ATOM_BYTES, ATOM_BYTES);
