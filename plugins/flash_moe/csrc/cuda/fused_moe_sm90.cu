@@ -455,7 +455,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       int prev = 0;
       for (int kt = 0; kt < p.k_tiles; ++kt) {
         mbar_wait(full_bar(ring.stage), ring.phase);
-        fence_proxy_async();  // the stage was written by cp.async (generic proxy); wgmma reads it through the async proxy
+        // DIAGNOSTIC: no proxy fence (SASS: MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S) before each K step's wgmma: what it
+        // costs after the epilogues' global stores and atomics (the cp.async writes may then be unseen: results undefined)
         const uint32_t st = base + ring.stage * STAGE_BYTES;
         // K-major tiles advance 16 K (32 bytes) per wgmma; DH_SWIGLU's N-major B 16 K rows (2048 bytes)
         const uint64_t da = smem_desc(st + a_off);
