@@ -326,7 +326,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
       }
       fence_proxy_async();  // the TMA store reads the boxes through the async proxy
       asm volatile("bar.sync 2, 256;\n" ::: "memory");
-      if (storer) {
+      if (storer && p.m_total < 0) {  // DIAGNOSTIC: never: the TMA stores left out (the staging writes kept)
         if constexpr (kTransposeOut) {
           for (int q = 0; q < BM / MN_ATOM; ++q)
             if (m_tile * BM + q * MN_ATOM < p.m_total)
