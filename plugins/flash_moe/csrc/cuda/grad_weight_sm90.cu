@@ -49,7 +49,8 @@ constexpr int ATOM_BYTES = BK * 128;       // one atom: BK slot rows of 128 byte
 constexpr int A_BYTES = BM * BK * 2;
 constexpr int B_BYTES = BN * BK * 2;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int CONSUMER_WARPS = 8;
+constexpr int CONSUMERS = 2;  // consumer warpgroups, 64 M rows each
+constexpr int CONSUMER_WARPS = 4 * CONSUMERS;
 constexpr int NUM_THREADS = 384;
 // bf16 output: the tile is staged here (128B-swizzled boxes of 64 columns) and stored by TMA while the next tile's
 // mainloop runs
@@ -61,7 +62,7 @@ static_assert(SMEM_BYTES <= 227 * 1024, "GRAD_WEIGHT_STAGES: the ring and the st
 struct Params {
   CUtensorMap tm_rows;  // the per-slot operand [S, row_cols]: boxes of BK rows x MN_ATOM columns
   // bf16 output by TMA: a 3-D map over out (per expert, so a partial tile is clipped at its expert's edge), boxes of
-  // 128 rows (m) x MN_ATOM columns (n), or, transposed, of 256 rows (n) x MN_ATOM columns (m)
+  // 64 rows (m: one warpgroup's) x MN_ATOM columns (n), or, transposed, of 256 rows (n) x MN_ATOM columns (m)
   CUtensorMap tm_out;
   const __nv_bfloat16* rows;
   int64_t ld_rows;
@@ -294,53 +295,54 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
         }
       }
     } else {
-      // bf16: the tile into the staging boxes (4-byte stores, 8 rows x 16 bytes per warp instruction: conflict-free
-      // through the swizzle), then one thread stores them by TMA; the previous tile's stores have read the staging
-      // boxes before anyone rewrites them
-      const bool storer = threadIdx.x == 128;
+      // bf16, each warpgroup its own 64 M rows: into its half of the staging boxes (4-byte stores, 8 rows x 16 bytes
+      // per warp instruction: conflict-free through the swizzle), then its first thread stores them by TMA; the
+      // warpgroups synchronize only within themselves, so one's epilogue overlaps the other's next mainloop. The
+      // warpgroup's previous stores have read its boxes before it rewrites them.
+      const bool storer = ctid == 0;
+      const uint32_t wg_staging = staging + wg * (STAGING_BYTES / CONSUMERS);
       if (storer) bulk_wait_read<0>();
-      asm volatile("bar.sync 2, 256;\n" ::: "memory");  // the consumer warps only
+      asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");  // this warpgroup only
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int m = m_local + 8 * h;
+        const int m = (m_local & 63) + 8 * h;  // within the warpgroup's 64 rows
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
           const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];  // C[m][n], C[m][n + 1], n = 8 j + 2 quad
           uint32_t at;
           __nv_bfloat162 pair;
           if constexpr (kTransposeOut) {
-            // C^T: boxes of 256 n rows x 64 m columns (m / 64 = wg); lanes 4 apart hold rows m and m + 1 and swap
-            // one value, so the even one writes C[m..m+1][n] and the odd one C[m-1..m][n+1]
+            // C^T: one box of 256 n rows x 64 m columns; lanes 4 apart hold rows m and m + 1 and swap one value, so
+            // the even one writes C[m..m+1][n] and the odd one C[m-1..m][n+1]
             const bool odd = (lane >> 2) & 1;
             const float other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
-            const int row_n = 8 * j + 2 * quad + (odd ? 1 : 0), col_m = (m & 63) - (odd ? 1 : 0);
-            at = wg * (BN * 128) + swz(row_n, col_m / 8) + (col_m % 8) * 2;
+            const int row_n = 8 * j + 2 * quad + (odd ? 1 : 0), col_m = m - (odd ? 1 : 0);
+            at = swz(row_n, col_m / 8) + (col_m % 8) * 2;
             pair = odd ? __floats2bfloat162_rn(other, v1) : __floats2bfloat162_rn(v0, other);
           } else {
-            // C: boxes of 128 m rows x 64 n columns (n / 64 = j / 8)
-            at = (j / 8) * (BM * 128) + swz(m, j % 8) + quad * 4;
+            // C: boxes of 64 m rows x 64 n columns (n / 64 = j / 8)
+            at = (j / 8) * (64 * 128) + swz(m, j % 8) + quad * 4;
             pair = __floats2bfloat162_rn(v0, v1);
           }
-          *reinterpret_cast<__nv_bfloat162*>(gbase + (staging - base) + at) = pair;
+          *reinterpret_cast<__nv_bfloat162*>(gbase + (wg_staging - base) + at) = pair;
         }
       }
       fence_proxy_async();  // the TMA store reads the boxes through the async proxy
-      asm volatile("bar.sync 2, 256;\n" ::: "memory");
+      asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");  // this warpgroup only
       if (storer) {
+        const int m0 = m_tile * BM + wg * 64;
         if constexpr (kTransposeOut) {
-          for (int q = 0; q < BM / MN_ATOM; ++q)
-            if (m_tile * BM + q * MN_ATOM < p.m_total)
-              tma_store_3d(&p.tm_out, staging + q * (BN * 128), m_tile * BM + q * MN_ATOM, n_tile * BN, expert);
+          if (m0 < p.m_total) tma_store_3d(&p.tm_out, wg_staging, m0, n_tile * BN, expert);
         } else {
           for (int q = 0; q < BN / MN_ATOM; ++q)
             if (n_tile * BN + q * MN_ATOM < p.n_total)
-              tma_store_3d(&p.tm_out, staging + q * (BM * 128), n_tile * BN + q * MN_ATOM, m_tile * BM, expert);
+              tma_store_3d(&p.tm_out, wg_staging + q * (64 * 128), n_tile * BN + q * MN_ATOM, m0, expert);
         }
         bulk_commit();
       }
     }
   }
-  if (threadIdx.x == 128) bulk_wait<0>();  // the last tile's stores have landed before the CTA leaves
+  if (ctid == 0) bulk_wait<0>();  // the warpgroup's last stores have landed before the CTA leaves
 #else
   __trap();  // compiled for an arch other than sm_90a: the host side never launches it there
 #endif
@@ -393,7 +395,7 @@ at::Tensor moe_grad_weight_cuda(const at::Tensor& rows_in, const at::Tensor& sou
   if (!fp32) {  // C, or C^T for dW1 / dW3: (E, rows, cols) with boxes of a tile's rows x 64 columns
     const int64_t rows = source_major ? s.K : s.N, cols = source_major ? s.N : s.K;
     const int rc_out = prime_kernels::make_tmap_3d(&p.tm_out, p.out, s.E, rows, cols, cols, rows * cols,
-                                                   source_major ? gw::BM : gw::BN, sm90::MN_ATOM);
+                                                   source_major ? gw::BM / gw::CONSUMERS : gw::BN, sm90::MN_ATOM);
     TORCH_CHECK(rc_out == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for the output (CUresult ", rc_out, ")");
   }
   p.m_total = static_cast<int>(m_total);
