@@ -154,6 +154,12 @@ def bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling):
     return {"shape": name, "parts_ms": times}
 
 
+def use_weight_grad_path(ops, path):
+    """moe()'s weight gradients by gathers + grouped GEMMs ("grouped") or moe_grad_weight ("fused") at every shape:
+    kernel.toml's FUSED_DW_* rule switched in this process (the caller restores ops.CONSTANTS if it needs to)."""
+    ops.CONSTANTS.update(FUSED_DW_MIN_SLOTS=0 if path == "fused" else 2**40, FUSED_DW_MAX_HIDDEN=2**40)
+
+
 def bench_weight_grad_paths(ops, name, T, E, k, dim, hidden, rounds=3):
     """moe() forward+backward through each weight-gradient path (gathers + grouped GEMMs, or moe_grad_weight: the
     FUSED_DW_* rule switched in this process), alternating over rounds with the SM clock and power sampled, then per
@@ -165,18 +171,15 @@ def bench_weight_grad_paths(ops, name, T, E, k, dim, hidden, rounds=3):
     saved = {key: ops.CONSTANTS[key] for key in ("FUSED_DW_MIN_SLOTS", "FUSED_DW_MAX_HIDDEN")}
     times, clocks, timelines, by_operator = {"grouped": [], "fused": []}, {"grouped": [], "fused": []}, {}, {}
 
-    def use(path):
-        ops.CONSTANTS.update(FUSED_DW_MIN_SLOTS=0 if path == "fused" else 2**40, FUSED_DW_MAX_HIDDEN=2**40)
-
     try:
         for _ in range(rounds):
             for path in times:
-                use(path)
+                use_weight_grad_path(ops, path)
                 ms, mhz, watts = sampled_clocks(lambda: do_bench(lambda: ops.moe(*p).backward(go), grad_to_none=leaves))
                 times[path].append(ms)
                 clocks[path].append((mhz, watts))
         for path in times:
-            use(path)
+            use_weight_grad_path(ops, path)
             timelines[path] = gpu_timeline(lambda: ops.moe(*p).backward(go), grad_to_none=leaves)
             out = ops.moe(*p)
             torch.cuda.synchronize()

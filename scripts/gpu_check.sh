@@ -172,11 +172,8 @@ if phase test; then
   gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
   for suite in ${TEST_SUITES:-tests plugins/*/tests examples/*/tests}; do
     [ -e "$suite" ] || { record test "$suite" "not found"; continue; }
-    if [ "${gpu_mib:-0}" -ge 100000 ]; then
-      gpu_tests test "$suite" "$suite" "$out/gpu-tests-$(echo "$suite" | tr / _)" &
-    else
-      gpu_tests test "$suite" "$suite" "$out/gpu-tests-$(echo "$suite" | tr / _)"
-    fi
+    gpu_tests test "$suite" "$suite" "$out/gpu-tests-$(echo "$suite" | tr / _)" &
+    [ "${gpu_mib:-0}" -ge 100000 ] || wait $!
   done
 fi
 
