@@ -5,7 +5,7 @@
     python bench/bench_flash_moe.py [--json PATH] [--quick] [--mxfp8-only] [--no-mxfp8] [--shapes NAME,NAME]
     python bench/bench_flash_moe.py --sonicmoe --no-mxfp8 [--shapes NAME,NAME]   (peer wheels: scripts/peer_wheels.sh)
     python bench/bench_flash_moe.py --parts --no-mxfp8 [--shapes NAME,NAME]
-    python bench/bench_flash_moe.py --weight-grad-paths --no-mxfp8 [--shapes NAME,NAME]
+    python bench/bench_flash_moe.py --paths dw-grouped,dw-fused --no-mxfp8 [--shapes NAME,NAME]
     python bench/bench_flash_moe.py --timeline --no-mxfp8 [--shapes NAME,NAME]
     python bench/bench_flash_moe.py --expert-parallel RANKS --no-mxfp8 [--shapes NAME,NAME]
 
@@ -154,32 +154,45 @@ def bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling):
     return {"shape": name, "parts_ms": times}
 
 
-def use_weight_grad_path(ops, path):
-    """moe()'s weight gradients by gathers + grouped GEMMs ("grouped") or moe_grad_weight ("fused") at every shape:
-    kernel.toml's FUSED_DW_* rule switched in this process (the caller restores ops.CONSTANTS if it needs to)."""
-    ops.CONSTANTS.update(FUSED_DW_MIN_SLOTS=0 if path == "fused" else 2**40, FUSED_DW_MAX_HIDDEN=2**40)
+# moe()'s paths at every shape, by kernel.toml's launch rules switched in this process: the weight gradients by
+# gathers + grouped GEMMs or by moe_grad_weight (FUSED_DW_*), dx summed with fp32 atomics or in k order
+PATHS = {
+    "dw-grouped": {"FUSED_DW_MIN_SLOTS": 2**40, "FUSED_DW_MAX_HIDDEN": 2**40},
+    "dw-fused": {"FUSED_DW_MIN_SLOTS": 0, "FUSED_DW_MAX_HIDDEN": 2**40},
+    "dx-atomic": {"SLOT_DX_MIN_TOP_K": 2**31},
+    "dx-k-order": {"SLOT_DX_MIN_TOP_K": 0},
+}
 
 
-def bench_weight_grad_paths(ops, name, T, E, k, dim, hidden, rounds=3):
-    """moe() forward+backward through each weight-gradient path (gathers + grouped GEMMs, or moe_grad_weight: the
-    FUSED_DW_* rule switched in this process), alternating over rounds with the SM clock and power sampled, then per
-    path a GPU timeline of a few calls (busy vs idle, the kernels, the longest gaps and whether the host was late) and
-    one backward's device time by the operator that launched it: the end-to-end check of what --parts times alone."""
+def use_path(ops, path):
+    """PATHS[path]'s rules into ops.CONSTANTS (the caller restores them if it needs to)."""
+    ops.CONSTANTS.update(PATHS[path])
+
+
+def bench_paths(ops, name, T, E, k, dim, hidden, paths, rounds=3):
+    """moe() forward+backward through each of ``paths`` (PATHS' names), alternating over rounds with the SM clock and
+    power sampled, then per path a GPU timeline of a few calls (busy vs idle, the kernels, the longest gaps and
+    whether the host was late) and one backward's device time by the operator that launched it: the end-to-end check
+    of what --parts times alone."""
     p = problem(T, E, k, dim, hidden, grad=True)
     go = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
     leaves = [p[i] for i in (0, 1, 2, 3, 5)]
-    saved = {key: ops.CONSTANTS[key] for key in ("FUSED_DW_MIN_SLOTS", "FUSED_DW_MAX_HIDDEN")}
-    times, clocks, timelines, by_operator = {"grouped": [], "fused": []}, {"grouped": [], "fused": []}, {}, {}
+    saved = {key: ops.CONSTANTS[key] for path in paths for key in PATHS[path]}
+    times, clocks, timelines, by_operator = {path: [] for path in paths}, {path: [] for path in paths}, {}, {}
+
+    def use(path):
+        ops.CONSTANTS.update(saved)
+        use_path(ops, path)
 
     try:
         for _ in range(rounds):
             for path in times:
-                use_weight_grad_path(ops, path)
+                use(path)
                 ms, mhz, watts = sampled_clocks(lambda: do_bench(lambda: ops.moe(*p).backward(go), grad_to_none=leaves))
                 times[path].append(ms)
                 clocks[path].append((mhz, watts))
         for path in times:
-            use_weight_grad_path(ops, path)
+            use(path)
             timelines[path] = gpu_timeline(lambda: ops.moe(*p).backward(go), grad_to_none=leaves)
             out = ops.moe(*p)
             torch.cuda.synchronize()
@@ -195,7 +208,7 @@ def bench_weight_grad_paths(ops, name, T, E, k, dim, hidden, rounds=3):
             by_operator[path] = sorted(events, reverse=True)[:10]
     finally:
         ops.CONSTANTS.update(saved)
-    print(f"  {name:22s} forward+backward by weight-gradient path (ms [SM MHz, W], {rounds} alternating rounds): "
+    print(f"  {name:22s} forward+backward by path (ms [SM MHz, W], {rounds} alternating rounds): "
           + "; ".join(f"{path} " + " / ".join(f"{ms:.3f} [{mhz}, {watts and round(watts)}]"
                                               for ms, (mhz, watts) in zip(v, clocks[path]))
                       for path, v in times.items()))
@@ -453,8 +466,9 @@ def main():
     parser.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
     parser.add_argument("--parts", action="store_true",
                         help="only each piece of the backward alone, beside what it replaced")
-    parser.add_argument("--weight-grad-paths", action="store_true",
-                        help="only forward+backward through each weight-gradient path, and their kernels")
+    parser.add_argument("--paths", default=None, metavar="NAME,NAME",
+                        help=f"only forward+backward through each of these paths ({', '.join(PATHS)}), and their "
+                             "kernels")
     parser.add_argument("--timeline", action="store_true",
                         help="only GPU timelines of forward+backward, ours and the grouped-mm path's")
     parser.add_argument("--host", action="store_true",
@@ -467,6 +481,9 @@ def main():
     parser.add_argument("--sonicmoe-warm", action="store_true",
                         help="only SonicMoE's first forward+backward per shape (fills its compile caches)")
     args = parser.parse_args()
+    unknown = set(args.paths.split(",") if args.paths else ()) - set(PATHS)
+    if unknown:
+        parser.error(f"--paths: unknown {', '.join(sorted(unknown))}; known: {', '.join(PATHS)}")
     import prime_kernels
     from prime_kernels_flash_moe.reference import moe_grouped_mm
 
@@ -488,7 +505,8 @@ def main():
         return
     ep = functools.partial(bench_expert_parallel, ranks=args.expert_parallel, ceiling=ceiling)
     parts = functools.partial(bench_backward_parts, ceiling=ceiling)
-    for flag, bench in (("parts", parts), ("weight_grad_paths", bench_weight_grad_paths), ("timeline", bench_timelines),
+    paths = args.paths and functools.partial(bench_paths, paths=args.paths.split(","))
+    for flag, bench in (("parts", parts), ("paths", paths), ("timeline", bench_timelines),
                         ("host", bench_host), ("expert_parallel", ep)):
         if getattr(args, flag):
             rows = [bench(ops, *shape) for shape in shapes]

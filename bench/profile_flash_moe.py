@@ -18,7 +18,7 @@ import argparse
 from collections import defaultdict
 
 import torch
-from bench_flash_moe import SHAPES, problem, use_weight_grad_path
+from bench_flash_moe import SHAPES, problem, use_path
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -49,7 +49,7 @@ def main():
 
     _, T, E, k, dim, hidden = next(s for s in SHAPES if s[0] == args.shape)
     if args.fused_dw:
-        use_weight_grad_path(ops, "fused")
+        use_path(ops, "dw-fused")
     if args.backward:
         p = problem(T, E, k, dim, hidden, grad=True)
         grad_out = torch.randn_like(p[0])
