@@ -162,6 +162,7 @@ PATHS = {
     "dx-atomic": {"SLOT_DX_MIN_TOP_K": 2**31},
     "dx-k-order": {"SLOT_DX_MIN_TOP_K": 0},
 }
+PEER_PATH = "grouped-mm"  # --paths' name for the grouped-mm expert path, timed in the same rounds
 
 
 def use_path(ops, path):
@@ -170,31 +171,37 @@ def use_path(ops, path):
 
 
 def bench_paths(ops, name, T, E, k, dim, hidden, paths, rounds=3):
-    """moe() forward+backward through each of ``paths`` (PATHS' names), alternating over rounds with the SM clock and
-    power sampled, then per path a GPU timeline of a few calls (busy vs idle, the kernels, the longest gaps and
-    whether the host was late) and one backward's device time by the operator that launched it: the end-to-end check
-    of what --parts times alone."""
+    """moe() forward+backward through each of ``paths`` (PATHS' names, or PEER_PATH), alternating over rounds with
+    the SM clock and power sampled, then per path a GPU timeline of a few calls (busy vs idle, the kernels, the longest
+    gaps and whether the host was late) and one backward's device time by the operator that launched it: the
+    end-to-end check of what --parts times alone."""
+    from prime_kernels_flash_moe.reference import moe_grouped_mm
+
     p = problem(T, E, k, dim, hidden, grad=True)
     go = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
     leaves = [p[i] for i in (0, 1, 2, 3, 5)]
-    saved = {key: ops.CONSTANTS[key] for path in paths for key in PATHS[path]}
+    saved = {key: ops.CONSTANTS[key] for path in paths for key in PATHS.get(path, ())}
     times, clocks, timelines, by_operator = {path: [] for path in paths}, {path: [] for path in paths}, {}, {}
 
     def use(path):
+        """the forward of ``path``, its rules in place"""
         ops.CONSTANTS.update(saved)
+        if path == PEER_PATH:
+            return lambda: moe_grouped_mm(*p)
         use_path(ops, path)
+        return lambda: ops.moe(*p)
 
     try:
         for _ in range(rounds):
             for path in times:
-                use(path)
-                ms, mhz, watts = sampled_clocks(lambda: do_bench(lambda: ops.moe(*p).backward(go), grad_to_none=leaves))
+                forward = use(path)
+                ms, mhz, watts = sampled_clocks(lambda: do_bench(lambda: forward().backward(go), grad_to_none=leaves))
                 times[path].append(ms)
                 clocks[path].append((mhz, watts))
         for path in times:
-            use(path)
-            timelines[path] = gpu_timeline(lambda: ops.moe(*p).backward(go), grad_to_none=leaves)
-            out = ops.moe(*p)
+            forward = use(path)
+            timelines[path] = gpu_timeline(lambda: forward().backward(go), grad_to_none=leaves)
+            out = forward()
             torch.cuda.synchronize()
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             with torch.profiler.profile(activities=activities) as prof:
@@ -467,8 +474,8 @@ def main():
     parser.add_argument("--parts", action="store_true",
                         help="only each piece of the backward alone, beside what it replaced")
     parser.add_argument("--paths", default=None, metavar="NAME,NAME",
-                        help=f"only forward+backward through each of these paths ({', '.join(PATHS)}), and their "
-                             "kernels")
+                        help=f"only forward+backward through each of these paths ({', '.join([*PATHS, PEER_PATH])}), "
+                             "and their kernels")
     parser.add_argument("--timeline", action="store_true",
                         help="only GPU timelines of forward+backward, ours and the grouped-mm path's")
     parser.add_argument("--host", action="store_true",
@@ -481,9 +488,9 @@ def main():
     parser.add_argument("--sonicmoe-warm", action="store_true",
                         help="only SonicMoE's first forward+backward per shape (fills its compile caches)")
     args = parser.parse_args()
-    unknown = set(args.paths.split(",") if args.paths else ()) - set(PATHS)
+    unknown = set(args.paths.split(",") if args.paths else ()) - {*PATHS, PEER_PATH}
     if unknown:
-        parser.error(f"--paths: unknown {', '.join(sorted(unknown))}; known: {', '.join(PATHS)}")
+        parser.error(f"--paths: unknown {', '.join(sorted(unknown))}; known: {', '.join([*PATHS, PEER_PATH])}")
     import prime_kernels
     from prime_kernels_flash_moe.reference import moe_grouped_mm
 
