@@ -51,18 +51,12 @@ constexpr int B_BYTES = BN * BK * 2;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int CONSUMER_WARPS = 8;
 constexpr int NUM_THREADS = 384;
-// bf16 output: the tile is staged here (128B-swizzled boxes of 64 columns) and stored by TMA while the next tile's
-// mainloop runs
-constexpr int STAGING_BYTES = BM * BN * 2;
-constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + STAGING_BYTES +
-                           (2 * STAGES + 4) * 8 /* mbarriers */ + 2 * 4 /* tile numbers */;
-static_assert(SMEM_BYTES <= 227 * 1024, "GRAD_WEIGHT_STAGES: the ring and the staging tile exceed shared memory");
+constexpr int SMEM_BYTES =
+    1024 /* alignment slack */ + STAGES * STAGE_BYTES + (2 * STAGES + 4) * 8 /* mbarriers */ + 2 * 4 /* tile numbers */;
+static_assert(SMEM_BYTES <= 227 * 1024, "GRAD_WEIGHT_STAGES: the ring exceeds shared memory");
 
 struct Params {
   CUtensorMap tm_rows;  // the per-slot operand [S, row_cols]: boxes of BK rows x MN_ATOM columns
-  // bf16 output by TMA: a 3-D map over out (per expert, so a partial tile is clipped at its expert's edge), boxes of
-  // 128 rows (m) x MN_ATOM columns (n), or, transposed, of 256 rows (n) x MN_ATOM columns (m)
-  CUtensorMap tm_out;
   const __nv_bfloat16* rows;
   int64_t ld_rows;
   int row_cols;
@@ -118,6 +112,17 @@ static_assert(RowsMN<BM>::kPasses * RowsMN<BM>::kRowsPerWarp == 16 &&
               "a producer warp copies 16 rows of each operand per K step");
 #endif
 
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// out[at], out[at + 1] = v0, v1 (at even)
+template <bool kFp32Out>
+__device__ __forceinline__ void store_pair(void* out, int64_t at, float v0, float v1) {
+  if constexpr (kFp32Out)
+    *reinterpret_cast<float2*>(static_cast<float*>(out) + at) = make_float2(v0, v1);
+  else
+    *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(out) + at) = __floats2bfloat162_rn(v0, v1);
+}
+#endif
+
 // A = the gathered source (M = its columns, 128 per tile), B = the slot rows (N = their columns, 256 per tile):
 // C = source^T rows, stored as out[e] = C, or as out[e] = C^T = rows^T source with kTransposeOut. (The other
 // orientation, A = the slot rows and B = the source gathered 256 columns wide, doubled the cp.async bytes per stage
@@ -131,13 +136,12 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   uint8_t* const gbase = smem_raw + (base - raw);
-  const uint32_t staging = base + STAGES * STAGE_BYTES;
-  const uint32_t bars = staging + STAGING_BYTES;
+  const uint32_t bars = base + STAGES * STAGE_BYTES;
   auto full_bar = [&](int s) { return bars + 8u * s; };
   auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
   auto tile_free_bar = [&](int b) { return bars + 8u * (2 * STAGES + b); };
   auto tile_ready_bar = [&](int b) { return bars + 8u * (2 * STAGES + 2 + b); };
-  int* const tile_of = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + STAGING_BYTES + (2 * STAGES + 4) * 8);
+  int* const tile_of = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + (2 * STAGES + 4) * 8);
   if (threadIdx.x == 0) {
     init_ring<STAGES>(bars, CONSUMER_WARPS);
     for (int b = 0; b < 2; ++b) {
@@ -267,80 +271,33 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
     fence_regs<128>(acc);
     if (k_steps > 0 && lane == 0) mbar_arrive(empty_bar(prev));
     // ------------------------------- epilogue: C's rows m, columns n -------------------------------
+    // Straight from the registers: 8 rows x 16 bytes (bf16) or 32 bytes (fp32) per warp instruction, each warpgroup
+    // on its own, so one's epilogue overlaps the other's next mainloop.
     const int m_local = wg * 64 + warp * 16 + (lane >> 2);  // + 8 h
-    if constexpr (kFp32Out) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int m = m_tile * BM + m_local + 8 * h;
+    for (int h = 0; h < 2; ++h) {
+      const int m = m_tile * BM + m_local + 8 * h;
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-          const int n = n_tile * BN + 8 * j + 2 * quad;  // n_total is a multiple of 8: n + 1 is valid with n
-          const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];  // C[m][n], C[m][n + 1]
-          if constexpr (kTransposeOut) {
-            // out[n][m]: lanes 4 apart hold rows m and m + 1 (m_total is a multiple of 8 too); they swap one value
-            // so the even one stores C[m..m+1][n] and the odd one C[m-1..m][n+1]
-            const bool odd = (lane >> 2) & 1;
-            const float other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
-            const int row_n = odd ? n + 1 : n, col_m = odd ? m - 1 : m;
-            if (col_m >= p.m_total || n >= p.n_total) continue;
-            const int64_t at = (static_cast<int64_t>(expert) * p.n_total + row_n) * p.m_total + col_m;
-            *reinterpret_cast<float2*>(static_cast<float*>(p.out) + at) =
-                odd ? make_float2(other, v1) : make_float2(v0, other);
-          } else {
-            if (m >= p.m_total || n >= p.n_total) continue;
-            const int64_t at = (static_cast<int64_t>(expert) * p.m_total + m) * p.n_total + n;
-            *reinterpret_cast<float2*>(static_cast<float*>(p.out) + at) = make_float2(v0, v1);
-          }
-        }
-      }
-    } else {
-      // bf16: the tile into the staging boxes (4-byte stores, 8 rows x 16 bytes per warp instruction: conflict-free
-      // through the swizzle), then one thread stores them by TMA; the previous tile's stores have read the staging
-      // boxes before anyone rewrites them
-      const bool storer = threadIdx.x == 128;
-      if (storer) bulk_wait_read<0>();
-      asm volatile("bar.sync 2, 256;\n" ::: "memory");  // the consumer warps only
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int m = m_local + 8 * h;
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-          const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];  // C[m][n], C[m][n + 1], n = 8 j + 2 quad
-          uint32_t at;
-          __nv_bfloat162 pair;
-          if constexpr (kTransposeOut) {
-            // C^T: boxes of 256 n rows x 64 m columns (m / 64 = wg); lanes 4 apart hold rows m and m + 1 and swap
-            // one value, so the even one writes C[m..m+1][n] and the odd one C[m-1..m][n+1]
-            const bool odd = (lane >> 2) & 1;
-            const float other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
-            const int row_n = 8 * j + 2 * quad + (odd ? 1 : 0), col_m = (m & 63) - (odd ? 1 : 0);
-            at = wg * (BN * 128) + swz(row_n, col_m / 8) + (col_m % 8) * 2;
-            pair = odd ? __floats2bfloat162_rn(other, v1) : __floats2bfloat162_rn(v0, other);
-          } else {
-            // C: boxes of 128 m rows x 64 n columns (n / 64 = j / 8)
-            at = (j / 8) * (BM * 128) + swz(m, j % 8) + quad * 4;
-            pair = __floats2bfloat162_rn(v0, v1);
-          }
-          *reinterpret_cast<__nv_bfloat162*>(gbase + (staging - base) + at) = pair;
-        }
-      }
-      fence_proxy_async();  // the TMA store reads the boxes through the async proxy
-      asm volatile("bar.sync 2, 256;\n" ::: "memory");
-      if (storer) {
+      for (int j = 0; j < BN / 8; ++j) {
+        const int n = n_tile * BN + 8 * j + 2 * quad;  // n_total is a multiple of 8: n + 1 is valid with n
+        const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];  // C[m][n], C[m][n + 1]
         if constexpr (kTransposeOut) {
-          for (int q = 0; q < BM / MN_ATOM; ++q)
-            if (m_tile * BM + q * MN_ATOM < p.m_total)
-              tma_store_3d(&p.tm_out, staging + q * (BN * 128), m_tile * BM + q * MN_ATOM, n_tile * BN, expert);
+          // out[n][m]: lanes 4 apart hold rows m and m + 1 (m_total is a multiple of 8 too); they swap one value
+          // so the even one stores C[m..m+1][n] and the odd one C[m-1..m][n+1]
+          const bool odd = (lane >> 2) & 1;
+          const float other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
+          const int row_n = odd ? n + 1 : n, col_m = odd ? m - 1 : m;
+          if (col_m >= p.m_total || n >= p.n_total) continue;
+          const int64_t at = (static_cast<int64_t>(expert) * p.n_total + row_n) * p.m_total + col_m;
+          store_pair<kFp32Out>(p.out, at, odd ? other : v0, odd ? v1 : other);
         } else {
-          for (int q = 0; q < BN / MN_ATOM; ++q)
-            if (n_tile * BN + q * MN_ATOM < p.n_total)
-              tma_store_3d(&p.tm_out, staging + q * (BM * 128), n_tile * BN + q * MN_ATOM, m_tile * BM, expert);
+          if (m >= p.m_total || n >= p.n_total) continue;
+          const int64_t at = (static_cast<int64_t>(expert) * p.m_total + m) * p.n_total + n;
+          store_pair<kFp32Out>(p.out, at, v0, v1);
         }
-        bulk_commit();
       }
     }
   }
-  if (threadIdx.x == 128) bulk_wait<0>();  // the last tile's stores have landed before the CTA leaves
 #else
   __trap();  // compiled for an arch other than sm_90a: the host side never launches it there
 #endif
@@ -390,12 +347,6 @@ at::Tensor moe_grad_weight_cuda(const at::Tensor& rows_in, const at::Tensor& sou
   p.expert_ends = ends.const_data_ptr<int>();
   p.num_rows = static_cast<int>(s.S);
   p.out = out.mutable_data_ptr();
-  if (!fp32) {  // C, or C^T for dW1 / dW3: (E, rows, cols) with boxes of a tile's rows x 64 columns
-    const int64_t rows = source_major ? s.K : s.N, cols = source_major ? s.N : s.K;
-    const int rc_out = prime_kernels::make_tmap_3d(&p.tm_out, p.out, s.E, rows, cols, cols, rows * cols,
-                                                   source_major ? gw::BM : gw::BN, sm90::MN_ATOM);
-    TORCH_CHECK(rc_out == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for the output (CUresult ", rc_out, ")");
-  }
   p.m_total = static_cast<int>(m_total);
   p.n_total = static_cast<int>(n_total);
   p.m_tiles = static_cast<int>((m_total + gw::BM - 1) / gw::BM);
