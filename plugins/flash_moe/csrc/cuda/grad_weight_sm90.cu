@@ -60,6 +60,7 @@ static_assert(SMEM_BYTES <= 227 * 1024, "GRAD_WEIGHT_STAGES: the ring and the st
 
 struct Params {
   CUtensorMap tm_rows;  // the per-slot operand [S, row_cols]: boxes of BK rows x MN_ATOM columns
+  CUtensorMap tm_source;  // the per-token operand [tokens, source_cols]: boxes of one row x MN_ATOM columns
   // bf16 output by TMA: a 3-D map over out (per expert, so a partial tile is clipped at its expert's edge), boxes of
   // 128 rows (m) x MN_ATOM columns (n), or, transposed, of 256 rows (n) x MN_ATOM columns (m)
   CUtensorMap tm_out;
@@ -199,21 +200,29 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
         const uint32_t rows_tile = st + A_BYTES, source_tile = st;
         if (valid == BK) {  // a whole K step: the slot rows by TMA
           if (tid == 0) {
-            mbar_expect_tx(full_bar(stage), RowsTile::kChunks * 16 * BK);
+            mbar_expect_tx(full_bar(stage), A_BYTES + RowsTile::kChunks * 16 * BK);
 #pragma unroll
             for (int q = 0; q < RowsTile::kChunks / 8; ++q)
               tma_load_2d(rows_tile + q * ATOM_BYTES, &p.tm_rows, full_bar(stage), rows_col0 + q * MN_ATOM, row0);
           }
         } else {  // the expert's last K step: rows past it zero-filled
-          if (tid == 0) mbar_arrive(full_bar(stage));
+          if (tid == 0) mbar_expect_tx(full_bar(stage), A_BYTES);
           RowsTile::copy(rows_tile, tid, p.rows, p.ld_rows, rows_col0, p.row_cols, [&](int i) {
             const int r = tid / RowsTile::kChunks + RowsTile::kRowsPerPass * i;
             return r < valid ? row0 + r : -1;
           });
         }
-        SourceTile::copy(source_tile, tid, p.source, p.ld_source, source_col0, p.source_cols, [&](int i) {
-          return __shfl_sync(0xffffffffu, token, SourceTile::lane_of(tid, i));
-        });
+        // the gathered source rows by TMA, one box per row and atom (the 128B swizzle follows the shared-memory
+        // address, so a one-row box lands where the full box would put it); an invalid token reads past the map's
+        // rows: zeros. Its bytes may land before thread 0's expect_tx above (the tx count is signed; the phase also
+        // waits for that arrival).
+        if (tid % 32 < 16) {
+          const int row = SourceTile::warp_row(tid / 32, tid % 32), source_row = token >= 0 ? token : p.tokens;
+#pragma unroll
+          for (int q = 0; q < BM / MN_ATOM; ++q)
+            tma_load_2d(source_tile + q * ATOM_BYTES + row * 128, &p.tm_source, full_bar(stage),
+                        source_col0 + q * MN_ATOM, source_row);
+        }
         cp_async_mbar_arrive_noinc(full_bar(stage));  // fires when this thread's copies of the stage have landed
         token = next_token;
       }
@@ -379,6 +388,10 @@ at::Tensor moe_grad_weight_cuda(const at::Tensor& rows_in, const at::Tensor& sou
   const int rc = prime_kernels::make_tmap_2d(&p.tm_rows, rows.const_data_ptr(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, s.S,
                                              s.N, rows.stride(0), gw::BK, sm90::MN_ATOM);
   TORCH_CHECK(rc == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for rows (CUresult ", rc, ")");
+  const int rc_source = prime_kernels::make_tmap_2d(&p.tm_source, source.const_data_ptr(),
+                                                    CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, s.T, s.K, source.stride(0), 1,
+                                                    sm90::MN_ATOM);
+  TORCH_CHECK(rc_source == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for source (CUresult ", rc_source, ")");
   p.rows = reinterpret_cast<const __nv_bfloat16*>(rows.const_data_ptr());
   p.ld_rows = rows.stride(0);
   p.row_cols = static_cast<int>(s.N);
