@@ -186,7 +186,9 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
       // latency is not on the path from a free stage to its copies.
       auto token_of = [&](int kt) {
         const int r = SourceTile::warp_row(tid / 32, tid % 32), row = kt * BK + r;
-        const int token = tid % 32 < 16 && kt < k_steps && row < count ? __ldg(p.row_token + first + row) : -1;
+        // DIAGNOSTIC: source rows 0-63 only (row mod 64, min(64, tokens)): the same copies, every one an L2 hit: what
+        // the gathered rows' misses cost
+        const int token = tid % 32 < 16 && kt < k_steps && row < count ? (first + row) % min(64, p.tokens) : -1;
         return token < p.tokens ? token : -1;  // negative: zeros
       };
       int token = token_of(0);
