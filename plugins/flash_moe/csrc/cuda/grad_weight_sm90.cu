@@ -211,9 +211,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
             return r < valid ? row0 + r : -1;
           });
         }
-        SourceTile::copy(source_tile, tid, p.source, p.ld_source, source_col0, p.source_cols, [&](int i) {
-          return __shfl_sync(0xffffffffu, token, SourceTile::lane_of(tid, i));
-        });
+        // DIAGNOSTIC: the gathered source rows never loaded (the stage's stale A is multiplied): what feeding A costs
+        (void)source_tile;
         cp_async_mbar_arrive_noinc(full_bar(stage));  // fires when this thread's copies of the stage have landed
         token = next_token;
       }
