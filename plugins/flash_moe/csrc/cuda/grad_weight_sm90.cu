@@ -186,7 +186,9 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
       // latency is not on the path from a free stage to its copies.
       auto token_of = [&](int kt) {
         const int r = SourceTile::warp_row(tid / 32, tid % 32), row = kt * BK + r;
-        const int token = tid % 32 < 16 && kt < k_steps && row < count ? __ldg(p.row_token + first + row) : -1;
+        // DIAGNOSTIC: source rows in slot order (row (first + row) mod tokens) instead of each slot's token: what the
+        // gather's scattered rows cost against the same copies of consecutive rows
+        const int token = tid % 32 < 16 && kt < k_steps && row < count ? (first + row) % p.tokens : -1;
         return token < p.tokens ? token : -1;  // negative: zeros
       };
       int token = token_of(0);
