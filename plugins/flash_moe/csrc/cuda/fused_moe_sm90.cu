@@ -36,8 +36,6 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <initializer_list>
-#include <iterator>
 #include <vector>
 
 #include "../flash_moe.h"
@@ -659,33 +657,21 @@ CompactRows compact_rows(sm90::Params& p, const at::Tensor& sorted, const at::Te
   return c;
 }
 
-// Zeroes rows [*routed, rows) of up to three [rows, vecs x 16 bytes] tensors (null: fewer): the compact rows no slot
-// fills (their count is on the device; reading it on the host would sync), instead of zeroing whole tensors first.
-struct RowsPast {
-  uint4* tensors[3];
-};
-
-__global__ void zero_rows_past_kernel(RowsPast out, const int* routed, int64_t rows, int64_t vecs) {
+// Zeroes rows [*routed, rows) of a bf16 [rows, width] tensor (width a multiple of 8): the compact rows no slot fills
+// (their count is on the device; reading it on the host would sync), instead of zeroing the whole tensor first.
+__global__ void zero_rows_past_kernel(uint4* out, const int* routed, int64_t rows, int64_t vecs) {
   const int64_t first = min(max(int64_t{*routed}, int64_t{0}), rows) * vecs, total = rows * vecs;
   for (int64_t i = first + blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    for (uint4* t : out.tensors) {
-      if (t != nullptr) t[i] = make_uint4(0, 0, 0, 0);
-    }
-  }
+       i += int64_t{gridDim.x} * blockDim.x)
+    out[i] = make_uint4(0, 0, 0, 0);
 }
 
-// `tensors`: bf16 [rows, width] with width a multiple of 8; `routed`: compact_rows' count.
-void zero_rows_past(std::initializer_list<at::Tensor*> tensors, const at::Tensor& routed) {
-  RowsPast out{};
-  TORCH_INTERNAL_ASSERT(tensors.size() >= 1 && tensors.size() <= std::size(out.tensors));
-  int n = 0;
-  for (at::Tensor* t : tensors) out.tensors[n++] = reinterpret_cast<uint4*>(t->mutable_data_ptr());
-  const at::Tensor& first = **tensors.begin();
-  const int64_t rows = first.size(0), vecs = first.size(1) / 8, total = rows * vecs;
+// `routed`: compact_rows' count.
+void zero_rows_past(at::Tensor& tensor, const at::Tensor& routed) {
+  const int64_t rows = tensor.size(0), vecs = tensor.size(1) / 8, total = rows * vecs;
   if (total == 0) return;
   zero_rows_past_kernel<<<grid_stride_blocks(total, 256), 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      out, routed.const_data_ptr<int>(), rows, vecs);
+      reinterpret_cast<uint4*>(tensor.mutable_data_ptr()), routed.const_data_ptr<int>(), rows, vecs);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -695,7 +681,7 @@ at::Tensor saved_gate_up(sm90::Params& p, const at::Tensor& sorted, const at::Te
                          const MoeShape& s, CompactRows& rows) {
   auto saved = at::empty({s.M * s.top_k, 2 * s.hidden}, sorted.options().dtype(at::kBFloat16));
   rows = compact_rows(p, sorted, eids, ntpp, s);
-  zero_rows_past({&saved}, rows.count);
+  zero_rows_past(saved, rows.count);
   p.saved = reinterpret_cast<__nv_bfloat16*>(saved.mutable_data_ptr());
   p.ld_saved = 2 * s.hidden;
   return saved;
@@ -799,8 +785,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda(
   p.saved = const_cast<__nv_bfloat16*>(reinterpret_cast<const __nv_bfloat16*>(gu.const_data_ptr()));
   p.ld_saved = 2 * s.hidden;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  zero_rows_past({&grad_gate_up}, rows.count);
-  zero_rows_past({&weighted_h}, rows.count);
+  zero_rows_past(grad_gate_up, rows.count);
+  zero_rows_past(weighted_h, rows.count);
   if (s.blocks > 0 && s.M > 0) {
     p.top_k = static_cast<int>(s.top_k);
     p.num_experts = static_cast<int>(s.E);
