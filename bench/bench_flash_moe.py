@@ -155,12 +155,10 @@ def bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling):
 
 
 # moe()'s paths at every shape, by kernel.toml's launch rules switched in this process: the weight gradients by
-# gathers + grouped GEMMs or by moe_grad_weight (FUSED_DW_*), dx summed with fp32 atomics or in k order
+# gathers + grouped GEMMs or by moe_grad_weight (FUSED_DW_*)
 PATHS = {
     "dw-grouped": {"FUSED_DW_MIN_SLOTS": 2**40, "FUSED_DW_MAX_HIDDEN": 2**40},
     "dw-fused": {"FUSED_DW_MIN_SLOTS": 0, "FUSED_DW_MAX_HIDDEN": 2**40},
-    "dx-atomic": {"SLOT_DX_MIN_TOP_K": 2**31},
-    "dx-k-order": {"SLOT_DX_MIN_TOP_K": 0},
 }
 PEER_PATH = "grouped-mm"  # --paths' name for the grouped-mm expert path, timed in the same rounds
 

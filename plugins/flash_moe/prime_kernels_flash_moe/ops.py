@@ -510,8 +510,8 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     weight gradients are per-expert GEMMs over the slots sorted by expert with x / grad_out gathered by token
     (``moe_grad_weight``, one kernel each with the gathers inside, where ``_fused_weight_grads`` says it is the faster
     path; else gathers + ``torch._grouped_mm``; fp32 accumulation in both); ``moe_grad_x`` (one GEMM kernel on CUDA)
-    gives dx = sum over a token's slots of dg W1[e] + du W3[e] in fp32: in k order when ``deterministic`` or from
-    top_k = SLOT_DX_MIN_TOP_K (kernel.toml) on (bitwise reproducible), else with fp32 atomics on CUDA. When w2's gradient alone is needed, the grad_h GEMM is skipped
+    gives dx = sum over a token's slots of dg W1[e] + du W3[e] in fp32: in k order when ``deterministic`` (bitwise
+    reproducible), else with fp32 atomics on CUDA. When w2's gradient alone is needed, the grad_h GEMM is skipped
     (``swiglu_backward`` on zeros gives p h).
     """
     need_x, need_w1, need_w2, need_w3, _, need_tw = needs
@@ -543,8 +543,7 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
         _, _, weighted_h, _ = torch.ops.flash_moe.swiglu_backward(gate_up, go.new_zeros(S, w2.shape[2]),
                                                                   tw.reshape(-1)[order], ok)
     if need_x:
-        k_order = deterministic or top_k >= CONSTANTS["SLOT_DX_MIN_TOP_K"]
-        grad_x = torch.ops.flash_moe.moe_grad_x(grad_gate, grad_up, w1, w3, *align, top_k, BLOCK_M, k_order,
+        grad_x = torch.ops.flash_moe.moe_grad_x(grad_gate, grad_up, w1, w3, *align, top_k, BLOCK_M, deterministic,
                                                 global_experts)
     # the weight gradients: per expert, its rows of dg / du / p h against x / grad_out gathered by token; dW1 and dW3
     # of a stacked w1 in one GEMM over moe_grad_gate_up's [dg | du] (S x 2 hidden, as it comes: no concatenation),
