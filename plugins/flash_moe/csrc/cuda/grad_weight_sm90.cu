@@ -107,9 +107,12 @@ struct RowsMN {
     const uint32_t dst = tile + (j / 8) * ATOM_BYTES;
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
+      // the address of row 0 where there is no row (zero-filled: nothing is read): selects, not a branch around
+      // the address arithmetic, so the compiler can overlap the passes' shuffles and multiplies
       const int row = row_of(i);
       const bool ok = row >= 0 && col < n_cols;
-      cp_async_16(dst + swz(r0 + kRowsPerPass * i, j % 8), ok ? src + row * ld + col : src, ok ? 16u : 0u);
+      const int64_t at = static_cast<int64_t>(ok ? row : 0) * ld + (ok ? col : 0);
+      cp_async_16(dst + swz(r0 + kRowsPerPass * i, j % 8), src + at, ok ? 16u : 0u);
     }
   }
 };
