@@ -64,10 +64,10 @@ struct Params {
   // 128 rows (m) x MN_ATOM columns (n), or, transposed, of 256 rows (n) x MN_ATOM columns (m)
   CUtensorMap tm_out;
   const __nv_bfloat16* rows;
-  int64_t ld_rows;
+  int ld_rows;  // row strides in 32 bits (checked on the host): one wide multiply per copied row
   int row_cols;
   const __nv_bfloat16* source;  // the per-token operand [tokens, source_cols]
-  int64_t ld_source;
+  int ld_source;
   int source_cols;
   int tokens;
   const int* row_token;    // [S]: the source row of each slot row
@@ -100,7 +100,7 @@ struct RowsMN {
   // ... and the lane that holds pass i's row of thread tid
   static __device__ __forceinline__ int lane_of(int tid, int i) { return i * kRowsPerWarp + (tid % 32) / kChunks; }
   template <class RowOf>
-  static __device__ __forceinline__ void copy(uint32_t tile, int tid, const __nv_bfloat16* src, int64_t ld, int col0,
+  static __device__ __forceinline__ void copy(uint32_t tile, int tid, const __nv_bfloat16* src, int ld, int col0,
                                               int n_cols, RowOf row_of) {
     const int j = tid % kChunks, r0 = tid / kChunks;
     const int col = col0 + 8 * j;
@@ -111,7 +111,8 @@ struct RowsMN {
       // the address arithmetic, so the compiler can overlap the passes' shuffles and multiplies
       const int row = row_of(i);
       const bool ok = row >= 0 && col < n_cols;
-      const int64_t at = static_cast<int64_t>(ok ? row : 0) * ld + (ok ? col : 0);
+      const uint64_t at = static_cast<uint64_t>(static_cast<uint32_t>(ok ? row : 0)) * static_cast<uint32_t>(ld) +
+                          static_cast<uint32_t>(ok ? col : 0);  // row, ld, col >= 0: one 32 x 32 -> 64 multiply-add
       cp_async_16(dst + swz(r0 + kRowsPerPass * i, j % 8), src + at, ok ? 16u : 0u);
     }
   }
@@ -383,10 +384,13 @@ at::Tensor moe_grad_weight_cuda(const at::Tensor& rows_in, const at::Tensor& sou
                                              s.N, rows.stride(0), gw::BK, sm90::MN_ATOM);
   TORCH_CHECK(rc == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for rows (CUresult ", rc, ")");
   p.rows = reinterpret_cast<const __nv_bfloat16*>(rows.const_data_ptr());
-  p.ld_rows = rows.stride(0);
+  TORCH_CHECK(rows.stride(0) <= INT32_MAX && source.stride(0) <= INT32_MAX, op,
+              " (CUDA): rows' and source's row strides must fit in 32 bits, got ", rows.stride(0), " and ",
+              source.stride(0));
+  p.ld_rows = static_cast<int>(rows.stride(0));
   p.row_cols = static_cast<int>(s.N);
   p.source = reinterpret_cast<const __nv_bfloat16*>(source.const_data_ptr());
-  p.ld_source = source.stride(0);
+  p.ld_source = static_cast<int>(source.stride(0));
   p.source_cols = static_cast<int>(s.K);
   p.tokens = static_cast<int>(s.T);
   p.row_token = tokens.const_data_ptr<int>();
