@@ -5,7 +5,7 @@
     python bench/bench_flash_moe.py [--json PATH] [--quick] [--mxfp8-only] [--no-mxfp8] [--shapes NAME,NAME]
     python bench/bench_flash_moe.py --sonicmoe --no-mxfp8 [--shapes NAME,NAME]   (peer wheels: scripts/peer_wheels.sh)
     python bench/bench_flash_moe.py --parts --no-mxfp8 [--shapes NAME,NAME]
-    python bench/bench_flash_moe.py --paths dw-grouped,dw-fused --no-mxfp8 [--shapes NAME,NAME]
+    python bench/bench_flash_moe.py --paths dw-grouped,dw-fused --no-mxfp8 [--rounds N] [--shapes NAME,NAME]
     python bench/bench_flash_moe.py --timeline --no-mxfp8 [--shapes NAME,NAME]
     python bench/bench_flash_moe.py --expert-parallel RANKS --no-mxfp8 [--shapes NAME,NAME]
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import statistics
 import time
 
 import torch
@@ -216,7 +217,8 @@ def bench_paths(ops, name, T, E, k, dim, hidden, paths, rounds=3):
     print(f"  {name:22s} forward+backward by path (ms [SM MHz, W], {rounds} alternating rounds): "
           + "; ".join(f"{path} " + " / ".join(f"{ms:.3f} [{mhz}, {watts and round(watts)}]"
                                               for ms, (mhz, watts) in zip(v, clocks[path]))
-                      for path, v in times.items()))
+                      for path, v in times.items())
+          + "; medians " + ", ".join(f"{path} {statistics.median(v):.3f}" for path, v in times.items()))
     for path, line in timelines.items():
         print_timeline(f"{path} (L2 flush included)", line)
     for path, top in by_operator.items():
@@ -474,6 +476,7 @@ def main():
     parser.add_argument("--paths", default=None, metavar="NAME,NAME",
                         help=f"only forward+backward through each of these paths ({', '.join([*PATHS, PEER_PATH])}), "
                              "and their kernels")
+    parser.add_argument("--rounds", type=int, default=3, help="--paths' alternating rounds (default 3)")
     parser.add_argument("--timeline", action="store_true",
                         help="only GPU timelines of forward+backward, ours and the grouped-mm path's")
     parser.add_argument("--host", action="store_true",
@@ -510,7 +513,7 @@ def main():
         return
     ep = functools.partial(bench_expert_parallel, ranks=args.expert_parallel, ceiling=ceiling)
     parts = functools.partial(bench_backward_parts, ceiling=ceiling)
-    paths = args.paths and functools.partial(bench_paths, paths=args.paths.split(","))
+    paths = args.paths and functools.partial(bench_paths, paths=args.paths.split(","), rounds=args.rounds)
     for flag, bench in (("parts", parts), ("paths", paths), ("timeline", bench_timelines),
                         ("host", bench_host), ("expert_parallel", ep)):
         if getattr(args, flag):
