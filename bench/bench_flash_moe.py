@@ -156,10 +156,10 @@ def bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling):
 
 
 # moe()'s paths at every shape, by kernel.toml's launch rules switched in this process: the weight gradients by
-# gathers + grouped GEMMs or by moe_grad_weight (FUSED_DW_*)
+# gathers + grouped GEMMs or by moe_grad_weight (FUSED_DW_MAX_HIDDEN)
 PATHS = {
-    "dw-grouped": {"FUSED_DW_MIN_SLOTS": 2**40, "FUSED_DW_MAX_HIDDEN": 2**40},
-    "dw-fused": {"FUSED_DW_MIN_SLOTS": 0, "FUSED_DW_MAX_HIDDEN": 2**40},
+    "dw-grouped": {"FUSED_DW_MAX_HIDDEN": 0},
+    "dw-fused": {"FUSED_DW_MAX_HIDDEN": 2**40},
 }
 PEER_PATH = "grouped-mm"  # --paths' name for the grouped-mm expert path, timed in the same rounds
 

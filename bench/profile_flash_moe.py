@@ -5,7 +5,7 @@ mxfp8) or of ``fused_moe_mxfp8`` on pre-quantized operands, summed per kernel na
         [--fused-dw] [--plain]
 
 --backward: the bf16 ``moe`` forward + backward instead (gradients of x, the weights and topk_weights); with
---fused-dw its weight gradients by ``moe_grad_weight`` whatever kernel.toml's FUSED_DW_* rule picks. --plain: the
+--fused-dw its weight gradients by ``moe_grad_weight`` whatever kernel.toml's FUSED_DW_MAX_HIDDEN picks. --plain: the
 calls without torch.profiler, for Nsight Compute (gpu_check.sh's profile and hbm phases), which must own the GPU's
 counters (CUPTI takes one subscriber).
 

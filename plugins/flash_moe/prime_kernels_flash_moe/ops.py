@@ -554,7 +554,7 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
         rows_x = (grad_gate if need_w1 else None, grad_up if need_w3 else None)
     del grad_gate_up, grad_gate, grad_up  # held by rows_x alone where still needed
     # moe_grad_weight: the gathers inside the kernel, no S x dim copy of x or grad_out
-    if _fused_weight_grads(S, global_experts, w1.shape[1]):
+    if _fused_weight_grads(w1.shape[1]):
         row_token = torch.where(ok, tok, -1).to(torch.int32)
         if need_w2:
             grad_w2 = torch.ops.flash_moe.moe_grad_weight(weighted_h, go, row_token, offs, True)
@@ -577,10 +577,10 @@ def _grouped_against(rows, gathered, offs):
     return tuple(None if r is None else torch._grouped_mm(r.t(), gathered, offs=offs) for r in rows)
 
 
-def _fused_weight_grads(slots: int, experts: int, hidden: int) -> bool:
-    """Whether moe()'s backward takes moe_grad_weight for dW1 / dW2 / dW3 (kernel.toml: FUSED_DW_MIN_SLOTS, where
-    the measurements behind the rule are named): ``slots`` (M * top_k) spread over ``experts`` (the global count)."""
-    return slots >= CONSTANTS["FUSED_DW_MIN_SLOTS"] * experts and hidden <= CONSTANTS["FUSED_DW_MAX_HIDDEN"]
+def _fused_weight_grads(hidden: int) -> bool:
+    """Whether moe()'s backward takes moe_grad_weight for dW1 / dW2 / dW3 (kernel.toml: FUSED_DW_MAX_HIDDEN, where
+    the measurements behind the rule are named)."""
+    return hidden <= CONSTANTS["FUSED_DW_MAX_HIDDEN"]
 
 
 class _MoEMxfp8(torch.autograd.Function):
@@ -682,7 +682,7 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | 
     Backward: closed form: the gate/up projections g | u saved by the forward (or recomputed: below), the
     grad_h = grad_out W2 with the SwiGLU derivative and d topk_weights in its epilogue (``moe_grad_gate_up``), dx in one
     GEMM summed over each token's slots (``moe_grad_x``), the weight gradients per expert with the gathers inside
-    (``moe_grad_weight``) where that measured faster (kernel.toml's FUSED_DW_*), else gathers + grouped GEMMs;
+    (``moe_grad_weight``) where that measured faster (kernel.toml's FUSED_DW_MAX_HIDDEN), else gathers + grouped GEMMs;
     gradients only for the inputs that need them.
     ``deterministic=True``: fixed-order combines (forward output, dx: a token's slots in k order): bitwise
     reproducible end to end; False: on CUDA the forward combine and dx's sum use fp32 atomics (not bitwise

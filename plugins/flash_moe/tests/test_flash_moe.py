@@ -27,8 +27,8 @@ gpu = [pytest.mark.gpu, pytest.mark.kernel(KERNEL)]
 
 @pytest.fixture(params=["grouped_mm", "moe_grad_weight"])
 def weight_grads(request, monkeypatch):
-    """Each path of moe()'s weight gradients, whichever the shape's rule picks (kernel.toml's FUSED_DW_*)."""
-    monkeypatch.setitem(ops.CONSTANTS, "FUSED_DW_MIN_SLOTS", 0 if request.param == "moe_grad_weight" else 2**40)
+    """Each path of moe()'s weight gradients, whichever the shape's rule picks (kernel.toml's FUSED_DW_MAX_HIDDEN)."""
+    monkeypatch.setitem(ops.CONSTANTS, "FUSED_DW_MAX_HIDDEN", 2**40 if request.param == "moe_grad_weight" else 0)
     return request.param
 
 
