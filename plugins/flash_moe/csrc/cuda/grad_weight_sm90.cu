@@ -374,6 +374,9 @@ at::Tensor moe_grad_weight_cuda(const at::Tensor& rows_in, const at::Tensor& sou
   const auto source = source_in.stride(1) == 1 && source_in.stride(0) % 8 == 0 ? source_in : source_in.contiguous();
   sm90::check_cuda_operand(op, "rows", rows);
   sm90::check_cuda_operand(op, "source", source);
+  TORCH_CHECK(rows.stride(0) <= INT32_MAX && source.stride(0) <= INT32_MAX, op,
+              " (CUDA): rows' and source's row strides must fit in 32 bits, got ", rows.stride(0), " and ",
+              source.stride(0));
   const auto tokens = row_token.contiguous(), ends = expert_ends.contiguous();
   const int64_t m_total = s.K, n_total = s.N;
   auto out = at::empty(source_major ? at::IntArrayRef{s.E, s.K, s.N} : at::IntArrayRef{s.E, s.N, s.K},
@@ -384,9 +387,6 @@ at::Tensor moe_grad_weight_cuda(const at::Tensor& rows_in, const at::Tensor& sou
                                              s.N, rows.stride(0), gw::BK, sm90::MN_ATOM);
   TORCH_CHECK(rc == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for rows (CUresult ", rc, ")");
   p.rows = reinterpret_cast<const __nv_bfloat16*>(rows.const_data_ptr());
-  TORCH_CHECK(rows.stride(0) <= INT32_MAX && source.stride(0) <= INT32_MAX, op,
-              " (CUDA): rows' and source's row strides must fit in 32 bits, got ", rows.stride(0), " and ",
-              source.stride(0));
   p.ld_rows = static_cast<int>(rows.stride(0));
   p.row_cols = static_cast<int>(s.N);
   p.source = reinterpret_cast<const __nv_bfloat16*>(source.const_data_ptr());
