@@ -104,16 +104,21 @@ struct RowsMN {
                                               int n_cols, RowOf row_of) {
     const int j = tid % kChunks, r0 = tid / kChunks;
     const int col = col0 + 8 * j;
+    const bool col_ok = col < n_cols;
     const uint32_t dst = tile + (j / 8) * ATOM_BYTES;
+    // each copy's address is one 32 x 32 -> 64 multiply-add onto this thread's column (row, ld >= 0; 2 ld < 2^32):
+    // mul.wide.u32 spelled out, since the compiler's 64-bit multiply left a high-word add of zero behind it per copy
+    const char* const column = reinterpret_cast<const char*>(src + (col_ok ? col : 0));
+    const uint32_t ld_bytes = 2u * static_cast<uint32_t>(ld);
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
-      // the address of row 0 where there is no row (zero-filled: nothing is read): selects, not a branch around
-      // the address arithmetic, so the compiler can overlap the passes' shuffles and multiplies
+      // row 0 where there is no row (zero-filled: nothing is read): selects, not a branch around the address
+      // arithmetic, so the compiler can overlap the passes' shuffles and multiplies
       const int row = row_of(i);
-      const bool ok = row >= 0 && col < n_cols;
-      const uint64_t at = static_cast<uint64_t>(static_cast<uint32_t>(ok ? row : 0)) * static_cast<uint32_t>(ld) +
-                          static_cast<uint32_t>(ok ? col : 0);  // row, ld, col >= 0: one 32 x 32 -> 64 multiply-add
-      cp_async_16(dst + swz(r0 + kRowsPerPass * i, j % 8), src + at, ok ? 16u : 0u);
+      const bool ok = row >= 0 && col_ok;
+      uint64_t offset;
+      asm("mul.wide.u32 %0, %1, %2;" : "=l"(offset) : "r"(ok ? row : 0), "r"(ld_bytes));
+      cp_async_16(dst + swz(r0 + kRowsPerPass * i, j % 8), column + offset, ok ? 16u : 0u);
     }
   }
 };
