@@ -186,15 +186,16 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
       using RowsTile = RowsMN<BN>;
       using SourceTile = RowsMN<BM>;
       const int rows_col0 = n0, source_col0 = m0;
-      // The source row (token) of this lane's row of K step kt, -1 for none: loaded a K step ahead, so the load's
-      // latency is not on the path from a free stage to its copies.
+      // The source row (token) of this lane's row of K step kt, -1 for none: loaded a K step ahead and checked
+      // against the token count only in the K step that copies it, so that no K step waits for a load (checked where
+      // it loads, the compare sat right after the stage's barrier wait and stalled every K step: Nsight Compute).
       auto token_of = [&](int kt) {
         const int r = SourceTile::warp_row(tid / 32, tid % 32), row = kt * BK + r;
-        const int token = tid % 32 < 16 && kt < k_steps && row < count ? __ldg(p.row_token + first + row) : -1;
-        return token < p.tokens ? token : -1;  // negative: zeros
+        return tid % 32 < 16 && kt < k_steps && row < count ? __ldg(p.row_token + first + row) : -1;
       };
-      int token = token_of(0);
+      int loaded = token_of(0);
       for (int kt = 0; kt < k_steps; ++kt) {
+        const int token = loaded < p.tokens ? loaded : -1;  // negative: zeros
         const int next_token = token_of(kt + 1);
         const uint32_t k = ks + kt;
         const int stage = acquire_stage<STAGES>(bars, k);
@@ -219,7 +220,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) grad_weight_kernel(const __gri
           return __shfl_sync(0xffffffffu, token, SourceTile::lane_of(tid, i));
         });
         cp_async_mbar_arrive_noinc(full_bar(stage));  // fires when this thread's copies of the stage have landed
-        token = next_token;
+        loaded = next_token;
       }
       ks = (ks + k_steps) % (2 * STAGES);
     }
