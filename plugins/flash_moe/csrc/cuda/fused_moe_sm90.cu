@@ -176,6 +176,9 @@ __device__ __forceinline__ void fence_acc(float* d) { fence_regs<128>(d); }
 // for it (SASS of the first version: one load pair, the math and three stores per column group, 64 DRAM round trips
 // in a row per thread and tile).
 constexpr int kChunk = 4;
+// The dH producer's L2 prefetch of a tile's g | u rows: this many K steps before its last (the producer runs up to
+// STAGES K steps ahead of the consumers; a K step takes ~0.8 us at the tensor cores' rate, an HBM read under load ~1-2).
+constexpr int kDhPrefetchSteps = 8;
 __device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* acc, int h, int quad, int slot, int row,
                                                  int n0) {
   const float w = __ldg(p.topk_weights + slot);
@@ -378,6 +381,18 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
 #pragma unroll
       for (int r = 0; r < BM / 16; ++r) row_off[r] = a_rows[buf * BM + r0 + 16 * r];
       const int expert = __ldg(p.expert_ids + block);
+      // DH_SWIGLU: this thread's row of g | u, which the epilogue loads, prefetched into L2 kDhPrefetchSteps K steps
+      // before the mainloop ends, so that the epilogue's loads wait for L2 rather than for HBM
+      const __nv_bfloat16* gu_row = nullptr;
+      if constexpr (kDh) {
+        const int compact = slot_rows[buf * BM + threadIdx.x] >= 0 ? p.dst_rows[block * BM + threadIdx.x] : -1;
+        if (compact >= 0 && compact < p.dst_limit) {
+          gu_row = p.saved + static_cast<int64_t>(compact) * p.ld_saved + n_tile * BN;
+        }
+      }
+      const int prefetch_kt = max(0, p.k_tiles - kDhPrefetchSteps);
+      // 128-byte lines of one row's gate (or up) columns in this tile (n_total: a multiple of 32, i.e. of 64 bytes)
+      const int gu_lines = (2 * min(BN, p.n_total - n_tile * BN) + 127) / 128;
 
       // N-major B: the expert's first weight row (the k tile adds its rows); else its first row of this column tile
       const int b_row = expert * p.b_rows_per_expert + (kMajorN ? 0 : n_tile * (kGateUp ? BN_GU : BN_DOWN));
@@ -417,6 +432,15 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
           cp_async_16(st + swz(r0 + 16 * r, c), a_src + (off >= 0 ? off + kofs + c * 8 : 0), off >= 0 ? 16u : 0u);
         }
         cp_async_mbar_arrive_noinc(full_bar(stage));  // fires when this thread's copies of the stage have landed
+        if (kDh && kt == prefetch_kt && gu_row != nullptr) {
+#pragma unroll
+          for (int l = 0; l < 2 * BN / 128; ++l) {
+            if (l < gu_lines) {
+              prefetch_l2(gu_row + 64 * l);
+              prefetch_l2(gu_row + p.n_total + 64 * l);
+            }
+          }
+        }
       }
       ks = (ks + p.k_tiles) % (2 * STAGES);
     }

@@ -149,6 +149,11 @@ __device__ __forceinline__ void producer_registers() {
 __device__ __forceinline__ void consumer_registers() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
 }
+// Starts moving the 128-byte line at `src` from HBM into L2, without waiting for it (one per thread: the bulk form
+// takes uniform operands, and threads of different rows made ptxas loop over the warp's addresses).
+__device__ __forceinline__ void prefetch_l2(const void* src) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(src));
+}
 // A producer thread's end: it leaves once its last cp.async copies have landed.
 __device__ __forceinline__ void drain_cp_async() {
   cp_async_commit();
