@@ -178,7 +178,7 @@ __device__ __forceinline__ void fence_acc(float* d) { fence_regs<128>(d); }
 constexpr int kChunk = 4;
 // The dH producer's L2 prefetch of a tile's g | u rows: this many K steps before its last (the producer runs up to
 // STAGES K steps ahead of the consumers; a K step takes ~0.8 us at the tensor cores' rate, an HBM read under load ~1-2).
-constexpr int kDhPrefetchSteps = 8;
+constexpr int kDhPrefetchSteps = 1 << 20;  // DIAGNOSTIC variant: at the tile's first K step
 __device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* acc, int h, int quad, int slot, int row,
                                                  int n0) {
   const float w = __ldg(p.topk_weights + slot);
