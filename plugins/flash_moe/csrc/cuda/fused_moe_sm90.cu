@@ -163,6 +163,9 @@ struct Params {
   // DX_*: A's second half (du rows; `a` holds dg's), K tiles per half; tm_b0 / tm_b1 map w1 / w3
   const __nv_bfloat16* a2;
   int k_half;
+  // DX_ATOMIC: the halves are tiles of their own (column tiles [0, n_tiles / 2) run dg x w1, the others du x w3,
+  // k_tiles = k_half), so a tile's K loop is half as long and the CTAs of a wave drift apart half as far
+  bool dx_split;
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -253,6 +256,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   constexpr bool kGather = kGateUp || kDh;  // A rows gathered from a [tokens, dim] tensor, K = dim
   constexpr bool kDx = kMode == DX_ATOMIC || kMode == DX_SLOTS;
   constexpr bool kMajorN = kDh || kDx;  // B read N-major (wgmma's transposed B)
+  const bool dx_split = kMode == DX_ATOMIC && p.dx_split;
+  const int split_tiles = dx_split ? p.n_tiles / 2 : p.n_tiles;  // column tiles per half
   // The down GEMMs run persistent: one CTA per SM, its producer filling the ring with the next tile while the
   // consumers finish the last: their K (hidden: 12 k tiles at Qwen3, 32 at DeepSeek-V3) is too short to hide a CTA's
   // launch, ring fill and epilogue. A CTA's first tile is blockIdx.x, the next ones are claimed from a counter, so the
@@ -379,15 +384,19 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       for (int r = 0; r < BM / 16; ++r) row_off[r] = a_rows[buf * BM + r0 + 16 * r];
       const int expert = __ldg(p.expert_ids + block);
 
+      // DX split: the tile's half and its output column tile
+      const bool dx_half = dx_split && n_tile >= split_tiles;
+      const int out_tile = n_tile - (dx_half ? split_tiles : 0);
       // N-major B: the expert's first weight row (the k tile adds its rows); else its first row of this column tile
       const int b_row = expert * p.b_rows_per_expert + (kMajorN ? 0 : n_tile * (kGateUp ? BN_GU : BN_DOWN));
       for (int kt = 0; kt < p.k_tiles; ++kt) {
         const uint32_t k = ks + kt;
         const int stage = acquire_stage<STAGES>(bars, k);
         const uint32_t st = base + stage * STAGE_BYTES;
-        // DX: the first k_half tiles read dg and w1, the others du and w3, each from its own K offset 0
-        const bool second = kDx && kt >= p.k_half;
-        const int kofs = (second ? kt - p.k_half : kt) * BK;
+        // DX: the first k_half tiles read dg and w1, the others du and w3, each from its own K offset 0 (split: the
+        // tile's half)
+        const bool second = kDx && (dx_split ? dx_half : kt >= p.k_half);
+        const int kofs = (second && !dx_split ? kt - p.k_half : kt) * BK;
         const __nv_bfloat16* const a_src = second ? p.a2 : p.a;
         if (kMajorN && threadIdx.x == 0) {  // the B tile: MN_ATOMS boxes of weight rows kofs.., 64 columns each
           static_assert(!kMajorN || kPersistent, "N-major B tiles are loaded per CTA (no CTA-pair multicast)");
@@ -395,7 +404,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
           const CUtensorMap* map = second ? &p.tm_b1 : &p.tm_b0;
 #pragma unroll
           for (int q = 0; q < MN_ATOMS; ++q) {
-            tma_load_2d(st + A_BYTES + q * (B_BYTES / MN_ATOMS), map, full_bar(stage), n_tile * BN + q * MN_ATOM,
+            tma_load_2d(st + A_BYTES + q * (B_BYTES / MN_ATOMS), map, full_bar(stage), out_tile * BN + q * MN_ATOM,
                         b_row + kofs);
           }
         }
@@ -515,7 +524,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
           const int slot = slot_of[lr];
           if (slot < 0) continue;
           if constexpr (kDx) {  // dx: unweighted (dg and du carry the slot weight)
-            store_down_row<BN_DOWN, kMode == DX_ATOMIC, false>(p, acc, h, quad, slot, n_tile * BN_DOWN);
+            const int out_tile = dx_split && n_tile >= split_tiles ? n_tile - split_tiles : n_tile;
+            store_down_row<BN_DOWN, kMode == DX_ATOMIC, false>(p, acc, h, quad, slot, out_tile * BN_DOWN);
           } else {
             store_down_row<BN_DOWN, kMode == DOWN_ATOMIC>(p, acc, h, quad, slot, n_tile * BN_DOWN);
           }
@@ -863,11 +873,13 @@ at::Tensor moe_grad_x_cuda(const at::Tensor& grad_gate, const at::Tensor& grad_u
     sm90::expert_weight_map(op, "w3", &p.tm_b1, w3, s.hidden, s.dim, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, sm90::BK,
                             sm90::MN_ATOM);
     p.k_half = static_cast<int>(s.hidden / sm90::BK);
-    p.k_tiles = 2 * p.k_half;
+    // atomics: the two halves as tiles of their own (Params::dx_split); per slot (deterministic) one tile sums both
+    p.dx_split = !deterministic;
+    p.k_tiles = p.dx_split ? p.k_half : 2 * p.k_half;
     p.n_total = static_cast<int>(s.dim);
     p.ld_out = s.dim;
     p.tile_counter = tile_counter.mutable_data_ptr<int>();
-    const int n_tiles = static_cast<int>((s.dim + sm90::BN_DOWN - 1) / sm90::BN_DOWN);
+    const int n_tiles = (p.dx_split ? 2 : 1) * static_cast<int>((s.dim + sm90::BN_DOWN - 1) / sm90::BN_DOWN);
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     if (deterministic) {
       p.yslots = reinterpret_cast<__nv_bfloat16*>(result.mutable_data_ptr());
