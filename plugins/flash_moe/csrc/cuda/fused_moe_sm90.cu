@@ -20,9 +20,11 @@
 //   stores y as bf16 per slot (moe_forward deterministic; the top_k slots of a token are then summed in k order).
 // Kernel 3 (the backward's dH, moe_grad_gate_up; persistent like down): A = grad_out rows gathered like x's, B =
 //   w2[e] read N-major (w2 is (dim, hidden): for grad_h = grad_out W2 the K dimension is dim, and 256 hidden columns
-//   are four 64-column TMA boxes; wgmma's transposed-B form); the epilogue takes g | u of the slot's compact row and
-//   writes the SwiGLU derivative (dg, du, p h) and each slot's partial <grad_h, h> over the tile's columns (summed
-//   over the column tiles afterwards in a fixed order: deterministic). grad_h itself never reaches memory.
+//   are four 64-column TMA boxes; wgmma's transposed-B form, two m64n128 per K step: threads_of); the consumers leave
+//   grad_h as bf16 in a shared-memory staging tile and go on to the next tile, while a fourth warpgroup takes g | u of
+//   each slot's compact row and writes the SwiGLU derivative (dg, du, p h) and each slot's partial <grad_h, h> over
+//   the tile's columns (summed over the column tiles afterwards in a fixed order: deterministic). grad_h itself never
+//   reaches global memory.
 // Kernel 4 (the backward's dX, moe_grad_x): persistent like down; A = the block's rows of dg, then of du (compact rows
 //   through dst_rows, K = 2 hidden), B = w1[e], then w3[e], N-major as in kernel 3 (they are (hidden, dim): K =
 //   hidden, N = dim); the epilogue adds the fp32 result into dx [M, dim] with float2 atomics (DX_ATOMIC) or stores
@@ -90,8 +92,19 @@ constexpr int A_BYTES = BM * BK * 2;
 constexpr int B_BYTES = BN * BK * 2;
 constexpr int B_BOX_ROWS = BN / 2;  // one TMA box: the gate (or up) half of a gate/up tile, half a down tile
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + 2 * BM * 8 /* A row offsets */ +
-                           2 * BM * 4 /* slots */ + (2 * STAGES + 4) * 8 /* mbarriers */ + 2 * 4 /* tile numbers */;
+constexpr int kSmemLimit = 227 * 1024;
+// DH_SWIGLU runs its SwiGLU-backward epilogue in a fourth warpgroup, under the next tile's mainloop: the consumers
+// leave grad_h as bf16 in a staging tile (row-major, 16-byte chunks XOR-swizzled by row) and go on; the ring gives up
+// the stages the staging tile needs.
+constexpr int DH_STAGING_BYTES = BM * BN * 2;
+constexpr int fixed_bytes(int stages) {
+  return 1024 /* alignment slack */ + 2 * BM * 8 /* A row offsets */ + 2 * BM * 4 /* slots */ +
+         (2 * stages + 6) * 8 /* mbarriers */ + 2 * 4 /* tile numbers */;
+}
+constexpr int DH_STAGES = (kSmemLimit - DH_STAGING_BYTES - fixed_bytes(STAGES)) / STAGE_BYTES < STAGES
+                              ? (kSmemLimit - DH_STAGING_BYTES - fixed_bytes(STAGES)) / STAGE_BYTES
+                              : STAGES;
+static_assert(DH_STAGES >= 2, "DH_SWIGLU: the staging tile leaves fewer than two ring stages");
 
 // GATE_UP_SAVE (the backward's recomputation): the epilogue stores the gate and up pre-activations as bf16 to row
 // dst_rows[padded row] of a compact [routed slots, 2 hidden] tensor instead of h.
@@ -120,6 +133,19 @@ constexpr bool persistent_mode(int mode) {
 }
 // The backward's N-major B tiles: atoms of 64 columns (128 bytes of bf16, the 128-byte swizzle's row), a TMA box each.
 constexpr int MN_ATOMS = BN / MN_ATOM;
+// Per mode: ring depth, staging bytes, threads (DH_SWIGLU's fourth warpgroup) and shared memory.
+constexpr int stages_of(int mode) { return mode == DH_SWIGLU ? DH_STAGES : STAGES; }
+constexpr int staging_of(int mode) { return mode == DH_SWIGLU ? DH_STAGING_BYTES : 0; }
+constexpr int threads_of(int mode) { return NUM_THREADS + (mode == DH_SWIGLU ? 128 : 0); }
+constexpr int smem_of(int mode) {
+  return stages_of(mode) * STAGE_BYTES + staging_of(mode) + fixed_bytes(stages_of(mode));
+}
+static_assert(smem_of(DH_SWIGLU) <= kSmemLimit && smem_of(GATE_UP) <= kSmemLimit, "shared memory");
+// DH_SWIGLU's registers (512 threads x 128 at launch): the producer as in the other modes, the epilogue warpgroup
+// what is left beside the consumers' accumulators
+constexpr int kDhConsumerRegs = 168, kDhEpilogueRegs = 112;
+static_assert(128 * (kProducerRegs + kDhEpilogueRegs + 2 * kDhConsumerRegs) <= 65536,
+              "setmaxnreg: DH_SWIGLU's warpgroups exceed the register file");
 
 struct Params {
   // B tiles by TMA: 2-D maps over the weight rows (boxes of B_BOX_ROWS x BK); expert e's row n is map row
@@ -168,47 +194,57 @@ struct Params {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void fence_acc(float* d) { fence_regs<128>(d); }
 
-// DH_SWIGLU's epilogue for accumulator row h of a consumer thread: grad_h (unweighted, fp32) of slot `slot` over the
-// columns n0 + 8 j + 2 quad + e, g | u from compact row `row`; writes dg, du, p h there (as swiglu_backward does:
-// dh = p grad_h, du = dh silu(g), dg = dh u sig (1 + g (1 - sig))) and returns this thread's part of <grad_h, h>.
-// Every access is 16 bytes per lane through quad_transpose (groups of 4 j). The g | u loads of kChunk groups are issued
-// before any of their stores: the compiler cannot prove the outputs do not alias g | u, so a load after a store waits
-// for it (SASS of the first version: one load pair, the math and three stores per column group, 64 DRAM round trips
-// in a row per thread and tile).
-constexpr int kChunk = 4;
-__device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* acc, int h, int quad, int slot, int row,
-                                                 int n0) {
-  const float w = __ldg(p.topk_weights + slot);
-  const int64_t grad_base = static_cast<int64_t>(row) * p.ld_grad + n0;
-  const int64_t h_base = static_cast<int64_t>(row) * p.n_total + n0;
-  const __nv_bfloat16* gate = p.saved + static_cast<int64_t>(row) * p.ld_saved + n0;
-  float dot = 0.f;
+// DH_SWIGLU's staging tile: grad_h of row r as bf16, 16-byte chunk c (columns 8 c .. 8 c + 7) at chunk c ^ (r % 8) of
+// the row's 512 bytes, so that a consumer warp's 4-byte writes (8 rows x 4 lanes of one chunk column) and an epilogue
+// warp's reads of one whole row are both free of bank conflicts.
+__device__ __forceinline__ uint32_t staging_at(int r, int chunk) {
+  return static_cast<uint32_t>(r * (BN * 2) + ((chunk ^ (r & 7)) * 16));
+}
+// DH_SWIGLU's epilogue warpgroup, rows of one tile: warp w takes rows w, w + 4, ..., kRowsAtOnce of them at a time
+// (their loads in flight together), lane l columns n0 + 8 l .. + 7 (16-byte accesses). From grad_h (staging), g | u
+// (the compact row), it writes dg, du, p h there (as swiglu_backward does: dh = p grad_h, du = dh silu(g),
+// dg = dh u sig (1 + g (1 - sig))) and the row's <grad_h, h> over the tile's columns into dot_partials.
+constexpr int kRowsAtOnce = 4;
+constexpr int EPILOGUE_WARPS = 4;
+__device__ __forceinline__ void swiglu_grad_rows(const Params& p, const uint8_t* staging, const int* slot_of,
+                                                 int block, int n_tile, int warp, int lane) {
+  const int n0 = n_tile * BN, col = n0 + 8 * lane;
+  const bool col_ok = col < p.n_total;  // n_total: a multiple of 8
+#pragma unroll 1
+  for (int r0 = warp; r0 < BM; r0 += EPILOGUE_WARPS * kRowsAtOnce) {
+    uint4 g4[kRowsAtOnce], u4[kRowsAtOnce], h4[kRowsAtOnce];
+    int slot[kRowsAtOnce], row[kRowsAtOnce];
 #pragma unroll
-  for (int g0 = 0; g0 < BN / 32; g0 += kChunk) {
-    uint4 g4[kChunk] = {}, u4[kChunk] = {};
-#pragma unroll
-    for (int gg = 0; gg < kChunk; ++gg) {
-      const int col = 32 * (g0 + gg) + 8 * quad;
-      if (n0 + 32 * (g0 + gg) < p.n_total) {  // n_total: a multiple of 32 (whole groups)
-        g4[gg] = *reinterpret_cast<const uint4*>(gate + col);
-        u4[gg] = *reinterpret_cast<const uint4*>(gate + p.n_total + col);
+    for (int q = 0; q < kRowsAtOnce; ++q) {
+      const int r = r0 + EPILOGUE_WARPS * q;
+      slot[q] = slot_of[r];
+      const int compact = slot[q] >= 0 ? p.dst_rows[block * BM + r] : -1;
+      row[q] = compact >= 0 && compact < p.dst_limit ? compact : -1;
+      g4[q] = u4[q] = make_uint4(0, 0, 0, 0);
+      if (row[q] >= 0 && col_ok) {
+        const __nv_bfloat16* gate = p.saved + static_cast<int64_t>(row[q]) * p.ld_saved + col;
+        g4[q] = *reinterpret_cast<const uint4*>(gate);
+        u4[q] = *reinterpret_cast<const uint4*>(gate + p.n_total);
       }
+      h4[q] = col_ok ? *reinterpret_cast<const uint4*>(staging + staging_at(r, lane)) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int gg = 0; gg < kChunk; ++gg) {
-      const int g = g0 + gg;
-      if (n0 + 32 * g >= p.n_total) break;
-      const uint4 gt = quad_transpose(g4[gg], quad), ut = quad_transpose(u4[gg], quad);
-      const uint32_t gw[4] = {gt.x, gt.y, gt.z, gt.w}, uw[4] = {ut.x, ut.y, ut.z, ut.w};
+    for (int q = 0; q < kRowsAtOnce; ++q) {
+      if (row[q] < 0) continue;  // the whole warp: one row
+      const float w = __ldg(p.topk_weights + slot[q]);
+      const uint32_t gw[4] = {g4[q].x, g4[q].y, g4[q].z, g4[q].w}, uw[4] = {u4[q].x, u4[q].y, u4[q].z, u4[q].w},
+                     hw[4] = {h4[q].x, h4[q].y, h4[q].z, h4[q].w};
       uint32_t dgw[4], duw[4], phw[4];
+      float dot = 0.f;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const float2 gv2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gw[k]));
         const float2 uv2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&uw[k]));
+        const float2 hv2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&hw[k]));
         float dg[2], du[2], ph[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float gv = e ? gv2.y : gv2.x, uv = e ? uv2.y : uv2.x, gh = acc[4 * (4 * g + k) + 2 * h + e];
+          const float gv = e ? gv2.y : gv2.x, uv = e ? uv2.y : uv2.x, gh = e ? hv2.y : hv2.x;
           const float sig = fast_sigmoid(gv);
           const float a = gv * sig, hv = a * uv, dh = gh * w;
           dot += gh * hv;
@@ -220,16 +256,18 @@ __device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* a
         duw[k] = bf16x2_bits(du[0], du[1]);
         phw[k] = bf16x2_bits(ph[0], ph[1]);
       }
-      const int col = 32 * g + 8 * quad;
-      *reinterpret_cast<uint4*>(p.grad_gate + grad_base + col) =
-          quad_transpose(make_uint4(dgw[0], dgw[1], dgw[2], dgw[3]), quad);
-      *reinterpret_cast<uint4*>(p.grad_up + grad_base + col) =
-          quad_transpose(make_uint4(duw[0], duw[1], duw[2], duw[3]), quad);
-      *reinterpret_cast<uint4*>(p.weighted_h + h_base + col) =
-          quad_transpose(make_uint4(phw[0], phw[1], phw[2], phw[3]), quad);
+      if (col_ok) {
+        const int64_t grad_at = static_cast<int64_t>(row[q]) * p.ld_grad + col;
+        *reinterpret_cast<uint4*>(p.grad_gate + grad_at) = make_uint4(dgw[0], dgw[1], dgw[2], dgw[3]);
+        *reinterpret_cast<uint4*>(p.grad_up + grad_at) = make_uint4(duw[0], duw[1], duw[2], duw[3]);
+        *reinterpret_cast<uint4*>(p.weighted_h + static_cast<int64_t>(row[q]) * p.n_total + col) =
+            make_uint4(phw[0], phw[1], phw[2], phw[3]);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      if (lane == 0) p.dot_partials[static_cast<int64_t>(n_tile) * p.num_slots + slot[q]] = dot;
     }
   }
-  return dot;
 }
 #endif
 
@@ -245,7 +283,7 @@ __device__ __forceinline__ void tile_order(const Params& p, int cta, int blocks,
 // Accumulator register i of a consumer thread holds row (warp * 16 + lane / 4 + 8 * ((i / 2) % 2)) and column
 // (8 * (i / 4) + 2 * (lane % 4) + i % 2) of its warpgroup's 64 x 256 tile.
 template <int MODE>
-__global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kMode = base_mode(MODE);  // a persistent twin computes what its base mode does
   constexpr bool kGateUp = kMode == GATE_UP || kMode == GATE_UP_SAVE || kMode == GATE_UP_AND_SAVE;
@@ -264,6 +302,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   // benchmark shapes (4.6% slower at DeepSeek-V3; its epilogue moves 10 bytes per element, which pairs do not overlap
   // with anything).
   constexpr bool kPersistent = persistent_mode(MODE);
+  constexpr int kStages = stages_of(MODE);
   const int ntpp = __ldg(p.ntpp);
   // Persistent: the tiles of the live blocks (block * BM < num_tokens_post_padded, read here: no host sync) in raster
   // order; 32-bit tile numbers (the host keeps blocks x n_tiles below 2^31, so t + p.ctas cannot wrap).
@@ -293,21 +332,32 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   uint8_t* const gbase = smem_raw + (base - raw);
   // the routing rows of two tiles (tile i in buffer i & 1): the producer writes tile i + 1's while the consumers still
   // read tile i's
-  int64_t* const a_rows = reinterpret_cast<int64_t*>(gbase + STAGES * STAGE_BYTES);
-  int* const slot_rows = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + 2 * BM * 8);
-  const uint32_t bars = base + STAGES * STAGE_BYTES + 2 * BM * 12;
+  // the ring, DH_SWIGLU's staging tile, the routing rows, the mbarriers, the tile numbers
+  constexpr int kRowsAt = kStages * STAGE_BYTES + staging_of(MODE);
+  uint8_t* const staging = gbase + kStages * STAGE_BYTES;
+  int64_t* const a_rows = reinterpret_cast<int64_t*>(gbase + kRowsAt);
+  int* const slot_rows = reinterpret_cast<int*>(gbase + kRowsAt + 2 * BM * 8);
+  const uint32_t bars = base + kRowsAt + 2 * BM * 12;
   auto full_bar = [&](int s) { return bars + 8u * s; };
-  auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
-  auto tile_free_bar = [&](int b) { return bars + 8u * (2 * STAGES + b); };
-  auto rows_ready_bar = [&](int b) { return bars + 8u * (2 * STAGES + 2 + b); };
+  auto empty_bar = [&](int s) { return bars + 8u * (kStages + s); };
+  auto tile_free_bar = [&](int b) { return bars + 8u * (2 * kStages + b); };
+  auto rows_ready_bar = [&](int b) { return bars + 8u * (2 * kStages + 2 + b); };
+  // DH_SWIGLU: the staging tile holds a tile's grad_h (every consumer thread wrote its part) / is free again (every
+  // epilogue thread read it)
+  const uint32_t staging_full_bar = bars + 8u * (2 * kStages + 4), staging_empty_bar = staging_full_bar + 8u;
   // the tile of routing-row buffer b as block x n_tiles + column tile (decoded once, by the claiming thread), -1 once
   // the CTA's tiles are done
-  int* const tile_of = reinterpret_cast<int*>(gbase + STAGES * STAGE_BYTES + 2 * BM * 12 + (2 * STAGES + 4) * 8);
+  int* const tile_of = reinterpret_cast<int*>(gbase + kRowsAt + 2 * BM * 12 + (2 * kStages + 6) * 8);
   if (threadIdx.x == 0) {
     // paired: a stage is free once the consumers of both CTAs released it (the peer's TMA writes into it too)
-    init_ring<STAGES>(bars, (paired ? 2 : 1) * CONSUMER_WARPS);
-    // a routing-row buffer is free again once each consumer warp is done with its tile
-    for (int b = 0; b < 2; ++b) mbar_init(tile_free_bar(b), CONSUMER_WARPS);
+    init_ring<kStages>(bars, (paired ? 2 : 1) * CONSUMER_WARPS);
+    // a routing-row buffer is free again once each consumer warp is done with its tile (DH_SWIGLU: each epilogue
+    // thread, the last to read it)
+    for (int b = 0; b < 2; ++b) mbar_init(tile_free_bar(b), kDh ? 128 : CONSUMER_WARPS);
+    if (kDh) {
+      mbar_init(staging_full_bar, 128 * CONSUMERS);
+      mbar_init(staging_empty_bar, 128);
+    }
     // and holds the next tile's rows once each producer thread wrote its row (and thread 0 the tile number)
     for (int b = 0; b < 2; ++b) mbar_init(rows_ready_bar(b), 128);
     fence_mbarrier_init();
@@ -319,7 +369,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   // allowed).
   auto release = [&](int s, int j) {
     mbar_arrive(empty_bar(s));
-    if (paired && j < p.k_tiles - STAGES) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
+    if (paired && j < p.k_tiles - kStages) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
   };
 
   const int warpgroup = threadIdx.x / 128;
@@ -383,7 +433,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       const int b_row = expert * p.b_rows_per_expert + (kMajorN ? 0 : n_tile * (kGateUp ? BN_GU : BN_DOWN));
       for (int kt = 0; kt < p.k_tiles; ++kt) {
         const uint32_t k = ks + kt;
-        const int stage = acquire_stage<STAGES>(bars, k);
+        const int stage = acquire_stage<kStages>(bars, k);
         const uint32_t st = base + stage * STAGE_BYTES;
         // DX: the first k_half tiles read dg and w1, the others du and w3, each from its own K offset 0
         const bool second = kDx && kt >= p.k_half;
@@ -418,19 +468,39 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         }
         cp_async_mbar_arrive_noinc(full_bar(stage));  // fires when this thread's copies of the stage have landed
       }
-      ks = (ks + p.k_tiles) % (2 * STAGES);
+      ks = (ks + p.k_tiles) % (2 * kStages);
     }
     drain_cp_async();
     return;
   }
-  consumer_registers();
+  if constexpr (kDh) {
+    if (warpgroup == 1 + CONSUMERS) {  // ----------------- DH_SWIGLU's epilogue warpgroup -----------------
+      registers_dec<kDhEpilogueRegs>();
+      const int etid = threadIdx.x - 128 * warpgroup;
+      for (int i = 0;; ++i) {
+        const int buf = i & 1;
+        // tile i's routing rows: the producer cannot replace them (tile i + 2) before this warpgroup frees them
+        mbar_wait(rows_ready_bar(buf), (i / 2) & 1);
+        const int t = tile_of[buf];
+        if (t < 0) break;
+        mbar_wait(staging_full_bar, i & 1);
+        swiglu_grad_rows(p, staging, slot_rows + buf * BM, t / p.n_tiles, t % p.n_tiles, etid / 32, etid % 32);
+        mbar_arrive(staging_empty_bar);
+        mbar_arrive(tile_free_bar(buf));
+      }
+      return;
+    }
+    registers_inc<kDhConsumerRegs>();
+  } else {
+    consumer_registers();
+  }
 
   // ------------------------------- consumers -------------------------------
   const int wg = warpgroup - 1;
   const int ctid = threadIdx.x - 128 * warpgroup;
   const int warp = ctid / 32, lane = ctid % 32, quad = lane & 3;
   const uint32_t a_off = wg * 64 * 128;
-  RingPosition<STAGES> ring;  // in step with the producer's ks
+  RingPosition<kStages> ring;  // in step with the producer's ks
   for (int i = 0;; ++i) {
     const int buf = i & 1;
     mbar_wait(rows_ready_bar(buf), (i / 2) & 1);
@@ -447,7 +517,9 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         if (lane == 0) release(ring.stage, kt);
         ring.advance();
       }
-      // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them
+      // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them (and the
+      // DH_SWIGLU epilogue warpgroup skips them), but the staging tile's turn is kept: see below
+      if (kDh && i > 0) mbar_wait(staging_empty_bar, (i - 1) & 1);
     } else {
       float acc[128];
       int prev = 0;
@@ -462,7 +534,12 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
-          if constexpr (kMajorN) {
+          if constexpr (kDh) {  // two N halves of two B atoms each (threads_of: 128 registers at launch)
+            constexpr uint64_t kHalfB = (B_BYTES / 2) >> 4;
+            wgmma_m64n128k16_bf16_bn(acc, da + 2 * kk, db + kk * (16 * 128 >> 4), (kt > 0 || kk > 0) ? 1 : 0);
+            wgmma_m64n128k16_bf16_bn(acc + 64, da + 2 * kk, db + kHalfB + kk * (16 * 128 >> 4),
+                                     (kt > 0 || kk > 0) ? 1 : 0);
+          } else if constexpr (kMajorN) {
             wgmma_m64n256k16_bf16_bn(acc, da + 2 * kk, db + kk * (16 * 128 >> 4), (kt > 0 || kk > 0) ? 1 : 0);
           } else {
             wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
@@ -480,6 +557,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       fence_acc(acc);
       if (lane == 0) release(prev, p.k_tiles - 1);  // the ring's next turn (persistent: the next tile) may refill it
       // ------------------------------- epilogue -------------------------------
+      // DH_SWIGLU: grad_h into the staging tile once the epilogue warpgroup has read tile i - 1's
+      if (kDh && i > 0) mbar_wait(staging_empty_bar, (i - 1) & 1);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int lr = wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
@@ -501,15 +580,17 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
                                   [&](int j, int e) { return acc[4 * (j + BN_GU / 8) + 2 * h + e]; });
           }
         }
-        if constexpr (kDh) {
-          const int slot = slot_of[lr];
-          const int row = slot >= 0 ? p.dst_rows[block * BM + lr] : -1;
-          const bool routed = row >= 0 && row < p.dst_limit;
-          float dot = routed ? swiglu_grad_row(p, acc, h, quad, slot, row, n_tile * BN) : 0.f;
-          // the 4 lanes of a quad hold the row's columns: every lane takes part in the shuffles
-          dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-          dot += __shfl_xor_sync(0xffffffffu, dot, 2);
-          if (routed && quad == 0) p.dot_partials[static_cast<int64_t>(n_tile) * p.num_slots + slot] = dot;
+        if constexpr (kDh) {  // columns 8 j + 2 quad, + 1 of row lr (every row: the epilogue skips padding)
+          // chunk j = 8 a + b sits at 8 a + (b ^ lr % 8): eight offsets, the rest immediates
+#pragma unroll
+          for (int b = 0; b < 8; ++b) {
+            uint8_t* const at = staging + staging_at(lr, b) + 4 * quad;
+#pragma unroll
+            for (int a = 0; a < BN / 64; ++a) {
+              const int j = 8 * a + b;
+              *reinterpret_cast<uint32_t*>(at + 128 * a) = bf16x2_bits(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            }
+          }
         }
         if constexpr (!kGather) {
           const int slot = slot_of[lr];
@@ -522,9 +603,15 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         }
       }
     }
-    // every lane's reads of the tile's routing rows are done before lane 0 frees them for tile i + 2
-    __syncwarp();
-    if (lane == 0) mbar_arrive(tile_free_bar(buf));
+    if constexpr (kDh) {
+      // every consumer thread, written or not (an all-padding warpgroup), so that the staging tile's turns stay in
+      // step with the tiles; the epilogue warpgroup frees the routing rows
+      mbar_arrive(staging_full_bar);
+    } else {
+      // every lane's reads of the tile's routing rows are done before lane 0 frees them for tile i + 2
+      __syncwarp();
+      if (lane == 0) mbar_arrive(tile_free_bar(buf));
+    }
   }
 #else
   __trap();  // compiled for an arch other than sm_90a: the host side never launches it there
@@ -542,7 +629,7 @@ template <int MODE>
 void launch(Params p, int n_tiles, const MoeShape& s, cudaStream_t stream) {
   constexpr bool kPersistent = persistent_mode(MODE);
   p.raster_runs = raster_runs(s);
-  launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, SMEM_BYTES, kPersistent ? 1 : CLUSTER_BLOCKS, kPersistent>(
+  launch_rastered<moe_gemm_kernel<MODE>, threads_of(MODE), smem_of(MODE), kPersistent ? 1 : CLUSTER_BLOCKS, kPersistent>(
       p, n_tiles, s.blocks, stream);
 }
 
