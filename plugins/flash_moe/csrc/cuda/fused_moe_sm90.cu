@@ -14,7 +14,9 @@
 //   warpgroups 1-2  consumers, 64 rows each: wgmma.m64n256k16 bf16 -> fp32 from both K-major swizzled tiles, one
 //                wgmma group in flight, releasing the previous stage on its "empty" mbarrier (one arrival per warp).
 // Kernel 1 (gate/up): the B tile is 128 gate rows + the 128 matching up rows, so each thread holds gate and up of
-//   the same columns: h = silu(g) * u in fp32, stored as bf16 to the intermediate [padded slots, hidden].
+//   the same columns: h = silu(g) * u in fp32, stored as bf16 to the intermediate [padded slots, hidden]. Persistent
+//   and keeping g | u (the training forward), it hands g | u as bf16 to a fourth warpgroup through a staging tile, as
+//   kernel 3 does, which stores them and h = silu(g) u from them.
 // Kernel 2 (down): A = intermediate rows of the block, B = w2[e] rows; the epilogue either adds
 //   topk_weight * y (fp32) into an fp32 [M, dim] buffer with float2 atomics (fused_moe_bf16 / moe_forward), or
 //   stores y as bf16 per slot (moe_forward deterministic; the top_k slots of a token are then summed in k order).
@@ -93,18 +95,18 @@ constexpr int B_BYTES = BN * BK * 2;
 constexpr int B_BOX_ROWS = BN / 2;  // one TMA box: the gate (or up) half of a gate/up tile, half a down tile
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int kSmemLimit = 227 * 1024;
-// DH_SWIGLU runs its SwiGLU-backward epilogue in a fourth warpgroup, under the next tile's mainloop: the consumers
-// leave grad_h as bf16 in a staging tile (row-major, 16-byte chunks XOR-swizzled by row) and go on; the ring gives up
-// the stages the staging tile needs.
-constexpr int DH_STAGING_BYTES = BM * BN * 2;
+// DH_SWIGLU and the persistent gate/up keeping g | u run their epilogues in a fourth warpgroup, under the next tile's
+// mainloop (epilogue_wg_mode): the consumers leave their accumulators as bf16 in a staging tile (row-major, 16-byte
+// chunks XOR-swizzled by row) and go on; the ring gives up the stages the staging tile needs.
+constexpr int STAGING_BYTES = BM * BN * 2;
 constexpr int fixed_bytes(int stages) {
   return 1024 /* alignment slack */ + 2 * BM * 8 /* A row offsets */ + 2 * BM * 4 /* slots */ +
          (2 * stages + 6) * 8 /* mbarriers */ + 2 * 4 /* tile numbers */;
 }
-constexpr int DH_STAGES = (kSmemLimit - DH_STAGING_BYTES - fixed_bytes(STAGES)) / STAGE_BYTES < STAGES
-                              ? (kSmemLimit - DH_STAGING_BYTES - fixed_bytes(STAGES)) / STAGE_BYTES
-                              : STAGES;
-static_assert(DH_STAGES >= 2, "DH_SWIGLU: the staging tile leaves fewer than two ring stages");
+constexpr int STAGING_STAGES = (kSmemLimit - STAGING_BYTES - fixed_bytes(STAGES)) / STAGE_BYTES < STAGES
+                                   ? (kSmemLimit - STAGING_BYTES - fixed_bytes(STAGES)) / STAGE_BYTES
+                                   : STAGES;
+static_assert(STAGING_STAGES >= 2, "the staging tile leaves fewer than two ring stages");
 
 // GATE_UP_SAVE (the backward's recomputation): the epilogue stores the gate and up pre-activations as bf16 to row
 // dst_rows[padded row] of a compact [routed slots, 2 hidden] tensor instead of h.
@@ -133,19 +135,21 @@ constexpr bool persistent_mode(int mode) {
 }
 // The backward's N-major B tiles: atoms of 64 columns (128 bytes of bf16, the 128-byte swizzle's row), a TMA box each.
 constexpr int MN_ATOMS = BN / MN_ATOM;
-// Per mode: ring depth, staging bytes, threads (DH_SWIGLU's fourth warpgroup) and shared memory.
-constexpr int stages_of(int mode) { return mode == DH_SWIGLU ? DH_STAGES : STAGES; }
-constexpr int staging_of(int mode) { return mode == DH_SWIGLU ? DH_STAGING_BYTES : 0; }
-constexpr int threads_of(int mode) { return NUM_THREADS + (mode == DH_SWIGLU ? 128 : 0); }
+// The modes whose epilogue runs in a fourth warpgroup (persistent ones: the staging tile hands a tile over within a
+// CTA); per mode: ring depth, staging bytes, threads and shared memory.
+constexpr bool epilogue_wg_mode(int mode) { return mode == DH_SWIGLU || mode == GATE_UP_AND_SAVE_PERSISTENT; }
+constexpr int stages_of(int mode) { return epilogue_wg_mode(mode) ? STAGING_STAGES : STAGES; }
+constexpr int staging_of(int mode) { return epilogue_wg_mode(mode) ? STAGING_BYTES : 0; }
+constexpr int threads_of(int mode) { return NUM_THREADS + (epilogue_wg_mode(mode) ? 128 : 0); }
 constexpr int smem_of(int mode) {
   return stages_of(mode) * STAGE_BYTES + staging_of(mode) + fixed_bytes(stages_of(mode));
 }
 static_assert(smem_of(DH_SWIGLU) <= kSmemLimit && smem_of(GATE_UP) <= kSmemLimit, "shared memory");
-// DH_SWIGLU's registers (512 threads x 128 at launch): the producer as in the other modes, the epilogue warpgroup
-// what is left beside the consumers' accumulators
-constexpr int kDhConsumerRegs = 168, kDhEpilogueRegs = 112;
-static_assert(128 * (kProducerRegs + kDhEpilogueRegs + 2 * kDhConsumerRegs) <= 65536,
-              "setmaxnreg: DH_SWIGLU's warpgroups exceed the register file");
+// Their registers (512 threads x 128 at launch): the producer as in the other modes, the epilogue warpgroup what is
+// left beside the consumers' accumulators
+constexpr int kWgConsumerRegs = 168, kWgEpilogueRegs = 112;
+static_assert(128 * (kProducerRegs + kWgEpilogueRegs + 2 * kWgConsumerRegs) <= 65536,
+              "setmaxnreg: the four warpgroups exceed the register file");
 
 struct Params {
   // B tiles by TMA: 2-D maps over the weight rows (boxes of B_BOX_ROWS x BK); expert e's row n is map row
@@ -194,7 +198,7 @@ struct Params {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void fence_acc(float* d) { fence_regs<128>(d); }
 
-// DH_SWIGLU's staging tile: grad_h of row r as bf16, 16-byte chunk c (columns 8 c .. 8 c + 7) at chunk c ^ (r % 8) of
+// The staging tile (epilogue_wg_mode): the accumulator row r as bf16, 16-byte chunk c (columns 8 c .. 8 c + 7) at chunk c ^ (r % 8) of
 // the row's 512 bytes, so that a consumer warp's 4-byte writes (8 rows x 4 lanes of one chunk column) and an epilogue
 // warp's reads of one whole row are both free of bank conflicts.
 __device__ __forceinline__ uint32_t staging_at(int r, int chunk) {
@@ -269,6 +273,49 @@ __device__ __forceinline__ void swiglu_grad_rows(const Params& p, const uint8_t*
     }
   }
 }
+// GATE_UP_AND_SAVE_PERSISTENT's epilogue warpgroup, rows of one tile (staging: 128 gate columns, then the 128 up
+// columns): warp w takes rows w + 4 m, two at a time (half-warps), lane l % 16 columns n0 + 8 (l % 16) .. + 7; it
+// writes h = silu(g) u to the intermediate's padded row and g | u to the slot's compact row (padding rows: neither;
+// the down GEMMs never read them).
+__device__ __forceinline__ void gate_up_rows(const Params& p, const uint8_t* staging, const int* slot_of, int block,
+                                             int n_tile, int warp, int lane) {
+  const int half = lane / 16, c = lane % 16;
+  const int n0 = n_tile * BN_GU, col = n0 + 8 * c;
+  const bool col_ok = col < p.n_total;
+#pragma unroll 1
+  for (int r0 = warp; r0 < BM; r0 += 2 * EPILOGUE_WARPS * kRowsAtOnce) {
+    uint4 g4[kRowsAtOnce], u4[kRowsAtOnce];
+    int padded[kRowsAtOnce], dst[kRowsAtOnce];
+#pragma unroll
+    for (int q = 0; q < kRowsAtOnce; ++q) {
+      const int r = r0 + EPILOGUE_WARPS * (2 * q + half);
+      padded[q] = slot_of[r] >= 0 ? block * BM + r : -1;
+      const int d = padded[q] >= 0 ? p.dst_rows[padded[q]] : -1;
+      dst[q] = d >= 0 && d < p.dst_limit ? d : -1;
+      g4[q] = *reinterpret_cast<const uint4*>(staging + staging_at(r, c));
+      u4[q] = *reinterpret_cast<const uint4*>(staging + staging_at(r, BN_GU / 8 + c));
+    }
+#pragma unroll
+    for (int q = 0; q < kRowsAtOnce; ++q) {
+      if (padded[q] < 0 || !col_ok) continue;
+      const uint32_t gw[4] = {g4[q].x, g4[q].y, g4[q].z, g4[q].w}, uw[4] = {u4[q].x, u4[q].y, u4[q].z, u4[q].w};
+      uint32_t hw[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float2 gv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gw[k]));
+        const float2 uv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&uw[k]));
+        hw[k] = bf16x2_bits(silu_mul(gv.x, uv.x), silu_mul(gv.y, uv.y));
+      }
+      *reinterpret_cast<uint4*>(p.inter + static_cast<int64_t>(padded[q]) * p.ld_inter + col) =
+          make_uint4(hw[0], hw[1], hw[2], hw[3]);
+      if (dst[q] >= 0) {
+        __nv_bfloat16* const saved = p.saved + static_cast<int64_t>(dst[q]) * p.ld_saved + col;
+        *reinterpret_cast<uint4*>(saved) = g4[q];
+        *reinterpret_cast<uint4*>(saved + p.n_total) = u4[q];
+      }
+    }
+  }
+}
 #endif
 
 // CTA or tile number -> (aligned block, column tile) in the launch's order (Params::raster_runs).
@@ -288,6 +335,7 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
   constexpr int kMode = base_mode(MODE);  // a persistent twin computes what its base mode does
   constexpr bool kGateUp = kMode == GATE_UP || kMode == GATE_UP_SAVE || kMode == GATE_UP_AND_SAVE;
   constexpr bool kDh = kMode == DH_SWIGLU;
+  constexpr bool kEpilogueWg = epilogue_wg_mode(MODE);
   constexpr bool kGather = kGateUp || kDh;  // A rows gathered from a [tokens, dim] tensor, K = dim
   constexpr bool kDx = kMode == DX_ATOMIC || kMode == DX_SLOTS;
   constexpr bool kMajorN = kDh || kDx;  // B read N-major (wgmma's transposed B)
@@ -353,8 +401,8 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
     init_ring<kStages>(bars, (paired ? 2 : 1) * CONSUMER_WARPS);
     // a routing-row buffer is free again once each consumer warp is done with its tile (DH_SWIGLU: each epilogue
     // thread, the last to read it)
-    for (int b = 0; b < 2; ++b) mbar_init(tile_free_bar(b), kDh ? 128 : CONSUMER_WARPS);
-    if (kDh) {
+    for (int b = 0; b < 2; ++b) mbar_init(tile_free_bar(b), kEpilogueWg ? 128 : CONSUMER_WARPS);
+    if (kEpilogueWg) {
       mbar_init(staging_full_bar, 128 * CONSUMERS);
       mbar_init(staging_empty_bar, 128);
     }
@@ -473,9 +521,9 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
     drain_cp_async();
     return;
   }
-  if constexpr (kDh) {
-    if (warpgroup == 1 + CONSUMERS) {  // ----------------- DH_SWIGLU's epilogue warpgroup -----------------
-      registers_dec<kDhEpilogueRegs>();
+  if constexpr (kEpilogueWg) {
+    if (warpgroup == 1 + CONSUMERS) {  // ------------------------ the epilogue warpgroup ------------------------
+      registers_dec<kWgEpilogueRegs>();
       const int etid = threadIdx.x - 128 * warpgroup;
       for (int i = 0;; ++i) {
         const int buf = i & 1;
@@ -484,13 +532,17 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
         const int t = tile_of[buf];
         if (t < 0) break;
         mbar_wait(staging_full_bar, i & 1);
-        swiglu_grad_rows(p, staging, slot_rows + buf * BM, t / p.n_tiles, t % p.n_tiles, etid / 32, etid % 32);
+        if constexpr (kDh) {
+          swiglu_grad_rows(p, staging, slot_rows + buf * BM, t / p.n_tiles, t % p.n_tiles, etid / 32, etid % 32);
+        } else {
+          gate_up_rows(p, staging, slot_rows + buf * BM, t / p.n_tiles, t % p.n_tiles, etid / 32, etid % 32);
+        }
         mbar_arrive(staging_empty_bar);
         mbar_arrive(tile_free_bar(buf));
       }
       return;
     }
-    registers_inc<kDhConsumerRegs>();
+    registers_inc<kWgConsumerRegs>();
   } else {
     consumer_registers();
   }
@@ -519,7 +571,7 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
       }
       // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them (and the
       // DH_SWIGLU epilogue warpgroup skips them), but the staging tile's turn is kept: see below
-      if (kDh && i > 0) mbar_wait(staging_empty_bar, (i - 1) & 1);
+      if (kEpilogueWg && i > 0) mbar_wait(staging_empty_bar, (i - 1) & 1);
     } else {
       float acc[128];
       int prev = 0;
@@ -534,11 +586,12 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
-          if constexpr (kDh) {  // two N halves of two B atoms each (threads_of: 128 registers at launch)
+          if constexpr (kEpilogueWg) {  // two N halves (threads_of: 128 registers at launch): N-major, two B atoms
+            // each; K-major (gate/up), the gate and the up box
             constexpr uint64_t kHalfB = (B_BYTES / 2) >> 4;
-            wgmma_m64n128k16_bf16_bn(acc, da + 2 * kk, db + kk * (16 * 128 >> 4), (kt > 0 || kk > 0) ? 1 : 0);
-            wgmma_m64n128k16_bf16_bn(acc + 64, da + 2 * kk, db + kHalfB + kk * (16 * 128 >> 4),
-                                     (kt > 0 || kk > 0) ? 1 : 0);
+            const uint64_t db_k = db + (kMajorN ? kk * (16 * 128 >> 4) : 2 * kk);
+            wgmma_m64n128k16_bf16<kMajorN>(acc, da + 2 * kk, db_k, (kt > 0 || kk > 0) ? 1 : 0);
+            wgmma_m64n128k16_bf16<kMajorN>(acc + 64, da + 2 * kk, db_k + kHalfB, (kt > 0 || kk > 0) ? 1 : 0);
           } else if constexpr (kMajorN) {
             wgmma_m64n256k16_bf16_bn(acc, da + 2 * kk, db + kk * (16 * 128 >> 4), (kt > 0 || kk > 0) ? 1 : 0);
           } else {
@@ -557,19 +610,19 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
       fence_acc(acc);
       if (lane == 0) release(prev, p.k_tiles - 1);  // the ring's next turn (persistent: the next tile) may refill it
       // ------------------------------- epilogue -------------------------------
-      // DH_SWIGLU: grad_h into the staging tile once the epilogue warpgroup has read tile i - 1's
-      if (kDh && i > 0) mbar_wait(staging_empty_bar, (i - 1) & 1);
+      // epilogue_wg_mode: the accumulators into the staging tile once the epilogue warpgroup has read tile i - 1's
+      if (kEpilogueWg && i > 0) mbar_wait(staging_empty_bar, (i - 1) & 1);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int lr = wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
-        if constexpr (kMode == GATE_UP || kMode == GATE_UP_AND_SAVE) {
+        if constexpr (!kEpilogueWg && (kMode == GATE_UP || kMode == GATE_UP_AND_SAVE)) {
           const int n0 = n_tile * BN_GU;
           store_row_bf16<BN_GU>(p.inter + static_cast<int64_t>(block * BM + lr) * p.ld_inter + n0, n0, p.n_total, quad,
                                 [&](int j, int e) {
                                   return silu_mul(acc[4 * j + 2 * h + e], acc[4 * (j + BN_GU / 8) + 2 * h + e]);
                                 });
         }
-        if constexpr (kMode == GATE_UP_SAVE || kMode == GATE_UP_AND_SAVE) {
+        if constexpr (!kEpilogueWg && (kMode == GATE_UP_SAVE || kMode == GATE_UP_AND_SAVE)) {
           const int dst_row = p.dst_rows[block * BM + lr];
           if (dst_row >= 0 && dst_row < p.dst_limit) {
             const int n0 = n_tile * BN_GU;
@@ -580,7 +633,7 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
                                   [&](int j, int e) { return acc[4 * (j + BN_GU / 8) + 2 * h + e]; });
           }
         }
-        if constexpr (kDh) {  // columns 8 j + 2 quad, + 1 of row lr (every row: the epilogue skips padding)
+        if constexpr (kEpilogueWg) {  // columns 8 j + 2 quad, + 1 of row lr (every row: the epilogue skips padding)
           // chunk j = 8 a + b sits at 8 a + (b ^ lr % 8): eight offsets, the rest immediates
 #pragma unroll
           for (int b = 0; b < 8; ++b) {
@@ -603,7 +656,7 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
         }
       }
     }
-    if constexpr (kDh) {
+    if constexpr (kEpilogueWg) {
       // every consumer thread, written or not (an all-padding warpgroup), so that the staging tile's turns stay in
       // step with the tiles; the epilogue warpgroup frees the routing rows
       mbar_arrive(staging_full_bar);
