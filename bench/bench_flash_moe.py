@@ -106,7 +106,7 @@ def bench_mxfp8(ops, fp8_peak, bf16_peak):
 def bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling):
     """Each piece of moe()'s backward alone (same inputs; "recompute gate_up" only with recompute_gate_up=True),
     beside what it replaced: grad_h by torch._grouped_mm + swiglu_backward, dx by two grouped GEMMs + the slot sum,
-    the weight gradients by gathers + grouped GEMMs.
+    the weight gradients by gathers + grouped GEMMs; and its forward's op, keeping g | u (training) and not.
     TFLOP/s in each piece's own FLOPs."""
     def _gmm(a, b, offs):
         return torch._grouped_mm(a, b, offs=offs)
@@ -124,7 +124,13 @@ def bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling):
         dgu, ph, _ = torch.ops.flash_moe.moe_grad_gate_up(go, w2, gate_up, *align, tw, k, ops.BLOCK_M)
         dg, du = dgu.split(w1.shape[1], 1)  # as moe() passes them: read in place
         ok = torch.ones(S, dtype=torch.bool, device="cuda")
+        slot_combine = k >= ops.CONSTANTS["SLOT_COMBINE_MIN_TOP_K"]  # moe()'s combine rule
         parts = {
+            # the forward's two GEMMs as moe() runs them training (g | u kept for the backward) and inferring
+            "forward keeping g|u": (lambda: torch.ops.flash_moe.moe_forward(x, w1, w3, w2, *align, tw, k, ops.BLOCK_M,
+                                                                            slot_combine, True, -1), 3),
+            "forward (inference)": (lambda: torch.ops.flash_moe.moe_forward(x, w1, w3, w2, *align, tw, k, ops.BLOCK_M,
+                                                                            slot_combine, False, -1), 3),
             "recompute gate_up": (lambda: torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, k, ops.BLOCK_M), 2),
             "dH+swiglu (fused)": (lambda: torch.ops.flash_moe.moe_grad_gate_up(go, w2, gate_up, *align, tw, k,
                                                                             ops.BLOCK_M), 1),
