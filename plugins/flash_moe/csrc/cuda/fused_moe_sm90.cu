@@ -96,9 +96,12 @@ constexpr int B_BOX_ROWS = BN / 2;  // one TMA box: the gate (or up) half of a g
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int kSmemLimit = 227 * 1024;
 // DH_SWIGLU and the persistent gate/up keeping g | u run their epilogues in a fourth warpgroup, under the next tile's
-// mainloop (epilogue_wg_mode): the consumers leave their accumulators as bf16 in a staging tile (row-major, 16-byte
-// chunks XOR-swizzled by row) and go on; the ring gives up the stages the staging tile needs.
-constexpr int STAGING_BYTES = BM * BN * 2;
+// mainloop (epilogue_wg_mode): each consumer warpgroup in turn leaves its 64 accumulator rows as bf16 in a staging
+// tile (row-major, 16-byte chunks XOR-swizzled by row) and goes on, the second once the epilogue warpgroup has read
+// the first's; a staging tile of one warpgroup's rows leaves the ring its stages.
+constexpr int STAGING_ROWS = 64;
+static_assert(STAGING_ROWS * CONSUMERS == BM && CONSUMERS == 2, "a staging turn per consumer warpgroup, two per tile");
+constexpr int STAGING_BYTES = STAGING_ROWS * BN * 2;
 constexpr int fixed_bytes(int stages) {
   return 1024 /* alignment slack */ + 2 * BM * 8 /* A row offsets */ + 2 * BM * 4 /* slots */ +
          (2 * stages + 6) * 8 /* mbarriers */ + 2 * 4 /* tile numbers */;
@@ -198,24 +201,25 @@ struct Params {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void fence_acc(float* d) { fence_regs<128>(d); }
 
-// The staging tile (epilogue_wg_mode): the accumulator row r as bf16, 16-byte chunk c (columns 8 c .. 8 c + 7) at chunk c ^ (r % 8) of
-// the row's 512 bytes, so that a consumer warp's 4-byte writes (8 rows x 4 lanes of one chunk column) and an epilogue
-// warp's reads of one whole row are both free of bank conflicts.
+// The staging tile (epilogue_wg_mode): a warpgroup's accumulator row r as bf16, 16-byte chunk c (columns 8 c .. 8 c +
+// 7) at chunk c ^ (r % 8) of the row's 512 bytes, so that a consumer warp's 4-byte writes (8 rows x 4 lanes of one
+// chunk column) and an epilogue warp's reads of one whole row are both free of bank conflicts.
 __device__ __forceinline__ uint32_t staging_at(int r, int chunk) {
   return static_cast<uint32_t>(r * (BN * 2) + ((chunk ^ (r & 7)) * 16));
 }
-// DH_SWIGLU's epilogue warpgroup, rows of one tile: warp w takes rows w, w + 4, ..., kRowsAtOnce of them at a time
+// DH_SWIGLU's epilogue warpgroup, the tile's rows [r_begin, r_begin + STAGING_ROWS) (staging row r - r_begin): warp w
+// takes rows r_begin + w, + 4, ..., kRowsAtOnce of them at a time
 // (their loads in flight together), lane l columns n0 + 8 l .. + 7 (16-byte accesses). From grad_h (staging), g | u
 // (the compact row), it writes dg, du, p h there (as swiglu_backward does: dh = p grad_h, du = dh silu(g),
 // dg = dh u sig (1 + g (1 - sig))) and the row's <grad_h, h> over the tile's columns into dot_partials.
 constexpr int kRowsAtOnce = 4;
 constexpr int EPILOGUE_WARPS = 4;
 __device__ __forceinline__ void swiglu_grad_rows(const Params& p, const uint8_t* staging, const int* slot_of,
-                                                 int block, int n_tile, int warp, int lane) {
+                                                 int block, int n_tile, int r_begin, int warp, int lane) {
   const int n0 = n_tile * BN, col = n0 + 8 * lane;
   const bool col_ok = col < p.n_total;  // n_total: a multiple of 8
 #pragma unroll 1
-  for (int r0 = warp; r0 < BM; r0 += EPILOGUE_WARPS * kRowsAtOnce) {
+  for (int r0 = r_begin + warp; r0 < r_begin + STAGING_ROWS; r0 += EPILOGUE_WARPS * kRowsAtOnce) {
     uint4 g4[kRowsAtOnce], u4[kRowsAtOnce], h4[kRowsAtOnce];
     int slot[kRowsAtOnce], row[kRowsAtOnce];
 #pragma unroll
@@ -230,7 +234,8 @@ __device__ __forceinline__ void swiglu_grad_rows(const Params& p, const uint8_t*
         g4[q] = *reinterpret_cast<const uint4*>(gate);
         u4[q] = *reinterpret_cast<const uint4*>(gate + p.n_total);
       }
-      h4[q] = col_ok ? *reinterpret_cast<const uint4*>(staging + staging_at(r, lane)) : make_uint4(0, 0, 0, 0);
+      h4[q] = col_ok ? *reinterpret_cast<const uint4*>(staging + staging_at(r - r_begin, lane))
+                     : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int q = 0; q < kRowsAtOnce; ++q) {
@@ -273,17 +278,17 @@ __device__ __forceinline__ void swiglu_grad_rows(const Params& p, const uint8_t*
     }
   }
 }
-// GATE_UP_AND_SAVE_PERSISTENT's epilogue warpgroup, rows of one tile (staging: 128 gate columns, then the 128 up
-// columns): warp w takes rows w + 4 m, two at a time (half-warps), lane l % 16 columns n0 + 8 (l % 16) .. + 7; it
+// GATE_UP_AND_SAVE_PERSISTENT's epilogue warpgroup, the tile's rows [r_begin, r_begin + STAGING_ROWS) (staging: 128
+// gate columns, then the 128 up columns): warp w takes rows r_begin + w + 4 m, two at a time (half-warps), lane l % 16 columns n0 + 8 (l % 16) .. + 7; it
 // writes h = silu(g) u to the intermediate's padded row and g | u to the slot's compact row (padding rows: neither;
 // the down GEMMs never read them).
 __device__ __forceinline__ void gate_up_rows(const Params& p, const uint8_t* staging, const int* slot_of, int block,
-                                             int n_tile, int warp, int lane) {
+                                             int n_tile, int r_begin, int warp, int lane) {
   const int half = lane / 16, c = lane % 16;
   const int n0 = n_tile * BN_GU, col = n0 + 8 * c;
   const bool col_ok = col < p.n_total;
 #pragma unroll 1
-  for (int r0 = warp; r0 < BM; r0 += 2 * EPILOGUE_WARPS * kRowsAtOnce) {
+  for (int r0 = r_begin + warp; r0 < r_begin + STAGING_ROWS; r0 += 2 * EPILOGUE_WARPS * kRowsAtOnce) {
     uint4 g4[kRowsAtOnce], u4[kRowsAtOnce];
     int padded[kRowsAtOnce], dst[kRowsAtOnce];
 #pragma unroll
@@ -292,8 +297,8 @@ __device__ __forceinline__ void gate_up_rows(const Params& p, const uint8_t* sta
       padded[q] = slot_of[r] >= 0 ? block * BM + r : -1;
       const int d = padded[q] >= 0 ? p.dst_rows[padded[q]] : -1;
       dst[q] = d >= 0 && d < p.dst_limit ? d : -1;
-      g4[q] = *reinterpret_cast<const uint4*>(staging + staging_at(r, c));
-      u4[q] = *reinterpret_cast<const uint4*>(staging + staging_at(r, BN_GU / 8 + c));
+      g4[q] = *reinterpret_cast<const uint4*>(staging + staging_at(r - r_begin, c));
+      u4[q] = *reinterpret_cast<const uint4*>(staging + staging_at(r - r_begin, BN_GU / 8 + c));
     }
 #pragma unroll
     for (int q = 0; q < kRowsAtOnce; ++q) {
@@ -390,8 +395,8 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
   auto empty_bar = [&](int s) { return bars + 8u * (kStages + s); };
   auto tile_free_bar = [&](int b) { return bars + 8u * (2 * kStages + b); };
   auto rows_ready_bar = [&](int b) { return bars + 8u * (2 * kStages + 2 + b); };
-  // DH_SWIGLU: the staging tile holds a tile's grad_h (every consumer thread wrote its part) / is free again (every
-  // epilogue thread read it)
+  // epilogue_wg_mode: the staging tile holds a consumer warpgroup's rows (every thread of it wrote its part) / is free
+  // again (every epilogue thread read them); turn 2 i + w is warpgroup w's of the CTA's tile i
   const uint32_t staging_full_bar = bars + 8u * (2 * kStages + 4), staging_empty_bar = staging_full_bar + 8u;
   // the tile of routing-row buffer b as block x n_tiles + column tile (decoded once, by the claiming thread), -1 once
   // the CTA's tiles are done
@@ -403,7 +408,7 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
     // thread, the last to read it)
     for (int b = 0; b < 2; ++b) mbar_init(tile_free_bar(b), kEpilogueWg ? 128 : CONSUMER_WARPS);
     if (kEpilogueWg) {
-      mbar_init(staging_full_bar, 128 * CONSUMERS);
+      mbar_init(staging_full_bar, 128);  // one consumer warpgroup's threads per turn
       mbar_init(staging_empty_bar, 128);
     }
     // and holds the next tile's rows once each producer thread wrote its row (and thread 0 the tile number)
@@ -531,13 +536,16 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
         mbar_wait(rows_ready_bar(buf), (i / 2) & 1);
         const int t = tile_of[buf];
         if (t < 0) break;
-        mbar_wait(staging_full_bar, i & 1);
-        if constexpr (kDh) {
-          swiglu_grad_rows(p, staging, slot_rows + buf * BM, t / p.n_tiles, t % p.n_tiles, etid / 32, etid % 32);
-        } else {
-          gate_up_rows(p, staging, slot_rows + buf * BM, t / p.n_tiles, t % p.n_tiles, etid / 32, etid % 32);
+        for (int w = 0; w < CONSUMERS; ++w) {  // turn 2 i + w: phase parity w
+          mbar_wait(staging_full_bar, w & 1);
+          const int r_begin = w * STAGING_ROWS, block = t / p.n_tiles, n_tile = t % p.n_tiles;
+          if constexpr (kDh) {
+            swiglu_grad_rows(p, staging, slot_rows + buf * BM, block, n_tile, r_begin, etid / 32, etid % 32);
+          } else {
+            gate_up_rows(p, staging, slot_rows + buf * BM, block, n_tile, r_begin, etid / 32, etid % 32);
+          }
+          mbar_arrive(staging_empty_bar);
         }
-        mbar_arrive(staging_empty_bar);
         mbar_arrive(tile_free_bar(buf));
       }
       return;
@@ -555,6 +563,7 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
   RingPosition<kStages> ring;  // in step with the producer's ks
   for (int i = 0;; ++i) {
     const int buf = i & 1;
+    const int staging_turn = 2 * i + wg;  // epilogue_wg_mode (CONSUMERS == 2: static_assert below)
     mbar_wait(rows_ready_bar(buf), (i / 2) & 1);
     const int t = tile_of[buf];
     if (t < 0) break;
@@ -571,7 +580,7 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
       }
       // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them (and the
       // DH_SWIGLU epilogue warpgroup skips them), but the staging tile's turn is kept: see below
-      if (kEpilogueWg && i > 0) mbar_wait(staging_empty_bar, (i - 1) & 1);
+      if (kEpilogueWg && staging_turn > 0) mbar_wait(staging_empty_bar, (staging_turn - 1) & 1);
     } else {
       float acc[128];
       int prev = 0;
@@ -610,8 +619,9 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
       fence_acc(acc);
       if (lane == 0) release(prev, p.k_tiles - 1);  // the ring's next turn (persistent: the next tile) may refill it
       // ------------------------------- epilogue -------------------------------
-      // epilogue_wg_mode: the accumulators into the staging tile once the epilogue warpgroup has read tile i - 1's
-      if (kEpilogueWg && i > 0) mbar_wait(staging_empty_bar, (i - 1) & 1);
+      // epilogue_wg_mode: the accumulators into the staging tile once the epilogue warpgroup has read the previous
+      // turn's rows (the other warpgroup's)
+      if (kEpilogueWg && staging_turn > 0) mbar_wait(staging_empty_bar, (staging_turn - 1) & 1);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int lr = wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
@@ -637,7 +647,7 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
           // chunk j = 8 a + b sits at 8 a + (b ^ lr % 8): eight offsets, the rest immediates
 #pragma unroll
           for (int b = 0; b < 8; ++b) {
-            uint8_t* const at = staging + staging_at(lr, b) + 4 * quad;
+            uint8_t* const at = staging + staging_at(lr - wg * STAGING_ROWS, b) + 4 * quad;
 #pragma unroll
             for (int a = 0; a < BN / 64; ++a) {
               const int j = 8 * a + b;
