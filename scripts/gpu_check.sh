@@ -193,7 +193,8 @@ wait
 
 # smoke: each built variant's sanitize scripts (small shapes against the CPU op, exit 1 on a mismatch) under a short
 # timeout, before any timing: a protocol slip in a new kernel shows here as a hang or a wrong result, not as a timed-out
-# A/B call. Diagnostic builds (.variants/NAME/DIAGNOSTIC) are passed by.
+# A/B call. Diagnostic builds (.variants/NAME/DIAGNOSTIC) are passed by. A variant whose check failed is marked
+# (/tmp/variants/NAME/.smoke_failed, while the machine stays warm) and the ab phase leaves it out.
 # The variants of AB_VARIANTS (default: every staged one) to check for correctness: built and not diagnostic; those
 # not built are recorded under PHASE.
 checkable_variants() {  # PHASE
@@ -212,13 +213,16 @@ same_as_tree() {  # NAME PLUGIN
 if phase smoke; then
   wait  # the variants phase builds in the background
   for name in $(checkable_variants smoke); do
+    rm -f "/tmp/variants/$name/.smoke_failed"
     for script in .variants/"$name"/plugins/*/tests/sanitize_*.py; do
       [ -f "$script" ] || continue
       same_as_tree "$name" "$(basename "$(dirname "$(dirname "$script")")")" && continue
       ( log="$out/smoke-$name-$(basename "$script" .py).log"
         PYTHONPATH=/tmp/variants/$name${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=2 timeout 150 "$py" "$script" \
           > "$log" 2>&1
-        record smoke "$name $(basename "$script")" "exit $?; $(tail -n 1 "$log" | cut -c1-120)" ) &
+        rc=$?
+        [ "$rc" = 0 ] || touch "/tmp/variants/$name/.smoke_failed"
+        record smoke "$name $(basename "$script")" "exit $rc; $(tail -n 1 "$log" | cut -c1-120)" ) &
     done
   done
   wait  # all at once: small shapes, one GPU
@@ -362,7 +366,9 @@ fi
 if phase ab; then
   variant_args=()
   for name in ${AB_VARIANTS:-$(ls .variants 2>/dev/null)}; do
-    [ -f "/tmp/variants/$name/.built" ] && variant_args+=(--variant "$name=/tmp/variants/$name")
+    [ -f "/tmp/variants/$name/.built" ] || continue
+    if [ -f "/tmp/variants/$name/.smoke_failed" ]; then record ab "$name" "left out: its smoke check failed"; continue; fi
+    variant_args+=(--variant "$name=/tmp/variants/$name")
   done
   case " ${AB_VARIANTS:-stable-wheel} " in  # the stable phase's site, unless AB_VARIANTS leaves it out
     *" stable-wheel "*) [ -f /tmp/stable_site/.installed ] && variant_args+=(--variant stable-wheel=/tmp/stable_site);;
