@@ -208,10 +208,10 @@ __device__ __forceinline__ uint32_t staging_at(int r, int chunk) {
   return static_cast<uint32_t>(r * (BN * 2) + ((chunk ^ (r & 7)) * 16));
 }
 // DH_SWIGLU's epilogue warpgroup, the tile's rows [r_begin, r_begin + STAGING_ROWS) (staging row r - r_begin): warp w
-// takes rows r_begin + w, + 4, ..., kRowsAtOnce of them at a time
-// (their loads in flight together), lane l columns n0 + 8 l .. + 7 (16-byte accesses). From grad_h (staging), g | u
-// (the compact row), it writes dg, du, p h there (as swiglu_backward does: dh = p grad_h, du = dh silu(g),
-// dg = dh u sig (1 + g (1 - sig))) and the row's <grad_h, h> over the tile's columns into dot_partials.
+// takes rows r_begin + w + 4 m, kRowsAtOnce of them at a time (their loads in flight together), lane l columns
+// n0 + 8 l .. + 7 (16-byte accesses). From grad_h (staging), g | u (the compact row), it writes dg, du, p h there (as
+// swiglu_backward does: dh = p grad_h, du = dh silu(g), dg = dh u sig (1 + g (1 - sig))) and the row's <grad_h, h>
+// over the tile's columns into dot_partials.
 constexpr int kRowsAtOnce = 4;
 constexpr int EPILOGUE_WARPS = 4;
 __device__ __forceinline__ void swiglu_grad_rows(const Params& p, const uint8_t* staging, const int* slot_of,
@@ -279,9 +279,9 @@ __device__ __forceinline__ void swiglu_grad_rows(const Params& p, const uint8_t*
   }
 }
 // GATE_UP_AND_SAVE_PERSISTENT's epilogue warpgroup, the tile's rows [r_begin, r_begin + STAGING_ROWS) (staging: 128
-// gate columns, then the 128 up columns): warp w takes rows r_begin + w + 4 m, two at a time (half-warps), lane l % 16 columns n0 + 8 (l % 16) .. + 7; it
-// writes h = silu(g) u to the intermediate's padded row and g | u to the slot's compact row (padding rows: neither;
-// the down GEMMs never read them).
+// gate columns, then the 128 up columns): warp w takes rows r_begin + w + 4 m, two at a time (half-warps), lane l
+// columns n0 + 8 (l % 16) .. + 7; it writes h = silu(g) u to the intermediate's padded row and g | u to the slot's
+// compact row (padding rows: neither; the down GEMMs never read them).
 __device__ __forceinline__ void gate_up_rows(const Params& p, const uint8_t* staging, const int* slot_of, int block,
                                              int n_tile, int r_begin, int warp, int lane) {
   const int half = lane / 16, c = lane % 16;
@@ -385,7 +385,7 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
   uint8_t* const gbase = smem_raw + (base - raw);
   // the routing rows of two tiles (tile i in buffer i & 1): the producer writes tile i + 1's while the consumers still
   // read tile i's
-  // the ring, DH_SWIGLU's staging tile, the routing rows, the mbarriers, the tile numbers
+  // the ring, the staging tile (epilogue_wg_mode), the routing rows, the mbarriers, the tile numbers
   constexpr int kRowsAt = kStages * STAGE_BYTES + staging_of(MODE);
   uint8_t* const staging = gbase + kStages * STAGE_BYTES;
   int64_t* const a_rows = reinterpret_cast<int64_t*>(gbase + kRowsAt);
@@ -404,8 +404,8 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
   if (threadIdx.x == 0) {
     // paired: a stage is free once the consumers of both CTAs released it (the peer's TMA writes into it too)
     init_ring<kStages>(bars, (paired ? 2 : 1) * CONSUMER_WARPS);
-    // a routing-row buffer is free again once each consumer warp is done with its tile (DH_SWIGLU: each epilogue
-    // thread, the last to read it)
+    // a routing-row buffer is free again once each consumer warp is done with its tile (epilogue_wg_mode: each
+    // epilogue thread, the last to read it)
     for (int b = 0; b < 2; ++b) mbar_init(tile_free_bar(b), kEpilogueWg ? 128 : CONSUMER_WARPS);
     if (kEpilogueWg) {
       mbar_init(staging_full_bar, 128);  // one consumer warpgroup's threads per turn
@@ -579,7 +579,7 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
         ring.advance();
       }
       // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them (and the
-      // DH_SWIGLU epilogue warpgroup skips them), but the staging tile's turn is kept: see below
+      // epilogue warpgroup skips them), but the staging tile's turn is kept: see below
       if (kEpilogueWg && staging_turn > 0) mbar_wait(staging_empty_bar, (staging_turn - 1) & 1);
     } else {
       float acc[128];
@@ -692,7 +692,8 @@ template <int MODE>
 void launch(Params p, int n_tiles, const MoeShape& s, cudaStream_t stream) {
   constexpr bool kPersistent = persistent_mode(MODE);
   p.raster_runs = raster_runs(s);
-  launch_rastered<moe_gemm_kernel<MODE>, threads_of(MODE), smem_of(MODE), kPersistent ? 1 : CLUSTER_BLOCKS, kPersistent>(
+  constexpr int kCluster = kPersistent ? 1 : CLUSTER_BLOCKS;
+  launch_rastered<moe_gemm_kernel<MODE>, threads_of(MODE), smem_of(MODE), kCluster, kPersistent>(
       p, n_tiles, s.blocks, stream);
 }
 
