@@ -125,12 +125,13 @@ def bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling):
         dg, du = dgu.split(w1.shape[1], 1)  # as moe() passes them: read in place
         ok = torch.ones(S, dtype=torch.bool, device="cuda")
         slot_combine = k >= ops.CONSTANTS["SLOT_COMBINE_MIN_TOP_K"]  # moe()'s combine rule
+
+        def forward(save_gate_up):  # the forward's two GEMMs as moe() runs them
+            return torch.ops.flash_moe.moe_forward(x, w1, w3, w2, *align, tw, k, ops.BLOCK_M, slot_combine,
+                                                   save_gate_up, -1)
         parts = {
-            # the forward's two GEMMs as moe() runs them training (g | u kept for the backward) and inferring
-            "forward keeping g|u": (lambda: torch.ops.flash_moe.moe_forward(x, w1, w3, w2, *align, tw, k, ops.BLOCK_M,
-                                                                            slot_combine, True, -1), 3),
-            "forward (inference)": (lambda: torch.ops.flash_moe.moe_forward(x, w1, w3, w2, *align, tw, k, ops.BLOCK_M,
-                                                                            slot_combine, False, -1), 3),
+            "forward keeping g|u": (functools.partial(forward, True), 3),  # training: g | u kept for the backward
+            "forward (inference)": (functools.partial(forward, False), 3),
             "recompute gate_up": (lambda: torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, k, ops.BLOCK_M), 2),
             "dH+swiglu (fused)": (lambda: torch.ops.flash_moe.moe_grad_gate_up(go, w2, gate_up, *align, tw, k,
                                                                             ops.BLOCK_M), 1),
