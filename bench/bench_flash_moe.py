@@ -146,6 +146,11 @@ def bench_backward_parts(ops, name, T, E, k, dim, hidden, ceiling):
             "dW1+dW3 (gather+2 gmm)": (lambda: [_gmm(g.t(), xs, offs) for xs in [x[tok]] for g in (dg, du)], 2),
             "dW1|dW3 (gather+gmm over dg | du)": (lambda: _gmm(dgu.t(), x[tok], offs), 2),
             "dW2 (gather+gmm)": (lambda: _gmm(go[tok].t(), ph, offs), 1),
+            # the grouped-mm path's own orientation (its autograd's: the gathered rows as A, the result transposed),
+            # with the copy into the weights' layout that AccumulateGrad makes of a transposed gradient
+            "dW1+dW3 (gather+2 gmm, x^T as A)": (lambda: [_gmm(xs.t(), g, offs).transpose(1, 2).contiguous()
+                                                          for xs in [x[tok]] for g in (dg, du)], 2),
+            "dW2 (gather+gmm, h^T as A)": (lambda: _gmm(ph.t(), go[tok], offs).transpose(1, 2).contiguous(), 1),
             "dW1+dW3 (fused)": (lambda: (torch.ops.flash_moe.moe_grad_weight(dg, x, row_token, offs, False),
                                          torch.ops.flash_moe.moe_grad_weight(du, x, row_token, offs, False)), 2),
             "dW1|dW3 (fused over dg | du)": (lambda: torch.ops.flash_moe.moe_grad_weight(dgu, x, row_token, offs,
