@@ -37,6 +37,8 @@ it measured faster, stores each slot's expert output as bf16 and sums the top_k 
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
@@ -456,29 +458,33 @@ def _gate_and_up(w1, w3):
     return w1[:, :hidden], w1[:, hidden:]
 
 
-def _needed_grads(ctx, w3):
-    """ctx.needs_input_grad of (x, w1, w2, w3, topk_ids, topk_weights), a stacked w1 (w3 None) needing both halves'
+def _needed_grads(needs_input_grad, w3):
+    """needs_input_grad of (x, w1, w2, w3, topk_ids, topk_weights), a stacked w1 (w3 None) needing both halves'
     gradients when it needs one; and whether it is stacked."""
-    needs = list(ctx.needs_input_grad[:6])
+    needs = list(needs_input_grad)
     if w3 is None:
         needs[3] = needs[1]
     return needs, w3 is None
 
 
+def _routing(topk_ids, topk_weights, num_experts, expert_start, local_experts):
+    """(topk_weights as float32, moe_align's three tensors): the routing every kernel of the bf16 path reads."""
+    tw = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
+    align = torch.ops.flash_moe.moe_align(topk_ids, num_experts, BLOCK_M, 1, expert_start, local_experts,
+                                          CONSTANTS["CLUSTER_BLOCKS"])
+    return tw, align
+
+
 class _MoE(torch.autograd.Function):
+    """One autograd node: the forward, and a backward that recomputes g | u (or none is needed)."""
+
     @staticmethod
-    def forward(ctx, x, w1, w2, w3, topk_ids, topk_weights, expert_start, num_experts, global_experts, deterministic,
-                recompute_gate_up):
-        top_k = topk_ids.shape[1]
-        tw = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
-        align = torch.ops.flash_moe.moe_align(topk_ids, num_experts, BLOCK_M, 1, expert_start, w1.shape[0],
-                                              CONSTANTS["CLUSTER_BLOCKS"])
-        save = not recompute_gate_up and any(ctx.needs_input_grad[:6])
+    def forward(ctx, x, w1, w2, w3, topk_ids, topk_weights, expert_start, num_experts, global_experts, deterministic):
+        tw, align = _routing(topk_ids, topk_weights, num_experts, expert_start, w1.shape[0])
         gate, up = _gate_and_up(w1, w3)
-        out, gate_up = torch.ops.flash_moe.moe_forward(x, gate, up, w2, *align, tw, top_k, BLOCK_M, deterministic,
-                                                       save, global_experts)
-        ctx.save_for_backward(x, w1, w2, w3, topk_ids, tw, *align, gate_up, topk_weights)
-        ctx.saved_gate_up = save
+        out, _ = torch.ops.flash_moe.moe_forward(x, gate, up, w2, *align, tw, topk_ids.shape[1], BLOCK_M,
+                                                 deterministic, False, global_experts)
+        ctx.save_for_backward(x, w1, w2, w3, topk_ids, tw, *align, topk_weights)
         ctx.deterministic = deterministic
         ctx.expert_start = expert_start
         ctx.global_experts = global_experts
@@ -487,88 +493,174 @@ class _MoE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, w1, w2, w3, ids, tw, *align, gate_up, topk_weights = ctx.saved_tensors
-        needs, stacked = _needed_grads(ctx, w3)
+        x, w1, w2, w3, ids, tw, *align, topk_weights = ctx.saved_tensors
+        needs, stacked = _needed_grads(ctx.needs_input_grad[:6], w3)
         gate, up = _gate_and_up(w1, w3)
         with torch.no_grad():
             grads = _closed_form_backward(grad_out, x, gate, w2, up, ids, tw, align, needs, ctx.expert_start,
-                                          ctx.global_experts, ctx.tw_dtype, ctx.deterministic,
-                                          gate_up if ctx.saved_gate_up else None, stacked)
-        return (*_first_order_only(grads, (grad_out, x, w1, w2, w3, topk_weights)), None, None, None, None, None)
+                                          ctx.global_experts, ctx.tw_dtype, ctx.deterministic, stacked=stacked)
+        return (*_first_order_only(grads, (grad_out, x, w1, w2, w3, topk_weights)), None, None, None, None)
+
+
+# Training with g | u kept: two autograd nodes, so that autograd frees g | u (saved by _MoEDown, the node nearer the
+# loss, whose backward runs first) before _MoEGateUp's backward forms dx and the gate/up weights' gradients: one
+# S x 2 hidden bf16 tensor less at the backward's peak (the size of g | u itself). The routing (moe_align's tensors,
+# the float32 weights, the slots sorted by expert) is formed once, before both, and passed to each.
+class _MoEGateUp(torch.autograd.Function):
+    """The forward's kernels, returning (out, g | u): out is handed to _MoEDown, which takes its gradient; g | u's
+    gradient comes back from there, and this backward takes it to dx, dW1 and dW3."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w3, w2, tw, top_k, sorted_ids, expert_ids, padded, slot_order, slot_token, slot_routed,
+                expert_ends, deterministic, global_experts):
+        align = (sorted_ids, expert_ids, padded)
+        gate, up = _gate_and_up(w1, w3)
+        out, gate_up = torch.ops.flash_moe.moe_forward(x, gate, up, w2, *align, tw, top_k, BLOCK_M, deterministic,
+                                                       True, global_experts)
+        ctx.save_for_backward(x, w1, w3, *align, slot_order, slot_token, slot_routed, expert_ends)
+        ctx.mark_non_differentiable(out)
+        ctx.set_materialize_grads(False)
+        ctx.top_k = top_k
+        ctx.deterministic = deterministic
+        ctx.global_experts = global_experts
+        return out, gate_up
+
+    @staticmethod
+    def backward(ctx, _, grad_gate_up):
+        x, w1, w3, sorted_ids, expert_ids, padded, *slots = ctx.saved_tensors
+        if grad_gate_up is None:  # no input of this node needs a gradient
+            return (None,) * 15
+        gate, up = _gate_and_up(w1, w3)
+        with torch.no_grad():
+            grads = _grads_through_gate_up(grad_gate_up, x, gate, up, (sorted_ids, expert_ids, padded),
+                                           _Slots(*slots), ctx.top_k, ctx.needs_input_grad[:3], ctx.deterministic,
+                                           ctx.global_experts, w3 is None)
+        return *_first_order_only(grads, (grad_gate_up, x, w1, w3)), *(None,) * 12
+
+
+class _MoEDown(torch.autograd.Function):
+    """moe's output (computed by _MoEGateUp, marked as written here so that it is this node's output without a view
+    or a copy); its backward: grad_h = grad_out W2 with the SwiGLU backward (d g | u), dW2 and d topk_weights."""
+
+    @staticmethod
+    def forward(ctx, out, gate_up, w2, topk_weights, tw, top_k, sorted_ids, expert_ids, padded, slot_order,
+                slot_token, slot_routed, expert_ends, global_experts):
+        ctx.save_for_backward(gate_up, w2, topk_weights, tw, sorted_ids, expert_ids, padded, slot_order, slot_token,
+                              slot_routed, expert_ends)
+        ctx.mark_dirty(out)
+        ctx.top_k = top_k
+        ctx.global_experts = global_experts
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate_up, w2, topk_weights, tw, sorted_ids, expert_ids, padded, *slots = ctx.saved_tensors
+        with torch.no_grad():
+            grads = _grads_through_down(grad_out, w2, gate_up, tw, (sorted_ids, expert_ids, padded), _Slots(*slots),
+                                        ctx.top_k, ctx.needs_input_grad[1:4], topk_weights.dtype, ctx.global_experts)
+        return None, *_first_order_only(grads, (grad_out, gate_up, w2, topk_weights)), *(None,) * 10
+
+
+class _Slots(NamedTuple):
+    """The routed slots sorted by local expert, stable (moe_align's order, which the kernels' slot rows follow), the
+    unrouted ones last."""
+    order: torch.Tensor  # the slot at each sorted row
+    token: torch.Tensor  # its token
+    routed: torch.Tensor  # whether it goes to a local expert
+    ends: torch.Tensor  # int32: each local expert's end row
+
+
+def _sorted_slots(ids, expert_start, local_experts) -> _Slots:
+    local = ids.reshape(-1).long() - expert_start
+    valid = (ids.reshape(-1) >= 0) & (local >= 0) & (local < local_experts)
+    key = torch.where(valid, local, torch.full_like(local, local_experts))
+    order = torch.sort(key, stable=True).indices
+    counts = torch.zeros(local_experts + 1, dtype=torch.long, device=ids.device).scatter_add_(0, key,
+                                                                                                torch.ones_like(key))
+    return _Slots(order, order // ids.shape[1], valid[order], torch.cumsum(counts[:local_experts], 0).to(torch.int32))
+
+
+def _row_tokens(slots):
+    """moe_grad_weight's row -> token map: -1 for an unrouted row."""
+    return torch.where(slots.routed, slots.token, -1).to(torch.int32)
 
 
 def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert_start, global_experts, tw_dtype,
-                          deterministic, gate_up=None, stacked=False):
-    """(grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw): the gradients of (x, w1, w2, w3, topk_ids, topk_weights).
-    ``stacked``: w1 and w3 are the halves of one (E, 2 hidden, dim) tensor, whose gradient comes back whole as grad_w1
-    (from one weight-gradient GEMM over [dg | du]; needs[1] and needs[3] equal) and grad_w3 is None.
-    ``global_experts``: the expert count the launch rules spread the routed slots over (the ops' num_experts).
-
-    Per routed slot s (token t, expert e, weight p): g | u = x_t [W1; W3]^T recomputed by the fused gate/up kernel
-    (``moe_gate_up``) unless the forward kept it (``gate_up``); ``moe_grad_gate_up`` (one GEMM kernel on CUDA) forms
-    grad_h = grad_out_t W2[e] (unweighted, fp32, never stored) and from it dg, du, p h and dL/dp = grad_h . h; the
-    weight gradients are per-expert GEMMs over the slots sorted by expert with x / grad_out gathered by token
-    (``moe_grad_weight``, one kernel each with the gathers inside, where ``_fused_weight_grads`` says it is the faster
-    path; else gathers + ``torch._grouped_mm``; fp32 accumulation in both); ``moe_grad_x`` (one GEMM kernel on CUDA)
-    gives dx = sum over a token's slots of dg W1[e] + du W3[e] in fp32: in k order when ``deterministic`` (bitwise
-    reproducible), else with fp32 atomics on CUDA. When w2's gradient alone is needed, the grad_h GEMM is skipped
-    (``swiglu_backward`` on zeros gives p h).
-    """
+                          deterministic, stacked=False):
+    """(grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw): the gradients of (x, w1, w2, w3, topk_ids, topk_weights),
+    with g | u recomputed (``moe_gate_up``) and freed before the second stage. ``stacked``: w1 and w3 are the halves
+    of one (E, 2 hidden, dim) tensor, whose gradient comes back whole as grad_w1 (needs[1] and needs[3] equal) and
+    grad_w3 is None. ``global_experts``: the expert count the launch rules spread the routed slots over (the ops'
+    num_experts). The two stages: _grads_through_down, then _grads_through_gate_up."""
     need_x, need_w1, need_w2, need_w3, _, need_tw = needs
-    T = x.shape[0]
     top_k = ids.shape[1]
-    E = w1.shape[0]
-    S = T * top_k
-    # slots sorted by local expert, stable (moe_align's order, which moe_gate_up's rows follow); unrouted slots last
-    local = ids.reshape(-1).long() - expert_start
-    valid = (ids.reshape(-1) >= 0) & (local >= 0) & (local < E)
-    key = torch.where(valid, local, torch.full_like(local, E))
-    order = torch.sort(key, stable=True).indices
-    counts = torch.zeros(E + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
-    offs = torch.cumsum(counts[:E], 0).to(torch.int32)
-    ok = valid[order]
-    tok = order // top_k
+    slots = _sorted_slots(ids, expert_start, w1.shape[0])
+    gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, BLOCK_M, global_experts)
+    grad_gate_up, grad_w2, grad_tw = _grads_through_down(grad_out, w2, gate_up, tw, align, slots, top_k,
+                                                         (need_x or need_w1 or need_w3, need_w2, need_tw), tw_dtype,
+                                                         global_experts)
+    del gate_up  # S x 2 hidden: freed before dx and the gate/up weights' gradients are formed
+    grad_x = grad_w1 = grad_w3 = None
+    if grad_gate_up is not None:
+        grad_x, grad_w1, grad_w3 = _grads_through_gate_up(grad_gate_up, x, w1, w3, align, slots, top_k,
+                                                          (need_x, need_w1, need_w3), deterministic, global_experts,
+                                                          stacked)
+    return grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw
 
-    if gate_up is None:
-        gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, BLOCK_M, global_experts)
-    grad_tw = grad_x = grad_w1 = grad_w2 = grad_w3 = grad_gate_up = grad_gate = grad_up = None
-    go = grad_out.to(x.dtype)
-    if need_x or need_w1 or need_w3 or need_tw:
+
+def _grads_through_down(grad_out, w2, gate_up, tw, align, slots, top_k, needs, tw_dtype, global_experts):
+    """(d g | u, grad_w2, grad_tw), each None unless needs = (need_gate_up, need_w2, need_tw) asks for it.
+
+    ``moe_grad_gate_up`` (one GEMM kernel on CUDA) forms grad_h = grad_out W2[e] per routed slot (unweighted, fp32,
+    never stored) and from it d g | u (S x 2 hidden, slot rows sorted by expert), p h and dL/dp = grad_h . h; dW2 per
+    expert over p h against grad_out gathered by token (``moe_grad_weight`` with the gather inside where
+    ``_fused_weight_grads`` says it is the faster path, else a gather + ``torch._grouped_mm``; fp32 accumulation in
+    both). When w2's gradient alone is needed, the grad_h GEMM is skipped (``swiglu_backward`` on zeros gives p h)."""
+    need_gate_up, need_w2, need_tw = needs
+    go = grad_out.to(w2.dtype)
+    grad_gate_up = grad_w2 = grad_tw = weighted_h = None
+    if need_gate_up or need_tw:
         grad_gate_up, weighted_h, grad_p = torch.ops.flash_moe.moe_grad_gate_up(go, w2, gate_up, *align, tw, top_k,
                                                                                 BLOCK_M, global_experts)
-        grad_gate, grad_up = grad_gate_up.split(w1.shape[1], 1)  # views: read in place below
         if need_tw:
             grad_tw = grad_p.to(tw_dtype)
-    else:  # w2's gradient alone takes only p h, which swiglu_backward computes without reading grad_h
-        _, _, weighted_h, _ = torch.ops.flash_moe.swiglu_backward(gate_up, go.new_zeros(S, w2.shape[2]),
-                                                                  tw.reshape(-1)[order], ok)
+    elif need_w2:
+        _, _, weighted_h, _ = torch.ops.flash_moe.swiglu_backward(gate_up, go.new_zeros(gate_up.shape[0], w2.shape[2]),
+                                                                  tw.reshape(-1)[slots.order], slots.routed)
+    if need_w2:
+        if _fused_weight_grads(w2.shape[2]):
+            grad_w2 = torch.ops.flash_moe.moe_grad_weight(weighted_h, go, _row_tokens(slots), slots.ends, True)
+        else:
+            grad_w2 = torch._grouped_mm(go[slots.token].t(), weighted_h, offs=slots.ends)
+    return (grad_gate_up if need_gate_up else None), grad_w2, grad_tw
+
+
+def _grads_through_gate_up(grad_gate_up, x, w1, w3, align, slots, top_k, needs, deterministic, global_experts,
+                           stacked):
+    """(grad_x, grad_w1, grad_w3) from d g | u, each None unless needs = (need_x, need_w1, need_w3) asks for it
+    (``stacked``: grad_w1 is the stacked weight's whole gradient, grad_w3 None).
+
+    ``moe_grad_x`` (one GEMM kernel on CUDA) gives dx = sum over a token's slots of dg W1[e] + du W3[e] in fp32: in k
+    order when ``deterministic`` (bitwise reproducible), else with fp32 atomics on CUDA; dW1 and dW3 per expert over
+    dg / du against x gathered by token, as dW2 (of a stacked w1 in one GEMM over [dg | du], S x 2 hidden, as it
+    comes: no concatenation, straight into its (E, 2 hidden, dim) gradient)."""
+    need_x, need_w1, need_w3 = needs
+    grad_gate, grad_up = grad_gate_up.split(w1.shape[1], 1)  # views: read in place
+    grad_x = None
     if need_x:
         grad_x = torch.ops.flash_moe.moe_grad_x(grad_gate, grad_up, w1, w3, *align, top_k, BLOCK_M, deterministic,
                                                 global_experts)
-    # the weight gradients: per expert, its rows of dg / du / p h against x / grad_out gathered by token; dW1 and dW3
-    # of a stacked w1 in one GEMM over moe_grad_gate_up's [dg | du] (S x 2 hidden, as it comes: no concatenation),
-    # straight into its (E, 2 hidden, dim) gradient
     if stacked:
         rows_x = (grad_gate_up if need_w1 else None, None)
     else:
         rows_x = (grad_gate if need_w1 else None, grad_up if need_w3 else None)
-    del grad_gate_up, grad_gate, grad_up  # held by rows_x alone where still needed
-    # moe_grad_weight: the gathers inside the kernel, no S x dim copy of x or grad_out
-    if _fused_weight_grads(w1.shape[1]):
-        row_token = torch.where(ok, tok, -1).to(torch.int32)
-        if need_w2:
-            grad_w2 = torch.ops.flash_moe.moe_grad_weight(weighted_h, go, row_token, offs, True)
-        del weighted_h  # S x hidden: freed before the dW1 / dW3 outputs are allocated
-        grad_w1, grad_w3 = (None if r is None else torch.ops.flash_moe.moe_grad_weight(r, x, row_token, offs, False)
-                            for r in rows_x)
-    else:
-        if need_w2:
-            grad_w2 = torch._grouped_mm(go[tok].t(), weighted_h, offs=offs)
-        del weighted_h  # S x hidden: freed before the x gather and the dW1 / dW3 outputs are allocated
-        if any(r is not None for r in rows_x):  # the S x dim gather lives only while they run
-            grad_w1, grad_w3 = _grouped_against(rows_x, x[tok], offs)
-    del rows_x
-    return grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw
+    if _fused_weight_grads(w1.shape[1]):  # the gathers inside the kernel, no S x dim copy of x
+        row_token = _row_tokens(slots)
+        return (grad_x, *(None if r is None else torch.ops.flash_moe.moe_grad_weight(r, x, row_token, slots.ends,
+                                                                                      False) for r in rows_x))
+    if all(r is None for r in rows_x):
+        return grad_x, None, None
+    return (grad_x, *_grouped_against(rows_x, x[slots.token], slots.ends))  # the gather lives only while they run
 
 
 def _grouped_against(rows, gathered, offs):
@@ -612,7 +704,7 @@ class _MoEMxfp8(torch.autograd.Function):
         x = dequantize_mxfp8(xq, xs, dtype=dt)
         w1, w3 = _gate_and_up(dequantize_mxfp8(wq, unpack_scales_blocked(ws), dtype=dt), None)  # wq is [gate; up]
         w2 = dequantize_mxfp8(w2q, unpack_scales_blocked(w2s), dtype=dt)
-        needs, stacked = _needed_grads(ctx, w3_in)
+        needs, stacked = _needed_grads(ctx.needs_input_grad[:6], w3_in)
         with torch.no_grad():
             grads = _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, ctx.expert_start,
                                           ctx.global_experts, ctx.tw_dtype, ctx.deterministic, stacked=stacked)
@@ -683,7 +775,9 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | 
     grad_h = grad_out W2 with the SwiGLU derivative and d topk_weights in its epilogue (``moe_grad_gate_up``), dx in one
     GEMM summed over each token's slots (``moe_grad_x``), the weight gradients per expert with the gathers inside
     (``moe_grad_weight``) where that measured faster (kernel.toml's FUSED_DW_MAX_HIDDEN), else gathers + grouped GEMMs;
-    gradients only for the inputs that need them.
+    gradients only for the inputs that need them. In two stages: d g | u, dW2 and d topk_weights, then dx, dW1 and dW3
+    from d g | u, with g | u freed in between (the kept one through a second autograd node), so dx and the gate/up
+    weight gradients are formed without it.
     ``deterministic=True``: fixed-order combines (forward output, dx: a token's slots in k order): bitwise
     reproducible end to end; False: on CUDA the forward combine and dx's sum use fp32 atomics (not bitwise
     reproducible; the other gradients are), except in bf16 from top_k = SLOT_COMBINE_MIN_TOP_K (kernel.toml) on, where
@@ -724,20 +818,29 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | 
         num_experts = w1.shape[0] if expert_start == 0 else _INT32_MAX
     # transformers marks a slot with no expert by id == num_experts; moe_align (CPU and CUDA) skips -1
     topk_ids = topk_ids.masked_fill(topk_ids == num_experts, -1)
+    x, topk_ids, topk_weights = x.reshape(-1, x.shape[-1]), topk_ids.reshape(-1, top_k), topk_weights.reshape(-1,
+                                                                                                             top_k)
     if mxfp8:
         gate, up = _gate_and_up(w1, w3)
         reason = unsupported_shape_reason(x.shape[-1], gate.shape[1], mxfp8=True)
         if reason is not None:
             raise RuntimeError(f"moe(mxfp8=True): {reason}")
         wq, ws, w2q, w2s = _cached_quantized_weights(gate, w2, up)
-        out = _MoEMxfp8.apply(x.reshape(-1, x.shape[-1]), w1, w2, w3, topk_ids.reshape(-1, top_k),
-                              topk_weights.reshape(-1, top_k), wq, ws, w2q, w2s, expert_start, num_experts,
+        out = _MoEMxfp8.apply(x, w1, w2, w3, topk_ids, topk_weights, wq, ws, w2q, w2s, expert_start, num_experts,
                               global_experts, deterministic)
+        return out.view(*lead, out.shape[-1])
+    deterministic = deterministic or top_k >= CONSTANTS["SLOT_COMBINE_MIN_TOP_K"]
+    # grad mode read here: inside Function.forward it is always off, and needs_input_grad stays True under
+    # no_grad / inference_mode, where a stored g | u would never be used
+    trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w1, w2, w3, topk_weights))
+    if trains and not recompute_gate_up:
+        with torch.no_grad():
+            tw, align = _routing(topk_ids, topk_weights.detach(), num_experts, expert_start, w1.shape[0])
+            slots = _sorted_slots(topk_ids, expert_start, w1.shape[0])
+        out, gate_up = _MoEGateUp.apply(x, w1, w3, w2.detach(), tw, top_k, *align, *slots, deterministic,
+                                        global_experts)
+        out = _MoEDown.apply(out, gate_up, w2, topk_weights, tw, top_k, *align, *slots, global_experts)
     else:
-        # grad mode read here: inside Function.forward it is always off, and needs_input_grad stays True under
-        # no_grad / inference_mode, where a stored g | u would never be used
-        out = _MoE.apply(x.reshape(-1, x.shape[-1]), w1, w2, w3, topk_ids.reshape(-1, top_k),
-                         topk_weights.reshape(-1, top_k), expert_start, num_experts, global_experts,
-                         deterministic or top_k >= CONSTANTS["SLOT_COMBINE_MIN_TOP_K"],
-                         recompute_gate_up or not torch.is_grad_enabled())
-    return out.view(*lead, x.shape[-1])
+        out = _MoE.apply(x, w1, w2, w3, topk_ids, topk_weights, expert_start, num_experts, global_experts,
+                         deterministic)
+    return out.view(*lead, out.shape[-1])
