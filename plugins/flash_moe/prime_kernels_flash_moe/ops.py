@@ -477,8 +477,10 @@ class _MoE(torch.autograd.Function):
         gate, up = _gate_and_up(w1, w3)
         out, gate_up = torch.ops.flash_moe.moe_forward(x, gate, up, w2, *align, tw, top_k, BLOCK_M, deterministic,
                                                        save, global_experts)
-        ctx.save_for_backward(x, w1, w2, w3, topk_ids, tw, *align, gate_up, topk_weights)
-        ctx.saved_gate_up = save
+        ctx.save_for_backward(x, w1, w2, w3, topk_ids, tw, *align, topk_weights)
+        # g | u is an intermediate, held by ctx rather than saved: autograd frees a saved tensor only after the
+        # backward returns, and the backward can free g | u once d g | u is formed (before dx and dW1 / dW3)
+        ctx.gate_up = gate_up if save else None
         ctx.deterministic = deterministic
         ctx.expert_start = expert_start
         ctx.global_experts = global_experts
@@ -487,25 +489,29 @@ class _MoE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, w1, w2, w3, ids, tw, *align, gate_up, topk_weights = ctx.saved_tensors
+        x, w1, w2, w3, ids, tw, *align, topk_weights = ctx.saved_tensors
         needs, stacked = _needed_grads(ctx, w3)
         gate, up = _gate_and_up(w1, w3)
+        # handed over, not shared: the backward frees it after its first GEMM; a second backward over a retained
+        # graph finds none and recomputes it
+        kept = [ctx.gate_up] if ctx.gate_up is not None else []
+        ctx.gate_up = None
         with torch.no_grad():
             grads = _closed_form_backward(grad_out, x, gate, w2, up, ids, tw, align, needs, ctx.expert_start,
-                                          ctx.global_experts, ctx.tw_dtype, ctx.deterministic,
-                                          gate_up if ctx.saved_gate_up else None, stacked)
+                                          ctx.global_experts, ctx.tw_dtype, ctx.deterministic, kept, stacked)
         return (*_first_order_only(grads, (grad_out, x, w1, w2, w3, topk_weights)), None, None, None, None, None)
 
 
 def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert_start, global_experts, tw_dtype,
-                          deterministic, gate_up=None, stacked=False):
+                          deterministic, kept=(), stacked=False):
     """(grad_x, grad_w1, grad_w2, grad_w3, None, grad_tw): the gradients of (x, w1, w2, w3, topk_ids, topk_weights).
     ``stacked``: w1 and w3 are the halves of one (E, 2 hidden, dim) tensor, whose gradient comes back whole as grad_w1
     (from one weight-gradient GEMM over [dg | du]; needs[1] and needs[3] equal) and grad_w3 is None.
     ``global_experts``: the expert count the launch rules spread the routed slots over (the ops' num_experts).
 
     Per routed slot s (token t, expert e, weight p): g | u = x_t [W1; W3]^T recomputed by the fused gate/up kernel
-    (``moe_gate_up``) unless the forward kept it (``gate_up``); ``moe_grad_gate_up`` (one GEMM kernel on CUDA) forms
+    (``moe_gate_up``) unless the forward kept it (``kept``: a list holding it, emptied here, so that no caller's
+    reference keeps it alive after its one use); ``moe_grad_gate_up`` (one GEMM kernel on CUDA) forms
     grad_h = grad_out_t W2[e] (unweighted, fp32, never stored) and from it dg, du, p h and dL/dp = grad_h . h; the
     weight gradients are per-expert GEMMs over the slots sorted by expert with x / grad_out gathered by token
     (``moe_grad_weight``, one kernel each with the gathers inside, where ``_fused_weight_grads`` says it is the faster
@@ -529,8 +535,8 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     ok = valid[order]
     tok = order // top_k
 
-    if gate_up is None:
-        gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, BLOCK_M, global_experts)
+    gate_up = kept.pop() if kept else torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, BLOCK_M,
+                                                                        global_experts)
     grad_tw = grad_x = grad_w1 = grad_w2 = grad_w3 = grad_gate_up = grad_gate = grad_up = None
     go = grad_out.to(x.dtype)
     if need_x or need_w1 or need_w3 or need_tw:
@@ -542,6 +548,7 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     else:  # w2's gradient alone takes only p h, which swiglu_backward computes without reading grad_h
         _, _, weighted_h, _ = torch.ops.flash_moe.swiglu_backward(gate_up, go.new_zeros(S, w2.shape[2]),
                                                                   tw.reshape(-1)[order], ok)
+    del gate_up  # its last reference: freed before dx and the weight gradients (the backward's peak)
     if need_x:
         grad_x = torch.ops.flash_moe.moe_grad_x(grad_gate, grad_up, w1, w3, *align, top_k, BLOCK_M, deterministic,
                                                 global_experts)

@@ -534,6 +534,47 @@ def test_forward_stores_gate_up_only_for_a_backward(mode):
 
 
 @cpu
+@pytest.mark.parametrize("recompute", [False, True])
+def test_backward_frees_gate_up_before_dx_and_the_weight_gradients(recompute, weight_grads):
+    """g | u, kept by the forward or recomputed, is freed once d g | u is formed: neither it nor its storage is alive
+    when dx (moe_grad_x) and the weight gradients run, so the backward's peak holds one of the two S x 2 hidden
+    tensors."""
+    x, w1, w2, w3, ids, tw = make(32, 128, 64, 4, 2, seed=13)
+    leaves = [t.requires_grad_() for t in (x, w1, w2, w3, tw)]
+    gate_ups, calls = [], []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.name()
+            if name in ("flash_moe::moe_grad_x", "flash_moe::moe_grad_weight", "aten::_grouped_mm"):
+                calls.append((name, sum(ref() is not None for ref in gate_ups)))
+            out = func(*args, **(kwargs or {}))
+            gate_up = {"flash_moe::moe_forward": lambda: out[1], "flash_moe::moe_gate_up": lambda: out}.get(name)
+            if gate_up is not None and gate_up().numel():
+                gate_ups.append(weakref.ref(gate_up().untyped_storage()))
+            return out
+
+    with Watch():
+        out = ops.moe(x, w1, w2, w3, ids, tw, recompute_gate_up=recompute)
+        torch.autograd.grad(out.float().square().sum(), leaves)
+    assert len(gate_ups) == 1
+    assert [name for name, _ in calls][0] == "flash_moe::moe_grad_x" and len(calls) == 4  # dx, dW2, dW1, dW3
+    assert [alive for _, alive in calls] == [0, 0, 0, 0]
+
+
+@cpu
+def test_a_retained_graph_gives_the_same_gradients_twice():
+    """The first backward frees the g | u the forward kept; a second one over the retained graph recomputes it."""
+    x, w1, w2, w3, ids, tw = make(32, 128, 64, 4, 2, seed=16)
+    leaves = [t.requires_grad_() for t in (x, w1, w2, w3, tw)]
+    loss = ops.moe(x, w1, w2, w3, ids, tw).float().square().sum()
+    first = torch.autograd.grad(loss, leaves, retain_graph=True)
+    second = torch.autograd.grad(loss, leaves)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@cpu
 @pytest.mark.parametrize("num_experts", [None, 12])
 @pytest.mark.parametrize("path", ["saved g | u", "recompute g | u", "mxfp8"])
 def test_moe_gives_the_kernels_the_global_expert_count(num_experts, path):
