@@ -96,20 +96,22 @@ constexpr int B_BOX_ROWS = BN / 2;  // one TMA box: the gate (or up) half of a g
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int kSmemLimit = 227 * 1024;
 // DH_SWIGLU and the persistent gate/up keeping g | u run their epilogues in a fourth warpgroup, under the next tile's
-// mainloop (epilogue_wg_mode): each consumer warpgroup in turn leaves its 64 accumulator rows as bf16 in a staging
-// tile (row-major, 16-byte chunks XOR-swizzled by row) and goes on, the second once the epilogue warpgroup has read
-// the first's; a staging tile of one warpgroup's rows leaves the ring its stages.
+// mainloop (epilogue_wg_mode): each consumer warpgroup in turn leaves its 64 accumulator rows in a staging tile
+// (row-major, 16-byte chunks XOR-swizzled by row) and goes on, the second once the epilogue warpgroup has read the
+// first's. dH stages grad_h in fp32 (64 KiB, the ring one stage shorter): rounded to bf16 it moved d topk_weights by
+// up to 0.37 at the sanitizer's shapes (session 35), where main's fp32 epilogue is exact; gate/up stages g | u as the
+// bf16 it stores anyway (32 KiB, the ring keeps its stages).
 constexpr int STAGING_ROWS = 64;
 static_assert(STAGING_ROWS * CONSUMERS == BM && CONSUMERS == 2, "a staging turn per consumer warpgroup, two per tile");
-constexpr int STAGING_BYTES = STAGING_ROWS * BN * 2;
 constexpr int fixed_bytes(int stages) {
   return 1024 /* alignment slack */ + 2 * BM * 8 /* A row offsets */ + 2 * BM * 4 /* slots */ +
          (2 * stages + 6) * 8 /* mbarriers */ + 2 * 4 /* tile numbers */;
 }
-constexpr int STAGING_STAGES = (kSmemLimit - STAGING_BYTES - fixed_bytes(STAGES)) / STAGE_BYTES < STAGES
-                                   ? (kSmemLimit - STAGING_BYTES - fixed_bytes(STAGES)) / STAGE_BYTES
-                                   : STAGES;
-static_assert(STAGING_STAGES >= 2, "the staging tile leaves fewer than two ring stages");
+constexpr int stages_beside(int staging_bytes) {
+  return (kSmemLimit - staging_bytes - fixed_bytes(STAGES)) / STAGE_BYTES < STAGES
+             ? (kSmemLimit - staging_bytes - fixed_bytes(STAGES)) / STAGE_BYTES
+             : STAGES;
+}
 
 // GATE_UP_SAVE (the backward's recomputation): the epilogue stores the gate and up pre-activations as bf16 to row
 // dst_rows[padded row] of a compact [routed slots, 2 hidden] tensor instead of h.
@@ -141,13 +143,19 @@ constexpr int MN_ATOMS = BN / MN_ATOM;
 // The modes whose epilogue runs in a fourth warpgroup (persistent ones: the staging tile hands a tile over within a
 // CTA); per mode: ring depth, staging bytes, threads and shared memory.
 constexpr bool epilogue_wg_mode(int mode) { return mode == DH_SWIGLU || mode == GATE_UP_AND_SAVE_PERSISTENT; }
-constexpr int stages_of(int mode) { return epilogue_wg_mode(mode) ? STAGING_STAGES : STAGES; }
-constexpr int staging_of(int mode) { return epilogue_wg_mode(mode) ? STAGING_BYTES : 0; }
+constexpr int staging_of(int mode) {
+  return !epilogue_wg_mode(mode) ? 0 : STAGING_ROWS * BN * (mode == DH_SWIGLU ? 4 : 2);
+}
+constexpr int stages_of(int mode) { return epilogue_wg_mode(mode) ? stages_beside(staging_of(mode)) : STAGES; }
 constexpr int threads_of(int mode) { return NUM_THREADS + (epilogue_wg_mode(mode) ? 128 : 0); }
 constexpr int smem_of(int mode) {
   return stages_of(mode) * STAGE_BYTES + staging_of(mode) + fixed_bytes(stages_of(mode));
 }
-static_assert(smem_of(DH_SWIGLU) <= kSmemLimit && smem_of(GATE_UP) <= kSmemLimit, "shared memory");
+static_assert(smem_of(DH_SWIGLU) <= kSmemLimit && smem_of(GATE_UP_AND_SAVE_PERSISTENT) <= kSmemLimit &&
+                  smem_of(GATE_UP) <= kSmemLimit,
+              "shared memory");
+static_assert(stages_of(DH_SWIGLU) >= 2 && stages_of(GATE_UP_AND_SAVE_PERSISTENT) >= 2,
+              "a staging tile leaves fewer than two ring stages");
 // Their registers (512 threads x 128 at launch): the producer as in the other modes, the epilogue warpgroup what is
 // left beside the consumers' accumulators
 constexpr int kWgConsumerRegs = 168, kWgEpilogueRegs = 112;
@@ -201,15 +209,21 @@ struct Params {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void fence_acc(float* d) { fence_regs<128>(d); }
 
-// The staging tile (epilogue_wg_mode): a warpgroup's accumulator row r as bf16, 16-byte chunk c (columns 8 c .. 8 c +
-// 7) at chunk c ^ (r % 8) of the row's 512 bytes, so that a consumer warp's 4-byte writes (8 rows x 4 lanes of one
-// chunk column) and an epilogue warp's reads of one whole row are both free of bank conflicts.
+// The staging tiles (epilogue_wg_mode), a warpgroup's accumulator row r per row of the tile, in 16-byte chunks
+// XOR-swizzled by row so that a consumer warp's writes (8 rows x 4 lanes of one column group) and an epilogue warp's
+// reads of one whole row are both free of bank conflicts. Gate/up's bf16 (512-byte rows): chunk c (columns 8 c ..
+// 8 c + 7) at chunk c ^ (r % 8). dH's fp32 (1 KiB rows): chunk c (columns 4 c .. 4 c + 3) at chunk c ^ 2 (r % 4), so
+// the four 32-byte column pairs a consumer warp writes for rows r .. r + 3 fall in different banks (rows r and r + 4
+// share them: two wavefronts, the least for 256 bytes).
 __device__ __forceinline__ uint32_t staging_at(int r, int chunk) {
   return static_cast<uint32_t>(r * (BN * 2) + ((chunk ^ (r & 7)) * 16));
 }
+__device__ __forceinline__ uint32_t staging_fp32_at(int r, int chunk) {
+  return static_cast<uint32_t>(r * (BN * 4) + ((chunk ^ (2 * (r & 3))) * 16));
+}
 // DH_SWIGLU's epilogue warpgroup, the tile's rows [r_begin, r_begin + STAGING_ROWS) (staging row r - r_begin): warp w
 // takes rows r_begin + w + 4 m, kRowsAtOnce of them at a time (their loads in flight together), lane l columns
-// n0 + 8 l .. + 7 (16-byte accesses). From grad_h (staging), g | u (the compact row), it writes dg, du, p h there (as
+// n0 + 8 l .. + 7 (16-byte accesses of g | u, two of grad_h). From grad_h (fp32 staging), g | u (the compact row), it writes dg, du, p h there (as
 // swiglu_backward does: dh = p grad_h, du = dh silu(g), dg = dh u sig (1 + g (1 - sig))) and the row's <grad_h, h>
 // over the tile's columns into dot_partials.
 constexpr int kRowsAtOnce = 4;
@@ -220,7 +234,8 @@ __device__ __forceinline__ void swiglu_grad_rows(const Params& p, const uint8_t*
   const bool col_ok = col < p.n_total;  // n_total: a multiple of 8
 #pragma unroll 1
   for (int r0 = r_begin + warp; r0 < r_begin + STAGING_ROWS; r0 += EPILOGUE_WARPS * kRowsAtOnce) {
-    uint4 g4[kRowsAtOnce], u4[kRowsAtOnce], h4[kRowsAtOnce];
+    uint4 g4[kRowsAtOnce], u4[kRowsAtOnce];
+    float4 h4[kRowsAtOnce][2];
     int slot[kRowsAtOnce], row[kRowsAtOnce];
 #pragma unroll
     for (int q = 0; q < kRowsAtOnce; ++q) {
@@ -234,26 +249,29 @@ __device__ __forceinline__ void swiglu_grad_rows(const Params& p, const uint8_t*
         g4[q] = *reinterpret_cast<const uint4*>(gate);
         u4[q] = *reinterpret_cast<const uint4*>(gate + p.n_total);
       }
-      h4[q] = col_ok ? *reinterpret_cast<const uint4*>(staging + staging_at(r - r_begin, lane))
-                     : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        h4[q][c] = col_ok ? *reinterpret_cast<const float4*>(staging + staging_fp32_at(r - r_begin, 2 * lane + c))
+                          : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
     }
 #pragma unroll
     for (int q = 0; q < kRowsAtOnce; ++q) {
       if (row[q] < 0) continue;  // the whole warp: one row
       const float w = __ldg(p.topk_weights + slot[q]);
-      const uint32_t gw[4] = {g4[q].x, g4[q].y, g4[q].z, g4[q].w}, uw[4] = {u4[q].x, u4[q].y, u4[q].z, u4[q].w},
-                     hw[4] = {h4[q].x, h4[q].y, h4[q].z, h4[q].w};
+      const uint32_t gw[4] = {g4[q].x, g4[q].y, g4[q].z, g4[q].w}, uw[4] = {u4[q].x, u4[q].y, u4[q].z, u4[q].w};
+      const float2 hv[4] = {make_float2(h4[q][0].x, h4[q][0].y), make_float2(h4[q][0].z, h4[q][0].w),
+                            make_float2(h4[q][1].x, h4[q][1].y), make_float2(h4[q][1].z, h4[q][1].w)};
       uint32_t dgw[4], duw[4], phw[4];
       float dot = 0.f;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const float2 gv2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gw[k]));
         const float2 uv2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&uw[k]));
-        const float2 hv2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&hw[k]));
         float dg[2], du[2], ph[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float gv = e ? gv2.y : gv2.x, uv = e ? uv2.y : uv2.x, gh = e ? hv2.y : hv2.x;
+          const float gv = e ? gv2.y : gv2.x, uv = e ? uv2.y : uv2.x, gh = e ? hv[k].y : hv[k].x;
           const float sig = fast_sigmoid(gv);
           const float a = gv * sig, hv = a * uv, dh = gh * w;
           dot += gh * hv;
@@ -644,14 +662,26 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
           }
         }
         if constexpr (kEpilogueWg) {  // columns 8 j + 2 quad, + 1 of row lr (every row: the epilogue skips padding)
-          // chunk j = 8 a + b sits at 8 a + (b ^ lr % 8): eight offsets, the rest immediates
+          const int sr = lr - wg * STAGING_ROWS;
+          if constexpr (kDh) {  // fp32: column pair j = 4 a + b in chunk 2 b + quad / 2 (swizzled) + 8 a
 #pragma unroll
-          for (int b = 0; b < 8; ++b) {
-            uint8_t* const at = staging + staging_at(lr - wg * STAGING_ROWS, b) + 4 * quad;
+            for (int b = 0; b < 4; ++b) {
+              uint8_t* const at = staging + staging_fp32_at(sr, 2 * b + (quad >> 1)) + 8 * (quad & 1);
 #pragma unroll
-            for (int a = 0; a < BN / 64; ++a) {
-              const int j = 8 * a + b;
-              *reinterpret_cast<uint32_t*>(at + 128 * a) = bf16x2_bits(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+              for (int a = 0; a < BN / 32; ++a) {
+                const int j = 4 * a + b;
+                *reinterpret_cast<float2*>(at + 128 * a) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+              }
+            }
+          } else {  // bf16: chunk j = 8 a + b at 8 a + (b ^ lr % 8): eight offsets, the rest immediates
+#pragma unroll
+            for (int b = 0; b < 8; ++b) {
+              uint8_t* const at = staging + staging_at(sr, b) + 4 * quad;
+#pragma unroll
+              for (int a = 0; a < BN / 64; ++a) {
+                const int j = 8 * a + b;
+                *reinterpret_cast<uint32_t*>(at + 128 * a) = bf16x2_bits(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+              }
             }
           }
         }
