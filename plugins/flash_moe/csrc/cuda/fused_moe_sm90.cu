@@ -105,7 +105,7 @@ constexpr int STAGING_ROWS = 64;
 static_assert(STAGING_ROWS * CONSUMERS == BM && CONSUMERS == 2, "a staging turn per consumer warpgroup, two per tile");
 constexpr int fixed_bytes(int stages) {
   return 1024 /* alignment slack */ + 2 * BM * 8 /* A row offsets */ + 2 * BM * 4 /* slots */ +
-         (2 * stages + 6) * 8 /* mbarriers */ + 2 * 4 /* tile numbers */;
+         (2 * stages + 7) * 8 /* mbarriers */ + 2 * 4 /* tile numbers */;
 }
 constexpr int stages_beside(int staging_bytes) {
   return (kSmemLimit - staging_bytes - fixed_bytes(STAGES)) / STAGE_BYTES < STAGES
@@ -413,12 +413,18 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
   auto empty_bar = [&](int s) { return bars + 8u * (kStages + s); };
   auto tile_free_bar = [&](int b) { return bars + 8u * (2 * kStages + b); };
   auto rows_ready_bar = [&](int b) { return bars + 8u * (2 * kStages + 2 + b); };
-  // epilogue_wg_mode: the staging tile holds a consumer warpgroup's rows (every thread of it wrote its part) / is free
-  // again (every epilogue thread read them); turn 2 i + w is warpgroup w's of the CTA's tile i
-  const uint32_t staging_full_bar = bars + 8u * (2 * kStages + 4), staging_empty_bar = staging_full_bar + 8u;
+  // epilogue_wg_mode: the staging tile holds a consumer warpgroup's rows (every thread of it wrote its part) / the
+  // epilogue warpgroup has read warpgroup w's rows (every epilogue thread); turn 2 i + w is warpgroup w's of the CTA's
+  // tile i. A consumer writes once the turn before its own, the other warpgroup's, was read. The "read" barrier is one
+  // per warpgroup because a parity wait tells apart only an mbarrier's current phase and the one before: with one for
+  // all turns, a consumer that ended its mainloop while the epilogue still read its own previous turn found the
+  // parity of the turn before that and went on (short K, where a mainloop is quicker than an epilogue turn). On the
+  // other warpgroup's barrier it waits at most one phase ahead of what it saw there last.
+  const uint32_t staging_full_bar = bars + 8u * (2 * kStages + 4);
+  auto staging_read_bar = [&](int w) { return bars + 8u * (2 * kStages + 5 + w); };
   // the tile of routing-row buffer b as block x n_tiles + column tile (decoded once, by the claiming thread), -1 once
   // the CTA's tiles are done
-  int* const tile_of = reinterpret_cast<int*>(gbase + kRowsAt + 2 * BM * 12 + (2 * kStages + 6) * 8);
+  int* const tile_of = reinterpret_cast<int*>(gbase + kRowsAt + 2 * BM * 12 + (2 * kStages + 7) * 8);
   if (threadIdx.x == 0) {
     // paired: a stage is free once the consumers of both CTAs released it (the peer's TMA writes into it too)
     init_ring<kStages>(bars, (paired ? 2 : 1) * CONSUMER_WARPS);
@@ -427,7 +433,7 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
     for (int b = 0; b < 2; ++b) mbar_init(tile_free_bar(b), kEpilogueWg ? 128 : CONSUMER_WARPS);
     if (kEpilogueWg) {
       mbar_init(staging_full_bar, 128);  // one consumer warpgroup's threads per turn
-      mbar_init(staging_empty_bar, 128);
+      for (int w = 0; w < CONSUMERS; ++w) mbar_init(staging_read_bar(w), 128);
     }
     // and holds the next tile's rows once each producer thread wrote its row (and thread 0 the tile number)
     for (int b = 0; b < 2; ++b) mbar_init(rows_ready_bar(b), 128);
@@ -562,7 +568,7 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
           } else {
             gate_up_rows(p, staging, slot_rows + buf * BM, block, n_tile, r_begin, etid / 32, etid % 32);
           }
-          mbar_arrive(staging_empty_bar);
+          mbar_arrive(staging_read_bar(w));
         }
         mbar_arrive(tile_free_bar(buf));
       }
@@ -581,7 +587,12 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
   RingPosition<kStages> ring;  // in step with the producer's ks
   for (int i = 0;; ++i) {
     const int buf = i & 1;
-    const int staging_turn = 2 * i + wg;  // epilogue_wg_mode (CONSUMERS == 2: static_assert below)
+    // epilogue_wg_mode: before writing turn 2 i + wg, wait until its predecessor (the other warpgroup's turn number
+    // (2 i + wg - 1) / 2) was read (CONSUMERS == 2: static_assert above)
+    const int staging_turn = 2 * i + wg;
+    auto wait_staging_free = [&] {
+      if (staging_turn > 0) mbar_wait(staging_read_bar((staging_turn - 1) & 1), ((staging_turn - 1) >> 1) & 1);
+    };
     mbar_wait(rows_ready_bar(buf), (i / 2) & 1);
     const int t = tile_of[buf];
     if (t < 0) break;
@@ -598,7 +609,7 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
       }
       // nothing to store: GATE_UP leaves these rows of the intermediate unwritten, DOWN never reads them (and the
       // epilogue warpgroup skips them), but the staging tile's turn is kept: see below
-      if (kEpilogueWg && staging_turn > 0) mbar_wait(staging_empty_bar, (staging_turn - 1) & 1);
+      if constexpr (kEpilogueWg) wait_staging_free();
     } else {
       float acc[128];
       int prev = 0;
@@ -639,7 +650,7 @@ __global__ void __launch_bounds__(threads_of(MODE), 1) moe_gemm_kernel(const __g
       // ------------------------------- epilogue -------------------------------
       // epilogue_wg_mode: the accumulators into the staging tile once the epilogue warpgroup has read the previous
       // turn's rows (the other warpgroup's)
-      if (kEpilogueWg && staging_turn > 0) mbar_wait(staging_empty_bar, (staging_turn - 1) & 1);
+      if constexpr (kEpilogueWg) wait_staging_free();
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int lr = wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
