@@ -23,7 +23,7 @@
 // Kernel 3 (the backward's dH, moe_grad_gate_up; persistent like down): A = grad_out rows gathered like x's, B =
 //   w2[e] read N-major (w2 is (dim, hidden): for grad_h = grad_out W2 the K dimension is dim, and 256 hidden columns
 //   are four 64-column TMA boxes; wgmma's transposed-B form, two m64n128 per K step: threads_of); the consumers leave
-//   grad_h as bf16 in a shared-memory staging tile and go on to the next tile, while a fourth warpgroup takes g | u of
+//   grad_h in fp32 in a shared-memory staging tile and go on to the next tile, while a fourth warpgroup takes g | u of
 //   each slot's compact row and writes the SwiGLU derivative (dg, du, p h) and each slot's partial <grad_h, h> over
 //   the tile's columns (summed over the column tiles afterwards in a fixed order: deterministic). grad_h itself never
 //   reaches global memory.
@@ -223,9 +223,9 @@ __device__ __forceinline__ uint32_t staging_fp32_at(int r, int chunk) {
 }
 // DH_SWIGLU's epilogue warpgroup, the tile's rows [r_begin, r_begin + STAGING_ROWS) (staging row r - r_begin): warp w
 // takes rows r_begin + w + 4 m, kRowsAtOnce of them at a time (their loads in flight together), lane l columns
-// n0 + 8 l .. + 7 (16-byte accesses of g | u, two of grad_h). From grad_h (fp32 staging), g | u (the compact row), it writes dg, du, p h there (as
-// swiglu_backward does: dh = p grad_h, du = dh silu(g), dg = dh u sig (1 + g (1 - sig))) and the row's <grad_h, h>
-// over the tile's columns into dot_partials.
+// n0 + 8 l .. + 7 (16-byte accesses of g | u, two of grad_h). From grad_h (fp32 staging) and g | u (the compact
+// row), it writes dg, du, p h there (as swiglu_backward does: dh = p grad_h, du = dh silu(g), dg = dh u sig (1 + g
+// (1 - sig))) and the row's <grad_h, h> over the tile's columns into dot_partials.
 constexpr int kRowsAtOnce = 4;
 constexpr int EPILOGUE_WARPS = 4;
 __device__ __forceinline__ void swiglu_grad_rows(const Params& p, const uint8_t* staging, const int* slot_of,
