@@ -17,8 +17,10 @@
 //   moe_grad_gate_up moe()'s backward, fused: grad_h = grad_out_t W2[e] of each routed slot (fp32, never stored) and
 //                   from it and g | u (moe_gate_up's rows) swiglu_backward's dg | du side by side in one
 //                   (M * top_k, 2 hidden) tensor (g | u's layout: a stacked [W1; W3] takes its gradient from it in one
-//                   GEMM, no concatenation), p h (compact rows, zero past the routed ones) and dL/dp (M, top_k) (zero
-//                   for unrouted slots).
+//                   GEMM, no concatenation) or, `halves_apart`, as (2, M * top_k, hidden): dg, then du, each
+//                   contiguous (separate w1 / w3: PyTorch's grouped GEMM for their gradients ran 7-11 % slower from
+//                   a half of the side-by-side tensor at DeepSeek-V3, BENCHMARKS.md session 36); p h (compact rows,
+//                   zero past the routed ones) and dL/dp (M, top_k) (zero for unrouted slots).
 //   moe_grad_x      moe()'s backward: dx[t] = sum over t's routed slots in k order of dg W1[e] + du W3[e] (dg, du:
 //                   moe_grad_gate_up's rows, e.g. the two halves of its dg | du), fp32 accumulation, rounded once to
 //                   bf16; `deterministic` selects the fixed-order sum on CUDA (else fp32 atomics; the CPU sum is
@@ -384,15 +386,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> swiglu_backward_cpu(c
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cpu(
     const at::Tensor& grad_out, const at::Tensor& w2, const at::Tensor& gate_up, const at::Tensor& sorted_token_ids,
     const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights,
-    int64_t top_k, int64_t block_m, int64_t num_experts) {
+    int64_t top_k, int64_t block_m, int64_t num_experts, bool halves_apart) {
   const char* op = "moe_grad_gate_up";
   MoeShape s = check_grad_gate_up_args(op, grad_out, w2, gate_up, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                        topk_weights, top_k, block_m);
   set_global_experts(op, num_experts, s);
   TORCH_CHECK(grad_out.device().is_cpu(), op, " (CPU): grad_out must be a CPU tensor, got ", grad_out.device());
   const int64_t slots = s.M * s.top_k;
-  auto grad_gate_up = at::zeros({slots, 2 * s.hidden}, grad_out.options());
-  auto grad_gate = grad_gate_up.narrow(1, 0, s.hidden), grad_up = grad_gate_up.narrow(1, s.hidden, s.hidden);
+  auto grad_gate_up = at::zeros(grad_gate_up_shape(slots, s.hidden, halves_apart), grad_out.options());
+  auto grad_gate = halves_apart ? grad_gate_up[0] : grad_gate_up.narrow(1, 0, s.hidden);
+  auto grad_up = halves_apart ? grad_gate_up[1] : grad_gate_up.narrow(1, s.hidden, s.hidden);
   auto weighted_h = at::zeros({slots, s.hidden}, grad_out.options());
   auto grad_weights = at::zeros({slots}, topk_weights.options());
   const auto flat_weights = topk_weights.reshape({slots});
@@ -499,8 +502,8 @@ TORCH_LIBRARY(flash_moe, m) {
   m.def("swiglu_backward(Tensor gate_up, Tensor grad_h, Tensor row_weights, Tensor valid) -> (Tensor grad_gate, "
         "Tensor grad_up, Tensor weighted_h, Tensor grad_row_weights)");
   m.def("moe_grad_gate_up(Tensor grad_out, Tensor w2, Tensor gate_up, Tensor sorted_token_ids, Tensor expert_ids, "
-        "Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, int block_m, int num_experts=-1) -> "
-        "(Tensor grad_gate_up, Tensor weighted_h, Tensor grad_topk_weights)");
+        "Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, int block_m, int num_experts=-1, "
+        "bool halves_apart=False) -> (Tensor grad_gate_up, Tensor weighted_h, Tensor grad_topk_weights)");
   m.def("moe_grad_x(Tensor grad_gate, Tensor grad_up, Tensor w1, Tensor w3, Tensor sorted_token_ids, "
         "Tensor expert_ids, Tensor num_tokens_post_padded, int top_k, int block_m, bool deterministic, "
         "int num_experts=-1) -> Tensor");

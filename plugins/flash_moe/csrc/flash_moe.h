@@ -314,6 +314,11 @@ inline MoeShape check_grad_gate_up_args(const char* op, const at::Tensor& grad_o
   return s;
 }
 
+// moe_grad_gate_up's dg | du: side by side (slots, 2 hidden), or dg then du, each contiguous (2, slots, hidden).
+inline std::vector<int64_t> grad_gate_up_shape(int64_t slots, int64_t hidden, bool halves_apart) {
+  return halves_apart ? std::vector<int64_t>{2, slots, hidden} : std::vector<int64_t>{slots, 2 * hidden};
+}
+
 // moe_grad_x: grad_gate, grad_up (M * top_k, hidden) bf16 (the halves of what moe_grad_gate_up returns, or any two
 // such tensors), w1 / w3 (E, hidden, dim)
 // bf16, the alignment, all on grad_gate's device. M = rows / top_k.

@@ -124,12 +124,13 @@ def _(gate_up, grad_h, row_weights, valid):
 
 @torch.library.register_fake("flash_moe::moe_grad_gate_up")
 def _(grad_out, w2, gate_up, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k, block_m,
-      num_experts=-1):
+      num_experts=-1, halves_apart=False):
     M, _, hidden, E = checks.check_grad_gate_up_args("moe_grad_gate_up", grad_out, w2, gate_up, sorted_token_ids,
                                                      expert_ids, num_tokens_post_padded, topk_weights, top_k,
                                                      block_m, CONSTANTS)
     checks.check_global_experts("moe_grad_gate_up", num_experts, E)
-    return (grad_out.new_empty((M * top_k, 2 * hidden)), grad_out.new_empty((M * top_k, hidden)),
+    grad_gate_up = (2, M * top_k, hidden) if halves_apart else (M * top_k, 2 * hidden)
+    return (grad_out.new_empty(grad_gate_up), grad_out.new_empty((M * top_k, hidden)),
             topk_weights.new_empty((M, top_k)))
 
 
@@ -534,9 +535,11 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, ids, tw, align, needs, expert
     grad_tw = grad_x = grad_w1 = grad_w2 = grad_w3 = grad_gate_up = grad_gate = grad_up = None
     go = grad_out.to(x.dtype)
     if need_x or need_w1 or need_w3 or need_tw:
+        # dg | du side by side for a stacked [W1; W3] (its one weight-gradient GEMM), else one contiguous tensor
+        # each (the grouped GEMMs read a half of the side-by-side tensor 7-11 % slower: BENCHMARKS.md session 36)
         grad_gate_up, weighted_h, grad_p = torch.ops.flash_moe.moe_grad_gate_up(go, w2, gate_up, *align, tw, top_k,
-                                                                                BLOCK_M, global_experts)
-        grad_gate, grad_up = grad_gate_up.split(w1.shape[1], 1)  # views: read in place below
+                                                                                BLOCK_M, global_experts, not stacked)
+        grad_gate, grad_up = grad_gate_up.split(w1.shape[1], 1) if stacked else grad_gate_up.unbind(0)
         if need_tw:
             grad_tw = grad_p.to(tw_dtype)
     else:  # w2's gradient alone takes only p h, which swiglu_backward computes without reading grad_h

@@ -65,8 +65,8 @@ def op_samples(kernel, device):
 
 
 def grad_gate_up_samples(ops, x, w1, w2, w3, tw, align, top_k):
-    """The backward's dH op, and dx from the two halves of its dg | du rows (read in place: both combine orders) and
-    from contiguous copies."""
+    """The backward's dH op (dg | du side by side and apart), and dx from the two halves of its dg | du rows (read in
+    place: both combine orders) and from contiguous copies."""
     gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, ops.BLOCK_M)
     grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(8)).to(x.dtype).to(x.device)
     dgu, _, _ = torch.ops.flash_moe.moe_grad_gate_up(grad_out, w2, gate_up, *align, tw, top_k, ops.BLOCK_M)
@@ -74,6 +74,7 @@ def grad_gate_up_samples(ops, x, w1, w2, w3, tw, align, top_k):
     global_experts = {"num_experts": 4 * w1.shape[0]}  # expert parallelism: the launch rules' global count
     return [("moe_grad_gate_up", (grad_out, w2, gate_up, *align, tw, top_k, ops.BLOCK_M), {}),
             ("moe_grad_gate_up", (grad_out, w2, gate_up, *align, tw, top_k, ops.BLOCK_M), global_experts),
+            ("moe_grad_gate_up", (grad_out, w2, gate_up, *align, tw, top_k, ops.BLOCK_M), {"halves_apart": True}),
             ("moe_grad_x", (dg, du, w1, w3, *align, top_k, ops.BLOCK_M, False), {}),
             ("moe_grad_x", (dg, du, w1, w3, *align, top_k, ops.BLOCK_M, True), global_experts),
             ("moe_grad_x", (dg.contiguous(), du.contiguous(), w1, w3, *align, top_k, ops.BLOCK_M, False), {})]

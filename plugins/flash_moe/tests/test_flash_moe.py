@@ -671,10 +671,11 @@ def check_swiglu_backward(device, rows=333, hidden=192):
 
 
 def check_moe_grad_gate_up(device, T=300, dim=256, hidden=192, E=6, top_k=2, expert_start=0, num_global=None,
-                           idle=False):
+                           idle=False, halves_apart=False):
     """moe_grad_gate_up against float64: grad_h = grad_out_t W2[e] from the bf16 operands, then swiglu_backward's
     float64 reference on the op's own g | u input. Unrouted slots (-1, other ranks' experts) give zero rows and
-    weights; ``idle``: every slot goes to expert 0 or E - 1 (the others receive none)."""
+    weights; ``idle``: every slot goes to expert 0 or E - 1 (the others receive none); ``halves_apart``: dg and du
+    as one contiguous tensor each, (2, slots, hidden), instead of side by side."""
     x, w1, w2, w3, ids, tw = make(T, dim, hidden, E, top_k, device, seed=14, num_global=num_global)
     ids = ids.clone()
     if idle:
@@ -683,7 +684,8 @@ def check_moe_grad_gate_up(device, T=300, dim=256, hidden=192, E=6, top_k=2, exp
     align = ops.moe_align(ids, num_global or E, expert_start=expert_start, num_local_experts=E)
     gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, top_k, ops.BLOCK_M)
     grad_out = torch.randn(T, dim, generator=torch.Generator().manual_seed(15)).to(torch.bfloat16).to(device)
-    got = torch.ops.flash_moe.moe_grad_gate_up(grad_out, w2, gate_up, *align, tw, top_k, ops.BLOCK_M)
+    args = (grad_out, w2, gate_up, *align, tw, top_k, ops.BLOCK_M, -1, halves_apart)
+    got = torch.ops.flash_moe.moe_grad_gate_up(*args)
     # the routed slots in moe_align's order, as gate_up_reference lists them
     flat = ids.reshape(-1).long().cpu() - expert_start
     slots = [s for e in range(E) for s in torch.nonzero((ids.reshape(-1).cpu() >= 0) & (flat == e)).squeeze(1).tolist()]
@@ -697,15 +699,20 @@ def check_moe_grad_gate_up(device, T=300, dim=256, hidden=192, E=6, top_k=2, exp
     want = swiglu_backward_reference(gate_up.cpu()[:n], grad_h, p, torch.ones(n, dtype=torch.bool))
     want_tw = torch.zeros(T * top_k, dtype=torch.float64).index_copy_(0, slot_t, want[3]).view(T, top_k)
     dgu = got[0]
-    assert dgu.dtype == torch.bfloat16 and dgu.shape == (T * top_k, 2 * hidden)
-    for name, a, b in zip(("grad_gate", "grad_up", "weighted_h"), (*dgu.split(hidden, 1), got[1]), want[:3]):
+    if halves_apart:
+        assert dgu.dtype == torch.bfloat16 and dgu.shape == (2, T * top_k, hidden) and dgu.is_contiguous()
+        halves = dgu.unbind(0)
+    else:
+        assert dgu.dtype == torch.bfloat16 and dgu.shape == (T * top_k, 2 * hidden)
+        halves = dgu.split(hidden, 1)
+    for name, a, b in zip(("grad_gate", "grad_up", "weighted_h"), (*halves, got[1]), want[:3]):
         assert a.dtype == torch.bfloat16 and a.shape == (T * top_k, hidden), name
         # grad_h in fp32 (never rounded), each element rounded once to bf16
         torch.testing.assert_close(a[:n].cpu().double(), b, rtol=2**-7, atol=1e-3, msg=name)
         assert not a[n:].any(), f"{name}: rows past the routed slots must be zero"
     assert got[2].dtype == torch.float32 and got[2].shape == (T, top_k)
     torch.testing.assert_close(got[2].cpu().double(), want_tw, rtol=2**-12, atol=1e-3)
-    return got, (grad_out, w2, gate_up, *align, tw, top_k, ops.BLOCK_M)
+    return got, args
 
 
 def check_moe_grad_x(device, T=300, dim=256, hidden=192, E=6, top_k=2, expert_start=0, num_global=None, idle=False,
@@ -821,6 +828,8 @@ def test_cpu_moe_grad_gate_up_matches_reference():
     check_moe_grad_gate_up("cpu", T=1, E=2)
     check_moe_grad_gate_up("cpu", E=4, top_k=3, expert_start=4, num_global=8)
     check_moe_grad_gate_up("cpu", idle=True)
+    check_moe_grad_gate_up("cpu", halves_apart=True)
+    check_moe_grad_gate_up("cpu", E=4, top_k=3, expert_start=4, num_global=8, halves_apart=True)
 
 
 @cpu
@@ -1022,10 +1031,13 @@ def test_cuda_backward_pieces_match_reference():
 @pytest.mark.kernel(KERNEL)
 @pytest.mark.parametrize("case", [dict(), dict(T=1, E=2), dict(E=4, top_k=3, expert_start=4, num_global=8),
                                   dict(idle=True), dict(T=77, dim=512, hidden=320, E=8), dict(T=1000, dim=2048,
-                                  hidden=768, E=16, top_k=8), dict(T=600, dim=1024, hidden=640, E=2, top_k=1)])
+                                  hidden=768, E=16, top_k=8), dict(T=600, dim=1024, hidden=640, E=2, top_k=1),
+                                  dict(T=77, dim=512, hidden=320, E=8, halves_apart=True),
+                                  dict(E=4, top_k=3, expert_start=4, num_global=8, halves_apart=True)])
 def test_cuda_moe_grad_gate_up_matches_reference(case):
     """The dH kernel: a partial column tile (hidden 192, 320, 640), M = 1, EP, idle experts, several blocks per
-    expert (CTA pairs) and more K tiles than ring stages; the same bits on a second run and close to the CPU op."""
+    expert (CTA pairs), more K tiles than ring stages, and dg, du apart (two tensors); the same bits on a second
+    run and close to the CPU op."""
     got, args = check_moe_grad_gate_up("cuda", **case)
     again = torch.ops.flash_moe.moe_grad_gate_up(*args)
     for a, b in zip(got, again):

@@ -759,7 +759,7 @@ at::Tensor moe_gate_up_cuda(const at::Tensor& x, const at::Tensor& w1, const at:
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda(
     const at::Tensor& grad_out, const at::Tensor& w2_in, const at::Tensor& gate_up, const at::Tensor& sorted_token_ids,
     const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights,
-    int64_t top_k, int64_t block_m, int64_t num_experts) {
+    int64_t top_k, int64_t block_m, int64_t num_experts, bool halves_apart) {
   const char* op = "moe_grad_gate_up";
   MoeShape s = check_grad_gate_up_args(op, grad_out, w2_in, gate_up, sorted_token_ids, expert_ids,
                                        num_tokens_post_padded, topk_weights, top_k, block_m);
@@ -775,7 +775,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda(
   }
   const auto sorted = sorted_token_ids.contiguous(), eids = expert_ids.contiguous();
   const int64_t slots = s.M * s.top_k;
-  auto grad_gate_up = at::empty({slots, 2 * s.hidden}, go.options());
+  auto grad_gate_up = at::empty(grad_gate_up_shape(slots, s.hidden, halves_apart), go.options());
+  // the kernel writes dg and du at one row stride from two pointers: side by side, or one contiguous tensor each
+  auto grad_gate = halves_apart ? grad_gate_up[0] : grad_gate_up.narrow(1, 0, s.hidden);
+  auto grad_up = halves_apart ? grad_gate_up[1] : grad_gate_up.narrow(1, s.hidden, s.hidden);
   auto weighted_h = at::empty({slots, s.hidden}, go.options());
   const int n_tiles = static_cast<int>((s.hidden + sm90::BN - 1) / sm90::BN);
   auto partials = at::zeros({n_tiles, slots}, go.options().dtype(at::kFloat));
@@ -785,7 +788,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda(
   p.saved = const_cast<__nv_bfloat16*>(reinterpret_cast<const __nv_bfloat16*>(gu.const_data_ptr()));
   p.ld_saved = 2 * s.hidden;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  zero_rows_past(grad_gate_up, rows.count);
+  if (halves_apart) {  // zero_rows_past takes whole rows of a contiguous [rows, width] tensor
+    zero_rows_past(grad_gate, rows.count);
+    zero_rows_past(grad_up, rows.count);
+  } else {
+    zero_rows_past(grad_gate_up, rows.count);
+  }
   zero_rows_past(weighted_h, rows.count);
   if (s.blocks > 0 && s.M > 0) {
     p.top_k = static_cast<int>(s.top_k);
@@ -803,9 +811,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda(
     p.n_total = static_cast<int>(s.hidden);
     p.k_tiles = static_cast<int>(s.dim / sm90::BK);
     p.topk_weights = tw.const_data_ptr<float>();
-    p.grad_gate = reinterpret_cast<__nv_bfloat16*>(grad_gate_up.mutable_data_ptr());
-    p.grad_up = p.grad_gate + s.hidden;
-    p.ld_grad = 2 * s.hidden;
+    p.grad_gate = reinterpret_cast<__nv_bfloat16*>(grad_gate.mutable_data_ptr());
+    p.grad_up = reinterpret_cast<__nv_bfloat16*>(grad_up.mutable_data_ptr());
+    p.ld_grad = grad_gate.stride(0);
     p.weighted_h = reinterpret_cast<__nv_bfloat16*>(weighted_h.mutable_data_ptr());
     p.dot_partials = partials.mutable_data_ptr<float>();
     p.tile_counter = tile_counter.mutable_data_ptr<int>();
