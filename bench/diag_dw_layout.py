@@ -5,7 +5,7 @@ contiguous tensor of their own (the grouped-mm path's autograd gradient), and dW
 the bf16 ceiling of the same run. If the half-view form is the slower, moe_grad_gate_up writing dg and du apart for
 separate w1 / w3 is the lever; if not, the gap is the clocks under our heavier kernels before it.
 
-    python3 bench/diag_dw_layout.py [--shapes mixtral,qwen3-30b-a3b]
+    python3 bench/diag_dw_layout.py [--shapes mixtral,deepseek-v3]
 """
 import argparse
 
@@ -35,7 +35,7 @@ for name, T, E, k, dim, hidden in SHAPES:
              "dW2 (grad_out rows against p h)": lambda: torch._grouped_mm(gathered.t(), weighted_h, offs=offs)}
     assert torch.equal(forms["dW1 from the [dg | du] half"](), forms["dW1 from its own tensor"]())
     times = interleaved(forms, rounds=4)
-    floor = 2 * S * dim * hidden / ceiling * 1e3
+    flops = 2 * S * dim * hidden  # each of the three products
     for form, ms in times.items():
-        print(f"  {name} {form}: {ms:.3f} ms, {2 * S * dim * hidden / ms / 1e9:.0f} TFLOP/s (floor {floor:.3f} ms)")
-    del gathered, both, half, own, weighted_h
+        print(f"  {name} {form}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s (floor {flops / ceiling * 1e3:.3f} ms)")
+    del forms, gathered, both, half, own, weighted_h  # the lambdas hold the tensors too
