@@ -394,8 +394,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cpu(
   TORCH_CHECK(grad_out.device().is_cpu(), op, " (CPU): grad_out must be a CPU tensor, got ", grad_out.device());
   const int64_t slots = s.M * s.top_k;
   auto grad_gate_up = at::zeros(grad_gate_up_shape(slots, s.hidden, halves_apart), grad_out.options());
-  auto grad_gate = halves_apart ? grad_gate_up[0] : grad_gate_up.narrow(1, 0, s.hidden);
-  auto grad_up = halves_apart ? grad_gate_up[1] : grad_gate_up.narrow(1, s.hidden, s.hidden);
+  auto [grad_gate, grad_up] = grad_gate_up_halves(grad_gate_up, s.hidden, halves_apart);
   auto weighted_h = at::zeros({slots, s.hidden}, grad_out.options());
   auto grad_weights = at::zeros({slots}, topk_weights.options());
   const auto flat_weights = topk_weights.reshape({slots});

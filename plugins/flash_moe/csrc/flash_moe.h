@@ -318,6 +318,12 @@ inline MoeShape check_grad_gate_up_args(const char* op, const at::Tensor& grad_o
 inline std::vector<int64_t> grad_gate_up_shape(int64_t slots, int64_t hidden, bool halves_apart) {
   return halves_apart ? std::vector<int64_t>{2, slots, hidden} : std::vector<int64_t>{slots, 2 * hidden};
 }
+// Its dg and du views (either layout).
+inline std::pair<at::Tensor, at::Tensor> grad_gate_up_halves(const at::Tensor& grad_gate_up, int64_t hidden,
+                                                             bool halves_apart) {
+  if (halves_apart) return {grad_gate_up[0], grad_gate_up[1]};
+  return {grad_gate_up.narrow(1, 0, hidden), grad_gate_up.narrow(1, hidden, hidden)};
+}
 
 // moe_grad_x: grad_gate, grad_up (M * top_k, hidden) bf16 (the halves of what moe_grad_gate_up returns, or any two
 // such tensors), w1 / w3 (E, hidden, dim)

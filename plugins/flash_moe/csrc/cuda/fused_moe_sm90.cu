@@ -777,8 +777,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda(
   const int64_t slots = s.M * s.top_k;
   auto grad_gate_up = at::empty(grad_gate_up_shape(slots, s.hidden, halves_apart), go.options());
   // the kernel writes dg and du at one row stride from two pointers: side by side, or one contiguous tensor each
-  auto grad_gate = halves_apart ? grad_gate_up[0] : grad_gate_up.narrow(1, 0, s.hidden);
-  auto grad_up = halves_apart ? grad_gate_up[1] : grad_gate_up.narrow(1, s.hidden, s.hidden);
+  auto [grad_gate, grad_up] = grad_gate_up_halves(grad_gate_up, s.hidden, halves_apart);
   auto weighted_h = at::empty({slots, s.hidden}, go.options());
   const int n_tiles = static_cast<int>((s.hidden + sm90::BN - 1) / sm90::BN);
   auto partials = at::zeros({n_tiles, slots}, go.options().dtype(at::kFloat));
