@@ -12,7 +12,7 @@
 Timing: triton.testing.do_bench median; ours and the grouped-mm path timed in turns, the order reversed each round
 (``common.interleaved``: the H200 lowers its clocks at its power cap within a run). FLOPs = 2 T k dim 2 hidden + 2 T k
 hidden dim (forward); forward+backward counts 3x that (``recompute_gate_up=True``'s recomputed gate/up not counted).
-The backward alone (autograd.grad on a kept graph, both paths) is reported in model FLOPs (2x the forward's: the
+The backward alone (each call's backward between CUDA events after its untimed forward: common.backward_ms) is reported in model FLOPs (2x the forward's: the
 recomputation not counted, so the TFLOP/s of both paths compare). Peak memory: allocated at the peak of one
 forward+backward above the inputs (gradients included). Routing: uniform random top-k ids, softmax weights.
 ``sonicmoe-7b``: SonicMoE's fine-grained 7B shape.
@@ -32,8 +32,8 @@ import statistics
 import time
 
 import torch
-from common import (CEILING_WARMUP_MS, do_bench, free, gpu_timeline, interleaved, matmul_ceiling, peak_extra,
-                    sampled_clocks)
+from common import (CEILING_WARMUP_MS, backward_ms, do_bench, free, gpu_timeline, interleaved, matmul_ceiling,
+                    peak_extra, sampled_clocks)
 
 # (name, T, E, top_k, dim, hidden)
 SHAPES = [
@@ -442,14 +442,11 @@ def bench_sonicmoe(ops, shapes, ceiling, warm_only=False):
                 drop_grads()
                 row.update(fwd_ms=fwd["sonic"], ours_fwd_ms=fwd["ours"], fwd_bwd_ms=fwd_bwd_ms["sonic"],
                            ours_fwd_bwd_ms=fwd_bwd_ms["ours"])
-                # the backward alone, autograd.grad on a kept graph, as the main rows time ours
+                # the backward alone, after an untimed forward each call, as the main rows time ours
                 try:
-                    kept_sonic, kept_ours = sonic(), ours()
-                    bwd = interleaved({
-                        "sonic": lambda: torch.autograd.grad(kept_sonic, leaves, go, retain_graph=True),
-                        "ours": lambda: torch.autograd.grad(kept_ours, mine, go, retain_graph=True)}, **SONIC_TIMING)
+                    bwd = interleaved({"sonic": sonic, "ours": ours}, **SONIC_TIMING,
+                                      timer=functools.partial(backward_ms, go=go, grad_to_none=leaves + mine))
                     row.update(bwd_ms=bwd["sonic"], ours_bwd_ms=bwd["ours"])
-                    del kept_sonic, kept_ours
                 except Exception as exc:  # noqa: BLE001: the other timings of the row stand
                     row["bwd_error"] = f"{type(exc).__name__}: {exc}"
                 drop_grads()
@@ -567,11 +564,9 @@ def main():
                                   "det": lambda: ops.moe(*p, deterministic=True).backward(go),
                                   "peer": lambda: moe_grouped_mm(*p).backward(go)}, grad_to_none=leaves)
             fb, fb_recompute, fb_det, fb_peer = fb_all["ours"], fb_all["recompute"], fb_all["det"], fb_all["peer"]
-            out, out_peer = ops.moe(*p), moe_grouped_mm(*p)
-            bwd_all = interleaved({"ours": lambda: torch.autograd.grad(out, leaves, go, retain_graph=True),
-                                   "peer": lambda: torch.autograd.grad(out_peer, leaves, go, retain_graph=True)})
+            bwd_all = interleaved({"ours": lambda: ops.moe(*p), "peer": lambda: moe_grouped_mm(*p)},
+                                  timer=functools.partial(backward_ms, go=go, grad_to_none=leaves))
             bwd, bwd_peer = bwd_all["ours"], bwd_all["peer"]
-            del out, out_peer
             # peak memory of one forward+backward above the inputs (activations saved for backward, temporaries and
             # the gradients, which start as None each time)
             mem = {}

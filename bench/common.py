@@ -11,16 +11,42 @@ def do_bench(fn, grad_to_none=None, warmup=25, rep=100) -> float:
     return triton_do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
 
 
-def interleaved(fns: dict, rounds: int = 2, **bench_args) -> dict:
-    """Median ms of each of ``fns`` (name -> callable) timed in turns, the order reversed every round (A B, B A, ...):
-    an H200 under sustained load draws up to its power cap and lowers its clocks within the run (session 18: 1980
-    -> 1560 MHz at DeepSeek-V3), which a fixed order would charge to whichever runs last."""
+def backward_ms(forward, go, grad_to_none=(), warmup=25, rep=100) -> float:
+    """Median milliseconds of the backward alone of ``forward().backward(go)``: each call's forward runs untimed and
+    its backward between CUDA events. A second backward over a retained graph is not what training runs (moe() hands
+    the g | u its forward kept to the first backward, which frees it; a retained graph's next one recomputes it)."""
+    import statistics
+
+    def timed_backward():
+        for t in grad_to_none:
+            t.grad = None
+        out = forward()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out.backward(go)
+        end.record()
+        return start, end
+
+    def median_of(calls):
+        events = [timed_backward() for _ in range(calls)]
+        torch.cuda.synchronize()
+        return statistics.median(start.elapsed_time(end) for start, end in events)
+
+    estimate = median_of(3)
+    median_of(max(1, int(warmup / estimate)))
+    return median_of(max(5, int(rep / estimate)))
+
+
+def interleaved(fns: dict, rounds: int = 2, timer=do_bench, **bench_args) -> dict:
+    """Median ms of each of ``fns`` (name -> callable) timed in turns by ``timer``, the order reversed every round
+    (A B, B A, ...): an H200 under sustained load draws up to its power cap and lowers its clocks within the run
+    (session 18: 1980 -> 1560 MHz at DeepSeek-V3), which a fixed order would charge to whichever runs last."""
     import statistics
 
     names, times = list(fns), {name: [] for name in fns}
     for r in range(rounds):
         for name in names if r % 2 == 0 else reversed(names):
-            times[name].append(do_bench(fns[name], **bench_args))
+            times[name].append(timer(fns[name], **bench_args))
     return {name: statistics.median(v) for name, v in times.items()}
 
 
