@@ -13,8 +13,9 @@ Timing: triton.testing.do_bench median; ours and the grouped-mm path timed in tu
 (``common.interleaved``: the H200 lowers its clocks at its power cap within a run). FLOPs = 2 T k dim 2 hidden + 2 T k
 hidden dim (forward); forward+backward counts 3x that (``recompute_gate_up=True``'s recomputed gate/up not counted).
 The backward alone (each call's backward between CUDA events after its untimed forward: common.backward_ms) is
-reported in model FLOPs (2x the forward's: the recomputation not counted, so the TFLOP/s of both paths compare). Peak memory: allocated at the peak of one
-forward+backward above the inputs (gradients included). Routing: uniform random top-k ids, softmax weights.
+reported in model FLOPs (2x the forward's: the recomputation not counted, so the TFLOP/s of both paths compare).
+Peak memory: allocated at the peak of one forward+backward above the inputs (gradients included). Routing: uniform
+random top-k ids, softmax weights.
 ``sonicmoe-7b``: SonicMoE's fine-grained 7B shape.
 
 mxfp8 rows (DeepSeek-V3 and Qwen3-30B-A3B): ``moe(mxfp8=True)`` forward (x quantized per call, weights cached;
