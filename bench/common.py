@@ -13,8 +13,8 @@ def do_bench(fn, grad_to_none=None, warmup=25, rep=100) -> float:
 
 def backward_ms(forward, go, grad_to_none=(), warmup=25, rep=100) -> float:
     """Median milliseconds of the backward alone of ``forward().backward(go)``: each call's forward runs untimed and
-    its backward between CUDA events. A second backward over a retained graph is not what training runs (moe() hands
-    the g | u its forward kept to the first backward, which frees it; a retained graph's next one recomputes it)."""
+    its backward between CUDA events. A backward over a retained graph is not what training runs: a build that frees
+    what its forward kept once the first backward has used it recomputes it on every later one (session 37)."""
     import statistics
 
     def timed_backward():
