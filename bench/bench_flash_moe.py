@@ -46,9 +46,10 @@ SHAPES = [
     ("sonicmoe-7b", 24576, 128, 8, 1536, 256),
 ]
 TARGETS = {"qwen3-30b-a3b": 2.0, "deepseek-v3": 1.6, "mixtral": 1.3}
-# SonicMoE against ours: ~1 s of calls per timing, 4 rounds (do_bench's default 100 ms is 3 calls at Mixtral, and
-# session 37's H200 saw ours 10 % slower there than in the main rows and in the same run's GPU timeline)
-SONIC_TIMING = {"rounds": 4, "rep": 1000}
+# ~1 s of calls per timing, 4 rounds, for rows decided within a few percent (SonicMoE against ours, the diagnostics):
+# do_bench's default 100 ms is 3 calls at Mixtral, and session 37's H200 saw ours 10 % slower there than in the main
+# rows and in the same run's GPU timeline
+LONG_TIMING = {"rounds": 4, "rep": 1000}
 MXFP8_SHAPES = [
     ("deepseek-v3 mxfp8", 8192, 256, 8, 7168, 2048),
     ("qwen3-30b-a3b mxfp8", 16384, 128, 8, 2048, 768),
@@ -69,7 +70,7 @@ def fp8_ceiling() -> float:
 def bench_mxfp8(ops, fp8_peak, bf16_peak):
     rows = []
     for name, T, E, k, dim, hidden in MXFP8_SHAPES:
-        flops = 2 * T * k * dim * 2 * hidden + 2 * T * k * hidden * dim
+        flops = forward_flops(T * k, dim, hidden)
         with torch.no_grad():
             p = problem(T, E, k, dim, hidden)
             bf16 = do_bench(lambda: ops.moe(*p))
@@ -338,7 +339,7 @@ def bench_expert_parallel(ops, name, T, E, k, dim, hidden, ranks, ceiling):
         "local count": lambda: ops.moe(x, w1, w2, w3, ids, tw, expert_start=start).backward(go),
         "grouped-mm": lambda: moe_grouped_mm(x, w1, w2, w3, ids, tw, start).backward(go)}, grad_to_none=leaves)
     routed = ((ids >= start) & (ids < start + local)).sum().item()
-    flops = 3 * (2 * routed * dim * 2 * hidden + 2 * routed * hidden * dim)
+    flops = 3 * forward_flops(routed, dim, hidden)
     print(f"  {name} EP{ranks} (experts [{start}, {start + local}), {routed} routed slots) fwd+bwd: global count "
           f"{times['global count']:.3f} ms ({flops / times['global count'] / 1e9:.0f} TFLOP/s), local count "
           f"{times['local count']:.3f} (x{times['local count'] / times['global count']:.3f}), grouped-mm "
@@ -349,6 +350,11 @@ def bench_expert_parallel(ops, name, T, E, k, dim, hidden, ranks, ceiling):
     return {"shape": name, "ranks": ranks, "expert_start": start, "routed_slots": routed,
             **{f"{key.replace(' ', '_').replace('-', '_')}_fwd_bwd_ms": ms for key, ms in times.items()},
             "floor_ms": flops / ceiling * 1e3}
+
+
+def forward_flops(slots, dim, hidden):
+    """Model FLOPs of one forward over ``slots`` routed (token, expert) pairs: gate/up (2 hidden columns) and down."""
+    return 2 * slots * dim * 2 * hidden + 2 * slots * hidden * dim
 
 
 def problem(T, E, k, dim, hidden, grad=False):
@@ -383,7 +389,7 @@ def bench_sonicmoe(ops, shapes, ceiling, warm_only=False):
         return [{"peer": "sonicmoe", "error": f"{type(exc).__name__}: {exc}"}]
     rows = []
     for name, T, E, k, dim, hidden in shapes:
-        flops = 2 * T * k * dim * 2 * hidden + 2 * T * k * hidden * dim
+        flops = forward_flops(T * k, dim, hidden)
         x, w1, w2, w3, ids, tw = problem(T, E, k, dim, hidden)
         # [W1; W3] once, for both: SonicMoE's (2I, H, E) view and ours' stacked (E, 2I, H) form (at DeepSeek-V3 a
         # second copy of the gate/up weights overflows an 80 GiB card)
@@ -437,15 +443,15 @@ def bench_sonicmoe(ops, shapes, ceiling, warm_only=False):
                 del out, ref
                 go = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
                 with torch.no_grad():
-                    fwd = interleaved({"sonic": sonic, "ours": ours}, **SONIC_TIMING)
+                    fwd = interleaved({"sonic": sonic, "ours": ours}, **LONG_TIMING)
                 fwd_bwd_ms = interleaved({"sonic": fwd_bwd(sonic, mine), "ours": fwd_bwd(ours, leaves)},
-                                         grad_to_none=leaves + mine, **SONIC_TIMING)
+                                         grad_to_none=leaves + mine, **LONG_TIMING)
                 drop_grads()
                 row.update(fwd_ms=fwd["sonic"], ours_fwd_ms=fwd["ours"], fwd_bwd_ms=fwd_bwd_ms["sonic"],
                            ours_fwd_bwd_ms=fwd_bwd_ms["ours"])
                 # the backward alone, after an untimed forward each call, as the main rows time ours
                 try:
-                    bwd = interleaved({"sonic": sonic, "ours": ours}, **SONIC_TIMING,
+                    bwd = interleaved({"sonic": sonic, "ours": ours}, **LONG_TIMING,
                                       timer=functools.partial(backward_ms, go=go, grad_to_none=leaves + mine))
                     row.update(bwd_ms=bwd["sonic"], ours_bwd_ms=bwd["ours"])
                 except Exception as exc:  # noqa: BLE001: the other timings of the row stand
@@ -537,7 +543,7 @@ def main():
             return
     mxfp8_rows = [] if args.no_mxfp8 else bench_mxfp8(ops, fp8_peak, ceiling)
     for name, T, E, k, dim, hidden in shapes:
-        flops = 2 * T * k * dim * 2 * hidden + 2 * T * k * hidden * dim
+        flops = forward_flops(T * k, dim, hidden)
         row = {"shape": name, "T": T, "E": E, "top_k": k, "dim": dim, "hidden": hidden}
         with torch.no_grad():
             p = problem(T, E, k, dim, hidden)

@@ -10,13 +10,12 @@ import argparse
 import torch
 
 import prime_kernels
-from bench_flash_moe import SHAPES, problem
-from common import gpu_timeline, interleaved, matmul_ceiling
+from bench_flash_moe import LONG_TIMING, SHAPES, forward_flops, problem
+from common import free, gpu_timeline, interleaved, matmul_ceiling
 from prime_kernels_flash_moe.reference import moe_grouped_mm
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--shapes", default="mixtral,qwen3-30b-a3b")
-parser.add_argument("--rounds", type=int, default=4)
 args = parser.parse_args()
 ops = prime_kernels.load("flash_moe")
 ceiling = matmul_ceiling()
@@ -31,12 +30,12 @@ for name, T, E, k, dim, hidden in SHAPES:
     forms = {"w1, w3 apart": lambda: ops.moe(x, w1, w2, w3, ids, tw).backward(go),
              "[W1; W3] stacked": lambda: ops.moe(x, w13, w2, None, ids, tw).backward(go),
              "grouped-mm": lambda: moe_grouped_mm(x, w1, w2, w3, ids, tw).backward(go)}
-    times = interleaved(forms, rounds=args.rounds, grad_to_none=leaves, rep=1000)
-    flops = 3 * (2 * T * k * dim * 2 * hidden + 2 * T * k * hidden * dim)
+    times = interleaved(forms, grad_to_none=leaves, **LONG_TIMING)
+    flops = 3 * forward_flops(T * k, dim, hidden)
     print(f"{name}: fwd+bwd floor {flops / ceiling * 1e3:.3f} ms at the ceiling")
     for form, ms in times.items():
         span = gpu_timeline(forms[form], grad_to_none=leaves)["span_ms"]
         print(f"  {form:18s} {ms:7.3f} ms ({flops / ms / 1e9:4.0f} TFLOP/s), x{times['grouped-mm'] / ms:.3f} the "
               f"grouped-mm path; timeline span {span:.3f} ms")
     del forms, x, w1, w2, w3, w13, leaves
-    torch.cuda.empty_cache()
+    free()

@@ -14,7 +14,7 @@ import argparse
 import json
 
 import torch
-from bench_flash_moe import SHAPES, problem
+from bench_flash_moe import SHAPES, forward_flops, problem
 from common import do_bench, free, matmul_ceiling
 from profile_flash_moe import per_kernel_ms
 
@@ -39,7 +39,7 @@ def main():
     rows = []
     for name in args.shape:
         _, T, E, k, dim, hidden = next(s for s in SHAPES if s[0] == name)
-        flops = 2 * T * k * dim * 2 * hidden + 2 * T * k * hidden * dim
+        flops = forward_flops(T * k, dim, hidden)
         with torch.no_grad():
             p = list(problem(T, E, k, dim, hidden))
             for routing, ids in (("random", p[4]), ("balanced", balanced_ids(T, E, k))):
