@@ -76,7 +76,7 @@ def bench_mxfp8(ops, fp8_peak, bf16_peak):
             bf16 = do_bench(lambda: ops.moe(*p))
             mx = do_bench(lambda: ops.moe(*p, mxfp8=True))  # first call (warmup) fills the weight cache
             xq, xs = ops.quantize_mxfp8(p[0], exponent_block=ops.MXFP8_ALIGN)
-            wq, ws, w2q, w2s = ops._cached_quantized_weights(p[1], p[2], p[3])
+            wq, ws, w2q, w2s = ops.cached_quantized_weights(p[1], p[2], p[3])
             s, e, n = ops.moe_align(p[4], E)
             out = torch.empty_like(p[0])
             fused = do_bench(lambda: ops.fused_moe_mxfp8(xq, xs, wq, ws, w2q, w2s, s, e, n, p[5], out, k))

@@ -64,7 +64,7 @@ def main():
         with torch.no_grad():
             p = problem(T, E, k, dim, hidden)
             xq, xs = ops.quantize_mxfp8(p[0], exponent_block=ops.MXFP8_ALIGN)
-            wq, ws, w2q, w2s = ops._cached_quantized_weights(p[1], p[2], p[3])
+            wq, ws, w2q, w2s = ops.cached_quantized_weights(p[1], p[2], p[3])
             s, e, n = ops.moe_align(p[4], E)
         out = torch.empty_like(p[0])
         paths = {"bf16 moe": lambda: ops.moe(*p), "mxfp8 moe": lambda: ops.moe(*p, mxfp8=True),

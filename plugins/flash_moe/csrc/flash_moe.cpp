@@ -119,8 +119,71 @@ void for_each_block(const char* op, const at::Tensor& sorted_token_ids, const at
   }
 }
 
-// Per-slot expert outputs y[slot] = (silu(x_t Wg^T) * (x_t Wu^T)) W2^T in fp32, zero for slots no block covers.
-at::Tensor slot_outputs_cpu(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up,
+// h from the pre-activations g, u (fp32; u undefined when not gated): flash_moe.h's Activation.
+at::Tensor activate(const ActivationSpec& a, const at::Tensor& g, const at::Tensor& u) {
+  switch (a.kind) {
+    case Activation::kSwiGLU:
+      return at::silu(g) * u;
+    case Activation::kGptOss: {
+      const auto gc = g.clamp_max(a.limit);
+      return (u.clamp(-a.limit, a.limit) + 1) * gc * at::sigmoid(gc * a.alpha);
+    }
+    case Activation::kRelu2:
+      return at::relu(g).square();
+  }
+  TORCH_CHECK(false, "flash_moe: unknown activation");
+}
+
+// (dL/dg, dL/du) from dL/dh (fp32). The clamps pass the gradient inside their closed ranges (torch.clamp's rule) and
+// none outside; du is undefined when not gated.
+std::pair<at::Tensor, at::Tensor> activate_backward(const ActivationSpec& a, const at::Tensor& g, const at::Tensor& u,
+                                                    const at::Tensor& dh) {
+  switch (a.kind) {
+    case Activation::kSwiGLU: {
+      const auto sig = at::sigmoid(g);
+      return {dh * u * sig * (1 + g * (1 - sig)), dh * g * sig};
+    }
+    case Activation::kGptOss: {
+      const auto gc = g.clamp_max(a.limit), uc = u.clamp(-a.limit, a.limit);
+      const auto sig = at::sigmoid(gc * a.alpha);
+      const auto zero = at::zeros({}, g.options());
+      const auto dg = at::where(g.le(a.limit), dh * (uc + 1) * sig * (1 + gc * a.alpha * (1 - sig)), zero);
+      const auto du = at::where(u.abs().le(a.limit), dh * gc * sig, zero);
+      return {dg, du};
+    }
+    case Activation::kRelu2:
+      return {dh * 2 * at::relu(g), at::Tensor()};
+  }
+  TORCH_CHECK(false, "flash_moe: unknown activation");
+}
+
+// An expert's bias row as fp32 (n,), or an undefined tensor (no bias): added to the fp32 GEMM results.
+at::Tensor bias_row(const std::optional<at::Tensor>& b, int64_t e) {
+  return b.has_value() ? (*b)[e].to(at::kFloat) : at::Tensor();
+}
+at::Tensor plus(const at::Tensor& t, const at::Tensor& bias) { return bias.defined() ? t + bias : t; }
+
+// The expert operands of the forward ops beyond x: gate and up (E, hidden, dim) views (up undefined when not gated),
+// the activation and the optional biases.
+struct Experts {
+  at::Tensor gate, up;
+  ActivationSpec act;
+  std::optional<at::Tensor> b_gate, b_up, b2;
+};
+
+// fused_moe_bf16's and the mxfp8 ops' activation.
+constexpr ActivationSpec kSwiGLU{Activation::kSwiGLU, 0.f, 0.f};
+
+// The fp32 pre-activations (g, u) of expert e for the rows xb (fp32), biases included; u undefined when not gated.
+std::pair<at::Tensor, at::Tensor> gate_up_rows(const Experts& w, int64_t e, const at::Tensor& xb) {
+  const auto g = plus(xb.mm(w.gate[e].to(at::kFloat).t()), bias_row(w.b_gate, e));
+  if (!w.act.gated()) return {g, at::Tensor()};
+  return {g, plus(xb.mm(w.up[e].to(at::kFloat).t()), bias_row(w.b_up, e))};
+}
+
+// Per-slot expert outputs y[slot] = act(x_t Wg^T + bg, x_t Wu^T + bu) W2^T + b2 in fp32, zero for slots no block
+// covers.
+at::Tensor slot_outputs_cpu(const char* op, const at::Tensor& x, const Experts& w,
                             const at::Tensor& w2, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                             const at::Tensor& num_tokens_post_padded, const MoeShape& s, int64_t block_m,
                             const std::function<at::Tensor(const at::Tensor&)>& round_h) {
@@ -135,9 +198,9 @@ at::Tensor slot_outputs_cpu(const char* op, const at::Tensor& x, const at::Tenso
                    // output depend on how many other slots its experts got (batch invariance).
                    const auto xb = at::constant_pad_nd(
                        x.index_select(0, at::floor_divide(slot_t, s.top_k)).to(at::kFloat), {0, 0, 0, block_m - n});
-                   const auto h = round_h(at::silu(xb.mm(gate[e].to(at::kFloat).t())) *
-                                          xb.mm(up[e].to(at::kFloat).t()));
-                   y.index_copy_(0, slot_t, h.mm(w2[e].to(at::kFloat).t()).narrow(0, 0, n));
+                   const auto [g, u] = gate_up_rows(w, e, xb);
+                   const auto h = round_h(activate(w.act, g, u));
+                   y.index_copy_(0, slot_t, plus(h.mm(w2[e].to(at::kFloat).t()), bias_row(w.b2, e)).narrow(0, 0, n));
                  });
   return y;
 }
@@ -263,8 +326,8 @@ at::Tensor mxfp8_slot_outputs_cpu(const char* op, const at::Tensor& x_in, const 
   const auto wf = dequantize_cpu(w, unpack_scales(w_scales));
   const auto w2f = dequantize_cpu(w2, unpack_scales(w2_scales));
   const auto [gate_f, up_f] = split_gate_up(op, wf);
-  return slot_outputs_cpu(op, xf, gate_f, up_f, w2f, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m,
-                          round_mxfp8);
+  return slot_outputs_cpu(op, xf, Experts{gate_f, up_f, kSwiGLU}, w2f, sorted_token_ids, expert_ids,
+                          num_tokens_post_padded, s, block_m, round_mxfp8);
 }
 
 void fused_moe_mxfp8_cpu(const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& w,
@@ -305,24 +368,40 @@ void fused_moe_bf16_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tens
   const MoeShape s = check_moe_args(op, x, gate, up, &w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                     &topk_weights, top_k, block_m, "w");
   check_out(op, out, s, x);
-  const auto y = slot_outputs_cpu(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m,
-                                  round_bf16);
+  const auto y = slot_outputs_cpu(op, x, Experts{gate, up, kSwiGLU}, w2, sorted_token_ids, expert_ids,
+                                  num_tokens_post_padded, s, block_m, round_bf16);
   out.copy_(combine_in_k_order(
       y, routed_weights_cpu(op, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m), s));
 }
 
 // ------------------------------------------------------------------------------------------------------------------
 // the pieces of moe()'s closed-form backward
-at::Tensor moe_gate_up_cpu(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3,
-                           const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
-                           const at::Tensor& num_tokens_post_padded, int64_t top_k, int64_t block_m,
-                           int64_t num_experts) {
-  const char* op = "moe_gate_up";
-  MoeShape s = check_moe_args(op, x, w1, w3, nullptr, sorted_token_ids, expert_ids, num_tokens_post_padded, nullptr,
-                              top_k, block_m, "w1/w3");
+// moe_gate_up / moe_forward's expert operands, checked: gate (w1) and up (w3, absent when not gated) (E, hidden, dim)
+// views, the activation, the biases. up's checks run on w1 when it is absent (relu2).
+Experts check_experts(const char* op, const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& w3,
+                      const at::Tensor* w2, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                      const at::Tensor& num_tokens_post_padded, const at::Tensor* topk_weights, int64_t top_k,
+                      int64_t block_m, int64_t num_experts, const ActivationSpec& act,
+                      const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& b_up,
+                      const std::optional<at::Tensor>& b2, MoeShape& s) {
+  check_gated(op, act, w3.has_value(), "w3");
+  s = check_moe_args(op, x, w1, w3.value_or(w1), w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                     topk_weights, top_k, block_m, "w1/w3");
   set_global_experts(op, num_experts, s);
+  check_bias(op, "b_gate", b_gate, s.E, s.hidden, x);
+  TORCH_CHECK(act.gated() || !b_up.has_value(), op, ": b_up must be None for activation 'relu2' (not gated)");
+  check_bias(op, "b_up", b_up, s.E, s.hidden, x);
+  check_bias(op, "b2", b2, s.E, s.dim, x);
+  return Experts{w1, w3.value_or(at::Tensor()), act, b_gate, b_up, b2};
+}
+
+// [g | u] (g alone when not gated) of the routed slots in sorted order, compact, fp32 accumulation, biases included,
+// rounded to bf16; zero rows past them.
+at::Tensor gate_up_cpu(const char* op, const at::Tensor& x, const Experts& w, const at::Tensor& sorted_token_ids,
+                       const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded, const MoeShape& s,
+                       int64_t block_m) {
   TORCH_CHECK(x.device().is_cpu(), op, " (CPU): x must be a CPU tensor, got ", x.device());
-  auto out = at::zeros({s.M * s.top_k, 2 * s.hidden}, x.options());
+  auto out = at::zeros({s.M * s.top_k, (w.act.gated() ? 2 : 1) * s.hidden}, x.options());
   int64_t row = 0;
   for_each_block(op, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m,
                  [&](int64_t e, const std::vector<int64_t>& slot_list) {
@@ -331,31 +410,46 @@ at::Tensor moe_gate_up_cpu(const at::Tensor& x, const at::Tensor& w1, const at::
                                s.M * s.top_k, " slots");
                    const auto slot_t = at::tensor(slot_list, x.options().dtype(at::kLong));
                    const auto xb = x.index_select(0, at::floor_divide(slot_t, s.top_k)).to(at::kFloat);
-                   const auto gu = at::cat({xb.mm(w1[e].to(at::kFloat).t()), xb.mm(w3[e].to(at::kFloat).t())}, 1);
-                   out.narrow(0, row, n).copy_(gu);
+                   const auto [g, u] = gate_up_rows(w, e, xb);
+                   out.narrow(0, row, n).copy_(w.act.gated() ? at::cat({g, u}, 1) : g);
                    row += n;
                  });
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3,
-                                                   const at::Tensor& w2, const at::Tensor& sorted_token_ids,
-                                                   const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
-                                                   const at::Tensor& topk_weights, int64_t top_k, int64_t block_m,
-                                                   bool /*deterministic: the CPU combine is always in k order*/,
-                                                   bool save_gate_up, int64_t num_experts) {
+at::Tensor moe_gate_up_cpu(const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& w3,
+                           const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                           const at::Tensor& num_tokens_post_padded, int64_t top_k, int64_t block_m,
+                           int64_t num_experts, const std::optional<at::Tensor>& b_gate,
+                           const std::optional<at::Tensor>& b_up) {
+  const char* op = "moe_gate_up";
+  // the activation itself does not enter g | u: only whether it is gated (w3 given)
+  const ActivationSpec act{w3.has_value() ? Activation::kSwiGLU : Activation::kRelu2, 0.f, 0.f};
+  MoeShape s;
+  const Experts w = check_experts(op, x, w1, w3, nullptr, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                                  nullptr, top_k, block_m, num_experts, act, b_gate, b_up, std::nullopt, s);
+  return gate_up_cpu(op, x, w, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m);
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
+    const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& w3, const at::Tensor& w2,
+    const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
+    const at::Tensor& topk_weights, int64_t top_k, int64_t block_m,
+    bool /*deterministic: the CPU combine is always in k order*/, bool save_gate_up, int64_t num_experts,
+    c10::string_view activation, double alpha, double limit, const std::optional<at::Tensor>& b_gate,
+    const std::optional<at::Tensor>& b_up, const std::optional<at::Tensor>& b2) {
   const char* op = "moe_forward";
-  MoeShape s = check_moe_args(op, x, w1, w3, &w2, sorted_token_ids, expert_ids, num_tokens_post_padded, &topk_weights,
-                              top_k, block_m, "w1/w3");
-  set_global_experts(op, num_experts, s);
-  const auto y = slot_outputs_cpu(op, x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m,
+  MoeShape s;
+  const Experts w = check_experts(op, x, w1, w3, &w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                                  &topk_weights, top_k, block_m, num_experts,
+                                  parse_activation(op, activation, alpha, limit), b_gate, b_up, b2, s);
+  const auto y = slot_outputs_cpu(op, x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m,
                                   round_bf16);
   return {combine_in_k_order(y, routed_weights_cpu(op, topk_weights, sorted_token_ids, expert_ids,
                                                   num_tokens_post_padded, s, block_m),
                              s),
-          save_gate_up ? moe_gate_up_cpu(x, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
-                                         block_m, num_experts)
-                       : at::empty({0, 2 * s.hidden}, x.options())};
+          save_gate_up ? gate_up_cpu(op, x, w, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m)
+                       : at::empty({0, (w.act.gated() ? 2 : 1) * s.hidden}, x.options())};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> swiglu_backward_cpu(const at::Tensor& gate_up,
@@ -365,34 +459,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> swiglu_backward_cpu(c
   const int64_t hidden = check_swiglu_backward_args(gate_up, grad_h, row_weights, valid);
   TORCH_CHECK(gate_up.device().is_cpu(), "swiglu_backward (CPU): gate_up must be a CPU tensor, got ",
               gate_up.device());
-  const auto g = gate_up.narrow(1, 0, hidden).to(at::kFloat), u = gate_up.narrow(1, hidden, hidden).to(at::kFloat);
   const auto ok = valid.unsqueeze(1);
-  const auto zero = at::zeros({}, g.options());
-  const auto sig = at::sigmoid(g);
-  const auto a = g * sig;
-  const auto h = at::where(ok, a * u, zero);
-  const auto d = at::where(ok, grad_h.to(at::kFloat), zero);  // rows past the routed ones may hold anything
+  const auto zero = at::zeros({}, row_weights.options());
+  // rows past the routed ones may hold anything (NaN and inf too): selected away, never multiplied by zero
+  const auto g = at::where(ok, gate_up.narrow(1, 0, hidden).to(at::kFloat), zero);
+  const auto u = at::where(ok, gate_up.narrow(1, hidden, hidden).to(at::kFloat), zero);
+  const auto d = at::where(ok, grad_h.to(at::kFloat), zero);
   const auto p = at::where(valid, row_weights, zero).unsqueeze(1);
-  const auto dh = d * p;
-  // selected, not multiplied by a zero dh: an invalid row's g | u may hold NaN or inf too
-  const auto dg = at::where(ok, dh * u * sig * (1 + g * (1 - sig)), zero);
-  const auto du = at::where(ok, dh * a, zero);
+  const auto h = activate(kSwiGLU, g, u);
+  const auto [dg, du] = activate_backward(kSwiGLU, g, u, d * p);
   return {dg.to(at::kBFloat16), du.to(at::kBFloat16), (h * p).to(at::kBFloat16), (d * h).sum(1)};
 }
-
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cpu(
     const at::Tensor& grad_out, const at::Tensor& w2, const at::Tensor& gate_up, const at::Tensor& sorted_token_ids,
     const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights,
-    int64_t top_k, int64_t block_m, int64_t num_experts) {
+    int64_t top_k, int64_t block_m, int64_t num_experts, c10::string_view activation, double alpha, double limit) {
   const char* op = "moe_grad_gate_up";
+  const ActivationSpec act = parse_activation(op, activation, alpha, limit);
   MoeShape s = check_grad_gate_up_args(op, grad_out, w2, gate_up, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                                       topk_weights, top_k, block_m);
+                                       topk_weights, top_k, block_m, act.gated());
   set_global_experts(op, num_experts, s);
   TORCH_CHECK(grad_out.device().is_cpu(), op, " (CPU): grad_out must be a CPU tensor, got ", grad_out.device());
   const int64_t slots = s.M * s.top_k;
-  auto grad_gate_up = at::zeros({slots, 2 * s.hidden}, grad_out.options());
-  auto grad_gate = grad_gate_up.narrow(1, 0, s.hidden), grad_up = grad_gate_up.narrow(1, s.hidden, s.hidden);
+  const int64_t halves = act.gated() ? 2 : 1;
+  auto grad_gate_up = at::zeros({slots, halves * s.hidden}, grad_out.options());
   auto weighted_h = at::zeros({slots, s.hidden}, grad_out.options());
   auto grad_weights = at::zeros({slots}, topk_weights.options());
   const auto flat_weights = topk_weights.reshape({slots});
@@ -409,14 +500,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cpu(
                                        .to(at::kFloat)
                                        .mm(w2[e].to(at::kFloat));
                    const auto gu = gate_up.narrow(0, row, n).to(at::kFloat);
-                   const auto g = gu.narrow(1, 0, s.hidden), u = gu.narrow(1, s.hidden, s.hidden);
+                   const auto g = gu.narrow(1, 0, s.hidden);
+                   const auto u = act.gated() ? gu.narrow(1, s.hidden, s.hidden) : at::Tensor();
                    const auto pw = flat_weights.index_select(0, slot_t).unsqueeze(1);
-                   const auto sig = at::sigmoid(g);
-                   const auto a = g * sig;
-                   const auto h = a * u;
-                   const auto dh = gh * pw;
-                   grad_gate.narrow(0, row, n).copy_(dh * u * sig * (1 + g * (1 - sig)));
-                   grad_up.narrow(0, row, n).copy_(dh * a);
+                   const auto h = activate(act, g, u);
+                   const auto [dg, du] = activate_backward(act, g, u, gh * pw);
+                   grad_gate_up.narrow(0, row, n).copy_(act.gated() ? at::cat({dg, du}, 1) : dg);
                    weighted_h.narrow(0, row, n).copy_(h * pw);
                    grad_weights.index_copy_(0, slot_t, (gh * h).sum(1));
                    row += n;
@@ -424,13 +513,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cpu(
   return {grad_gate_up, weighted_h, grad_weights.view({s.M, s.top_k})};
 }
 
-at::Tensor moe_grad_x_cpu(const at::Tensor& grad_gate, const at::Tensor& grad_up, const at::Tensor& w1,
-                          const at::Tensor& w3, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+at::Tensor moe_grad_x_cpu(const at::Tensor& grad_gate, const std::optional<at::Tensor>& grad_up,
+                          const at::Tensor& w1, const std::optional<at::Tensor>& w3,
+                          const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                           const at::Tensor& num_tokens_post_padded, int64_t top_k, int64_t block_m,
                           bool /*deterministic: always k order on CPU*/, int64_t num_experts) {
   const char* op = "moe_grad_x";
-  MoeShape s = check_grad_x_args(op, grad_gate, grad_up, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                                 top_k, block_m);
+  check_grad_x_halves(op, grad_up, w3);
+  MoeShape s = check_grad_x_args(op, grad_gate, grad_up.value_or(grad_gate), w1, w3.value_or(w1), sorted_token_ids,
+                                 expert_ids, num_tokens_post_padded, top_k, block_m);
   set_global_experts(op, num_experts, s);
   TORCH_CHECK(grad_gate.device().is_cpu(), op, " (CPU): grad_gate must be a CPU tensor, got ", grad_gate.device());
   auto per_slot = at::zeros({s.M * s.top_k, s.dim}, grad_gate.options().dtype(at::kFloat));
@@ -441,8 +532,8 @@ at::Tensor moe_grad_x_cpu(const at::Tensor& grad_gate, const at::Tensor& grad_up
                    TORCH_CHECK(row + n <= s.M * s.top_k, op, ": sorted_token_ids routes more than M * top_k=",
                                s.M * s.top_k, " slots");
                    const auto slot_t = at::tensor(slot_list, grad_gate.options().dtype(at::kLong));
-                   const auto dx = grad_gate.narrow(0, row, n).to(at::kFloat).mm(w1[e].to(at::kFloat)) +
-                                   grad_up.narrow(0, row, n).to(at::kFloat).mm(w3[e].to(at::kFloat));
+                   auto dx = grad_gate.narrow(0, row, n).to(at::kFloat).mm(w1[e].to(at::kFloat));
+                   if (w3.has_value()) dx += grad_up->narrow(0, row, n).to(at::kFloat).mm((*w3)[e].to(at::kFloat));
                    per_slot.index_copy_(0, slot_t, dx);
                    row += n;
                  });
@@ -491,17 +582,20 @@ TORCH_LIBRARY(flash_moe, m) {
   m.def("fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids, "
         "Tensor num_tokens_post_padded, Tensor topk_weights, Tensor(a!) out, int top_k, int block_m, int block_n, "
         "int warp_n, int stages, int bpc, int cpc, bool split) -> ()");
-  m.def("moe_forward(Tensor x, Tensor w1, Tensor w3, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids, "
+  m.def("moe_forward(Tensor x, Tensor w1, Tensor? w3, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids, "
         "Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, int block_m, bool deterministic, "
-        "bool save_gate_up=False, int num_experts=-1) -> (Tensor out, Tensor gate_up)");
-  m.def("moe_gate_up(Tensor x, Tensor w1, Tensor w3, Tensor sorted_token_ids, Tensor expert_ids, "
-        "Tensor num_tokens_post_padded, int top_k, int block_m, int num_experts=-1) -> Tensor");
+        "bool save_gate_up=False, int num_experts=-1, str activation=\"swiglu\", float alpha=0., float limit=0., "
+        "Tensor? b_gate=None, Tensor? b_up=None, Tensor? b2=None) -> (Tensor out, Tensor gate_up)");
+  m.def("moe_gate_up(Tensor x, Tensor w1, Tensor? w3, Tensor sorted_token_ids, Tensor expert_ids, "
+        "Tensor num_tokens_post_padded, int top_k, int block_m, int num_experts=-1, Tensor? b_gate=None, "
+        "Tensor? b_up=None) -> Tensor");
   m.def("swiglu_backward(Tensor gate_up, Tensor grad_h, Tensor row_weights, Tensor valid) -> (Tensor grad_gate, "
         "Tensor grad_up, Tensor weighted_h, Tensor grad_row_weights)");
   m.def("moe_grad_gate_up(Tensor grad_out, Tensor w2, Tensor gate_up, Tensor sorted_token_ids, Tensor expert_ids, "
-        "Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, int block_m, int num_experts=-1) -> "
+        "Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, int block_m, int num_experts=-1, "
+        "str activation=\"swiglu\", float alpha=0., float limit=0.) -> "
         "(Tensor grad_gate_up, Tensor weighted_h, Tensor grad_topk_weights)");
-  m.def("moe_grad_x(Tensor grad_gate, Tensor grad_up, Tensor w1, Tensor w3, Tensor sorted_token_ids, "
+  m.def("moe_grad_x(Tensor grad_gate, Tensor? grad_up, Tensor w1, Tensor? w3, Tensor sorted_token_ids, "
         "Tensor expert_ids, Tensor num_tokens_post_padded, int top_k, int block_m, bool deterministic, "
         "int num_experts=-1) -> Tensor");
   m.def("moe_grad_weight(Tensor rows, Tensor source, Tensor row_token, Tensor expert_ends, bool source_major, "

@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -105,6 +106,51 @@ inline AlignPlan check_align_args(const at::Tensor& topk_ids, int64_t num_expert
               ", block_align=", block_align);
   p.max_blocks = p.max_padded / block_m;
   return p;
+}
+
+// The expert activations (moe()'s `activation`), on the gate and up pre-activations g, u (fp32, biases included):
+//   swiglu   h = silu(g) u
+//   gpt_oss  h = (clamp(u, -limit, limit) + 1) gc sigmoid(alpha gc) with gc = min(g, limit) (gpt-oss's experts)
+//   relu2    h = relu(g)^2: not gated (no up projection: w3 absent; Nemotron-H's experts)
+enum class Activation : int { kSwiGLU = 0, kGptOss = 1, kRelu2 = 2 };
+struct ActivationSpec {
+  Activation kind;
+  float alpha, limit;  // gpt_oss only
+  bool gated() const { return kind != Activation::kRelu2; }
+};
+
+inline ActivationSpec parse_activation(const char* op, c10::string_view name, double alpha, double limit) {
+  ActivationSpec a{Activation::kSwiGLU, static_cast<float>(alpha), static_cast<float>(limit)};
+  if (name == "swiglu") {
+    a.kind = Activation::kSwiGLU;
+  } else if (name == "gpt_oss") {
+    a.kind = Activation::kGptOss;
+  } else if (name == "relu2") {
+    a.kind = Activation::kRelu2;
+  } else {
+    TORCH_CHECK(false, op, ": activation must be 'swiglu', 'gpt_oss' or 'relu2', got '", std::string(name), "'");
+  }
+  TORCH_CHECK(a.kind != Activation::kGptOss || (std::isfinite(alpha) && std::isfinite(limit) && limit > 0), op,
+              ": activation 'gpt_oss' needs a finite alpha and a finite positive limit, got alpha=", alpha,
+              ", limit=", limit);
+  return a;
+}
+
+// The up weights (and the other up-side operands) exist for the gated activations only.
+inline void check_gated(const char* op, const ActivationSpec& a, bool has_up, const char* up_name) {
+  TORCH_CHECK(has_up == a.gated(), op, ": ", up_name, a.gated() ? " is required for a gated activation" :
+              " must be None for activation 'relu2' (not gated: w1 alone)", ", got ", has_up ? "a tensor" : "None");
+}
+
+// An expert bias: (E, n) bfloat16 on x's device (any strides: the halves of gpt-oss's interleaved bias are views).
+inline void check_bias(const char* op, const char* name, const std::optional<at::Tensor>& b, int64_t E, int64_t n,
+                       const at::Tensor& x) {
+  if (!b.has_value()) return;
+  TORCH_CHECK(b->scalar_type() == at::kBFloat16, op, ": ", name, " must be bfloat16, got ", b->scalar_type());
+  TORCH_CHECK(b->dim() == 2 && b->size(0) == E && b->size(1) == n, op, ": ", name, " must have shape (E, ", n,
+              ") = (", E, ", ", n, "), got ", b->sizes());
+  TORCH_CHECK(b->device() == x.device(), op, ": ", name, " must be on x's device ", x.device(), ", got ",
+              b->device());
 }
 
 // E: the local experts (the weights' first dimension); global_experts: all experts of an expert-parallel run, which
@@ -288,11 +334,13 @@ inline void check_out(const char* op, const at::Tensor& out, const MoeShape& s, 
 }
 
 // moe_grad_gate_up: grad_out (M, dim) bf16, w2 (E, dim, hidden) bf16, gate_up (M * top_k, 2 hidden) bf16 (what
-// moe_gate_up returns), the alignment, topk_weights (M, top_k) float32, all on grad_out's device.
+// moe_gate_up returns; (M * top_k, hidden) when not gated), the alignment, topk_weights (M, top_k) float32, all on
+// grad_out's device.
 inline MoeShape check_grad_gate_up_args(const char* op, const at::Tensor& grad_out, const at::Tensor& w2,
                                         const at::Tensor& gate_up, const at::Tensor& sorted_token_ids,
                                         const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
-                                        const at::Tensor& topk_weights, int64_t top_k, int64_t block_m) {
+                                        const at::Tensor& topk_weights, int64_t top_k, int64_t block_m,
+                                        bool gated = true) {
   TORCH_CHECK(w2.scalar_type() == at::kBFloat16, op, ": w2 must be bfloat16, got ", w2.scalar_type());
   TORCH_CHECK(w2.dim() == 3, op, ": w2 must be 3-D (E, dim, hidden), got shape ", w2.sizes());
   TORCH_CHECK(grad_out.scalar_type() == at::kBFloat16, op, ": grad_out must be bfloat16, got ",
@@ -305,13 +353,22 @@ inline MoeShape check_grad_gate_up_args(const char* op, const at::Tensor& grad_o
   const MoeShape s = check_moe_args(op, grad_out, w2_t, w2_t, &w2, sorted_token_ids, expert_ids,
                                     num_tokens_post_padded, &topk_weights, top_k, block_m, "w2 (as (E, hidden, dim))",
                                     at::kBFloat16, "grad_out");
+  const int64_t width = gated ? 2 * s.hidden : s.hidden;  // g | u, or g alone (relu2)
   TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16 && gate_up.dim() == 2 && gate_up.size(0) == s.M * top_k &&
-                  gate_up.size(1) == 2 * s.hidden,
-              op, ": gate_up must be bfloat16 of shape (M * top_k, 2 * hidden) = (", s.M * top_k, ", ", 2 * s.hidden,
-              "), got ", gate_up.scalar_type(), " of shape ", gate_up.sizes());
+                  gate_up.size(1) == width,
+              op, ": gate_up must be bfloat16 of shape (M * top_k, ", gated ? "2 * hidden" : "hidden", ") = (",
+              s.M * top_k, ", ", width, "), got ", gate_up.scalar_type(), " of shape ", gate_up.sizes());
   TORCH_CHECK(gate_up.device() == grad_out.device(), op, ": gate_up must be on grad_out's device ", grad_out.device(),
               ", got ", gate_up.device());
   return s;
+}
+
+// moe_grad_x's up-side operands: both given (gated) or both None (relu2: dx from dg and w1 alone).
+inline void check_grad_x_halves(const char* op, const std::optional<at::Tensor>& grad_up,
+                                const std::optional<at::Tensor>& w3) {
+  TORCH_CHECK(grad_up.has_value() == w3.has_value(), op,
+              ": grad_up and w3 must both be tensors (a gated activation) or both None (relu2), got grad_up ",
+              grad_up.has_value() ? "a tensor" : "None", " and w3 ", w3.has_value() ? "a tensor" : "None");
 }
 
 // moe_grad_x: grad_gate, grad_up (M * top_k, hidden) bf16 (the halves of what moe_grad_gate_up returns, or any two

@@ -7,9 +7,11 @@ inside as an AttributeError.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-_INT32_MAX = 2**31 - 1
+INT32_MAX = 2**31 - 1
 
 
 def require(condition, message: str) -> None:
@@ -33,6 +35,13 @@ def require_int(op: str, **values) -> None:
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__} {value!r}")
+
+
+def require_bool(op: str, **values) -> None:
+    """TypeError naming the first flag that is not a bool (a tensor or a string is not a flag)."""
+    for name, value in values.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__} {value!r}")
 
 
 def _shape(t: torch.Tensor) -> list:
@@ -85,21 +94,65 @@ def check_align_args(topk_ids, num_experts, block_m, bpc, expert_start, num_loca
     max_experts = constants["MAX_EXPERTS"]
     require(local <= max_experts, f"{op}: at most {max_experts} local experts, got num_local_experts={local} "
                                   f"(num_experts - expert_start when not given)")
-    require(expert_start + local - 1 <= _INT32_MAX,
+    require(expert_start + local - 1 <= INT32_MAX,
             f"{op}: the local experts [expert_start, expert_start + num_local_experts) must be int32 ids, got "
             f"expert_start={expert_start}, num_local_experts={local}")
     slots = topk_ids.numel()
-    require(slots < _INT32_MAX, f"{op}: M * top_k must fit in int32, got {slots}")
-    require(block_m <= _INT32_MAX // bpc,
+    require(slots < INT32_MAX, f"{op}: M * top_k must fit in int32, got {slots}")
+    require(block_m <= INT32_MAX // bpc,
             f"{op}: block_m * bpc (the pad unit) must fit in int32, got block_m={block_m}, bpc={bpc}")
     pad = block_m * bpc
-    require(block_align <= _INT32_MAX // block_m,
+    require(block_align <= INT32_MAX // block_m,
             f"{op}: block_m * block_align must fit in int32, got block_m={block_m}, block_align={block_align}")
     max_padded = (slots + local * (pad - 1) + pad - 1) // pad * pad + local * (block_align - 1) * block_m
-    require(max_padded < _INT32_MAX,
+    require(max_padded < INT32_MAX,
             f"{op}: the padded length (sorted_token_ids) must fit in int32, got {max_padded} for M * top_k={slots}, "
             f"{local} local experts, block_m * bpc={pad}, block_align={block_align}")
     return local, max_padded
+
+
+ACTIVATIONS = ("swiglu", "gpt_oss", "relu2")
+
+
+def parse_activation(op, activation, alpha, limit):
+    """parse_activation: returns whether the activation is gated (has an up projection)."""
+    require(activation in ACTIVATIONS,
+            f"{op}: activation must be 'swiglu', 'gpt_oss' or 'relu2', got '{activation}'")
+    require(activation != "gpt_oss" or (math.isfinite(alpha) and math.isfinite(limit) and limit > 0),
+            f"{op}: activation 'gpt_oss' needs a finite alpha and a finite positive limit, got alpha={alpha}, "
+            f"limit={limit}")
+    return activation != "relu2"
+
+
+def check_gated(op, gated, has_up, up_name):
+    require(has_up == gated,
+            f"{op}: {up_name} " + ("is required for a gated activation" if gated else
+                                   "must be None for activation 'relu2' (not gated: w1 alone)")
+            + f", got {'a tensor' if has_up else 'None'}")
+
+
+def check_bias(op, name, b, E, n, x):
+    if b is None:
+        return
+    require(b.dtype == torch.bfloat16, f"{op}: {name} must be bfloat16, got {_name(b.dtype)}")
+    require(b.dim() == 2 and b.shape[0] == E and b.shape[1] == n,
+            f"{op}: {name} must have shape (E, {n}) = ({E}, {n}), got {_shape(b)}")
+    require(b.device == x.device, f"{op}: {name} must be on x's device {x.device}, got {b.device}")
+
+
+def check_experts(op, x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k,
+                  block_m, num_experts, gated, b_gate, b_up, b2, constants):
+    """check_experts: returns (M, dim, hidden, E)."""
+    check_gated(op, gated, w3 is not None, "w3")
+    shape = check_moe_args(op, x, w1, w1 if w3 is None else w3, w2, sorted_token_ids, expert_ids,
+                           num_tokens_post_padded, topk_weights, top_k, block_m, "w1/w3", constants)
+    check_global_experts(op, num_experts, shape[3])
+    _, dim, hidden, E = shape
+    check_bias(op, "b_gate", b_gate, E, hidden, x)
+    require(gated or b_up is None, f"{op}: b_up must be None for activation 'relu2' (not gated)")
+    check_bias(op, "b_up", b_up, E, hidden, x)
+    check_bias(op, "b2", b2, E, dim, x)
+    return shape
 
 
 def split_gate_up(op, w):
@@ -152,7 +205,7 @@ def check_moe_args(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens
     require(num_tokens_post_padded.dtype == torch.int32 and num_tokens_post_padded.numel() == 1,
             f"{op}: num_tokens_post_padded must be an int32 tensor of one element, got "
             f"{_name(num_tokens_post_padded.dtype)} of shape {_shape(num_tokens_post_padded)}")
-    require(M * top_k < _INT32_MAX, f"{op}: M * top_k must fit in int32, got {M * top_k}")
+    require(M * top_k < INT32_MAX, f"{op}: M * top_k must fit in int32, got {M * top_k}")
     if topk_weights is not None:
         require(topk_weights.dtype == torch.float32, f"{op}: topk_weights must be float32, got {_name(topk_weights.dtype)}")
         require(topk_weights.dim() == 2 and topk_weights.shape[0] == M and topk_weights.shape[1] == top_k,
@@ -235,7 +288,7 @@ def check_swiglu_backward_args(gate_up, grad_h, row_weights, valid):
             f"{op}: gate_up must be a 2-D bfloat16 tensor (S, 2 * hidden), got {_name(gate_up.dtype)} of shape "
             f"{_shape(gate_up)}")
     rows, hidden = gate_up.shape[0], gate_up.shape[1] // 2
-    require(rows < _INT32_MAX, f"{op}: gate_up must have at most 2^31 - 2 rows, got {rows}")
+    require(rows < INT32_MAX, f"{op}: gate_up must have at most 2^31 - 2 rows, got {rows}")
     require(grad_h.dtype == torch.bfloat16 and grad_h.dim() == 2 and grad_h.shape[0] == rows
             and grad_h.shape[1] == hidden,
             f"{op}: grad_h must be bfloat16 of shape (S, hidden) = ({rows}, {hidden}), got {_name(grad_h.dtype)} of shape "
@@ -253,13 +306,13 @@ def check_swiglu_backward_args(gate_up, grad_h, row_weights, valid):
 def check_global_experts(op, num_experts, local_experts):
     """set_global_experts: the ops' num_experts (the global expert count for the launch rules) is -1 or at least the
     local count (and fits int32, as moe()'s num_experts)."""
-    require(num_experts == -1 or local_experts <= num_experts <= _INT32_MAX,
+    require(num_experts == -1 or local_experts <= num_experts <= INT32_MAX,
             f"{op}: num_experts (the global expert count) must be -1 or in [E, 2^31 - 1] (E={local_experts} local "
             f"experts), got {num_experts}")
 
 
 def check_grad_gate_up_args(op, grad_out, w2, gate_up, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                            topk_weights, top_k, block_m, constants):
+                            topk_weights, top_k, block_m, constants, gated=True):
     """check_grad_gate_up_args: returns (M, dim, hidden, E)."""
     require(w2.dtype == torch.bfloat16, f"{op}: w2 must be bfloat16, got {_name(w2.dtype)}")
     require(w2.dim() == 3, f"{op}: w2 must be 3-D (E, dim, hidden), got shape {_shape(w2)}")
@@ -272,13 +325,20 @@ def check_grad_gate_up_args(op, grad_out, w2, gate_up, sorted_token_ids, expert_
                            topk_weights, top_k, block_m, "w2 (as (E, hidden, dim))", constants,
                            x_name="grad_out")
     M, _, hidden, _ = shape
+    width = 2 * hidden if gated else hidden  # g | u, or g alone (relu2)
     require(gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2 and gate_up.shape[0] == M * top_k
-            and gate_up.shape[1] == 2 * hidden,
-            f"{op}: gate_up must be bfloat16 of shape (M * top_k, 2 * hidden) = ({M * top_k}, {2 * hidden}), got "
-            f"{_name(gate_up.dtype)} of shape {_shape(gate_up)}")
+            and gate_up.shape[1] == width,
+            f"{op}: gate_up must be bfloat16 of shape (M * top_k, {'2 * hidden' if gated else 'hidden'}) = "
+            f"({M * top_k}, {width}), got {_name(gate_up.dtype)} of shape {_shape(gate_up)}")
     require(gate_up.device == grad_out.device,
             f"{op}: gate_up must be on grad_out's device {grad_out.device}, got {gate_up.device}")
     return shape
+
+
+def check_grad_x_halves(op, grad_up, w3):
+    require((grad_up is None) == (w3 is None),
+            f"{op}: grad_up and w3 must both be tensors (a gated activation) or both be None (relu2), got grad_up "
+            f"{'None' if grad_up is None else 'a tensor'} and w3 {'None' if w3 is None else 'a tensor'}")
 
 
 def check_grad_x_args(op, grad_gate, grad_up, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
@@ -309,7 +369,7 @@ def check_grad_weight_args(rows, source, row_token, expert_ends):
             f"{op}: source must be a 2-D bfloat16 tensor (T, K), got {_name(source.dtype)} of shape {_shape(source)}")
     (S, N), (T, K), E = rows.shape, source.shape, expert_ends.numel()
     require(N % 8 == 0 and K % 8 == 0, f"{op}: rows' and source's widths must be multiples of 8, got N={N}, K={K}")
-    require(S <= _INT32_MAX and T <= _INT32_MAX and N <= _INT32_MAX and K <= _INT32_MAX,
+    require(S <= INT32_MAX and T <= INT32_MAX and N <= INT32_MAX and K <= INT32_MAX,
             f"{op}: rows and source must have fewer than 2^31 rows and columns, got {_shape(rows)} and "
             f"{_shape(source)}")
     require(row_token.dtype == torch.int32 and row_token.dim() == 1 and row_token.shape[0] == S,

@@ -1,16 +1,36 @@
-"""Plain-PyTorch MoE expert paths: the baselines of the tests and the peer of the benchmark.
+"""Plain-PyTorch MoE expert paths for every family (layouts.py): the baselines of the tests and the benchmark's peer.
 
-- ``moe_per_expert``: a Python loop over experts (gather, gate/up, silu * up, down, weighted index_add), in the inputs'
-  dtype: with bf16 inputs it is the trainers' grouped-mm path emulated with per-expert bf16 matmuls (the bf16 output
-  of each expert is weighted in fp32, rounded to bf16 and index-added in bf16, as torchtitan-style code does); with
-  float64 inputs it is the reference. Differentiable through autograd.
-- ``moe_grouped_mm``: the grouped-mm expert path (argsort permute -> torch._grouped_mm gate/up -> silu * up ->
-  grouped_mm down -> weighted index_add), differentiable through autograd; the benchmark's peer.
+- ``moe_per_expert``: a Python loop over experts (gather, gate/up, activation, down, weighted index_add), in the
+  inputs' dtype: with bf16 inputs it is the trainers' grouped-mm path emulated with per-expert bf16 matmuls (each
+  expert's bf16 output weighted in fp32, rounded to bf16 and index-added in bf16, as torchtitan-style code does); with
+  float64 inputs (weights and biases too) it is the reference. Differentiable through autograd.
+- ``experts_grouped_mm``: prime-rl's expert formulation of each family on tokens already grouped by expert
+  (``num_tokens_per_expert``): one ``torch._grouped_mm`` per projection in bf16 (gate and up in one where w1 holds
+  both), biases added in bf16 after the GEMM, the activation in bf16; rows past the counted ones come back zero.
+- ``moe_grouped_mm``: the same behind routing (argsort permute, ``experts_grouped_mm``, weighted index_add),
+  differentiable through autograd; the benchmark's peer, and moe()'s path on CUDA for the families the fused kernels
+  do not compute.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .layouts import GPT_OSS_ALPHA, GPT_OSS_LIMIT, ExpertLayout, Family, expert_views, resolve_layout, split_pairs
+
+
+def activate(g, u, family: Family):
+    """h from the pre-activations (u None when not gated), in their dtype: csrc/flash_moe.h's definitions."""
+    if family.activation == "swiglu":
+        return F.silu(g) * u
+    if family.activation == "gpt_oss":
+        gc = g.clamp(max=family.limit)
+        return (u.clamp(-family.limit, family.limit) + 1) * gc * torch.sigmoid(gc * family.alpha)
+    return F.relu(g).square()
+
+
+def _family(activation, alpha, limit, layout, w3):
+    return Family(activation, alpha, limit, resolve_layout(layout, w3, activation != "relu2"))
 
 
 def _local(topk_ids, num_local, expert_start):
@@ -20,40 +40,72 @@ def _local(topk_ids, num_local, expert_start):
     return local, valid
 
 
-def moe_per_expert(x, w1, w2, w3, topk_ids, topk_weights, expert_start=0):
-    T, dim = x.shape
+def moe_per_expert(x, w1, w2, w3, topk_ids, topk_weights, expert_start=0, *, activation="swiglu",
+                   alpha=GPT_OSS_ALPHA, limit=GPT_OSS_LIMIT, b1=None, b2=None, layout: ExpertLayout | None = None):
+    family = _family(activation, alpha, limit, layout, w3)
+    gate, up, w2v, b_gate, b_up = expert_views(w1, w2, w3, b1, family)
     top_k = topk_ids.shape[1]
-    local, valid = _local(topk_ids, w1.shape[0], expert_start)
+    local, valid = _local(topk_ids, gate.shape[0], expert_start)
     p = topk_weights.reshape(-1)
     out = torch.zeros_like(x)
-    for e in range(w1.shape[0]):
+    for e in range(gate.shape[0]):
         slots = torch.nonzero(valid & (local == e)).squeeze(1)
         if slots.numel() == 0:
             continue
         tok = slots // top_k
         xs = x[tok]
-        h = F.silu(xs @ w1[e].t()) * (xs @ w3[e].t())
-        y = h @ w2[e].t()
+        g = xs @ gate[e].t() + (b_gate[e] if b_gate is not None else 0)
+        u = xs @ up[e].t() + (b_up[e] if b_up is not None else 0) if up is not None else None
+        y = activate(g, u, family) @ w2v[e].t() + (b2[e] if b2 is not None else 0)
         pw = p[slots].unsqueeze(1)
         y = (y.to(pw.dtype) * pw).to(x.dtype) if x.dtype != torch.float64 else y * pw.to(y.dtype)
         out = out.index_add(0, tok, y)
     return out
 
 
-def moe_grouped_mm(x, w1, w2, w3, topk_ids, topk_weights, expert_start=0):
-    T, dim = x.shape
+def _per_row(bias, counts, rows):
+    """A per-expert bias (E, n) repeated over each expert's counted rows, zero rows past them: (rows, n)."""
+    per_row = torch.repeat_interleave(bias, counts, dim=0, output_size=None)
+    return F.pad(per_row, (0, 0, 0, rows - per_row.shape[0]))
+
+
+def experts_grouped_mm(x_sorted, w1, w2, w3, num_tokens_per_expert, *, activation="swiglu", alpha=GPT_OSS_ALPHA,
+                       limit=GPT_OSS_LIMIT, b1=None, b2=None, layout: ExpertLayout | None = None):
+    family = _family(activation, alpha, limit, layout, w3)
+    transposed = family.layout.transposed
+    counts = num_tokens_per_expert.to(torch.int64)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    as_in_out = (lambda w: w) if transposed else (lambda w: w.transpose(-2, -1))
+    def project(w, bias):
+        y = torch._grouped_mm(x_sorted, as_in_out(w), offs=offs)
+        return y if bias is None else y + _per_row(bias, counts, y.shape[0])
+
+    if family.gated and family.layout.gate_up == "separate":
+        b_gate, b_up = split_pairs(b1, 1, "stacked") if b1 is not None else (None, None)
+        h = activate(project(w1, b_gate), project(w3, b_up), family)
+    elif family.gated:
+        h = activate(*split_pairs(project(w1, b1), 1, family.layout.gate_up), family)
+    else:
+        h = activate(project(w1, b1), None, family)
+    out = torch._grouped_mm(h, as_in_out(w2), offs=offs)
+    if b2 is not None:
+        out = out + _per_row(b2, counts, out.shape[0])
+    # rows past the counted ones: grouped_mm leaves them undefined
+    counted = torch.arange(out.shape[0], device=out.device) < offs[-1:]
+    return torch.where(counted.unsqueeze(1), out, 0)
+
+
+def moe_grouped_mm(x, w1, w2, w3, topk_ids, topk_weights, expert_start=0, *, activation="swiglu",
+                   alpha=GPT_OSS_ALPHA, limit=GPT_OSS_LIMIT, b1=None, b2=None, layout: ExpertLayout | None = None):
     top_k = topk_ids.shape[1]
     E = w1.shape[0]
     local, valid = _local(topk_ids, E, expert_start)
     key = torch.where(valid, local, torch.full_like(local, E))
     order = torch.argsort(key, stable=True)
     counts = torch.zeros(E + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
-    offs = torch.cumsum(counts[:E], 0).to(torch.int32)
     tok = order // top_k
-    xs = x[tok]
-    g = torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs)
-    u = torch._grouped_mm(xs, w3.transpose(-2, -1), offs=offs)
-    y = torch._grouped_mm(F.silu(g) * u, w2.transpose(-2, -1), offs=offs)
+    y = experts_grouped_mm(x[tok], w1, w2, w3, counts[:E], activation=activation, alpha=alpha, limit=limit, b1=b1,
+                           b2=b2, layout=layout)
     pw = torch.where(valid[order], topk_weights.reshape(-1)[order].float(), 0.0).unsqueeze(1)
     y = torch.where(valid[order].unsqueeze(1), y.float() * pw, 0.0).to(x.dtype)
     return torch.zeros_like(x).index_add(0, tok, y)

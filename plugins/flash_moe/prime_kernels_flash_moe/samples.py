@@ -58,6 +58,7 @@ def op_samples(kernel, device):
         ("moe_gate_up", (x1, w11, w31, s1, e1, n1, 1, ops.BLOCK_M), {}),
         *grad_gate_up_samples(ops, x, w1, w2, w3, tw, (sorted_ids, eids, ntpp), 2),
         *grad_gate_up_samples(ops, x1, w11, w21, w31, tw1, (s1, e1, n1), 1),
+        *family_samples(ops, x, w1, w2, w3, tw, (sorted_ids, eids, ntpp)),
         *swiglu_backward_samples(device),
         *grad_weight_samples(device),
         *mxfp8_samples(ops, device),
@@ -77,6 +78,30 @@ def grad_gate_up_samples(ops, x, w1, w2, w3, tw, align, top_k):
             ("moe_grad_x", (dg, du, w1, w3, *align, top_k, ops.BLOCK_M, False), {}),
             ("moe_grad_x", (dg, du, w1, w3, *align, top_k, ops.BLOCK_M, True), global_experts),
             ("moe_grad_x", (dg.contiguous(), du.contiguous(), w1, w3, *align, top_k, ops.BLOCK_M, False), {})]
+
+
+def family_samples(ops, x, w1, w2, w3, tw, align):
+    """The family arguments of the forward and backward ops: gpt-oss's activation with biases (the halves of an
+    interleaved bias: strided views), relu2 without up weights, and their dH / dx ops."""
+    g = torch.Generator().manual_seed(10)
+    E, hidden, dim = w1.shape
+    b1 = torch.randn(E, 2 * hidden, generator=g).to(torch.bfloat16).to(x.device)
+    b_gate, b_up = b1[:, 0::2], b1[:, 1::2]
+    b2 = torch.randn(E, dim, generator=g).to(torch.bfloat16).to(x.device)
+    gpt_oss = {"activation": "gpt_oss", "alpha": 1.702, "limit": 7.0}
+    relu2 = {"activation": "relu2"}
+    gate_up = torch.ops.flash_moe.moe_gate_up(x, w1, w3, *align, 2, ops.BLOCK_M, -1, b_gate, b_up)
+    gate_only = torch.ops.flash_moe.moe_gate_up(x, w1, None, *align, 2, ops.BLOCK_M)
+    grad_out = torch.randn(x.shape, generator=g).to(x.dtype).to(x.device)
+    dg = torch.ops.flash_moe.moe_grad_gate_up(grad_out, w2, gate_only, *align, tw, 2, ops.BLOCK_M, -1, "relu2")[0]
+    return [("moe_forward", (x, w1, w3, w2, *align, tw, 2, ops.BLOCK_M, False, True),
+             dict(gpt_oss, b_gate=b_gate, b_up=b_up, b2=b2)),
+            ("moe_forward", (x, w1, None, w2, *align, tw, 2, ops.BLOCK_M, True, True), dict(relu2, b_gate=b_gate)),
+            ("moe_gate_up", (x, w1, w3, *align, 2, ops.BLOCK_M), {"b_gate": b_gate, "b_up": b_up}),
+            ("moe_gate_up", (x, w1, None, *align, 2, ops.BLOCK_M), {}),
+            ("moe_grad_gate_up", (grad_out, w2, gate_up, *align, tw, 2, ops.BLOCK_M), gpt_oss),
+            ("moe_grad_gate_up", (grad_out, w2, gate_only, *align, tw, 2, ops.BLOCK_M), relu2),
+            ("moe_grad_x", (dg, None, w1, None, *align, 2, ops.BLOCK_M, True), {})]
 
 
 def grad_weight_samples(device, rows=21, tokens=9, width=64):
@@ -140,6 +165,21 @@ def surface_samples(kernel, device):
     def mxfp8(x, w1, w2, w3, ids, tw):
         return ops.moe(x, w1, w2, w3, ids, tw, mxfp8=True)
 
+    def gpt_oss(x, w1, w2, w3, ids, tw):  # gpt-oss's transposed, interleaved weights with biases
+        E, hidden, dim = w1.shape
+        gate_up = torch.stack([w1, w3], 2).flatten(1, 2).transpose(1, 2)
+        b1 = torch.linspace(-1, 1, E * 2 * hidden, device=x.device).view(E, 2 * hidden).to(x.dtype)
+        b2 = torch.linspace(1, -1, E * dim, device=x.device).view(E, dim).to(x.dtype)
+        return ops.moe(x, gate_up, w2.transpose(1, 2), None, ids, tw, activation="gpt_oss", b1=b1, b2=b2,
+                       layout=ops.GPT_OSS_LAYOUT)
+
+    def relu2(x, w1, w2, w3, ids, tw):
+        return ops.moe(x, w1, w2, None, ids, tw, activation="relu2")
+
+    def presorted(x, w1, w2, w3, ids, tw):
+        counts = torch.tensor([2, 0, 2], device=x.device)
+        return ops.moe_sorted(x, w1, w2, w3, counts, row_weights=tw[:, 0])
+
     grad = problem(device, requires_grad=True, seed=2)
     return [
         (ops.moe, grad, {}),
@@ -147,4 +187,7 @@ def surface_samples(kernel, device):
         (fused_mxfp8, problem(device, dim=128, hidden=128, seed=6), {}),
         (deterministic, problem(device, requires_grad=True, seed=3), {}),
         (fused, problem(device, seed=4), {}),
+        (gpt_oss, problem(device, requires_grad=True, seed=7), {}),
+        (relu2, problem(device, requires_grad=True, seed=8), {}),
+        (presorted, problem(device, requires_grad=True, seed=9), {}),
     ]

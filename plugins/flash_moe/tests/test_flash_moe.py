@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import prime_kernels
 from prime_kernels_core import manifest
 from prime_kernels_core.testing import assert_conforms, assert_error_ratio
-from prime_kernels_flash_moe import ops
+from prime_kernels_flash_moe import mxfp8, ops
 from prime_kernels_flash_moe.reference import moe_per_expert
 
 KERNEL = "flash_moe"
@@ -1406,13 +1406,13 @@ def test_mxfp8_backward_is_the_bf16_closed_form_on_dequantized_operands():
 def weight_quantizations(monkeypatch):
     """The weight sets moe(mxfp8=True)'s cache quantized (one entry per quantization)."""
     calls = []
-    quantize = ops._quantize_weights
+    quantize = mxfp8.quantize_weights
 
     def counted(w1, w2, w3):
         calls.append((w1, w2, w3))
         return quantize(w1, w2, w3)
 
-    monkeypatch.setattr(ops, "_quantize_weights", counted)
+    monkeypatch.setattr(mxfp8, "quantize_weights", counted)
     return calls
 
 
@@ -1427,13 +1427,13 @@ def quantized_weight_bytes(w1, w2, w3):
 def test_mxfp8_weight_cache_follows_versions(weight_quantizations):
     x, w1, w2, w3, ids, tw = make(32, 128, 128, 4, 2, seed=36)
     w1 = w1.clone().requires_grad_()
-    first = ops._cached_quantized_weights(w1, w2, w3)
-    assert ops._cached_quantized_weights(w1, w2, w3) is first          # same version: cached
+    first = mxfp8.cached_quantized_weights(w1, w2, w3)
+    assert mxfp8.cached_quantized_weights(w1, w2, w3) is first          # same version: cached
     out0 = ops.moe(x, w1, w2, w3, ids, tw, mxfp8=True)
     opt = torch.optim.SGD([w1], lr=10.0)
     out0.float().sum().backward()
     opt.step()                                                          # in-place update bumps _version
-    second = ops._cached_quantized_weights(w1, w2, w3)
+    second = mxfp8.cached_quantized_weights(w1, w2, w3)
     assert second is not first and not torch.equal(second[0].view(torch.uint8), first[0].view(torch.uint8))
     assert torch.equal(second[0].view(torch.uint8), quantized_weight_bytes(w1.detach(), w2, w3)[0])
     assert not torch.equal(ops.moe(x, w1, w2, w3, ids, tw, mxfp8=True), out0.detach())
@@ -1445,16 +1445,16 @@ def test_mxfp8_weight_cache_holds_every_layer(weight_quantizations):
     layers = [make(1, 128, 128, 2, 1, seed=60 + i)[1:4] for i in range(40)]  # more than the old FIFO cap of 32
     for _ in range(3):
         for w1, w2, w3 in layers:
-            ops._cached_quantized_weights(w1, w2, w3)
+            mxfp8.cached_quantized_weights(w1, w2, w3)
     assert len(weight_quantizations) == len(layers)
     # fresh views of one fused gate/up parameter hit too; an in-place update of the parameter re-quantizes
     w1, w2, w3 = layers[0]
     w13 = torch.nn.Parameter(torch.cat([w1, w3], 1))
-    views = [ops._cached_quantized_weights(w13[:, :128], w2, w13[:, 128:]) for _ in range(3)]
+    views = [mxfp8.cached_quantized_weights(w13[:, :128], w2, w13[:, 128:]) for _ in range(3)]
     assert all(v is views[0] for v in views) and len(weight_quantizations) == len(layers) + 1
     with torch.no_grad():
         w13.mul_(-2.0)
-    updated = ops._cached_quantized_weights(w13[:, :128], w2, w13[:, 128:])
+    updated = mxfp8.cached_quantized_weights(w13[:, :128], w2, w13[:, 128:])
     assert len(weight_quantizations) == len(layers) + 2
     for got, want in zip(updated, quantized_weight_bytes(w13[:, :128].detach(), w2, w13[:, 128:].detach())):
         assert torch.equal(got.view(torch.uint8), want)
@@ -1464,7 +1464,7 @@ def test_mxfp8_weight_cache_holds_every_layer(weight_quantizations):
 @pytest.mark.parametrize("freed", range(3))
 def test_mxfp8_weight_cache_entry_dies_with_its_weights(freed):
     weights = [t.clone() for t in make(1, 128, 128, 2, 1, seed=70 + freed)[1:4]]
-    cached = [weakref.ref(t) for t in ops._cached_quantized_weights(*weights)]
+    cached = [weakref.ref(t) for t in mxfp8.cached_quantized_weights(*weights)]
     gc.collect()
     assert all(r() is not None for r in cached)  # held by the cache
     del weights[freed]
@@ -1475,11 +1475,11 @@ def test_mxfp8_weight_cache_entry_dies_with_its_weights(freed):
 @cpu
 def test_mxfp8_weight_cache_clear_after_writes_that_keep_the_version(weight_quantizations):
     w1, w2, w3 = (torch.nn.Parameter(t) for t in make(1, 128, 128, 2, 1, seed=80)[1:4])
-    first = ops._cached_quantized_weights(w1, w2, w3)
+    first = mxfp8.cached_quantized_weights(w1, w2, w3)
     w1.data.mul_(-2.0)  # .data has its own version counter: w1._version stays, so the cache cannot see this write
-    assert ops._cached_quantized_weights(w1, w2, w3) is first
+    assert mxfp8.cached_quantized_weights(w1, w2, w3) is first
     ops.clear_mxfp8_weight_cache()
-    fresh = ops._cached_quantized_weights(w1, w2, w3)
+    fresh = mxfp8.cached_quantized_weights(w1, w2, w3)
     assert len(weight_quantizations) == 2
     for got, want in zip(fresh, quantized_weight_bytes(w1.detach(), w2.detach(), w3.detach())):
         assert torch.equal(got.view(torch.uint8), want)

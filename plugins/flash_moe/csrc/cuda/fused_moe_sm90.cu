@@ -677,6 +677,13 @@ void zero_rows_past(at::Tensor& tensor, const at::Tensor& routed) {
 
 // The pre-activations g | u of the routed slots, [M * top_k, 2 hidden] in moe_align's order (what moe_gate_up
 // returns): p.saved points at the returned tensor, p.dst_rows into `rows` (compact_rows).
+// The sm_90a kernels compute SwiGLU experts without biases (moe() routes the other families to their composed path
+// on CUDA: ops.py, family_runs_fused).
+void require_swiglu_kernels(const char* op, bool swiglu, bool biases) {
+  TORCH_CHECK(swiglu && !biases, op, " (CUDA): the sm_90a kernels compute bias-free SwiGLU experts only, got ",
+              swiglu ? "expert biases" : "another activation (or no w3)");
+}
+
 at::Tensor saved_gate_up(sm90::Params& p, const at::Tensor& sorted, const at::Tensor& eids, const at::Tensor& ntpp,
                          const MoeShape& s, CompactRows& rows) {
   auto saved = at::empty({s.M * s.top_k, 2 * s.hidden}, sorted.options().dtype(at::kBFloat16));
@@ -738,11 +745,14 @@ void run(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::
   }
 }
 
-at::Tensor moe_gate_up_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3,
+at::Tensor moe_gate_up_cuda(const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& w3_in,
                             const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                             const at::Tensor& num_tokens_post_padded, int64_t top_k, int64_t block_m,
-                            int64_t num_experts) {
+                            int64_t num_experts, const std::optional<at::Tensor>& b_gate,
+                            const std::optional<at::Tensor>& b_up) {
   const char* op = "moe_gate_up";
+  require_swiglu_kernels(op, w3_in.has_value(), b_gate.has_value() || b_up.has_value());
+  const at::Tensor& w3 = *w3_in;
   MoeShape s = check_moe_args(op, x, w1, w3, nullptr, sorted_token_ids, expert_ids, num_tokens_post_padded, nullptr,
                               top_k, block_m, "w1/w3");
   set_global_experts(op, num_experts, s);
@@ -759,8 +769,9 @@ at::Tensor moe_gate_up_cuda(const at::Tensor& x, const at::Tensor& w1, const at:
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda(
     const at::Tensor& grad_out, const at::Tensor& w2_in, const at::Tensor& gate_up, const at::Tensor& sorted_token_ids,
     const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights,
-    int64_t top_k, int64_t block_m, int64_t num_experts) {
+    int64_t top_k, int64_t block_m, int64_t num_experts, c10::string_view activation, double alpha, double limit) {
   const char* op = "moe_grad_gate_up";
+  require_swiglu_kernels(op, parse_activation(op, activation, alpha, limit).kind == Activation::kSwiGLU, false);
   MoeShape s = check_grad_gate_up_args(op, grad_out, w2_in, gate_up, sorted_token_ids, expert_ids,
                                        num_tokens_post_padded, topk_weights, top_k, block_m);
   set_global_experts(op, num_experts, s);
@@ -815,11 +826,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda(
   return {grad_gate_up, weighted_h, partials.sum(0).view({s.M, s.top_k})};
 }
 
-at::Tensor moe_grad_x_cuda(const at::Tensor& grad_gate, const at::Tensor& grad_up, const at::Tensor& w1_in,
-                           const at::Tensor& w3_in, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+at::Tensor moe_grad_x_cuda(const at::Tensor& grad_gate, const std::optional<at::Tensor>& grad_up_in,
+                           const at::Tensor& w1_in, const std::optional<at::Tensor>& w3_opt,
+                           const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                            const at::Tensor& num_tokens_post_padded, int64_t top_k, int64_t block_m,
                            bool deterministic, int64_t num_experts) {
   const char* op = "moe_grad_x";
+  check_grad_x_halves(op, grad_up_in, w3_opt);
+  require_swiglu_kernels(op, w3_opt.has_value(), false);
+  const at::Tensor &grad_up = *grad_up_in, &w3_in = *w3_opt;
   MoeShape s = check_grad_x_args(op, grad_gate, grad_up, w1_in, w3_in, sorted_token_ids, expert_ids,
                                  num_tokens_post_padded, top_k, block_m);
   set_global_experts(op, num_experts, s);
@@ -900,13 +915,18 @@ void fused_moe_bf16_cuda(const at::Tensor& x, const at::Tensor& w, const at::Ten
   out.copy_(acc32);
 }
 
-std::tuple<at::Tensor, at::Tensor> moe_forward_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3,
-                                                    const at::Tensor& w2, const at::Tensor& sorted_token_ids,
-                                                    const at::Tensor& expert_ids,
-                                                    const at::Tensor& num_tokens_post_padded,
-                                                    const at::Tensor& topk_weights, int64_t top_k, int64_t block_m,
-                                                    bool deterministic, bool save_gate_up, int64_t num_experts) {
+std::tuple<at::Tensor, at::Tensor> moe_forward_cuda(
+    const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& w3_in, const at::Tensor& w2,
+    const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
+    const at::Tensor& topk_weights, int64_t top_k, int64_t block_m, bool deterministic, bool save_gate_up,
+    int64_t num_experts, c10::string_view activation, double alpha, double limit,
+    const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& b_up,
+    const std::optional<at::Tensor>& b2) {
   const char* op = "moe_forward";
+  const ActivationSpec act = parse_activation(op, activation, alpha, limit);
+  check_gated(op, act, w3_in.has_value(), "w3");
+  require_swiglu_kernels(op, act.kind == Activation::kSwiGLU, b_gate || b_up || b2);
+  const at::Tensor& w3 = *w3_in;
   MoeShape s = check_moe_args(op, x, w1, w3, &w2, sorted_token_ids, expert_ids, num_tokens_post_padded, &topk_weights,
                               top_k, block_m, "w1/w3");
   set_global_experts(op, num_experts, s);
