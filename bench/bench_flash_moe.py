@@ -486,7 +486,7 @@ def bench_sonicmoe(ops, shapes, ceiling, warm_only=False):
     return rows
 
 
-def bench_liger(ops, shapes, ceiling, warm_only=False, with_lck=True):
+def bench_liger(ops, shapes, ceiling, warm_only=False, with_lck=True, lck_probed=False):
     """Liger's MoE peers (bench/peer_moe.py: its Triton fused MoE and, where it loads, the liger-cute-kernels MoE)
     against ours and the grouped-mm path at each shape, on the same x, weights and routing (leaves sharing storage: ours
     and Liger's Triton on the stacked [W1; W3] both read, the grouped-mm path and lck on w1 and w3 apart): each one's
@@ -496,7 +496,8 @@ def bench_liger(ops, shapes, ceiling, warm_only=False, with_lck=True):
     and dx's relative error against the grouped-mm path's, and the forward+backward timelines of Liger's and ours.
     Any peer's failure is its row's result (one line), never the benchmark's. warm_only: only Liger's Triton first
     forward+backward at a small problem with the shape's dim, hidden and top_k, which compiles every autotuning
-    config into Triton's cache (gpu_check.sh liger-warm: in parallel background processes, one per shape)."""
+    config into Triton's cache (gpu_check.sh liger-warm: in parallel background processes, one per shape).
+    lck_probed: the lck probe already passed on this machine (gpu_check.sh's liger phase), so it is not run again."""
     import peer_moe
     from prime_kernels_flash_moe.reference import moe_grouped_mm
 
@@ -510,7 +511,7 @@ def bench_liger(ops, shapes, ceiling, warm_only=False, with_lck=True):
         return [liger_warm(liger, *shape) for shape in shapes]
     lck, lck_reason = None, "--no-lck"
     if with_lck:
-        lck_reason = peer_moe.probe_lck()
+        lck_reason = None if lck_probed else peer_moe.probe_lck()
         if lck_reason is None:
             try:
                 lck = peer_moe.LckSession()
@@ -669,6 +670,8 @@ def main():
     parser.add_argument("--liger-warm", action="store_true",
                         help="only Liger's Triton first call per shape at a small problem (fills Triton's cache)")
     parser.add_argument("--no-lck", action="store_true", help="--liger without the liger-cute-kernels MoE")
+    parser.add_argument("--lck-probed", action="store_true",
+                        help="--liger: the lck probe (bench/peer_moe.py --probe-lck) passed on this machine: not again")
     args = parser.parse_args()
     unknown = set(args.paths.split(",") if args.paths else ()) - {*PATHS, PEER_PATH}
     if unknown:
@@ -694,7 +697,8 @@ def main():
                 json.dump({"ceiling_tflops": ceiling / 1e12, "sonicmoe": rows}, f, indent=2)
         return
     if args.liger or args.liger_warm:
-        rows = bench_liger(ops, shapes, ceiling, warm_only=args.liger_warm, with_lck=not args.no_lck)
+        rows = bench_liger(ops, shapes, ceiling, warm_only=args.liger_warm, with_lck=not args.no_lck,
+                           lck_probed=args.lck_probed)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"ceiling_tflops": ceiling / 1e12, "liger": rows}, f, indent=2)
