@@ -367,9 +367,30 @@ if phase sonicmoe; then
   done
 fi
 
+# Waits for the liger-warm processes (LIGER_WARM_WAIT seconds at most: their autotuning loads the GPU) and puts their
+# logs, once, into OUT/liger.log.
+liger_warm_waited=""
+wait_liger_warm() {
+  [ -n "$liger_warm_waited" ] && return
+  local waited=0 pid warm busy
+  while [ "$waited" -lt "${LIGER_WARM_WAIT:-300}" ]; do
+    busy=""
+    for pid in $(cat "$liger_warm_dir"/*.pid 2>/dev/null); do kill -0 "$pid" 2>/dev/null && busy=1; done
+    [ -z "$busy" ] && break
+    sleep 5; waited=$((waited + 5))
+  done
+  for warm in "$liger_warm_dir"/*.log; do
+    [ -e "$warm" ] || continue
+    { echo "== warm-up $(basename "$warm" .log)"; cat "$warm"; } >> "$out/liger.log"
+    record liger-warm "$(basename "$warm" .log)" "after ${waited} s of waiting: $(tail -n 1 "$warm" | cut -c1-200)"
+  done
+  liger_warm_waited=1
+}
+
 if phase liger-logp; then
   # Liger's SM90 lm-head kernels against linear_logp (issue 62): needs the liger set's CuTe DSL (.peers1 and .peers2)
-  timeout "${LIGER_LOGP_TIMEOUT:-420}" "$py" bench/bench_linear_logp.py --liger --json "$out/liger-logp.json" 2>&1 \
+  wait_liger_warm
+  timeout "${LIGER_LOGP_TIMEOUT:-540}" "$py" bench/bench_linear_logp.py --liger --json "$out/liger-logp.json" 2>&1 \
     | tee "$out/liger-logp.log"
   record liger-logp "bench_linear_logp.py --liger" "exit ${PIPESTATUS[0]}"
 fi
@@ -379,18 +400,8 @@ if phase liger; then
   # and the grouped-mm path (issue 62), one process per ';'-separated entry of LIGER_SHAPES (bench_flash_moe.py's
   # names, ',' joins several in one process; LIGER_TIMEOUT seconds each), after the liger-warm processes (above).
   # Logs: OUT/liger.log (the warm-ups', the lck probe's, then each entry's), rows in OUT/liger-N.json.
-  waited=0
-  liger_warming() { for pid in $(cat "$liger_warm_dir"/*.pid 2>/dev/null); do kill -0 "$pid" 2>/dev/null && return 0; done
-                    return 1; }
-  while liger_warming && [ "$waited" -lt "${LIGER_WARM_WAIT:-300}" ]; do
-    sleep 5; waited=$((waited + 5))
-  done
+  wait_liger_warm
   log="$out/liger.log"
-  for warm in "$liger_warm_dir"/*.log; do
-    [ -e "$warm" ] || continue
-    { echo "== warm-up $(basename "$warm" .log)"; cat "$warm"; } >> "$log"
-    record liger-warm "$(basename "$warm" .log)" "after ${waited} s of waiting: $(tail -n 1 "$warm" | cut -c1-200)"
-  done
   liger_env=(env TRITON_CACHE_DIR=$liger_cache) lck_flag=--no-lck
   if [ -d /tmp/peers_lck/liger_cute_kernels ]; then
     # its own site (NVSHMEM and the CUDA 12 runtime it links) for these processes only
@@ -473,5 +484,6 @@ for log in "$out"/bench_*.log; do
   echo "-- $(basename "$log" .log)"; grep -E '^\||^ours' "$log" | tail -n 8
 done
 [ -f "$out/liger.log" ] && { echo "-- liger MoE (ms)"; grep -E '^liger |^  (ours|liger-|grouped-mm)' "$out/liger.log"; }
+[ -f "$out/liger-logp.log" ] && { echo "-- liger lm-head"; grep -E '^\||skipped' "$out/liger-logp.log"; }
 [ -f "$out/ab.log" ] && { echo "-- A/B (median ms over rounds, ratio to the tree)"; grep -E '^\|' "$out/ab.log"; }
 ! grep -qE 'FAILED|failed|exit [1-9]' "$results"
