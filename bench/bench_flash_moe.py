@@ -489,7 +489,7 @@ def bench_sonicmoe(ops, shapes, ceiling, warm_only=False):
 def bench_liger(ops, shapes, ceiling, warm_only=False, with_lck=True, lck_probed=False):
     """Liger's MoE peers (bench/peer_moe.py: its Triton fused MoE and, where it loads, the liger-cute-kernels MoE)
     against ours and the grouped-mm path at each shape, on the same x, weights and routing (leaves sharing storage: ours
-    and Liger's Triton on the stacked [W1; W3] both read, the grouped-mm path and lck on w1 and w3 apart): each one's
+    and Liger's Triton on one stacked [W1; W3], the grouped-mm path and lck on w1 and w3 apart): each one's
     first forward and first backward in seconds (Liger's Triton autotunes there, per (dim, hidden) and per (dim,
     top_k); reported apart, not in the timings), then forward, forward+backward and the backward alone in turns
     (common.interleaved; forward+backward over LONG_TIMING's rounds), peak memory of one forward+backward, the output's
