@@ -33,7 +33,7 @@ import json
 
 import torch
 import peer_logp
-from common import do_bench, free, interleaved, matmul_ceiling, peak_extra
+from common import do_bench, free, gpu_timeline, interleaved, matmul_ceiling, peak_extra
 
 MAIN = (8192, 4096, 151936)
 SHAPES = [MAIN, (8192, 2048, 151936), (8192, 5120, 151936), (8192, 4096, 32000), (2048, 4096, 151936),
@@ -221,8 +221,9 @@ def liger_peers(ceiling, results):
     T = 1 against FLCE's reduction="sum" and the scaled kernel's per-token NLL at T = 1) and with it (ours at T against
     the scaled kernel's NLL + bf16 entropy at T). Per implementation: its first forward+backward in seconds (the CuTe
     DSL compiles there; not in the timings), forward and forward+backward ms, TFLOP/s at 6NHV (Liger's count: logits,
-    dX, dW; ours recomputes the logits, 8NHV), peak memory above the inputs and gradients, and agreement with ours
-    (largest |difference| per token; FLCE's sum: relative). A peer that cannot run a shape gets its error as its row."""
+    dX, dW; ours recomputes the logits, 8NHV), peak memory above the inputs and gradients, agreement with ours
+    (largest |difference| per token; FLCE's sum: relative) and a forward+backward GPU timeline (its kernels). A peer that
+    cannot run a shape gets its error as its row."""
     from prime_kernels_fused_logp.linear_ops import linear_logp_entropy
 
     forms = peer_logp.liger_forms(T)
@@ -257,6 +258,7 @@ def liger_peers(ceiling, results):
             for label, row in rows.items():
                 results.append(row)
                 _print_liger_row(row, rows.get(ours_label, {}), n, hs, v)
+            _print_liger_timelines(rows.values())
         del h, w, y
 
 
@@ -292,6 +294,8 @@ def _liger_timings(impls, rows, outs, ours_label, h, w, y):
         row["fwd_bwd_peak_extra_gib"] = (peak_extra(forward_backward(fn)) - 2 * (h.numel() + w.numel())) / 2**30
         h.grad = w.grad = None
         row["agreement"] = {} if label == ours_label else _agreement(outs[label], outs[ours_label])
+        # where its forward+backward's time goes, kernel by kernel (for the notes, where a peer is ahead)
+        row["timeline"] = gpu_timeline(forward_backward(fn), top=8, grad_to_none=[h, w])
 
 
 def _agreement(theirs, ours):
@@ -303,6 +307,14 @@ def _agreement(theirs, ours):
     if len(theirs) > 1 and len(ours) > 1:
         found["entropy_max_abs"] = (theirs[1] - ours[1]).abs().max().item()
     return found
+
+
+def _print_liger_timelines(rows):
+    for row in rows:
+        line = row.get("timeline")
+        if line:
+            print(f"  {row['impl']} N={row['N']} V={row['V']}: span {line['span_ms']:.3f} ms, busy {line['busy_ms']:.3f}; "
+                  + "; ".join(f"{key} {ms:.3f}" for key, ms in line["kernels_ms"].items()), flush=True)
 
 
 def _print_liger_row(row, ours_row, n, hs, v):
