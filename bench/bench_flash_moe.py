@@ -4,6 +4,8 @@
 
     python bench/bench_flash_moe.py [--json PATH] [--quick] [--mxfp8-only] [--no-mxfp8] [--shapes NAME,NAME]
     python bench/bench_flash_moe.py --sonicmoe --no-mxfp8 [--shapes NAME,NAME]   (peer wheels: scripts/peer_wheels.sh)
+    python bench/bench_flash_moe.py --liger [--no-lck] [--shapes NAME,NAME]   (peer wheels: scripts/peer_wheels.sh liger)
+    python bench/bench_flash_moe.py --liger-warm [--shapes NAME,NAME]
     python bench/bench_flash_moe.py --parts --no-mxfp8 [--shapes NAME,NAME]
     python bench/bench_flash_moe.py --paths dw-grouped,dw-fused --no-mxfp8 [--rounds N] [--shapes NAME,NAME]
     python bench/bench_flash_moe.py --timeline --no-mxfp8 [--shapes NAME,NAME]
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import time
 
@@ -483,6 +486,160 @@ def bench_sonicmoe(ops, shapes, ceiling, warm_only=False):
     return rows
 
 
+def bench_liger(ops, shapes, ceiling, warm_only=False, with_lck=True, lck_probed=False):
+    """Liger's MoE peers (bench/peer_moe.py: its Triton fused MoE and, where it loads, the liger-cute-kernels MoE)
+    against ours and the grouped-mm path at each shape, on the same x, weights and routing (leaves sharing storage: ours
+    and Liger's Triton on one stacked [W1; W3], the grouped-mm path and lck on w1 and w3 apart): each one's
+    first forward and first backward in seconds (Liger's Triton autotunes there, per (dim, hidden) and per (dim,
+    top_k); reported apart, not in the timings), then forward, forward+backward and the backward alone in turns
+    (common.interleaved; forward+backward over LONG_TIMING's rounds), peak memory of one forward+backward, the output's
+    and dx's relative error against the grouped-mm path's, and the forward+backward timelines of Liger's and ours.
+    Any peer's failure is its row's result (one line), never the benchmark's. warm_only: only Liger's Triton first
+    forward+backward at a small problem with the shape's dim, hidden and top_k, which compiles every autotuning
+    config into Triton's cache (gpu_check.sh liger-warm: in parallel background processes, one per shape).
+    lck_probed: the lck probe already passed on this machine (gpu_check.sh's liger phase), so it is not run again."""
+    import peer_moe
+    from prime_kernels_flash_moe.reference import moe_grouped_mm
+
+    try:
+        liger = peer_moe.liger_triton()
+    except Exception as exc:  # noqa: BLE001: any import failure is the row's result
+        print(f"{peer_moe.LIGER_TRITON}: skipped: {type(exc).__name__}: {exc}")
+        return [{"peer": peer_moe.LIGER_TRITON, "error": f"{type(exc).__name__}: {exc}"}]
+    autotune = os.environ.get("LIGER_FUSED_MOE_AUTOTUNE", "1").lower() not in ("0", "false", "no")
+    if warm_only:
+        return [liger_warm(liger, *shape) for shape in shapes]
+    lck, lck_reason = None, "--no-lck"
+    if with_lck:
+        lck_reason = None if lck_probed else peer_moe.probe_lck()
+        if lck_reason is None:
+            try:
+                lck = peer_moe.LckSession()
+            except Exception as exc:  # noqa: BLE001: the probe passed in a child; this process may still fail
+                lck_reason = f"{type(exc).__name__}: {exc}"
+    if lck is None:
+        print(f"{peer_moe.LIGER_CUTE}: skipped: {lck_reason}", flush=True)
+    rows = []
+    for name, T, E, k, dim, hidden in shapes:
+        row = {"shape": name, "T": T, "E": E, "top_k": k, "dim": dim, "hidden": hidden, "liger_autotune": autotune,
+               "lck": "timed" if lck else f"skipped: {lck_reason}", "ceiling_tflops": ceiling / 1e12}
+        try:
+            liger_shape(ops, liger, lck, moe_grouped_mm, row)
+        except Exception as exc:  # noqa: BLE001: its exact error is the row's result
+            row["error"] = f"{type(exc).__name__}: {exc}"
+            print(f"liger {name}: {row['error']}", flush=True)
+        rows.append(row)
+        free()
+    return rows
+
+
+def liger_warm(liger, name, T, E, k, dim, hidden):
+    """Liger's Triton first forward+backward at T 2048, min(E, 16) experts with the shape's dim, hidden and top_k:
+    its autotuning keys are (dim, hidden) and (dim, top_k), so this compiles what the shape's first call will load."""
+    import peer_moe
+
+    x, w1, w2, w3, ids, tw = problem(2048, min(E, 16), k, dim, hidden)
+    w13 = peer_moe.stack_gate_up(w1, w3).requires_grad_()
+    start = time.perf_counter()
+    try:
+        out = liger(*peer_moe.liger_triton_args(x.requires_grad_(), w13, w2.requires_grad_(), ids, tw))
+        out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001: the warm-up's result
+        print(f"liger-warm {name}: {type(exc).__name__}: {exc}", flush=True)
+        return {"shape": name, "error": f"{type(exc).__name__}: {exc}"}
+    seconds = time.perf_counter() - start
+    print(f"liger-warm {name}: first forward+backward (compiling and autotuning) {seconds:.0f} s", flush=True)
+    del x, w1, w2, w3, w13, ids, tw, out
+    free()
+    return {"shape": name, "first_fwd_bwd_s": seconds}
+
+
+def liger_shape(ops, liger, lck, moe_grouped_mm, row):
+    """bench_liger's measurements at one shape, into ``row``."""
+    import peer_moe
+
+    T, E, k, dim, hidden = (row[key] for key in ("T", "E", "top_k", "dim", "hidden"))
+    flops = forward_flops(T * k, dim, hidden)
+    x, w1, w2, w3, ids, tw = problem(T, E, k, dim, hidden)
+    w13 = peer_moe.stack_gate_up(w1, w3)
+    go = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16)
+
+    def leaves(*tensors):
+        return [t.detach().requires_grad_() for t in tensors]
+    mine, theirs, gmm = leaves(x, w13, w2, tw), leaves(x, w13, w2, tw), leaves(x, w1, w2, w3, tw)
+    impls = {"ours": lambda: ops.moe(mine[0], mine[1], mine[2], None, ids, mine[3]),
+             peer_moe.LIGER_TRITON: lambda: liger(*peer_moe.liger_triton_args(theirs[0], theirs[1], theirs[2], ids,
+                                                                              theirs[3])),
+             "grouped-mm": lambda: moe_grouped_mm(gmm[0], gmm[1], gmm[2], gmm[3], ids, gmm[4])}
+    every_leaf, x_leaf = mine + theirs + gmm, {"ours": mine[0], peer_moe.LIGER_TRITON: theirs[0], "grouped-mm": gmm[0]}
+    if lck is not None:
+        lck.configure_for(T, E, k, dim)
+        cute = leaves(x, w1, w2, w3, tw.bfloat16())
+        impls[peer_moe.LIGER_CUTE] = lambda: lck(*peer_moe.lck_args(*cute[:4], ids, cute[4]))
+        every_leaf, x_leaf[peer_moe.LIGER_CUTE] = every_leaf + cute, cute[0]
+
+    def drop_grads():
+        for t in every_leaf:
+            t.grad = None
+
+    def fwd_bwd(run):
+        return lambda: run().backward(go)
+
+    # first calls, untimed by do_bench: Liger's Triton autotunes here (forward kernels, then backward ones)
+    dx = {}
+    for label, run in impls.items():
+        drop_grads()
+        start = time.perf_counter()
+        out = run()
+        torch.cuda.synchronize()
+        row[f"{label}_first_fwd_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        out.backward(go)
+        torch.cuda.synchronize()
+        row[f"{label}_first_bwd_s"] = time.perf_counter() - start
+        dx[label] = x_leaf[label].grad.float()
+        del out
+    drop_grads()
+    with torch.no_grad():
+        outs = {label: run().float() for label, run in impls.items()}
+    for label in impls:
+        row[f"{label}_rel_err_vs_grouped_mm"] = ((outs[label] - outs["grouped-mm"]).norm()
+                                                 / outs["grouped-mm"].norm()).item()
+        row[f"{label}_dx_rel_err_vs_grouped_mm"] = ((dx[label] - dx["grouped-mm"]).norm()
+                                                    / dx["grouped-mm"].norm()).item()
+    del outs, dx
+    with torch.no_grad():
+        fwd = interleaved(impls)
+    fb = interleaved({label: fwd_bwd(run) for label, run in impls.items()}, grad_to_none=every_leaf, **LONG_TIMING)
+    drop_grads()
+    bwd = interleaved(impls, timer=functools.partial(backward_ms, go=go, grad_to_none=every_leaf))
+    drop_grads()
+    for label, run in impls.items():
+        row[f"{label}_fwd_ms"], row[f"{label}_fwd_bwd_ms"], row[f"{label}_bwd_ms"] = fwd[label], fb[label], bwd[label]
+        row[f"{label}_fwd_bwd_tflops"] = 3 * flops / fb[label] / 1e9
+        row[f"{label}_peak_gib"] = peak_extra(fwd_bwd(run)) / 2**30
+        drop_grads()
+    print(f"liger {row['shape']:22s} (ms; forward+backward TFLOP/s; peak GiB; output / dx rel. err. vs grouped-mm; "
+          "first forward / backward s)", flush=True)
+    for label in impls:
+        print(f"  {label:12s} fwd {row[label + '_fwd_ms']:8.3f} | fwd+bwd {row[label + '_fwd_bwd_ms']:8.3f} "
+              f"({row[label + '_fwd_bwd_tflops']:4.0f}) | bwd {row[label + '_bwd_ms']:8.3f} | peak "
+              f"{row[label + '_peak_gib']:6.2f} | err {row[label + '_rel_err_vs_grouped_mm']:.1e} / "
+              f"{row[label + '_dx_rel_err_vs_grouped_mm']:.1e} | first {row[label + '_first_fwd_s']:.1f} / "
+              f"{row[label + '_first_bwd_s']:.1f}", flush=True)
+    for label in impls:
+        if label != "ours":
+            print(f"  {label} / ours: fwd x{row[label + '_fwd_ms'] / row['ours_fwd_ms']:.2f}, fwd+bwd "
+                  f"x{row[label + '_fwd_bwd_ms'] / row['ours_fwd_bwd_ms']:.2f}, bwd "
+                  f"x{row[label + '_bwd_ms'] / row['ours_bwd_ms']:.2f} (above 1: ours faster)", flush=True)
+    # where each one's time goes, kernel by kernel (the same tensors, one after the other)
+    for label in [name for name in impls if name != "grouped-mm"]:
+        row[f"{label}_timeline"] = gpu_timeline(fwd_bwd(impls[label]), top=16, grad_to_none=every_leaf)
+        print_timeline(label, row[f"{label}_timeline"])
+    drop_grads()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
@@ -507,6 +664,14 @@ def main():
                              "expert count against the local one, and the grouped-mm path")
     parser.add_argument("--sonicmoe-warm", action="store_true",
                         help="only SonicMoE's first forward+backward per shape (fills its compile caches)")
+    parser.add_argument("--liger", action="store_true",
+                        help="only Liger's MoE peers (Triton; liger-cute-kernels where it loads) against ours and the "
+                             "grouped-mm path (Liger's Triton autotunes on its first call per shape)")
+    parser.add_argument("--liger-warm", action="store_true",
+                        help="only Liger's Triton first call per shape at a small problem (fills Triton's cache)")
+    parser.add_argument("--no-lck", action="store_true", help="--liger without the liger-cute-kernels MoE")
+    parser.add_argument("--lck-probed", action="store_true",
+                        help="--liger: the lck probe (bench/peer_moe.py --probe-lck) passed on this machine: not again")
     args = parser.parse_args()
     unknown = set(args.paths.split(",") if args.paths else ()) - {*PATHS, PEER_PATH}
     if unknown:
@@ -517,7 +682,8 @@ def main():
     ops = prime_kernels.load("flash_moe")
     ceiling = matmul_ceiling()
     print(f"bf16 matmul ceiling 8192^3: {ceiling / 1e12:.0f} TFLOP/s")
-    fp8_peak = None if args.no_mxfp8 or args.sonicmoe or args.sonicmoe_warm or args.expert_parallel else fp8_ceiling()
+    only_peers = args.sonicmoe or args.sonicmoe_warm or args.liger or args.liger_warm
+    fp8_peak = None if args.no_mxfp8 or only_peers or args.expert_parallel else fp8_ceiling()
     if fp8_peak is not None:
         print(f"fp8 (e4m3 torch._scaled_mm) ceiling 8192^3: {fp8_peak / 1e12:.0f} TFLOP/s")
     summary = []
@@ -529,6 +695,13 @@ def main():
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"ceiling_tflops": ceiling / 1e12, "sonicmoe": rows}, f, indent=2)
+        return
+    if args.liger or args.liger_warm:
+        rows = bench_liger(ops, shapes, ceiling, warm_only=args.liger_warm, with_lck=not args.no_lck,
+                           lck_probed=args.lck_probed)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"ceiling_tflops": ceiling / 1e12, "liger": rows}, f, indent=2)
         return
     ep = functools.partial(bench_expert_parallel, ranks=args.expert_parallel, ceiling=ceiling)
     parts = functools.partial(bench_backward_parts, ceiling=ceiling)

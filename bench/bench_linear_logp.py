@@ -4,11 +4,16 @@ forward and forward+backward, peak memory above the inputs, against the bf16 mat
     python bench/bench_linear_logp.py [--json PATH] [--quick]
     python bench/bench_linear_logp.py --invariant-ab [--json PATH]
     python bench/bench_linear_logp.py --softcap-ab [--json PATH]
+    python bench/bench_linear_logp.py --liger [--json PATH]   (peer wheels: scripts/peer_wheels.sh liger)
 
 --invariant-ab: default vs batch_invariant=True at the issue-25 shapes (N = 8192 and 1024, H = 4096, V = 151936; N = 5),
 forward and forward+backward, alternating rounds in one run, medians, ratios invariant / default and the floors; plus
 whether 5 probe tokens keep their bits (logp, entropy, grad_hidden rows) between a batch of 5 and the benchmark batch
 in each mode (informational; the tests assert the invariant mode).
+
+--liger: issue 62's rows, Liger's SM90 lm-head kernels against ours (liger_peers; bench/peer_logp.py says what each
+computes): at the benchmark's shape, that shape with V rounded up to 152064 (FLCE SM90 takes V in multiples of 256) and
+Liger's published M 4096, H 4096, V 128256.
 
 --softcap-ab: the logit transforms' cost (issue 24: a softcap <= 5 %) at N = 8192, H = 4096, V = 151936 bf16, T = 0.7:
 no transform, softcap=30.0 (Gemma 2/3), logit_scale=0.0625 alone (Cohere; folded into the temperature, expected free)
@@ -27,7 +32,8 @@ import argparse
 import json
 
 import torch
-from common import do_bench, free, matmul_ceiling, peak_extra
+import peer_logp
+from common import do_bench, free, gpu_timeline, interleaved, matmul_ceiling, peak_extra
 
 MAIN = (8192, 4096, 151936)
 SHAPES = [MAIN, (8192, 2048, 151936), (8192, 5120, 151936), (8192, 4096, 32000), (2048, 4096, 151936),
@@ -201,18 +207,146 @@ def softcap_ab(ceiling, results):
                         "fwd_bwd_rounds": times[name]["fb"], "floor_fwd_ms": floor_f, "floor_fwd_bwd_ms": floor_fb})
 
 
+def liger_shapes():
+    """The benchmark's shape, the same with V rounded up to FLCE's multiple of 256 (FLCE SM90 rejects 151936), and
+    Liger's published one."""
+    n, hs, v = MAIN
+    rounded = -(-v // peer_logp.FLCE_TILE_V) * peer_logp.FLCE_TILE_V
+    return [MAIN, (n, hs, rounded), peer_logp.LIGER_PUBLISHED]
+
+
+def liger_peers(ceiling, results):
+    """Issue 62: Liger's SM90 lm-head kernels (bench/peer_logp.py) against ours at liger_shapes(), in two groups timed
+    in turns (common.interleaved, do_bench 100 + 500 ms, 2 rounds): without entropy (ours with return_entropy=False at
+    T = 1 against FLCE's reduction="sum" and the scaled kernel's per-token NLL at T = 1) and with it (ours at T against
+    the scaled kernel's NLL + bf16 entropy at T). Per implementation: its first forward+backward in seconds (the CuTe
+    DSL compiles there; not in the timings), forward and forward+backward ms, TFLOP/s at 6NHV (Liger's count: logits,
+    dX, dW; ours recomputes the logits, 8NHV), peak memory above the inputs and gradients, agreement with ours
+    (largest |difference| per token; FLCE's sum: relative) and a forward+backward GPU timeline (its kernels). A peer that
+    cannot run a shape gets its error as its row."""
+    from prime_kernels_fused_logp.linear_ops import linear_logp_entropy
+
+    forms = peer_logp.liger_forms(T)
+    ours = {"no entropy": ("ours (return_entropy=False, T=1)",
+                           lambda h, w, y: linear_logp_entropy(h, w, y, 1.0, return_entropy=False)[:1]),
+            "entropy": (f"ours (entropy, T={T})", lambda h, w, y: linear_logp_entropy(h, w, y, T))}
+    for label, form in forms.items():
+        if isinstance(form, str):
+            print(f"{label}: {form}")
+    print("| N | H | V | implementation | first fwd+bwd s | fwd ms | fwd+bwd ms | fwd+bwd TFLOP/s (6NHV) | ours / it "
+          "(fwd+bwd) | peak extra GiB | agreement with ours |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for n, hs, v in liger_shapes():
+        free()
+        h = (torch.randn(n, hs, device="cuda") / hs**0.25).bfloat16().requires_grad_()
+        w = (torch.randn(v, hs, device="cuda") / hs**0.25).bfloat16().requires_grad_()
+        y = torch.randint(0, v, (n,), device="cuda")
+        for group, (ours_label, ours_fn) in ours.items():
+            impls = {ours_label: ours_fn, **{label: form[0] for label, form in forms.items()
+                                             if not isinstance(form, str) and form[1] == group}}
+            rows = {label: {"impl": label, "group": group, "N": n, "H": hs, "V": v} for label in impls}
+            outs = {}
+            for label, fn in list(impls.items()):
+                try:
+                    rows[label]["first_fwd_bwd_s"], outs[label] = _first_call(fn, h, w, y)
+                except Exception as exc:  # noqa: BLE001: its exact error is the row's result
+                    rows[label]["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                    del impls[label]
+                    free()
+            if ours_label in impls:
+                _liger_timings(impls, rows, outs, ours_label, h, w, y)
+            for label, row in rows.items():
+                results.append(row)
+                _print_liger_row(row, rows.get(ours_label, {}), n, hs, v)
+            _print_liger_timelines(rows.values())
+        del h, w, y
+
+
+def _first_call(fn, h, w, y):
+    """Seconds of fn's first forward+backward, and its forward's outputs (float, detached)."""
+    import time
+
+    start = time.perf_counter()
+    out = fn(h, w, y)
+    sum(o.float().sum() for o in out).backward()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    h.grad = w.grad = None
+    return seconds, [o.detach().float() for o in out]
+
+
+def _liger_timings(impls, rows, outs, ours_label, h, w, y):
+    def forward(fn):
+        return lambda: fn(h.detach(), w.detach(), y)
+
+    def forward_backward(fn):
+        return lambda: sum(o.float().sum() for o in fn(h, w, y)).backward()
+
+    with torch.no_grad():
+        fwd = interleaved({label: forward(fn) for label, fn in impls.items()}, warmup=100, rep=500)
+    fb = interleaved({label: forward_backward(fn) for label, fn in impls.items()}, grad_to_none=[h, w], warmup=100,
+                     rep=500)
+    flops = 6 * h.shape[0] * h.shape[1] * w.shape[0]
+    for label, fn in impls.items():
+        row = rows[label]
+        row.update(fwd_ms=fwd[label], fwd_bwd_ms=fb[label], fwd_bwd_tflops_6nhv=flops / fb[label] / 1e9)
+        h.grad = w.grad = None
+        row["fwd_bwd_peak_extra_gib"] = (peak_extra(forward_backward(fn)) - 2 * (h.numel() + w.numel())) / 2**30
+        h.grad = w.grad = None
+        row["agreement"] = {} if label == ours_label else _agreement(outs[label], outs[ours_label])
+        # where its forward+backward's time goes, kernel by kernel (for the notes, where a peer is ahead)
+        row["timeline"] = gpu_timeline(forward_backward(fn), top=8, grad_to_none=[h, w])
+
+
+def _agreement(theirs, ours):
+    """Largest |difference| from ours per token: NLL against -logp, entropy against entropy; a scalar (FLCE's sum)
+    against -sum(logp), relative."""
+    if theirs[0].ndim == 0:
+        return {"sum_rel": (abs(theirs[0] + ours[0].sum()) / ours[0].sum().abs()).item()}
+    found = {"logp_max_abs": (theirs[0] + ours[0]).abs().max().item()}
+    if len(theirs) > 1 and len(ours) > 1:
+        found["entropy_max_abs"] = (theirs[1] - ours[1]).abs().max().item()
+    return found
+
+
+def _print_liger_timelines(rows):
+    for row in rows:
+        line = row.get("timeline")
+        if line:
+            print(f"  {row['impl']} N={row['N']} V={row['V']}: span {line['span_ms']:.3f} ms, busy {line['busy_ms']:.3f}; "
+                  + "; ".join(f"{key} {ms:.3f}" for key, ms in line["kernels_ms"].items()), flush=True)
+
+
+def _print_liger_row(row, ours_row, n, hs, v):
+    if "error" in row:
+        print(f"| {n} | {hs} | {v} | {row['impl']} | {row['error']} |||||||", flush=True)
+        return
+    if "fwd_ms" not in row:
+        print(f"| {n} | {hs} | {v} | {row['impl']} | {row['first_fwd_bwd_s']:.1f} | not timed: ours failed here "
+              "|||||||", flush=True)
+        return
+    ratio = ours_row["fwd_bwd_ms"] / row["fwd_bwd_ms"]
+    agreement = ", ".join(f"{key} {value:.1e}" for key, value in row["agreement"].items())
+    print(f"| {n} | {hs} | {v} | {row['impl']} | {row['first_fwd_bwd_s']:.1f} | {row['fwd_ms']:.3f} | "
+          f"{row['fwd_bwd_ms']:.3f} | {row['fwd_bwd_tflops_6nhv']:.0f} | x{ratio:.3f} | "
+          f"{row['fwd_bwd_peak_extra_gib']:.2f} | {agreement} |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", help="write results to this path")
     ap.add_argument("--quick", action="store_true", help="main shape only, no peers")
     ap.add_argument("--invariant-ab", action="store_true", help="default vs batch_invariant=True (issue 25), only")
     ap.add_argument("--softcap-ab", action="store_true", help="cost of the logit transforms (issue 24), only")
+    ap.add_argument("--liger", action="store_true",
+                    help="Liger's SM90 kernels (FLCE 'sum', scaled CE with and without entropy) against ours, only")
     args = ap.parse_args()
     from prime_kernels_fused_logp.linear_ops import linear_logp_entropy
 
     ceiling = matmul_ceiling()
     print(f"{torch.cuda.get_device_name()}: bf16 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s (8192^3)")
-    for flag, key, run in ((args.invariant_ab, "invariant_ab", invariant_ab), (args.softcap_ab, "softcap_ab", softcap_ab)):
+    for flag, key, run in ((args.invariant_ab, "invariant_ab", invariant_ab), (args.softcap_ab, "softcap_ab", softcap_ab),
+                           (args.liger, "liger", liger_peers)):
         if not flag:
             continue
         results = []

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU harness, for a bare H200 machine (torch preinstalled, no network):
 #   bash scripts/gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [smoke] [variant-tests] [stable] [bench]
-#     [sonicmoe-warm] [sonicmoe] [profile] [hbm] [ab]
+#     [sonicmoe-warm] [sonicmoe] [liger-warm] [liger-logp] [liger] [peers] [profile] [hbm] [ab]
 #   (default: build test sanitize bench)
 # One device call runs at most 10 minutes: run "build test sanitize" in one call and "bench" in the next (the machine
 # keeps what the first installed while it stays warm, 30 s after a call).
@@ -25,13 +25,15 @@
 # BENCHES="bench_a bench_b" limits the bench phase to those scripts (default: every bench/bench_*.py); TEST_SUITES
 # (test folders or files), SANITIZE_SCRIPTS and STABLE_SUITES (space-separated paths) limit the test, sanitize and
 # stable phases likewise.
+# peers: nothing but the carried peer wheels' install (every call does it first): a call that only carries a folder.
+# liger-warm, liger-logp, liger: issue 62's peers (scripts/peer_wheels.sh liger, and lck), their comments below.
 # stable: installs the stable-ABI wheels built elsewhere by scripts/stable_abi_wheels.sh (carry .stable_wheels, or
 # STABLE_WHEELS=DIR) into their own site dir (/tmp/stable_site) under this machine's torch, requires the ported
 # kernels to be available from it, and runs their gpu-marked tests and sanitizer scripts against it; a later ab phase
 # on the warm machine adds that site as the variant "stable-wheel" (AB_ROUNDS: rounds, default 2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [smoke] [variant-tests] [stable] [bench] [sonicmoe-warm] [sonicmoe] [profile] [hbm] [ab]}; shift
+out=${1:?usage: gpu_check.sh OUT_DIR [build] [variants] [test] [sanitize] [smoke] [variant-tests] [stable] [bench] [sonicmoe-warm] [sonicmoe] [liger-warm] [liger-logp] [liger] [peers] [profile] [hbm] [ab]}; shift
 phases=${*:-build test sanitize bench}
 mkdir -p "$out"
 py=${PYTHON:-python3}
@@ -93,21 +95,34 @@ sanitizer() {  # PHASE LABEL TOOL SCRIPT LOG
 }
 
 # Peer wheels: .peers/ (../shared/bench/peer-wheels.sh) or .peers1/ .peers2/ ... (scripts/peer_wheels.sh, carried one
-# per call while the machine stays warm); a wheel split into parts may have them in several of those folders.
-if ls -d .peers*/ > /dev/null 2>&1; then
-  mkdir -p /tmp/peer_wheels
-  cp .peers*/*.whl /tmp/peer_wheels/ 2>/dev/null
-  for first in .peers*/*.part_aa; do
-    [ -e "$first" ] || continue
+# per call while the machine stays warm), into /tmp/peers; .peers_lck1/ ... (scripts/peer_wheels.sh lck) into
+# /tmp/peers_lck, which only the liger phase puts on its path. A wheel split into parts may have them in several
+# folders: one whose parts have not all come yet is left for a later call ("incomplete"), the others are installed.
+install_peer_wheels() {  # LABEL TARGET FOLDER...
+  local label=$1 target=$2 wheels=/tmp/peer_wheels/$1 folder first wheel bad=0 incomplete=""
+  shift 2
+  mkdir -p "$wheels"
+  for folder in "$@"; do cp "$folder"/*.whl "$wheels"/ 2>/dev/null; done
+  for first in $(for folder in "$@"; do ls "$folder"/*.part_aa 2>/dev/null; done); do
     wheel=$(basename "${first%.part_aa}")
-    for part in .peers*/"$wheel".part_*; do echo "$(basename "$part") $part"; done | sort | cut -d' ' -f2 \
-      | xargs cat > "/tmp/peer_wheels/$wheel"
+    for folder in "$@"; do ls "$folder/$wheel".part_* 2>/dev/null; done | while read -r part; do
+      echo "$(basename "$part") $part"; done | sort | cut -d' ' -f2 | xargs cat > "$wheels/$wheel"
   done
-  "$py" -m pip install -q --no-index --no-deps --target /tmp/peers /tmp/peer_wheels/*.whl > "$out/peers-install.log" 2>&1
-  code=$?  # an invalid wheel here is one whose parts are not all carried yet (they come one .peers folder per call)
-  record peers "install $(ls /tmp/peer_wheels | tr '\n' ' ')" "exit $code; $(head -n 1 "$out/peers-install.log")"
+  : > "$out/peers-$label-install.log"
+  for wheel in "$wheels"/*.whl; do
+    [ -f "$wheel.installed" ] && continue  # by an earlier call on this warm machine
+    if ! "$py" -m zipfile -t "$wheel" > /dev/null 2>&1; then incomplete="$incomplete $(basename "$wheel")"; continue; fi
+    if "$py" -m pip install -q --no-index --no-deps --upgrade --target "$target" "$wheel" \
+        >> "$out/peers-$label-install.log" 2>&1; then touch "$wheel.installed"; else bad=$((bad + 1)); fi
+  done
+  record peers "$label: $(ls "$wheels"/*.whl | wc -l) wheels into $target${incomplete:+; incomplete (parts to come):$incomplete}" \
+    "exit $bad; $(grep -m 1 -i error "$out/peers-$label-install.log")"
+}
+if ls -d .peers/ .peers[0-9]*/ > /dev/null 2>&1; then
+  install_peer_wheels main /tmp/peers $(ls -d .peers/ .peers[0-9]*/ 2>/dev/null)
   export PYTHONPATH=/tmp/peers:/tmp/peers/nvidia_cutlass_dsl/dsl_packages:/tmp/peers/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}
 fi
+ls -d .peers_lck[0-9]*/ > /dev/null 2>&1 && install_peer_wheels lck /tmp/peers_lck $(ls -d .peers_lck[0-9]*/)
 
 if phase build; then
   start=$(date +%s)
@@ -144,6 +159,25 @@ if phase sonicmoe-warm; then
     echo $! > "$sonic_warm_dir/$shape.pid"
     record sonicmoe-warm "$shape" "started (pid $!)"
     disown $!  # out of the job table: the later phases' `wait`s (and the call) do not wait for the compiles
+  done
+fi
+
+# Liger's Triton fused MoE compiles every autotuning config on its first call per (dim, hidden) and (dim, top_k) (240
+# kernels, one after another, on the CPU: minutes): one background process per distinct shape (LIGER_WARM_SHAPES),
+# in a session of its own (setsid) so that it outlives this call while the machine stays warm, runs that first call
+# at a small problem and so fills Triton's cache (liger_cache) while a later phase of this call (not a timing one: the
+# warm-ups load the GPU) or the next call runs. The liger phase waits for them (LIGER_WARM_WAIT seconds at most) and
+# times each shape in a process of its own, whose first call autotunes again at that shape on a quiet GPU, loading
+# the compiled kernels (the choices are not cached: Liger tunes in each process).
+liger_warm_dir=/tmp/liger_warm liger_cache=/tmp/liger_triton_cache
+if phase liger-warm; then
+  mkdir -p "$liger_warm_dir"
+  for shape in ${LIGER_WARM_SHAPES:-qwen3-30b-a3b deepseek-v3 mixtral sonicmoe-7b}; do
+    TRITON_CACHE_DIR=$liger_cache setsid nohup timeout "${LIGER_WARM_TIMEOUT:-1500}" "$py" bench/bench_flash_moe.py \
+      --liger-warm --shapes "$shape" > "$liger_warm_dir/$shape.log" 2>&1 < /dev/null &
+    echo $! > "$liger_warm_dir/$shape.pid"
+    record liger-warm "$shape" "started (pid $!)"
+    disown $!
   done
 fi
 
@@ -333,6 +367,62 @@ if phase sonicmoe; then
   done
 fi
 
+# Waits for the liger-warm processes (LIGER_WARM_WAIT seconds at most: their autotuning loads the GPU) and puts their
+# logs, once, into OUT/liger.log.
+liger_warm_waited=""
+wait_liger_warm() {
+  [ -n "$liger_warm_waited" ] && return
+  local waited=0 pid warm busy
+  while [ "$waited" -lt "${LIGER_WARM_WAIT:-300}" ]; do
+    busy=""
+    for pid in $(cat "$liger_warm_dir"/*.pid 2>/dev/null); do kill -0 "$pid" 2>/dev/null && busy=1; done
+    [ -z "$busy" ] && break
+    sleep 5; waited=$((waited + 5))
+  done
+  for warm in "$liger_warm_dir"/*.log; do
+    [ -e "$warm" ] || continue
+    { echo "== warm-up $(basename "$warm" .log)"; cat "$warm"; } >> "$out/liger.log"
+    record liger-warm "$(basename "$warm" .log)" "after ${waited} s of waiting: $(tail -n 1 "$warm" | cut -c1-200)"
+  done
+  liger_warm_waited=1
+}
+
+if phase liger-logp; then
+  # Liger's SM90 lm-head kernels against linear_logp (issue 62): needs the liger set's CuTe DSL (.peers1 and .peers2)
+  wait_liger_warm
+  timeout "${LIGER_LOGP_TIMEOUT:-540}" "$py" bench/bench_linear_logp.py --liger --json "$out/liger-logp.json" 2>&1 \
+    | tee "$out/liger-logp.log"
+  record liger-logp "bench_linear_logp.py --liger" "exit ${PIPESTATUS[0]}"
+fi
+
+if phase liger; then
+  # Liger's Triton MoE and, where .peers_lck* installed and its probe passes, the liger-cute-kernels MoE, against ours
+  # and the grouped-mm path (issue 62), one process per ';'-separated entry of LIGER_SHAPES (bench_flash_moe.py's
+  # names, ',' joins several in one process; LIGER_TIMEOUT seconds each), after the liger-warm processes (above).
+  # Logs: OUT/liger.log (the warm-ups', the lck probe's, then each entry's), rows in OUT/liger-N.json.
+  wait_liger_warm
+  log="$out/liger.log"
+  liger_env=(env TRITON_CACHE_DIR=$liger_cache) lck_flag=--no-lck
+  if [ -d /tmp/peers_lck/liger_cute_kernels ]; then
+    # its own site (NVSHMEM and the CUDA 12 runtime it links) for these processes only
+    liger_env+=(PYTHONPATH=/tmp/peers_lck${PYTHONPATH:+:$PYTHONPATH}
+                LD_LIBRARY_PATH=/tmp/peers_lck/nvidia/cuda_runtime/lib:/tmp/peers_lck/nvidia/nvshmem/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH})
+    echo "== lck probe" >> "$log"
+    "${liger_env[@]}" timeout 300 "$py" bench/peer_moe.py --probe-lck >> "$log" 2>&1 && lck_flag=--lck-probed
+    # a probe that fails skips lck (its reason in liger.log), not the phase
+    record liger "lck probe" "$([ "$lck_flag" = --lck-probed ] && echo "passed: timed" || echo "skipped (liger.log)")"
+  else
+    record liger "lck" "not installed (no .peers_lck* carried: scripts/peer_wheels.sh lck)"
+  fi
+  IFS=';' read -ra liger_entries <<< "${LIGER_SHAPES:-qwen3-30b-a3b;deepseek-v3;mixtral;qwen3-30b-a3b T=1024;qwen3-30b-a3b T=65536;sonicmoe-7b}"
+  for i in "${!liger_entries[@]}"; do
+    echo "== ${liger_entries[$i]}" >> "$log"
+    "${liger_env[@]}" timeout "${LIGER_TIMEOUT:-420}" "$py" bench/bench_flash_moe.py --liger $lck_flag \
+      --shapes "${liger_entries[$i]}" --json "$out/liger-$i.json" >> "$log" 2>&1
+    record liger "${liger_entries[$i]}" "exit $?"
+  done
+fi
+
 if phase profile; then
   # Nsight Compute on PROFILE (a script and its arguments), the kernels matching PROFILE_KERNELS (a regex), at most
   # PROFILE_COUNT launches, PROFILE_SET sections; the report and its details page go to OUT (clocks left alone).
@@ -393,5 +483,7 @@ for log in "$out"/bench_*.log; do
   [ -f "$log" ] || continue
   echo "-- $(basename "$log" .log)"; grep -E '^\||^ours' "$log" | tail -n 8
 done
+[ -f "$out/liger.log" ] && { echo "-- liger MoE (ms)"; grep -E '^liger |^  (ours|liger-|grouped-mm)' "$out/liger.log"; }
+[ -f "$out/liger-logp.log" ] && { echo "-- liger lm-head"; grep -E '^\||skipped' "$out/liger-logp.log"; }
 [ -f "$out/ab.log" ] && { echo "-- A/B (median ms over rounds, ratio to the tree)"; grep -E '^\|' "$out/ab.log"; }
 ! grep -qE 'FAILED|failed|exit [1-9]' "$results"
