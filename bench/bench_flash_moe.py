@@ -36,7 +36,7 @@ import statistics
 import time
 
 import torch
-from common import (CEILING_WARMUP_MS, backward_ms, do_bench, free, gpu_timeline, interleaved, matmul_ceiling,
+from common import (CEILING_WARMUP_MS, LONG_TIMING, backward_ms, do_bench, free, gpu_timeline, interleaved, matmul_ceiling,
                     peak_extra, sampled_clocks)
 
 # (name, T, E, top_k, dim, hidden)
@@ -49,10 +49,6 @@ SHAPES = [
     ("sonicmoe-7b", 24576, 128, 8, 1536, 256),
 ]
 TARGETS = {"qwen3-30b-a3b": 2.0, "deepseek-v3": 1.6, "mixtral": 1.3}
-# ~1 s of calls per timing, 4 rounds, for rows decided within a few percent (SonicMoE against ours, the diagnostics):
-# do_bench's default 100 ms is 3 calls at Mixtral, and session 37's H200 saw ours 10 % slower there than in the main
-# rows and in the same run's GPU timeline
-LONG_TIMING = {"rounds": 4, "rep": 1000}
 MXFP8_SHAPES = [
     ("deepseek-v3 mxfp8", 8192, 256, 8, 7168, 2048),
     ("qwen3-30b-a3b mxfp8", 16384, 128, 8, 2048, 768),

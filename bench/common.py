@@ -50,6 +50,12 @@ def interleaved(fns: dict, rounds: int = 2, timer=do_bench, **bench_args) -> dic
     return {name: statistics.median(v) for name, v in times.items()}
 
 
+# ~1 s of calls per timing, 4 rounds, for rows decided within a few percent (peers against ours, the diagnostics):
+# do_bench's default 100 ms is 3 calls at Mixtral, and an H200 saw ours 10 % slower there than in the main rows and
+# in the same run's GPU timeline
+LONG_TIMING = {"rounds": 4, "rep": 1000}
+
+
 def free() -> None:
     gc.collect()
     torch.cuda.empty_cache()

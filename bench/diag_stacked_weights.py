@@ -10,8 +10,8 @@ import argparse
 import torch
 
 import prime_kernels
-from bench_flash_moe import LONG_TIMING, SHAPES, forward_flops, problem
-from common import free, gpu_timeline, interleaved, matmul_ceiling
+from bench_flash_moe import SHAPES, forward_flops, problem
+from common import LONG_TIMING, free, gpu_timeline, interleaved, matmul_ceiling
 from prime_kernels_flash_moe.reference import moe_grouped_mm
 
 parser = argparse.ArgumentParser()

@@ -5,21 +5,26 @@
 //                   each expert's first block is a multiple of block_align (empty blocks, expert id -1, between).
 //   fused_moe_bf16  out[t] = sum_k topk_weights[t, k] * (silu(x_t Wg^T) * (x_t Wu^T)) W2^T over the slots of the
 //                   aligned blocks, with w = [Wg; Wu] (E, 2 hidden, dim); writes every row of `out` (zeroes unrouted).
-//   moe_forward     the same with the gate and up weights as two tensors (E, hidden, dim), returning out; the
-//                   `deterministic` flag selects a fixed-order combine on CUDA (the CPU combine is always fixed-order).
-//                   With save_gate_up it also returns what moe_gate_up would (the gate/up kernel stores it beside h),
-//                   else an empty [0, 2 hidden].
-//   moe_gate_up     moe()'s backward, recomputation: [x_t W1^T | x_t W3^T] (fp32 accumulation, bf16) of the routed
-//                   slots in sorted order (compact: padding dropped), zero rows past them.
+//   moe_forward     the same for any family (flash_moe.h's Activation: `activation`, alpha, limit), the gate and up
+//                   weights as two (E, hidden, dim) views (w3 None when not gated), the optional expert biases
+//                   b_gate, b_up (E, hidden) and b2 (E, dim) (y = act(x Wg^T + bg, x Wu^T + bu) W2^T + b2, the slot
+//                   weight multiplying y with its bias), returning out; the `deterministic` flag selects a
+//                   fixed-order combine on CUDA (the CPU combine is always fixed-order). With save_gate_up it also
+//                   returns what moe_gate_up would (the gate/up kernel stores it beside h), else an empty one.
+//   moe_gate_up     moe()'s backward, recomputation: [x_t W1^T + bg | x_t W3^T + bu] (fp32 accumulation, bf16; the
+//                   gate half alone without w3) of the routed slots in sorted order (compact: padding dropped), zero
+//                   rows past them.
 //   swiglu_backward moe()'s backward, elementwise: from g | u, grad_h = dL/dy W2 (unweighted) and the slot weights p:
 //                   dg and du with dh = p grad_h, du = dh silu(g), dg = dh u sig(g) (1 + g (1 - sig(g))); p h; and
 //                   dL/dp = sum_j grad_h h. Rows with valid = false give zeros.
 //   moe_grad_gate_up moe()'s backward, fused: grad_h = grad_out_t W2[e] of each routed slot (fp32, never stored) and
-//                   from it and g | u (moe_gate_up's rows) swiglu_backward's dg | du side by side in one
+//                   from it and g | u (moe_gate_up's rows) the activation's dg | du (swiglu_backward's for SwiGLU;
+//                   dg alone when not gated) side by side in one
 //                   (M * top_k, 2 hidden) tensor (g | u's layout: a stacked [W1; W3] takes its gradient from it in one
 //                   GEMM, no concatenation), p h (compact rows, zero past the routed ones) and dL/dp (M, top_k) (zero
 //                   for unrouted slots).
-//   moe_grad_x      moe()'s backward: dx[t] = sum over t's routed slots in k order of dg W1[e] + du W3[e] (dg, du:
+//   moe_grad_x      moe()'s backward: dx[t] = sum over t's routed slots in k order of dg W1[e] + du W3[e] (dg W1[e]
+//                   alone with grad_up and w3 None; dg, du:
 //                   moe_grad_gate_up's rows, e.g. the two halves of its dg | du), fp32 accumulation, rounded once to
 //                   bf16; `deterministic` selects the fixed-order sum on CUDA (else fp32 atomics; the CPU sum is
 //                   always in k order).
@@ -162,17 +167,6 @@ at::Tensor bias_row(const std::optional<at::Tensor>& b, int64_t e) {
   return b.has_value() ? (*b)[e].to(at::kFloat) : at::Tensor();
 }
 at::Tensor plus(const at::Tensor& t, const at::Tensor& bias) { return bias.defined() ? t + bias : t; }
-
-// The expert operands of the forward ops beyond x: gate and up (E, hidden, dim) views (up undefined when not gated),
-// the activation and the optional biases.
-struct Experts {
-  at::Tensor gate, up;
-  ActivationSpec act;
-  std::optional<at::Tensor> b_gate, b_up, b2;
-};
-
-// fused_moe_bf16's and the mxfp8 ops' activation.
-constexpr ActivationSpec kSwiGLU{Activation::kSwiGLU, 0.f, 0.f};
 
 // The fp32 pre-activations (g, u) of expert e for the rows xb (fp32), biases included; u undefined when not gated.
 std::pair<at::Tensor, at::Tensor> gate_up_rows(const Experts& w, int64_t e, const at::Tensor& xb) {
@@ -376,25 +370,6 @@ void fused_moe_bf16_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tens
 
 // ------------------------------------------------------------------------------------------------------------------
 // the pieces of moe()'s closed-form backward
-// moe_gate_up / moe_forward's expert operands, checked: gate (w1) and up (w3, absent when not gated) (E, hidden, dim)
-// views, the activation, the biases. up's checks run on w1 when it is absent (relu2).
-Experts check_experts(const char* op, const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& w3,
-                      const at::Tensor* w2, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
-                      const at::Tensor& num_tokens_post_padded, const at::Tensor* topk_weights, int64_t top_k,
-                      int64_t block_m, int64_t num_experts, const ActivationSpec& act,
-                      const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& b_up,
-                      const std::optional<at::Tensor>& b2, MoeShape& s) {
-  check_gated(op, act, w3.has_value(), "w3");
-  s = check_moe_args(op, x, w1, w3.value_or(w1), w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                     topk_weights, top_k, block_m, "w1/w3");
-  set_global_experts(op, num_experts, s);
-  check_bias(op, "b_gate", b_gate, s.E, s.hidden, x);
-  TORCH_CHECK(act.gated() || !b_up.has_value(), op, ": b_up must be None for activation 'relu2' (not gated)");
-  check_bias(op, "b_up", b_up, s.E, s.hidden, x);
-  check_bias(op, "b2", b2, s.E, s.dim, x);
-  return Experts{w1, w3.value_or(at::Tensor()), act, b_gate, b_up, b2};
-}
-
 // [g | u] (g alone when not gated) of the routed slots in sorted order, compact, fp32 accumulation, biases included,
 // rounded to bf16; zero rows past them.
 at::Tensor gate_up_cpu(const char* op, const at::Tensor& x, const Experts& w, const at::Tensor& sorted_token_ids,

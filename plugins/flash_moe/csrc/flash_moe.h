@@ -136,6 +136,9 @@ inline ActivationSpec parse_activation(const char* op, c10::string_view name, do
   return a;
 }
 
+// fused_moe_bf16's and the mxfp8 ops' activation (SwiGLU has no constants).
+constexpr ActivationSpec kSwiGLU{Activation::kSwiGLU, 0.f, 0.f};
+
 // The up weights (and the other up-side operands) exist for the gated activations only.
 inline void check_gated(const char* op, const ActivationSpec& a, bool has_up, const char* up_name) {
   TORCH_CHECK(has_up == a.gated(), op, ": ", up_name, a.gated() ? " is required for a gated activation" :
@@ -239,6 +242,34 @@ inline MoeShape check_moe_args(const char* op, const at::Tensor& x, const at::Te
     TORCH_CHECK(topk_weights->device() == x.device(), op, ": topk_weights must be on ", x_name, "'s device ",
                 x.device(), ", got ", topk_weights->device());
   return s;
+}
+
+// The expert operands of the forward ops beyond x: gate and up (E, hidden, dim) views (up is gate again when not
+// gated, never read then), the activation and the optional biases.
+struct Experts {
+  at::Tensor gate, up;
+  ActivationSpec act;
+  std::optional<at::Tensor> b_gate, b_up, b2;
+};
+
+// moe_gate_up / moe_forward's expert operands, checked: w1 (gate), w3 (up, absent when not gated), w2 (nullptr for
+// moe_gate_up), the biases; up's checks run on w1 when it is absent.
+inline Experts check_experts(const char* op, const at::Tensor& x, const at::Tensor& w1,
+                             const std::optional<at::Tensor>& w3, const at::Tensor* w2,
+                             const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                             const at::Tensor& num_tokens_post_padded, const at::Tensor* topk_weights, int64_t top_k,
+                             int64_t block_m, int64_t num_experts, const ActivationSpec& act,
+                             const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& b_up,
+                             const std::optional<at::Tensor>& b2, MoeShape& s) {
+  check_gated(op, act, w3.has_value(), "w3");
+  s = check_moe_args(op, x, w1, w3.value_or(w1), w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                     topk_weights, top_k, block_m, "w1/w3");
+  set_global_experts(op, num_experts, s);
+  check_bias(op, "b_gate", b_gate, s.E, s.hidden, x);
+  TORCH_CHECK(act.gated() || !b_up.has_value(), op, ": b_up must be None for activation 'relu2' (not gated)");
+  check_bias(op, "b_up", b_up, s.E, s.hidden, x);
+  check_bias(op, "b2", b2, s.E, s.dim, x);
+  return Experts{w1, w3.value_or(w1), act, b_gate, b_up, b2};
 }
 
 // The mxfp8 ops take e4m3 / e8m0 tensors or their uint8 bytes (same layout; torch.library.opcheck's schema check

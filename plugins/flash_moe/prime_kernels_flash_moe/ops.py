@@ -41,12 +41,11 @@ import torch
 
 from . import _C  # noqa: F401  (loads the shared library; its static TORCH_LIBRARY blocks register the ops)
 from . import checks, fakes  # noqa: F401  (fakes: registers the ops' fake and autograd implementations)
-from . import reference
 from .autograd import MoE, MoEMxfp8, gate_and_up
 from .checks import INT32_MAX
 from .contract import (BLOCK_M, CONSTANTS, DIM_ALIGN, HIDDEN_ALIGN, MAX_EXPERTS, MXFP8_ALIGN,
                        MXFP8_SCALE_BLOCK, check_moe_operands, max_padded, unsupported_shape_reason)
-from .layouts import GPT_OSS_ALPHA, GPT_OSS_LAYOUT, GPT_OSS_LIMIT, ExpertLayout, Family, make_family
+from .layouts import GPT_OSS_ALPHA, GPT_OSS_LAYOUT, GPT_OSS_LIMIT, ExpertLayout, make_family
 from .mxfp8 import (cached_quantized_weights, clear_mxfp8_weight_cache, dequantize_mxfp8,
                     fused_moe_mxfp8, pack_scales_blocked, quantize_mxfp8, share_exponents_mxfp8,
                     unpack_scales_blocked)
@@ -131,9 +130,9 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | 
     expert (torchtitan's expert parallelism): ``moe_sorted``.
     Forward: ``moe_align`` (experts aligned to CLUSTER_BLOCKS blocks) + ``moe_forward`` (the fused kernels; the
     weights are read in place, never concatenated).
-    On CUDA the fused sm_90a kernels compute bias-free SwiGLU experts; the other families (gpt_oss, relu2, biases)
-    run the composed grouped-mm formulation there (reference.experts_grouped_mm, with a fixed-order combine) until
-    their epilogues join the kernels. Transposed weights reach the CUDA kernels as a contiguous copy per call.
+    On CUDA every family runs the fused sm_90a kernels: the activation is a compile-time choice of the gate/up and
+    dH epilogues, the biases are added in the epilogues. Weights the kernels' TMA cannot read in place (transposed
+    layouts: their K dimension is not the contiguous one) reach them as a contiguous copy per call.
     Backward: closed form: the gate/up projections g | u saved by the forward (or recomputed: below), the
     grad_h = grad_out W2 with the activation's derivative and d topk_weights in its epilogue (``moe_grad_gate_up``),
     dx in one GEMM summed over each token's slots (``moe_grad_x``), the weight gradients per expert with the gathers
@@ -186,7 +185,8 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | 
     topk_ids = topk_ids.masked_fill(topk_ids == num_experts, -1)
     x2, ids, tw = x.reshape(-1, x.shape[-1]), topk_ids.reshape(-1, top_k), topk_weights.reshape(-1, top_k)
     if mxfp8:
-        if not fused_on_cuda(family, b1, b2) or family.layout.transposed or family.layout.gate_up == "interleaved":
+        if family.activation != "swiglu" or b1 is not None or b2 is not None or family.layout.transposed \
+                or family.layout.gate_up == "interleaved":
             raise RuntimeError(f"moe(mxfp8=True): the mxfp8 kernels compute bias-free SwiGLU experts with separate or "
                                f"stacked (E, out, in) weights, got activation {family.activation!r}, layout "
                                f"{family.layout}{', biases' if b1 is not None or b2 is not None else ''}")
@@ -197,8 +197,6 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | 
         wq, ws, w2q, w2s = cached_quantized_weights(gate, w2, up)
         out = MoEMxfp8.apply(x2, w1, w2, w3, ids, tw, wq, ws, w2q, w2s, expert_start, num_experts, global_experts,
                              deterministic)
-    elif x.is_cuda and not fused_on_cuda(family, b1, b2):
-        out = _composed(x2, w1, w2, w3, b1, b2, ids, tw, family, expert_start)
     else:
         # grad mode read here: inside Function.forward it is always off, and needs_input_grad stays True under
         # no_grad / inference_mode, where a stored g | u would never be used
@@ -207,28 +205,6 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | 
                         deterministic or top_k >= CONSTANTS["SLOT_COMBINE_MIN_TOP_K"],
                         recompute_gate_up or not torch.is_grad_enabled())
     return out.view(*lead, x.shape[-1])
-
-
-def fused_on_cuda(family: Family, b1, b2) -> bool:
-    """Whether the sm_90a kernels compute this family: bias-free SwiGLU, in any layout."""
-    return family.activation == "swiglu" and b1 is None and b2 is None
-
-
-def _composed(x, w1, w2, w3, b1, b2, ids, tw, family: Family, expert_start):
-    """moe() through reference.experts_grouped_mm (autograd through PyTorch ops), its slots combined in k order in
-    fp32 (deterministic: no atomics)."""
-    T, top_k = ids.shape
-    E = w1.shape[0]
-    local = ids.reshape(-1).long() - expert_start
-    valid = (ids.reshape(-1) >= 0) & (local >= 0) & (local < E)
-    key = torch.where(valid, local, torch.full_like(local, E))
-    order = torch.argsort(key, stable=True)
-    counts = torch.zeros(E + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
-    y = reference.experts_grouped_mm(x[order // top_k], w1, w2, w3, counts[:E], activation=family.activation,
-                                     alpha=family.alpha, limit=family.limit, b1=b1, b2=b2, layout=family.layout)
-    per_slot = torch.zeros_like(y).index_copy(0, order, y)
-    weights = torch.where(valid, tw.reshape(-1).float(), 0.0).unsqueeze(1)
-    return (per_slot.float() * weights).view(T, top_k, -1).sum(1).to(x.dtype)
 
 
 def moe_sorted(x_sorted: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None,

@@ -8,8 +8,7 @@
   (``num_tokens_per_expert``): one ``torch._grouped_mm`` per projection in bf16 (gate and up in one where w1 holds
   both), biases added in bf16 after the GEMM, the activation in bf16; rows past the counted ones come back zero.
 - ``moe_grouped_mm``: the same behind routing (argsort permute, ``experts_grouped_mm``, weighted index_add),
-  differentiable through autograd; the benchmark's peer, and moe()'s path on CUDA for the families the fused kernels
-  do not compute.
+  differentiable through autograd; the benchmark's peer.
 """
 from __future__ import annotations
 
@@ -64,35 +63,33 @@ def moe_per_expert(x, w1, w2, w3, topk_ids, topk_weights, expert_start=0, *, act
 
 
 def _per_row(bias, counts, rows):
-    """A per-expert bias (E, n) repeated over each expert's counted rows, zero rows past them: (rows, n)."""
-    per_row = torch.repeat_interleave(bias, counts, dim=0, output_size=None)
-    return F.pad(per_row, (0, 0, 0, rows - per_row.shape[0]))
+    """A per-expert bias (E, n) repeated over each expert's counted rows, ``rows`` in all: (rows, n)."""
+    return torch.repeat_interleave(bias, counts, dim=0, output_size=rows)
 
 
 def experts_grouped_mm(x_sorted, w1, w2, w3, num_tokens_per_expert, *, activation="swiglu", alpha=GPT_OSS_ALPHA,
                        limit=GPT_OSS_LIMIT, b1=None, b2=None, layout: ExpertLayout | None = None):
     family = _family(activation, alpha, limit, layout, w3)
-    transposed = family.layout.transposed
     counts = num_tokens_per_expert.to(torch.int64)
     offs = torch.cumsum(counts, 0).to(torch.int32)
-    as_in_out = (lambda w: w) if transposed else (lambda w: w.transpose(-2, -1))
-    def project(w, bias):
-        y = torch._grouped_mm(x_sorted, as_in_out(w), offs=offs)
-        return y if bias is None else y + _per_row(bias, counts, y.shape[0])
+    # the counted rows alone (a host sync, as torchtitan's splits are host values): grouped_mm leaves the rows past
+    # the last offset undefined, forward and backward
+    rows = int(offs[-1])
+    x_counted = x_sorted[:rows]
+
+    def project(a, w, bias):
+        y = torch._grouped_mm(a, w if family.layout.transposed else w.transpose(-2, -1), offs=offs)
+        return y if bias is None else y + _per_row(bias, counts, rows)
 
     if family.gated and family.layout.gate_up == "separate":
         b_gate, b_up = split_pairs(b1, 1, "stacked") if b1 is not None else (None, None)
-        h = activate(project(w1, b_gate), project(w3, b_up), family)
+        h = activate(project(x_counted, w1, b_gate), project(x_counted, w3, b_up), family)
     elif family.gated:
-        h = activate(*split_pairs(project(w1, b1), 1, family.layout.gate_up), family)
+        h = activate(*split_pairs(project(x_counted, w1, b1), 1, family.layout.gate_up), family)
     else:
-        h = activate(project(w1, b1), None, family)
-    out = torch._grouped_mm(h, as_in_out(w2), offs=offs)
-    if b2 is not None:
-        out = out + _per_row(b2, counts, out.shape[0])
-    # rows past the counted ones: grouped_mm leaves them undefined
-    counted = torch.arange(out.shape[0], device=out.device) < offs[-1:]
-    return torch.where(counted.unsqueeze(1), out, 0)
+        h = activate(project(x_counted, w1, b1), None, family)
+    out = project(h, w2, b2)
+    return F.pad(out, (0, 0, 0, x_sorted.shape[0] - rows))
 
 
 def moe_grouped_mm(x, w1, w2, w3, topk_ids, topk_weights, expert_start=0, *, activation="swiglu",

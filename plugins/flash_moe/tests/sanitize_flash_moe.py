@@ -1,5 +1,6 @@
 """Small-shape CUDA run of every flash_moe kernel (moe_align count/scan/scatter, gate/up (also keeping g | u), down with
-atomics, down per slot (persistent), the backward's dH + SwiGLU-derivative, dX and dW kernels; mxfp8: quantize, gate/up with re-quantization, down with atomics / per slot) for compute-sanitizer (memcheck, racecheck, synccheck). Exits 1 on a mismatch with the CPU implementation.
+atomics, down per slot (persistent), the backward's dH + SwiGLU-derivative, dX and dW kernels; each family's
+activation and bias epilogues; mxfp8: quantize, gate/up with re-quantization, down with atomics / per slot) for compute-sanitizer (memcheck, racecheck, synccheck). Exits 1 on a mismatch with the CPU implementation.
 
     compute-sanitizer --tool memcheck python plugins/flash_moe/tests/sanitize_flash_moe.py
 """
@@ -67,6 +68,40 @@ for T, dim, hidden, E, k in [(1, 64, 64, 2, 1), (37, 320, 192, 5, 2), (130, 256,
     ops.fused_moe_bf16(cu[0], torch.cat([cu[1], cu[3]], 1), cu[2], *got_align, cu[5], out, k)
     if not torch.allclose(out.cpu().float(), want, rtol=3e-2, atol=3e-2):
         sys.exit(f"fused_moe_bf16 mismatch for {(T, dim, hidden, E, k)}")
+# the families: each activation's gate/up and dH epilogues, the biases, relu2's whole-tile gate/up (partial and several
+# column tiles), gate and up interleaved (strided TMA rows) and transposed; forward and every gradient against the CPU
+FAMILIES = [("gpt_oss", ops.GPT_OSS_LAYOUT, True), ("gpt_oss", ops.ExpertLayout("stacked"), True),
+            ("swiglu", ops.ExpertLayout("interleaved"), False), ("relu2", ops.ExpertLayout("stacked"), True),
+            ("relu2", ops.ExpertLayout("stacked", transposed=True), False)]
+for T, dim, hidden, E, k in [(37, 320, 192, 5, 2), (130, 256, 512, 8, 3), (3072, 2048, 256, 4, 2)]:
+    for activation, layout, biases in FAMILIES:
+        gated = activation != "relu2"
+        out_rows = (2 if gated else 1) * hidden
+        x = torch.randn(T, dim, generator=g).to(torch.bfloat16)
+        w1 = 2 * torch.randn(E, out_rows, dim, generator=g) / dim**0.5  # gpt_oss: some pre-activations past the limit
+        w2 = torch.randn(E, dim, hidden, generator=g) / hidden**0.5
+        if layout.transposed:
+            w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
+        b1 = torch.randn(E, out_rows, generator=g) if biases else None
+        b2 = torch.randn(E, dim, generator=g) if biases else None
+        ids = torch.randint(-1, E, (T, k), generator=g, dtype=torch.int32)
+        tw = torch.rand(T, k, generator=g)
+        leaves = [None if t is None else t.to(torch.bfloat16).contiguous() for t in (x, w1, w2, b1, b2)]
+        go = torch.randn(T, dim, generator=g).to(torch.bfloat16)
+        runs = []
+        for device, det in (("cpu", False), ("cuda", False), ("cuda", True)):
+            ls = [None if t is None else t.detach().to(device).requires_grad_() for t in leaves]
+            tws = tw.detach().to(device).requires_grad_()
+            out = ops.moe(ls[0], ls[1], ls[2], None, ids.to(device), tws, activation=activation, b1=ls[3], b2=ls[4],
+                          layout=layout, deterministic=det)
+            grads = torch.autograd.grad(out, [t for t in ls if t is not None] + [tws], go.to(device))
+            runs.append([out] + list(grads))
+        for det, run in ((False, runs[1]), (True, runs[2])):
+            for i, (a, b) in enumerate(zip(run, runs[0])):
+                scale = b.float().abs().max().clamp_min(1.0)
+                if not torch.allclose(a.cpu().float() / scale, b.float() / scale, rtol=3e-2, atol=3e-2):
+                    sys.exit(f"moe({activation}, {layout}, biases={biases}, deterministic={det}) output {i} mismatch "
+                             f"for {(T, dim, hidden, E, k)}")
 # mxfp8: dim and hidden multiples of 128; M = 1, several column tiles, idle experts, -1 slots
 for T, dim, hidden, E, k in [(1, 128, 128, 2, 1), (37, 384, 256, 5, 2), (130, 256, 384, 8, 3)]:
     x = torch.randn(T, dim, generator=g).to(torch.bfloat16)

@@ -254,6 +254,6 @@ def test_cpu_moe_sorted_argument_errors():
 @pytest.mark.gpu
 @pytest.mark.kernel(KERNEL)
 def test_gpu_family_numerics(family):
-    """On CUDA: the fused kernels (SwiGLU) or the composed path (the other families), within the rule."""
+    """On CUDA, the fused kernels of each family within the rule (biases, the clamps, relu2's whole-tile epilogue)."""
     problem = make_family(4096, 256, 256, 8, 2, family, seed=21, device="cuda")
     check_family(problem, family[0], f"cuda {family_id(family)}")

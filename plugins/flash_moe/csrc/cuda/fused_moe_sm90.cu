@@ -36,6 +36,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "../flash_moe.h"
@@ -163,21 +164,29 @@ struct Params {
   // DX_*: A's second half (du rows; `a` holds dg's), K tiles per half; tm_b0 / tm_b1 map w1 / w3
   const __nv_bfloat16* a2;
   int k_half;
+  // Expert biases, row-major with n_total columns (nullptr: none): the gate/up GEMMs' b_gate / b_up, the down GEMM's
+  // b2; the gpt_oss activation's constants
+  const __nv_bfloat16* b_gate;
+  const __nv_bfloat16* b_up;
+  const __nv_bfloat16* b2;
+  float alpha, limit;
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void fence_acc(float* d) { fence_regs<128>(d); }
 
 // DH_SWIGLU's epilogue for accumulator row h of a consumer thread: grad_h (unweighted, fp32) of slot `slot` over the
-// columns n0 + 8 j + 2 quad + e, g | u from compact row `row`; writes dg, du, p h there (as swiglu_backward does:
-// dh = p grad_h, du = dh silu(g), dg = dh u sig (1 + g (1 - sig))) and returns this thread's part of <grad_h, h>.
+// columns n0 + 8 j + 2 quad + e, g | u from compact row `row`; writes dg, du, p h there (activate_backward with
+// dh = p grad_h; relu2: g and dg alone) and returns this thread's part of <grad_h, h>.
 // Every access is 16 bytes per lane through quad_transpose (groups of 4 j). The g | u loads of kChunk groups are issued
 // before any of their stores: the compiler cannot prove the outputs do not alias g | u, so a load after a store waits
 // for it (SASS of the first version: one load pair, the math and three stores per column group, 64 DRAM round trips
 // in a row per thread and tile).
 constexpr int kChunk = 4;
-__device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* acc, int h, int quad, int slot, int row,
-                                                 int n0) {
+template <int ACT>
+__device__ __forceinline__ float activation_grad_row(const Params& p, const float* acc, int h, int quad, int slot,
+                                                     int row, int n0) {
+  constexpr bool kGated = ACT != kActRelu2;
   const float w = __ldg(p.topk_weights + slot);
   const int64_t grad_base = static_cast<int64_t>(row) * p.ld_grad + n0;
   const int64_t h_base = static_cast<int64_t>(row) * p.n_total + n0;
@@ -191,29 +200,27 @@ __device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* a
       const int col = 32 * (g0 + gg) + 8 * quad;
       if (n0 + 32 * (g0 + gg) < p.n_total) {  // n_total: a multiple of 32 (whole groups)
         g4[gg] = *reinterpret_cast<const uint4*>(gate + col);
-        u4[gg] = *reinterpret_cast<const uint4*>(gate + p.n_total + col);
+        if constexpr (kGated) u4[gg] = *reinterpret_cast<const uint4*>(gate + p.n_total + col);
       }
     }
 #pragma unroll
     for (int gg = 0; gg < kChunk; ++gg) {
       const int g = g0 + gg;
       if (n0 + 32 * g >= p.n_total) break;
-      const uint4 gt = quad_transpose(g4[gg], quad), ut = quad_transpose(u4[gg], quad);
+      const uint4 gt = quad_transpose(g4[gg], quad), ut = kGated ? quad_transpose(u4[gg], quad) : gt;
       const uint32_t gw[4] = {gt.x, gt.y, gt.z, gt.w}, uw[4] = {ut.x, ut.y, ut.z, ut.w};
       uint32_t dgw[4], duw[4], phw[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const float2 gv2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gw[k]));
         const float2 uv2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&uw[k]));
-        float dg[2], du[2], ph[2];
+        float dg[2], du[2] = {0.f, 0.f}, ph[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float gv = e ? gv2.y : gv2.x, uv = e ? uv2.y : uv2.x, gh = acc[4 * (4 * g + k) + 2 * h + e];
-          const float sig = fast_sigmoid(gv);
-          const float a = gv * sig, hv = a * uv, dh = gh * w;
+          const float gh = acc[4 * (4 * g + k) + 2 * h + e];
+          const float hv = activate_backward<ACT>(e ? gv2.y : gv2.x, e ? uv2.y : uv2.x, gh * w, p.alpha, p.limit,
+                                                  dg[e], du[e]);
           dot += gh * hv;
-          du[e] = dh * a;
-          dg[e] = dh * uv * sig * (1.f + gv * (1.f - sig));
           ph[e] = w * hv;
         }
         dgw[k] = bf16x2_bits(dg[0], dg[1]);
@@ -223,8 +230,10 @@ __device__ __forceinline__ float swiglu_grad_row(const Params& p, const float* a
       const int col = 32 * g + 8 * quad;
       *reinterpret_cast<uint4*>(p.grad_gate + grad_base + col) =
           quad_transpose(make_uint4(dgw[0], dgw[1], dgw[2], dgw[3]), quad);
-      *reinterpret_cast<uint4*>(p.grad_up + grad_base + col) =
-          quad_transpose(make_uint4(duw[0], duw[1], duw[2], duw[3]), quad);
+      if constexpr (kGated) {
+        *reinterpret_cast<uint4*>(p.grad_up + grad_base + col) =
+            quad_transpose(make_uint4(duw[0], duw[1], duw[2], duw[3]), quad);
+      }
       *reinterpret_cast<uint4*>(p.weighted_h + h_base + col) =
           quad_transpose(make_uint4(phw[0], phw[1], phw[2], phw[3]), quad);
     }
@@ -244,11 +253,14 @@ __device__ __forceinline__ void tile_order(const Params& p, int cta, int blocks,
 
 // Accumulator register i of a consumer thread holds row (warp * 16 + lane / 4 + 8 * ((i / 2) % 2)) and column
 // (8 * (i / 4) + 2 * (lane % 4) + i % 2) of its warpgroup's 64 x 256 tile.
-template <int MODE>
+// ACT: the activation (sm90_common.cuh) of the gate/up and dH modes' epilogues; relu2's gate/up tiles are BN
+// consecutive w1 rows (no up half), its h columns all BN of them.
+template <int MODE, int ACT>
 __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kMode = base_mode(MODE);  // a persistent twin computes what its base mode does
   constexpr bool kGateUp = kMode == GATE_UP || kMode == GATE_UP_SAVE || kMode == GATE_UP_AND_SAVE;
+  constexpr bool kHalves = kGateUp && ACT != kActRelu2;  // B tile: BN_GU gate rows + the same BN_GU up rows
   constexpr bool kDh = kMode == DH_SWIGLU;
   constexpr bool kGather = kGateUp || kDh;  // A rows gathered from a [tokens, dim] tensor, K = dim
   constexpr bool kDx = kMode == DX_ATOMIC || kMode == DX_SLOTS;
@@ -380,7 +392,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       const int expert = __ldg(p.expert_ids + block);
 
       // N-major B: the expert's first weight row (the k tile adds its rows); else its first row of this column tile
-      const int b_row = expert * p.b_rows_per_expert + (kMajorN ? 0 : n_tile * (kGateUp ? BN_GU : BN_DOWN));
+      const int b_row = expert * p.b_rows_per_expert + (kMajorN ? 0 : n_tile * (kHalves ? BN_GU : BN_DOWN));
       for (int kt = 0; kt < p.k_tiles; ++kt) {
         const uint32_t k = ks + kt;
         const int stage = acquire_stage<STAGES>(bars, k);
@@ -399,10 +411,10 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
                         b_row + kofs);
           }
         }
-        if (!kMajorN && threadIdx.x == 0) {  // the B tile: two TMA boxes (GATE_UP: gate rows, then the same up rows)
+        if (!kMajorN && threadIdx.x == 0) {  // the B tile: two TMA boxes (halves: gate rows, then the same up rows)
           mbar_expect_tx(full_bar(stage), B_BYTES);  // paired: half from this CTA's copy, half from the peer's
-          const CUtensorMap* box1 = kGateUp ? &p.tm_b1 : &p.tm_b0;
-          const int row1 = kGateUp ? b_row : b_row + B_BOX_ROWS;
+          const CUtensorMap* box1 = kHalves ? &p.tm_b1 : &p.tm_b0;
+          const int row1 = kHalves ? b_row : b_row + B_BOX_ROWS;
           if (paired) {
             tma_load_2d_multicast(st + A_BYTES + rank * (B_BYTES / 2), rank ? box1 : &p.tm_b0, full_bar(stage), kofs,
                                   rank ? row1 : b_row, kPairMask);
@@ -480,32 +492,44 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       fence_acc(acc);
       if (lane == 0) release(prev, p.k_tiles - 1);  // the ring's next turn (persistent: the next tile) may refill it
       // ------------------------------- epilogue -------------------------------
+      // the tile's columns n0 + 8 j + 2 quad + e: of each half (gate, up) with halves, else of the whole tile
+      constexpr int kCols = kHalves ? BN_GU : BN;
+      const int n0 = n_tile * kCols;
+      const int64_t bias_row = static_cast<int64_t>(__ldg(p.expert_ids + block)) * p.n_total + n0;
+      const __nv_bfloat16* const bias_gate = p.b_gate != nullptr ? p.b_gate + bias_row : nullptr;
+      const __nv_bfloat16* const bias_up = p.b_up != nullptr ? p.b_up + bias_row : nullptr;
+      // the pre-activations with their biases: gate (or relu2's only) and up
+      auto pre_gate = [&](int h, int j, int e) { return acc[4 * j + 2 * h + e] + bias_at(bias_gate, 8 * j + 2 * quad + e); };
+      auto pre_up = [&](int h, int j, int e) {
+        return acc[4 * (j + BN_GU / 8) + 2 * h + e] + bias_at(bias_up, 8 * j + 2 * quad + e);
+      };
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int lr = wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
         if constexpr (kMode == GATE_UP || kMode == GATE_UP_AND_SAVE) {
-          const int n0 = n_tile * BN_GU;
-          store_row_bf16<BN_GU>(p.inter + static_cast<int64_t>(block * BM + lr) * p.ld_inter + n0, n0, p.n_total, quad,
+          store_row_bf16<kCols>(p.inter + static_cast<int64_t>(block * BM + lr) * p.ld_inter + n0, n0, p.n_total, quad,
                                 [&](int j, int e) {
-                                  return silu_mul(acc[4 * j + 2 * h + e], acc[4 * (j + BN_GU / 8) + 2 * h + e]);
+                                  return activate<ACT>(pre_gate(h, j, e), kHalves ? pre_up(h, j, e) : 0.f, p.alpha,
+                                                       p.limit);
                                 });
         }
         if constexpr (kMode == GATE_UP_SAVE || kMode == GATE_UP_AND_SAVE) {
           const int dst_row = p.dst_rows[block * BM + lr];
           if (dst_row >= 0 && dst_row < p.dst_limit) {
-            const int n0 = n_tile * BN_GU;
             __nv_bfloat16* dst = p.saved + static_cast<int64_t>(dst_row) * p.ld_saved + n0;
-            // gate columns, then the up columns hidden (n_total) further
-            store_row_bf16<BN_GU>(dst, n0, p.n_total, quad, [&](int j, int e) { return acc[4 * j + 2 * h + e]; });
-            store_row_bf16<BN_GU>(dst + p.n_total, n0, p.n_total, quad,
-                                  [&](int j, int e) { return acc[4 * (j + BN_GU / 8) + 2 * h + e]; });
+            // gate columns, then (halves) the up columns hidden (n_total) further
+            store_row_bf16<kCols>(dst, n0, p.n_total, quad, [&](int j, int e) { return pre_gate(h, j, e); });
+            if constexpr (kHalves) {
+              store_row_bf16<kCols>(dst + p.n_total, n0, p.n_total, quad,
+                                    [&](int j, int e) { return pre_up(h, j, e); });
+            }
           }
         }
         if constexpr (kDh) {
           const int slot = slot_of[lr];
           const int row = slot >= 0 ? p.dst_rows[block * BM + lr] : -1;
           const bool routed = row >= 0 && row < p.dst_limit;
-          float dot = routed ? swiglu_grad_row(p, acc, h, quad, slot, row, n_tile * BN) : 0.f;
+          float dot = routed ? activation_grad_row<ACT>(p, acc, h, quad, slot, row, n_tile * BN) : 0.f;
           // the 4 lanes of a quad hold the row's columns: every lane takes part in the shuffles
           dot += __shfl_xor_sync(0xffffffffu, dot, 1);
           dot += __shfl_xor_sync(0xffffffffu, dot, 2);
@@ -516,8 +540,9 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
           if (slot < 0) continue;
           if constexpr (kDx) {  // dx: unweighted (dg and du carry the slot weight)
             store_down_row<BN_DOWN, kMode == DX_ATOMIC, false>(p, acc, h, quad, slot, n_tile * BN_DOWN);
-          } else {
-            store_down_row<BN_DOWN, kMode == DOWN_ATOMIC>(p, acc, h, quad, slot, n_tile * BN_DOWN);
+          } else {  // y + b2, weighted
+            store_down_row<BN_DOWN, kMode == DOWN_ATOMIC>(p, acc, h, quad, slot, n_tile * BN_DOWN,
+                                                          p.b2 != nullptr ? p.b2 + bias_row : nullptr);
           }
         }
       }
@@ -538,11 +563,11 @@ bool raster_runs(const MoeShape& s) {
   return 2 * s.M * s.top_k < static_cast<int64_t>(RASTER_BLOCKS) * BM * s.global_experts;
 }
 
-template <int MODE>
+template <int MODE, int ACT = kActSwiGLU>
 void launch(Params p, int n_tiles, const MoeShape& s, cudaStream_t stream) {
   constexpr bool kPersistent = persistent_mode(MODE);
   p.raster_runs = raster_runs(s);
-  launch_rastered<moe_gemm_kernel<MODE>, NUM_THREADS, SMEM_BYTES, kPersistent ? 1 : CLUSTER_BLOCKS, kPersistent>(
+  launch_rastered<moe_gemm_kernel<MODE, ACT>, NUM_THREADS, SMEM_BYTES, kPersistent ? 1 : CLUSTER_BLOCKS, kPersistent>(
       p, n_tiles, s.blocks, stream);
 }
 
@@ -554,10 +579,21 @@ void weight_map(const char* op, const char* name, CUtensorMap* map, const at::Te
   sm90::expert_weight_map(op, name, map, w, rows, K, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, sm90::B_BOX_ROWS, sm90::BK);
 }
 
-// The gate/up GEMM's parameters for gate/up views (E, hidden, dim); the contiguous copies it needed stay in `keep`.
+// An optional bias as a contiguous tensor (kept alive in `keep`) and its pointer, nullptr without one: (E, n) bias rows
+// are small (a copy per call costs nothing next to the GEMMs), and the epilogues read them row-major.
+const __nv_bfloat16* bias_pointer(const char* op, const char* name, const std::optional<at::Tensor>& b,
+                                  std::vector<at::Tensor>& keep) {
+  if (!b.has_value()) return nullptr;
+  keep.push_back(b->contiguous());
+  sm90::check_cuda_operand(op, name, keep.back());
+  return reinterpret_cast<const __nv_bfloat16*>(keep.back().const_data_ptr());
+}
+
+// The gate/up GEMM's parameters for gate/up views (E, hidden, dim) (up: gate again when not gated; it is never read
+// then) and the biases; the contiguous copies it needed stay in `keep` (x, gate, up, sorted, expert ids first).
 sm90::Params gate_up_params(const char* op, const at::Tensor& x_in, const at::Tensor& gate_in, const at::Tensor& up_in,
                             const at::Tensor& sorted, const at::Tensor& eids, const at::Tensor& ntpp,
-                            const MoeShape& s, std::vector<at::Tensor>& keep) {
+                            const MoeShape& s, const Experts& w, std::vector<at::Tensor>& keep) {
   sm90::check_sm90(op, x_in);
   const auto x = x_in.contiguous();
   auto gate = gate_in, up = up_in;
@@ -585,10 +621,18 @@ sm90::Params gate_up_params(const char* op, const at::Tensor& x_in, const at::Te
   weight_map(op, "the up weight", &p.tm_b1, up, s.hidden, s.dim);
   p.n_total = static_cast<int>(s.hidden);
   p.k_tiles = static_cast<int>(s.dim / sm90::BK);
+  p.alpha = w.act.alpha;
+  p.limit = w.act.limit;
+  p.b_gate = bias_pointer(op, "b_gate", w.b_gate, keep);
+  p.b_up = bias_pointer(op, "b_up", w.b_up, keep);
   return p;
 }
 
-int gate_up_tiles(const MoeShape& s) { return static_cast<int>((s.hidden + sm90::BN_GU - 1) / sm90::BN_GU); }
+// Column tiles of the gate/up GEMM: BN_GU hidden columns (gate and up halves), or BN when not gated.
+int gate_up_tiles(const MoeShape& s, bool gated) {
+  const int64_t cols = gated ? sm90::BN_GU : sm90::BN;
+  return static_cast<int>((s.hidden + cols - 1) / cols);
+}
 
 // Whether the gate/up GEMM runs persistent rather than in CTA pairs: the routed slots per local expert (as in
 // raster_runs) against kernel.toml's PERSISTENT_GATE_UP_MIN_SLOTS.
@@ -598,15 +642,29 @@ bool gate_up_persistent(const MoeShape& s) {
 
 // The gate/up GEMM in MODE, or where gate_up_persistent in its persistent twin, which claims tiles from a counter
 // that must be zero at launch.
-template <int MODE>
+template <int MODE, int ACT>
 void launch_gate_up(sm90::Params& p, const at::Tensor& sorted, const MoeShape& s, cudaStream_t stream) {
+  const int n_tiles = gate_up_tiles(s, ACT != sm90::kActRelu2);
   if (!gate_up_persistent(s)) {
-    sm90::launch<MODE>(p, gate_up_tiles(s), s, stream);
+    sm90::launch<MODE, ACT>(p, n_tiles, s, stream);
     return;
   }
   const auto tile_counter = at::zeros({1}, sorted.options().dtype(at::kInt));
   p.tile_counter = tile_counter.mutable_data_ptr<int>();
-  sm90::launch<sm90::persistent_twin(MODE)>(p, gate_up_tiles(s), s, stream);
+  sm90::launch<sm90::persistent_twin(MODE), ACT>(p, n_tiles, s, stream);
+}
+
+// fn(std::integral_constant<int, ACT>) for the activation's compile-time ACT (sm90_common.cuh).
+template <class Fn>
+void with_activation(const ActivationSpec& a, Fn&& fn) {
+  switch (a.kind) {
+    case Activation::kSwiGLU:
+      return fn(std::integral_constant<int, sm90::kActSwiGLU>{});
+    case Activation::kGptOss:
+      return fn(std::integral_constant<int, sm90::kActGptOss>{});
+    case Activation::kRelu2:
+      return fn(std::integral_constant<int, sm90::kActRelu2>{});
+  }
 }
 
 // The flag of each padded row: 1 where it routes a slot (routing.cuh: the rows the GEMM kernels fill), else 0.
@@ -677,32 +735,27 @@ void zero_rows_past(at::Tensor& tensor, const at::Tensor& routed) {
 
 // The pre-activations g | u of the routed slots, [M * top_k, 2 hidden] in moe_align's order (what moe_gate_up
 // returns): p.saved points at the returned tensor, p.dst_rows into `rows` (compact_rows).
-// The sm_90a kernels compute SwiGLU experts without biases (moe() routes the other families to their composed path
-// on CUDA: ops.py, family_runs_fused).
-void require_swiglu_kernels(const char* op, bool swiglu, bool biases) {
-  TORCH_CHECK(swiglu && !biases, op, " (CUDA): the sm_90a kernels compute bias-free SwiGLU experts only, got ",
-              swiglu ? "expert biases" : "another activation (or no w3)");
-}
-
 at::Tensor saved_gate_up(sm90::Params& p, const at::Tensor& sorted, const at::Tensor& eids, const at::Tensor& ntpp,
-                         const MoeShape& s, CompactRows& rows) {
-  auto saved = at::empty({s.M * s.top_k, 2 * s.hidden}, sorted.options().dtype(at::kBFloat16));
+                         const MoeShape& s, bool gated, CompactRows& rows) {
+  const int64_t width = (gated ? 2 : 1) * s.hidden;  // g | u, or g alone
+  auto saved = at::empty({s.M * s.top_k, width}, sorted.options().dtype(at::kBFloat16));
   rows = compact_rows(p, sorted, eids, ntpp, s);
   zero_rows_past(saved, rows.count);
   p.saved = reinterpret_cast<__nv_bfloat16*>(saved.mutable_data_ptr());
-  p.ld_saved = 2 * s.hidden;
+  p.ld_saved = width;
   return saved;
 }
 
-// Both GEMMs of the forward; with `gate_up` non-null the gate/up kernel also keeps g | u there for the backward. Mode
-// DOWN_ATOMIC adds into `result` = acc32 [M, dim] (zeroed here); DOWN_SLOTS writes `result` = yslots [M * top_k, dim]
-// at the routed slots' rows only, and those alone are read (combine_in_k_order_cuda: the same routing rule), so it is
-// not zeroed (a 537 MB fill, 0.163 ms, at Qwen3-30B-A3B's 16384 tokens: H100 timeline, session 29).
-void run(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& w2_in,
-         const at::Tensor& sorted, const at::Tensor& eids, const at::Tensor& ntpp, const at::Tensor& topk_weights,
-         const MoeShape& s, int mode, at::Tensor& result, at::Tensor* gate_up = nullptr) {
+// Both GEMMs of the forward with activation ACT; with `gate_up` non-null the gate/up kernel also keeps g | u there for
+// the backward. Mode DOWN_ATOMIC adds into `result` = acc32 [M, dim] (zeroed here); DOWN_SLOTS writes `result` =
+// yslots [M * top_k, dim] at the routed slots' rows only, and those alone are read (combine_in_k_order_cuda: the same
+// routing rule), so it is not zeroed (a 537 MB fill, 0.163 ms, at Qwen3-30B-A3B's 16384 tokens: H100 timeline).
+template <int ACT>
+void run(const char* op, const at::Tensor& x, const Experts& w, const at::Tensor& w2_in, const at::Tensor& sorted,
+         const at::Tensor& eids, const at::Tensor& ntpp, const at::Tensor& topk_weights, const MoeShape& s, int mode,
+         at::Tensor& result, at::Tensor* gate_up) {
   std::vector<at::Tensor> keep;
-  sm90::Params p = gate_up_params(op, x, gate, up, sorted, eids, ntpp, s, keep);
+  sm90::Params p = gate_up_params(op, x, w.gate, w.up, sorted, eids, ntpp, s, w, keep);
   const auto w2 = w2_in.contiguous();
   sm90::check_cuda_operand(op, "w2", w2);
   const auto tw = topk_weights.contiguous();
@@ -712,19 +765,21 @@ void run(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::
     result = at::empty({s.M * s.top_k, s.dim}, x.options());
   }
   CompactRows rows;
-  if (gate_up != nullptr) *gate_up = saved_gate_up(p, keep[3], keep[4], ntpp, s, rows);
+  if (gate_up != nullptr) *gate_up = saved_gate_up(p, keep[3], keep[4], ntpp, s, w.act.gated(), rows);
   if (s.blocks == 0 || s.M == 0) return;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  // gate/up + SwiGLU
+  // gate/up + activation
   auto inter = at::empty({s.blocks * sm90::BM, s.hidden}, x.options());
   p.inter = reinterpret_cast<__nv_bfloat16*>(inter.mutable_data_ptr());
   p.ld_inter = s.hidden;
   if (gate_up != nullptr) {
-    launch_gate_up<sm90::GATE_UP_AND_SAVE>(p, keep[3], s, stream);
+    launch_gate_up<sm90::GATE_UP_AND_SAVE, ACT>(p, keep[3], s, stream);
   } else {
-    launch_gate_up<sm90::GATE_UP>(p, keep[3], s, stream);
+    launch_gate_up<sm90::GATE_UP, ACT>(p, keep[3], s, stream);
   }
-  // down + combine
+  // down + b2 + combine
+  p.b_gate = p.b_up = nullptr;
+  p.b2 = bias_pointer(op, "b2", w.b2, keep);
   p.a = reinterpret_cast<const __nv_bfloat16*>(inter.const_data_ptr());
   p.lda = s.hidden;
   p.b_rows_per_expert = static_cast<int>(s.dim);
@@ -745,24 +800,27 @@ void run(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::
   }
 }
 
-at::Tensor moe_gate_up_cuda(const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& w3_in,
+at::Tensor moe_gate_up_cuda(const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& w3,
                             const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                             const at::Tensor& num_tokens_post_padded, int64_t top_k, int64_t block_m,
                             int64_t num_experts, const std::optional<at::Tensor>& b_gate,
                             const std::optional<at::Tensor>& b_up) {
   const char* op = "moe_gate_up";
-  require_swiglu_kernels(op, w3_in.has_value(), b_gate.has_value() || b_up.has_value());
-  const at::Tensor& w3 = *w3_in;
-  MoeShape s = check_moe_args(op, x, w1, w3, nullptr, sorted_token_ids, expert_ids, num_tokens_post_padded, nullptr,
-                              top_k, block_m, "w1/w3");
-  set_global_experts(op, num_experts, s);
+  // the activation itself does not enter g | u: only whether it is gated (w3 given)
+  const ActivationSpec act{w3.has_value() ? Activation::kSwiGLU : Activation::kRelu2, 0.f, 0.f};
+  MoeShape s;
+  const Experts w = check_experts(op, x, w1, w3, nullptr, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                                 nullptr, top_k, block_m, num_experts, act, b_gate, b_up, std::nullopt, s);
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<at::Tensor> keep;
-  sm90::Params p = gate_up_params(op, x, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, s, keep);
+  sm90::Params p = gate_up_params(op, x, w.gate, w.up, sorted_token_ids, expert_ids, num_tokens_post_padded, s, w,
+                                  keep);
   CompactRows rows;
-  auto result = saved_gate_up(p, keep[3], keep[4], num_tokens_post_padded, s, rows);
+  auto result = saved_gate_up(p, keep[3], keep[4], num_tokens_post_padded, s, act.gated(), rows);
   if (s.blocks == 0 || s.M == 0) return result;
-  launch_gate_up<sm90::GATE_UP_SAVE>(p, keep[3], s, c10::cuda::getCurrentCUDAStream());
+  with_activation(act, [&](auto a) {
+    launch_gate_up<sm90::GATE_UP_SAVE, decltype(a)::value>(p, keep[3], s, c10::cuda::getCurrentCUDAStream());
+  });
   return result;
 }
 
@@ -771,9 +829,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda(
     const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights,
     int64_t top_k, int64_t block_m, int64_t num_experts, c10::string_view activation, double alpha, double limit) {
   const char* op = "moe_grad_gate_up";
-  require_swiglu_kernels(op, parse_activation(op, activation, alpha, limit).kind == Activation::kSwiGLU, false);
+  const ActivationSpec act = parse_activation(op, activation, alpha, limit);
   MoeShape s = check_grad_gate_up_args(op, grad_out, w2_in, gate_up, sorted_token_ids, expert_ids,
-                                       num_tokens_post_padded, topk_weights, top_k, block_m);
+                                       num_tokens_post_padded, topk_weights, top_k, block_m, act.gated());
   set_global_experts(op, num_experts, s);
   const c10::cuda::CUDAGuard guard(grad_out.device());
   sm90::check_sm90(op, grad_out);
@@ -786,7 +844,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda(
   }
   const auto sorted = sorted_token_ids.contiguous(), eids = expert_ids.contiguous();
   const int64_t slots = s.M * s.top_k;
-  auto grad_gate_up = at::empty({slots, 2 * s.hidden}, go.options());
+  const int64_t width = (act.gated() ? 2 : 1) * s.hidden;  // dg | du, or dg alone (g | u's layout)
+  auto grad_gate_up = at::empty({slots, width}, go.options());
   auto weighted_h = at::empty({slots, s.hidden}, go.options());
   const int n_tiles = static_cast<int>((s.hidden + sm90::BN - 1) / sm90::BN);
   auto partials = at::zeros({n_tiles, slots}, go.options().dtype(at::kFloat));
@@ -794,7 +853,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda(
   sm90::Params p{};
   const CompactRows rows = compact_rows(p, sorted, eids, num_tokens_post_padded, s);
   p.saved = const_cast<__nv_bfloat16*>(reinterpret_cast<const __nv_bfloat16*>(gu.const_data_ptr()));
-  p.ld_saved = 2 * s.hidden;
+  p.ld_saved = width;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   zero_rows_past(grad_gate_up, rows.count);
   zero_rows_past(weighted_h, rows.count);
@@ -815,12 +874,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda(
     p.k_tiles = static_cast<int>(s.dim / sm90::BK);
     p.topk_weights = tw.const_data_ptr<float>();
     p.grad_gate = reinterpret_cast<__nv_bfloat16*>(grad_gate_up.mutable_data_ptr());
-    p.grad_up = p.grad_gate + s.hidden;
-    p.ld_grad = 2 * s.hidden;
+    p.grad_up = act.gated() ? p.grad_gate + s.hidden : nullptr;
+    p.ld_grad = width;
+    p.alpha = act.alpha;
+    p.limit = act.limit;
     p.weighted_h = reinterpret_cast<__nv_bfloat16*>(weighted_h.mutable_data_ptr());
     p.dot_partials = partials.mutable_data_ptr<float>();
     p.tile_counter = tile_counter.mutable_data_ptr<int>();
-    sm90::launch<sm90::DH_SWIGLU>(p, n_tiles, s, stream);
+    with_activation(act, [&](auto a) { sm90::launch<sm90::DH_SWIGLU, decltype(a)::value>(p, n_tiles, s, stream); });
   }
   // the column tiles' partial sums in tile order: the same bits on every run
   return {grad_gate_up, weighted_h, partials.sum(0).view({s.M, s.top_k})};
@@ -833,8 +894,9 @@ at::Tensor moe_grad_x_cuda(const at::Tensor& grad_gate, const std::optional<at::
                            bool deterministic, int64_t num_experts) {
   const char* op = "moe_grad_x";
   check_grad_x_halves(op, grad_up_in, w3_opt);
-  require_swiglu_kernels(op, w3_opt.has_value(), false);
-  const at::Tensor &grad_up = *grad_up_in, &w3_in = *w3_opt;
+  // not gated (relu2): dx from dg and w1 alone, the up half's operands standing in for checks and never read
+  const bool gated = w3_opt.has_value();
+  const at::Tensor &grad_up = gated ? *grad_up_in : grad_gate, &w3_in = gated ? *w3_opt : w1_in;
   MoeShape s = check_grad_x_args(op, grad_gate, grad_up, w1_in, w3_in, sorted_token_ids, expert_ids,
                                  num_tokens_post_padded, top_k, block_m);
   set_global_experts(op, num_experts, s);
@@ -878,7 +940,7 @@ at::Tensor moe_grad_x_cuda(const at::Tensor& grad_gate, const std::optional<at::
     sm90::expert_weight_map(op, "w3", &p.tm_b1, w3, s.hidden, s.dim, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, sm90::BK,
                             sm90::MN_ATOM);
     p.k_half = static_cast<int>(s.hidden / sm90::BK);
-    p.k_tiles = 2 * p.k_half;
+    p.k_tiles = (gated ? 2 : 1) * p.k_half;
     p.n_total = static_cast<int>(s.dim);
     p.ld_out = s.dim;
     p.tile_counter = tile_counter.mutable_data_ptr<int>();
@@ -910,13 +972,14 @@ void fused_moe_bf16_cuda(const at::Tensor& x, const at::Tensor& w, const at::Ten
   check_out(op, out, s, x);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor acc32;
-  run(op, x, gate, up, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, s, sm90::DOWN_ATOMIC,
-      acc32);
+  const Experts experts{gate, up, kSwiGLU};
+  run<sm90::kActSwiGLU>(op, x, experts, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, s,
+                        sm90::DOWN_ATOMIC, acc32, nullptr);
   out.copy_(acc32);
 }
 
 std::tuple<at::Tensor, at::Tensor> moe_forward_cuda(
-    const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& w3_in, const at::Tensor& w2,
+    const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& w3, const at::Tensor& w2,
     const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
     const at::Tensor& topk_weights, int64_t top_k, int64_t block_m, bool deterministic, bool save_gate_up,
     int64_t num_experts, c10::string_view activation, double alpha, double limit,
@@ -924,16 +987,16 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cuda(
     const std::optional<at::Tensor>& b2) {
   const char* op = "moe_forward";
   const ActivationSpec act = parse_activation(op, activation, alpha, limit);
-  check_gated(op, act, w3_in.has_value(), "w3");
-  require_swiglu_kernels(op, act.kind == Activation::kSwiGLU, b_gate || b_up || b2);
-  const at::Tensor& w3 = *w3_in;
-  MoeShape s = check_moe_args(op, x, w1, w3, &w2, sorted_token_ids, expert_ids, num_tokens_post_padded, &topk_weights,
-                              top_k, block_m, "w1/w3");
-  set_global_experts(op, num_experts, s);
+  MoeShape s;
+  const Experts w = check_experts(op, x, w1, w3, &w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                                 &topk_weights, top_k, block_m, num_experts, act, b_gate, b_up, b2, s);
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor result, gate_up = at::empty({0, 2 * s.hidden}, x.options());
-  run(op, x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, s,
-      deterministic ? sm90::DOWN_SLOTS : sm90::DOWN_ATOMIC, result, save_gate_up ? &gate_up : nullptr);
+  at::Tensor result, gate_up = at::empty({0, (act.gated() ? 2 : 1) * s.hidden}, x.options());
+  with_activation(act, [&](auto a) {
+    run<decltype(a)::value>(op, x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, s,
+                            deterministic ? sm90::DOWN_SLOTS : sm90::DOWN_ATOMIC, result,
+                            save_gate_up ? &gate_up : nullptr);
+  });
   return {deterministic ? combine_in_k_order_cuda(result, topk_weights, sorted_token_ids, expert_ids,
                                                  num_tokens_post_padded, s)
                         : result.to(at::kBFloat16),

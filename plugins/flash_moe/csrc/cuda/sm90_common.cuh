@@ -190,6 +190,48 @@ __device__ __forceinline__ float fast_sigmoid(float x) {
 }
 __device__ __forceinline__ float silu_mul(float g, float u) { return g * fast_sigmoid(g) * u; }
 
+// The expert activations of flash_moe.h (Activation), a compile-time choice of the kernels: h from the pre-activations
+// g, u (fp32, biases included); relu2 reads no u.
+enum : int { kActSwiGLU = 0, kActGptOss = 1, kActRelu2 = 2 };
+template <int ACT>
+__device__ __forceinline__ float activate(float g, float u, float alpha, float limit) {
+  if constexpr (ACT == kActSwiGLU) {
+    return silu_mul(g, u);
+  } else if constexpr (ACT == kActGptOss) {
+    const float gc = fminf(g, limit);
+    return (fminf(fmaxf(u, -limit), limit) + 1.f) * gc * fast_sigmoid(alpha * gc);
+  } else {
+    const float r = fmaxf(g, 0.f);
+    return r * r;
+  }
+}
+// h and the gradients of the pre-activations from dh = dL/dh: the clamps pass the gradient inside their closed ranges
+// and none outside (torch.clamp's rule, as the CPU ops); du is left alone for relu2.
+template <int ACT>
+__device__ __forceinline__ float activate_backward(float g, float u, float dh, float alpha, float limit, float& dg,
+                                                   float& du) {
+  if constexpr (ACT == kActSwiGLU) {
+    const float sig = fast_sigmoid(g), a = g * sig;
+    du = dh * a;
+    dg = dh * u * sig * (1.f + g * (1.f - sig));
+    return a * u;
+  } else if constexpr (ACT == kActGptOss) {
+    const float gc = fminf(g, limit), up1 = fminf(fmaxf(u, -limit), limit) + 1.f;
+    const float sig = fast_sigmoid(alpha * gc), glu = gc * sig;
+    dg = g <= limit ? dh * up1 * sig * (1.f + alpha * gc * (1.f - sig)) : 0.f;
+    du = fabsf(u) <= limit ? dh * glu : 0.f;
+    return up1 * glu;
+  } else {
+    const float r = fmaxf(g, 0.f);
+    dg = 2.f * dh * r;
+    return r * r;
+  }
+}
+// A bias element as fp32, 0 without a bias (bias: the expert's row, from the tile's first column).
+__device__ __forceinline__ float bias_at(const __nv_bfloat16* bias, int col) {
+  return bias != nullptr ? __bfloat162float(bias[col]) : 0.f;
+}
+
 // sorted_token_ids[row], or padding (-1) for an entry outside [0, p.num_slots): such an entry would gather past x and
 // write past the output, and checking the values on the host would cost a sync.
 template <class Params>
@@ -303,7 +345,10 @@ __device__ __forceinline__ void store_row_bf16(__nv_bfloat16* dst, int n0, int n
 // (red.global.add.v4.f32, sm_90): lanes q and q ^ 1 swap a float2 of j and j + 1 so that the even lane adds columns
 // 4 (q / 2) .. + 3 of group j and the odd lane the same of group j + 1.
 template <int COLS, bool kAtomic, bool kWeighted = true, class Params>
-__device__ __forceinline__ void store_down_row(const Params& p, const float* acc, int h, int quad, int slot, int n0) {
+__device__ __forceinline__ void store_down_row(const Params& p, const float* acc, int h, int quad, int slot, int n0,
+                                               const __nv_bfloat16* bias = nullptr) {
+  // y = acc + the expert's bias (b2: the routing weight multiplies both), column 8 j + 2 quad + e of the tile
+  auto y = [&](int j, int e) { return acc[4 * j + 2 * h + e] + bias_at(bias, 8 * j + 2 * quad + e); };
   if constexpr (kAtomic) {
     static_assert(COLS % 16 == 0, "pairs of j (16 columns)");
     const float w = kWeighted ? __ldg(p.topk_weights + slot) : 1.f;
@@ -313,16 +358,15 @@ __device__ __forceinline__ void store_down_row(const Params& p, const float* acc
 #pragma unroll
     for (int j = 0; j < COLS / 8; j += 2) {
       if (n0 + 8 * j >= p.n_total) break;  // n_total: a multiple of 16
-      const float2 a = make_float2(w * acc[4 * j + 2 * h], w * acc[4 * j + 2 * h + 1]);
-      const float2 b = make_float2(w * acc[4 * j + 4 + 2 * h], w * acc[4 * j + 4 + 2 * h + 1]);
+      const float2 a = make_float2(w * y(j, 0), w * y(j, 1));
+      const float2 b = make_float2(w * y(j + 1, 0), w * y(j + 1, 1));
       const float2 give = odd ? a : b;
       const float2 got = make_float2(__shfl_xor_sync(mask, give.x, 1), __shfl_xor_sync(mask, give.y, 1));
       const float4 v = odd ? make_float4(got.x, got.y, b.x, b.y) : make_float4(a.x, a.y, got.x, got.y);
       atomicAdd(reinterpret_cast<float4*>(dst + 8 * (j + odd) + 4 * (quad >> 1)), v);
     }
   } else {
-    store_row_bf16<COLS>(p.yslots + static_cast<int64_t>(slot) * p.ld_out + n0, n0, p.n_total, quad,
-                         [&](int j, int e) { return acc[4 * j + 2 * h + e]; });
+    store_row_bf16<COLS>(p.yslots + static_cast<int64_t>(slot) * p.ld_out + n0, n0, p.n_total, quad, y);
   }
 }
 #endif
