@@ -3,7 +3,7 @@ read and written, L2 hit rate; what a GEMM reads from HBM against what it needs 
 (docs/notes/flash_moe.md, session 22).
 
     ncu --csv --print-units base --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,\\
-        lts__t_sector_hit_rate.pct ... | python bench/ncu_hbm.py
+        lts__t_sector_hit_rate.pct ... | python bench/diagnostics/ncu_hbm.py
 """
 from __future__ import annotations
 
