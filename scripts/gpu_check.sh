@@ -322,6 +322,12 @@ print("stable modules:", f._C_stable.__file__, e._C_stable.__file__)' 2>&1 | tee
   [ "$r" = ok ] && touch "$site/.installed"  # the ab phase adds this site as the variant "stable-wheel"
 fi
 
+# A benchmark JSON's run block (date, COMMIT, GPU, torch: what bench/summary.py needs), where the script wrote none.
+stamp_run() {
+  [ -f "$1" ] || return 0
+  "$py" -c 'import sys; sys.path.insert(0, "bench"); import common; common.stamp_run(*sys.argv[1:])' "$1" "$2"
+}
+
 if phase bench; then
   for bench in bench/bench_*.py; do
     [ -f "$bench" ] || continue
@@ -329,6 +335,7 @@ if phase bench; then
     [ -n "${BENCHES:-}" ] && case " $BENCHES " in *" $name "*) ;; *) continue;; esac
     timeout 420 "$py" "$bench" --json "$out/$name.json" 2>&1 | tee "$out/$name.log"
     record bench "$name" "exit ${PIPESTATUS[0]}"
+    stamp_run "$out/$name.json" "$name"
   done
 fi
 
@@ -360,6 +367,7 @@ if phase sonicmoe; then
     timeout "${SONIC_TIMEOUT:-420}" "$py" bench/bench_flash_moe.py --sonicmoe --shapes "$shape" \
       --json "$out/sonicmoe-$shape.json" >> "$log" 2>&1
     code=$?
+    stamp_run "$out/sonicmoe-$shape.json" bench_flash_moe
     record sonicmoe "$shape" "exit $code; $(awk -v head="== $shape" '$0 == head {on = 1; next} /^== / {on = 0}
       on && /^sonicmoe / {last = $0} END {print last}' "$log" | cut -c1-200)"
     rm -f "$out"/sonic_cache.tgz.part_*
