@@ -53,7 +53,7 @@ def interleaved(fns: dict, rounds: int = 2, timer=do_bench, **bench_args) -> dic
 def run_record(bench: str | None = None) -> dict:
     """When, where and from which commit a benchmark ran: the ``run`` block of its JSON, which bench/summary.py reads.
     ``bench``: the script's name (default: the running script's). The commit is $COMMIT (gpu_check.sh's caller passes
-    it: the device's copy of the tree has no .git), else git's HEAD here, else None (the summary says "not recorded")."""
+    it: the device's copy of the tree has no .git), else git's HEAD here, else None (summary.py: "not recorded")."""
     import datetime
     import os
     import platform
@@ -70,9 +70,9 @@ def run_record(bench: str | None = None) -> dict:
         except (OSError, subprocess.SubprocessError):
             commit = None
     today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
-    return {"bench": bench or Path(sys.argv[0]).stem, "date": today, "commit": commit or None, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "gpus": torch.cuda.device_count(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "python": platform.python_version()}
+    return {"bench": bench or Path(sys.argv[0]).stem, "date": today, "commit": commit or None,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "gpus": torch.cuda.device_count(),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
 
 
 def stamp_run(path: str, bench: str) -> None:

@@ -60,6 +60,7 @@ def test_flash_moe_rows(rows):
     fwd = rows[("flash_moe `moe` bf16 forward, qwen3-30b-a3b", "grouped-mm expert path")]
     # floor = the row's FLOPs (500 TFLOP/s x 2.5 ms) at the run's 677 TFLOP/s
     assert (fwd["ours"], fwd["peer_time"], fwd["ratio"], fwd["floor"]) == ("2.500 ms", "7.875 ms", "3.15×", "1.846 ms")
+    assert fwd["gpu"] == "NVIDIA H200"  # one GPU used, whatever the machine had (8 in the fixture's run)
     fb = rows[("flash_moe `moe` bf16 forward+backward, qwen3-30b-a3b", "grouped-mm expert path")]
     assert (fb["ratio"], fb["floor"]) == ("2.25×", "5.539 ms")
     assert not any("sonicmoe-7b" in case for case, _ in rows)  # no target: not a summary shape

@@ -1,5 +1,6 @@
 """Every module of every plugin package imports alone (no hidden dependence on import order), and no package's modules
-import one another in a circle (imports inside functions included: a lazy import hides a circle, it does not remove it)."""
+import one another in a circle (imports inside functions included: a lazy import hides a circle, it does not remove
+it)."""
 import ast
 import importlib.util
 import json
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PLUGIN_PACKAGES = sorted(p.parent for p in [*ROOT.glob("plugins/*/*/kernel.toml"), *ROOT.glob("examples/*/*/kernel.toml")])
+PLUGIN_PACKAGES = sorted(p.parent for pattern in ("plugins/*/*/kernel.toml", "examples/*/*/kernel.toml")
+                         for p in ROOT.glob(pattern))
 PACKAGES = [ROOT / "prime_kernels_core", ROOT / "prime_kernels", *PLUGIN_PACKAGES]
 
 
