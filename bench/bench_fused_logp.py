@@ -27,7 +27,7 @@ import json
 import sys
 
 import torch
-from common import copy_bandwidth, do_bench, free, peak_extra
+from common import copy_bandwidth, do_bench, free, peak_extra, run_record
 
 SHAPES = [(16384, 151936), (1024, 151936), (65536, 151936), (16384, 32000)]
 
@@ -293,8 +293,8 @@ def main(argv=None):
         run(bw, results)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "copy_bandwidth_Bps": bw, "torch": torch.__version__,
-                           key: results}, f, indent=1)
+                json.dump({"run": run_record(), "device": torch.cuda.get_device_name(), "copy_bandwidth_Bps": bw,
+                           "torch": torch.__version__, key: results}, f, indent=1)
         return
     peers = make_peers(args.no_compile)
     results = []
@@ -319,8 +319,8 @@ def main(argv=None):
         print("| " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "copy_bandwidth_Bps": bw, "torch": torch.__version__,
-                       "results": results}, f, indent=1)
+            json.dump({"run": run_record(), "device": torch.cuda.get_device_name(), "copy_bandwidth_Bps": bw,
+                       "torch": torch.__version__, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import os
 import sys
 
 import torch
-from common import free, interleaved, matmul_ceiling, peak_extra
+from common import free, interleaved, matmul_ceiling, peak_extra, run_record
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # deepgemm / sonicmoe fetch hub kernels: fail fast on an offline host
 
@@ -145,8 +145,8 @@ def main():
         free()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"ceiling_tflops": ceiling / 1e12, "transformers": transformers.__version__, "rows": rows}, f,
-                      indent=2)
+            json.dump({"run": run_record(), "ceiling_tflops": ceiling / 1e12, "transformers": transformers.__version__,
+                       "ours": name, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

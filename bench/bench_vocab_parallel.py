@@ -118,6 +118,8 @@ def main():
         return
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import run_record
+
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rows.json")
         torch.multiprocessing.spawn(worker, args=(args.world, os.path.join(tmp, "store"), path), nprocs=args.world)
@@ -142,8 +144,8 @@ def main():
     print("\n".join(summary))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "world": R, "N": N, "H": H,
-                       "V": V, "T": T, "ranks": rows, "summary": summary}, f, indent=2)
+            json.dump({"run": run_record(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "world": R, "N": N, "H": H, "V": V, "T": T, "ranks": rows, "summary": summary}, f, indent=2)
 
 
 if __name__ == "__main__":

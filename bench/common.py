@@ -56,6 +56,44 @@ def interleaved(fns: dict, rounds: int = 2, timer=do_bench, **bench_args) -> dic
 LONG_TIMING = {"rounds": 4, "rep": 1000}
 
 
+def run_record(bench: str | None = None) -> dict:
+    """When, where and from which commit a benchmark ran: the ``run`` block of its JSON, which bench/summary.py reads.
+    ``bench``: the script's name (default: the running script's). The commit is $COMMIT (gpu_check.sh's caller passes
+    it: the device's copy of the tree has no .git), else git's HEAD here, else None (summary.py: "not recorded")."""
+    import datetime
+    import os
+    import platform
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    commit = os.environ.get("COMMIT")
+    if not commit:
+        try:
+            done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                                  cwd=Path(__file__).resolve().parent)
+            commit = done.stdout.strip() if done.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError):
+            commit = None
+    today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    return {"bench": bench or Path(sys.argv[0]).stem, "date": today, "commit": commit or None,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "gpus": torch.cuda.device_count(),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
+
+
+def stamp_run(path: str, bench: str) -> None:
+    """Adds ``run_record(bench)`` to a benchmark's JSON that has no ``run`` block (gpu_check.sh, after each benchmark:
+    on the machine and torch that ran it)."""
+    import json
+
+    with open(path) as f:
+        data = json.load(f)
+    if "run" not in data:
+        data["run"] = run_record(bench)
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+
+
 def free() -> None:
     gc.collect()
     torch.cuda.empty_cache()

@@ -18,10 +18,10 @@
 # ab: runs bench/ab.py on each ';'-separated command of AB_BENCH (e.g. AB_BENCH="bench/bench_flash_moe.py
 # --mxfp8-only") for the tree and each built variant (AB_VARIANTS names a subset; quotes inside a command keep an
 # argument with spaces together). profile: Nsight Compute on one
-# script (PROFILE, PROFILE_KERNELS, PROFILE_COUNT, PROFILE_SET; e.g. PROFILE="bench/profile_fused_logp.py"
+# script (PROFILE, PROFILE_KERNELS, PROFILE_COUNT, PROFILE_SET; e.g. PROFILE="bench/diagnostics/profile_fused_logp.py"
 # PROFILE_KERNELS="fused_logp_(fwd|bwd)_kernel" PROFILE_COUNT=6; PROFILE_SKIP: matching launches skipped first);
 # profile_sass.csv beside the details page holds the warp-state samples of every SASS instruction, profile_sass.txt
-# their summary (bench/ncu_sass.py).
+# their summary (bench/diagnostics/ncu_sass.py).
 # BENCHES="bench_a bench_b" limits the bench phase to those scripts (default: every bench/bench_*.py); TEST_SUITES
 # (test folders or files), SANITIZE_SCRIPTS and STABLE_SUITES (space-separated paths) limit the test, sanitize and
 # stable phases likewise.
@@ -322,6 +322,12 @@ print("stable modules:", f._C_stable.__file__, e._C_stable.__file__)' 2>&1 | tee
   [ "$r" = ok ] && touch "$site/.installed"  # the ab phase adds this site as the variant "stable-wheel"
 fi
 
+# A benchmark JSON's run block (date, COMMIT, GPU, torch: what bench/summary.py needs), where the script wrote none.
+stamp_run() {
+  [ -f "$1" ] || return 0
+  "$py" -c 'import sys; sys.path.insert(0, "bench"); import common; common.stamp_run(*sys.argv[1:])' "$1" "$2"
+}
+
 if phase bench; then
   for bench in bench/bench_*.py; do
     [ -f "$bench" ] || continue
@@ -329,6 +335,7 @@ if phase bench; then
     [ -n "${BENCHES:-}" ] && case " $BENCHES " in *" $name "*) ;; *) continue;; esac
     timeout 420 "$py" "$bench" --json "$out/$name.json" 2>&1 | tee "$out/$name.log"
     record bench "$name" "exit ${PIPESTATUS[0]}"
+    stamp_run "$out/$name.json" "$name"
   done
 fi
 
@@ -360,6 +367,7 @@ if phase sonicmoe; then
     timeout "${SONIC_TIMEOUT:-420}" "$py" bench/bench_flash_moe.py --sonicmoe --shapes "$shape" \
       --json "$out/sonicmoe-$shape.json" >> "$log" 2>&1
     code=$?
+    stamp_run "$out/sonicmoe-$shape.json" bench_flash_moe
     record sonicmoe "$shape" "exit $code; $(awk -v head="== $shape" '$0 == head {on = 1; next} /^== / {on = 0}
       on && /^sonicmoe / {last = $0} END {print last}' "$log" | cut -c1-200)"
     rm -f "$out"/sonic_cache.tgz.part_*
@@ -435,20 +443,20 @@ if phase profile; then
   ncu --import "$out/profile.ncu-rep" --page details > "$out/profile.txt" 2>&1
   # the warp-state samples per SASS instruction (where a kernel's warps wait: mainloop or epilogue)
   ncu --import "$out/profile.ncu-rep" --page source --print-source sass --csv > "$out/profile_sass.csv" 2>&1
-  "$py" bench/ncu_sass.py "$out/profile_sass.csv" > "$out/profile_sass.txt" 2>&1
+  "$py" bench/diagnostics/ncu_sass.py "$out/profile_sass.csv" > "$out/profile_sass.txt" 2>&1
 fi
 
 if phase hbm; then
-  # Nsight Compute's HBM and L2 counters (bench/ncu_hbm.py's METRICS) of PROFILE's launches matching PROFILE_KERNELS
-  # (at most PROFILE_COUNT), one line per launch in hbm.txt; e.g. PROFILE="bench/profile_flash_moe.py --shape
+  # Nsight Compute's HBM and L2 counters (bench/diagnostics/ncu_hbm.py's METRICS) of PROFILE's launches matching PROFILE_KERNELS
+  # (at most PROFILE_COUNT), one line per launch in hbm.txt; e.g. PROFILE="bench/diagnostics/profile_flash_moe.py --shape
   # deepseek-v3 --backward --plain --calls 2" PROFILE_KERNELS="moe_gemm_kernel" PROFILE_COUNT=8.
-  metrics=$("$py" -c 'import sys; sys.path.insert(0, "bench"); import ncu_hbm; print(ncu_hbm.METRICS)')
+  metrics=$("$py" -c 'import sys; sys.path.insert(0, "bench/diagnostics"); import ncu_hbm; print(ncu_hbm.METRICS)')
   # shellcheck disable=SC2086
   timeout 540 ncu --clock-control none --csv --print-units base --metrics "$metrics" -c "${PROFILE_COUNT:-8}" \
     -k "regex:${PROFILE_KERNELS:?PROFILE_KERNELS: a regex}" "$py" ${PROFILE:?PROFILE: a script and its arguments} \
     > "$out/hbm.csv" 2> "$out/hbm.log"
   code=$?
-  "$py" bench/ncu_hbm.py < "$out/hbm.csv" > "$out/hbm.txt" 2>> "$out/hbm.log"
+  "$py" bench/diagnostics/ncu_hbm.py < "$out/hbm.csv" > "$out/hbm.txt" 2>> "$out/hbm.log"
   record hbm "$PROFILE" "exit $code; $(wc -l < "$out/hbm.txt") launches in hbm.txt"
   cat "$out/hbm.txt"
 fi

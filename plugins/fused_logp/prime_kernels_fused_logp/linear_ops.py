@@ -10,100 +10,29 @@ from __future__ import annotations
 
 import torch
 
-from prime_kernels_core import manifest
 from prime_kernels_core.contracts import UnsupportedShapeError
 
 from . import _C  # noqa: F401  (registers the ops)
 from . import checks, reference
-from .ops import require_device  # the module also registers fused_logp::logp_entropy's autograd (the fallback's)
-
-_CONSTANTS = manifest.constants("prime_kernels_fused_logp", "linear_logp")
-BLOCK_N: int = _CONSTANTS["BLOCK_N"]
-BLOCK_V: int = _CONSTANTS["BLOCK_V"]
-BLOCK_K: int = _CONSTANTS["BLOCK_K"]
-STAGES: int = _CONSTANTS["STAGES"]
-MAX_SPLITS: int = _CONSTANTS["MAX_SPLITS"]
-DZ_CHUNK_ELEMS: int = _CONSTANTS["DZ_CHUNK_ELEMS"]
-INVARIANT_TILES_PER_SPLIT: int = _CONSTANTS["INVARIANT_TILES_PER_SPLIT"]
-INVARIANT_DZ_CHUNK_TILES: int = _CONSTANTS["INVARIANT_DZ_CHUNK_TILES"]
-INVARIANT_GEMM_ROWS: int = _CONSTANTS["INVARIANT_GEMM_ROWS"]
-HIDDEN_ALIGN: int = _CONSTANTS["HIDDEN_ALIGN"]
-PTR_ALIGN_BYTES: int = _CONSTANTS["PTR_ALIGN_BYTES"]
-MAX_VOCAB_SIZE: int = _CONSTANTS["MAX_VOCAB_SIZE"]
-MAX_NUM_TOKENS: int = _CONSTANTS["MAX_NUM_TOKENS"]
-CUDA_DTYPES = (torch.bfloat16, torch.float16)
+from . import ops  # noqa: F401  (registers fused_logp::logp_entropy's autograd, which the chunked fallback runs through)
+from .inputs import check_linear_transform, flatten_linear
+from .linear_contract import (  # noqa: F401  (the contract is part of this module's public surface)
+    BLOCK_K, BLOCK_N, BLOCK_V, CONSTANTS, CUDA_DTYPES, DZ_CHUNK_ELEMS, HIDDEN_ALIGN, INVARIANT_DZ_CHUNK_TILES,
+    INVARIANT_GEMM_ROWS, INVARIANT_TILES_PER_SPLIT, MAX_NUM_TOKENS, MAX_SPLITS, MAX_VOCAB_SIZE, PTR_ALIGN_BYTES, STAGES,
+    unsupported_shape_reason, workspace_bytes)
+from .vocab_parallel import linear_logp_entropy_vocab_parallel
 
 _ops = torch.ops.fused_logp
-
-
-def workspace_bytes(num_tokens: int, vocab_size: int, hidden_size: int, backward: bool = False,
-                    batch_invariant: bool = False) -> int:
-    """Device memory the CUDA ops allocate beyond their inputs and outputs (upper bound, excluding cuBLAS's own)."""
-    if not backward:
-        return (3 * MAX_SPLITS + 1) * 4 * num_tokens + 12 * num_tokens  # partials + label logit, stats
-    if batch_invariant:  # vocab chunks of INVARIANT_DZ_CHUNK_TILES tiles, rows padded to whole GEMM blocks
-        vc = INVARIANT_DZ_CHUNK_TILES * BLOCK_V
-        block_rows = max(INVARIANT_GEMM_ROWS, DZ_CHUNK_ELEMS // vc // INVARIANT_GEMM_ROWS * INVARIANT_GEMM_ROWS)
-        pad = -(-min(num_tokens, block_rows) // INVARIANT_GEMM_ROWS) * INVARIANT_GEMM_ROWS
-        padded_tokens = -(-num_tokens // INVARIANT_GEMM_ROWS) * INVARIANT_GEMM_ROWS
-        gw = 4 * vc * hidden_size if num_tokens > block_rows else 0  # fp32 grad_weight across token chunks
-        return pad * vc * 2 + 4 * padded_tokens * hidden_size + 4 * vocab_size + gw
-    rows = min(num_tokens, max(BLOCK_N, DZ_CHUNK_ELEMS // BLOCK_V // BLOCK_N * BLOCK_N))
-    dz = min(DZ_CHUNK_ELEMS, rows * ((vocab_size + BLOCK_V - 1) // BLOCK_V) * BLOCK_V) * 2
-    return dz + 4 * num_tokens * hidden_size + 4 * vocab_size  # + fp32 grad_hidden accumulator, fp32 grad_bias
-
-
-def unsupported_shape_reason(hidden_size: int, vocab_size: int, num_tokens: int | None = None,
-                             dtype: torch.dtype = torch.bfloat16, *, device: str | torch.device = "cuda",
-                             hidden: torch.Tensor | None = None, weight: torch.Tensor | None = None) -> str | None:
-    """None when the kernel on ``device`` handles these shapes, else one sentence saying what was found and what is needed.
-
-    Pass the 2-D ``hidden`` [N, H] and ``weight`` [V, H] to also check their strides and data-pointer alignment.
-    """
-    checks.require_ints("unsupported_shape_reason", hidden_size=hidden_size, vocab_size=vocab_size)
-    if num_tokens is not None:
-        checks.require_ints("unsupported_shape_reason", num_tokens=num_tokens)
-    if hidden_size < 1:
-        return f"hidden_size must be >= 1, got {hidden_size}"
-    if not 1 <= vocab_size <= MAX_VOCAB_SIZE:
-        return f"vocab_size must be in [1, {MAX_VOCAB_SIZE}], got {vocab_size}"
-    if num_tokens is not None and num_tokens > MAX_NUM_TOKENS:
-        return f"num_tokens must be <= {MAX_NUM_TOKENS}, got {num_tokens}"
-    if torch.device(device).type != "cuda":
-        if dtype not in CUDA_DTYPES + (torch.float32,):
-            return f"dtype must be bfloat16, float16 or float32 on CPU, got {dtype}"
-        return None
-    if dtype not in CUDA_DTYPES:
-        return f"dtype must be bfloat16 or float16 on CUDA, got {dtype}"
-    if hidden_size % HIDDEN_ALIGN:
-        return (f"hidden_size must be a multiple of {HIDDEN_ALIGN} on CUDA (16-byte rows for TMA), "
-                f"got {hidden_size}")
-    for name, t in (("hidden", hidden), ("weight", weight)):
-        if t is None:
-            continue
-        if t.stride(-1) != 1:
-            return f"{name} last dim must have stride 1 on CUDA, got stride {t.stride(-1)}"
-        if t.shape[0] > 1 and t.stride(0) % HIDDEN_ALIGN:
-            return f"{name} row stride must be a multiple of {HIDDEN_ALIGN} elements on CUDA, got {t.stride(0)}"
-        # Traced tensors have no address; the op's own check covers alignment when the compiled graph runs.
-        if not torch.compiler.is_compiling() and t.data_ptr() % PTR_ALIGN_BYTES:
-            return f"{name} data pointer must be {PTR_ALIGN_BYTES}-byte aligned on CUDA"
-    return None
 
 
 @torch.library.register_fake("fused_logp::linear_logp_entropy")
 def _linear_logp_entropy_fake(hidden, weight, labels, temperature, token_temperature, bias, ignore_index,
                               return_entropy, batch_invariant=False, softcap=None, logit_scale=1.0):
-    checks.check_linear_logp_entropy_args(hidden, weight, labels, temperature, token_temperature, bias, _CONSTANTS)
-    _check_transform(temperature, softcap, logit_scale)
+    checks.check_linear_logp_entropy_args(hidden, weight, labels, temperature, token_temperature, bias, CONSTANTS)
+    check_linear_transform(temperature, softcap, logit_scale)
     n = hidden.shape[0]
     return (hidden.new_empty((n,), dtype=torch.float32), hidden.new_empty((n if return_entropy else 0,), dtype=torch.float32),
             hidden.new_empty((n, 2), dtype=torch.float64))
-
-
-def _check_transform(temperature, softcap, logit_scale):
-    checks.check_logit_transform("linear_logp", softcap, logit_scale)
-    checks.check_effective_temperature("linear_logp", temperature, softcap, logit_scale)
 
 
 @torch.library.register_fake("fused_logp::linear_logp_entropy_backward")
@@ -111,8 +40,8 @@ def _linear_logp_entropy_backward_fake(grad_logp, grad_entropy, hidden, weight, 
                                        token_temperature, bias, stats, ignore_index, output_mask, grad_weight_fp32,
                                        batch_invariant=False, softcap=None, logit_scale=1.0):
     checks.check_linear_logp_entropy_backward_args(grad_logp, grad_entropy, hidden, weight, labels, temperature,
-                                                   token_temperature, bias, stats, _CONSTANTS)
-    _check_transform(temperature, softcap, logit_scale)
+                                                   token_temperature, bias, stats, CONSTANTS)
+    check_linear_transform(temperature, softcap, logit_scale)
     gh = hidden.new_empty(hidden.shape) if output_mask[0] else hidden.new_empty((0,))
     gw = (hidden.new_empty(weight.shape, dtype=torch.float32 if grad_weight_fp32 else hidden.dtype)
           if output_mask[1] else hidden.new_empty((0,)))
@@ -151,49 +80,6 @@ def _backward(ctx, grad_logp, grad_entropy, grad_stats):
 
 torch.library.register_autograd("fused_logp::linear_logp_entropy", _backward, setup_context=_setup_context)
 checks.refuse_double_backward("linear_logp_entropy_backward", "linear_logp_entropy")
-
-
-def _flatten(hidden, weight, labels, temperature, bias):
-    fn = "linear_logp_entropy"
-    for name, value in (("hidden", hidden), ("weight", weight), ("labels", labels)):
-        checks.require_tensor(fn, name, value)
-    checks.require_tensor(fn, "bias", bias, optional=True)
-    checks.require_temperature(fn, temperature)
-    if hidden.dtype not in CUDA_DTYPES + (torch.float32,):
-        raise TypeError(f"{fn}: hidden must be bfloat16 or float16 (float32 also on CPU and through "
-                        f"fallback=\"chunked\"), got {hidden.dtype}")
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
-        raise ValueError(f"hidden must be a tensor [..., H], got {type(hidden).__name__}")
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError(f"weight must be a 2-D tensor [V, H], got {getattr(weight, 'shape', type(weight).__name__)}")
-    if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"labels must have hidden's leading shape {tuple(hidden.shape[:-1])}, "
-                         f"got {tuple(getattr(labels, 'shape', ()))}")
-    if hidden.shape[-1] < 1:
-        raise ValueError(f"hidden size (last dim of hidden) must be >= 1, got {hidden.shape[-1]}")
-    if weight.shape[0] < 1:
-        raise ValueError(f"weight vocab size (rows) must be >= 1, got {weight.shape[0]}")
-    if weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must be [V, {hidden.shape[-1]}] (hidden size of hidden), got {tuple(weight.shape)}")
-    require_device(hidden, "hidden's", {"weight": weight, "labels": labels, "temperature": temperature, "bias": bias})
-    h2 = hidden.reshape(-1, hidden.shape[-1])
-    l1 = labels.reshape(-1)
-    token_temperature = None
-    if isinstance(temperature, torch.Tensor):
-        temperature = checks.temperature_as_float32(fn, temperature)
-        if temperature.dim() == 0:
-            token_temperature = temperature.expand(l1.shape[0]).contiguous()
-        elif tuple(temperature.shape) == tuple(labels.shape):
-            token_temperature = temperature.reshape(-1)
-        else:
-            raise ValueError(f"temperature must be a float, a 0-d tensor or a tensor of labels' shape "
-                             f"{tuple(labels.shape)}, got shape {tuple(temperature.shape)}")
-        temperature = 1.0
-    elif not isinstance(temperature, (int, float)):
-        raise ValueError(f"temperature must be a float or a tensor, got {type(temperature).__name__}")
-    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
-        raise ValueError(f"bias must be a tensor of shape [{weight.shape[0]}], got {getattr(bias, 'shape', bias)}")
-    return h2, l1, float(temperature), token_temperature
 
 
 def linear_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -237,8 +123,6 @@ def linear_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     softcap = None if softcap is None else float(softcap)
     logit_scale = float(logit_scale)
     if process_group is not None:
-        from .vocab_parallel import linear_logp_entropy_vocab_parallel
-
         return linear_logp_entropy_vocab_parallel(hidden, weight, labels, temperature, bias=bias,
                                                   ignore_index=ignore_index, return_entropy=return_entropy,
                                                   fallback=fallback, process_group=process_group,
@@ -247,7 +131,7 @@ def linear_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     if vocab_start is not None:
         raise ValueError("linear_logp_entropy: vocab_start needs a process_group (it is the first vocab id of this "
                          "rank's shard)")
-    h2, l1, temp, token_temperature = _flatten(hidden, weight, labels, temperature, bias)
+    h2, l1, temp, token_temperature = flatten_linear(hidden, weight, labels, temperature, bias)
     if fallback not in (None, "chunked"):
         raise ValueError(f'fallback must be None or "chunked", got {fallback!r}')
     checks.require_ints("linear_logp_entropy", chunk_size=chunk_size)
@@ -335,7 +219,7 @@ def linear_logp_entropy_backward(grad_logp, grad_entropy, hidden, weight, labels
     checks.require_ignore_index("linear_logp_entropy_backward", ignore_index)
     checks.require_needs("linear_logp_entropy_backward", needs)
     checks.require_logit_transform("linear_logp_entropy_backward", softcap, logit_scale)
-    h2, l1, temp, token_temperature = _flatten(hidden, weight, labels, temperature, bias)
+    h2, l1, temp, token_temperature = flatten_linear(hidden, weight, labels, temperature, bias)
     ge = None if grad_entropy is None else grad_entropy.reshape(-1)
     mask = [bool(needs[0]), bool(needs[1]), bool(needs[2]) and bias is not None]
     gh, gw, gb = _ops.linear_logp_entropy_backward(grad_logp.reshape(-1), ge, h2, weight, l1, temp, token_temperature,

@@ -12,6 +12,8 @@ from prime_kernels_core.manifest import constants
 
 from . import _C_stable  # noqa: F401  (loads the stable-ABI library; its STABLE_TORCH_LIBRARY blocks register the ops)
 from . import checks
+from .inputs import flatten_logits
+from .vocab_parallel import logp_entropy_vocab_parallel
 
 
 CONSTANTS = constants("prime_kernels_fused_logp", "fused_logp")
@@ -163,68 +165,19 @@ def logp_entropy(
     checks.require_logit_transform("logp_entropy", softcap, logit_scale)
     checks.require_process_group("logp_entropy", process_group)
     if process_group is not None:
-        from .vocab_parallel import logp_entropy_vocab_parallel
-
         return logp_entropy_vocab_parallel(logits, labels, temperature, ignore_index=ignore_index,
                                            return_entropy=return_entropy, process_group=process_group,
                                            vocab_start=vocab_start, batch_invariant=batch_invariant,
                                            softcap=softcap, logit_scale=logit_scale)
     if vocab_start is not None:
         raise ValueError("fused_logp: vocab_start needs a process_group (the first vocab id of this rank's shard)")
-    x, labels1, scalar_t, token_temperature, lead = _flatten(logits, labels, temperature)
+    x, labels1, scalar_t, token_temperature, lead = flatten_logits(logits, labels, temperature)
     logp, entropy, _stats = _op(
         x, labels1, scalar_t, token_temperature, int(ignore_index), bool(return_entropy), bool(check_labels),
         bool(batch_invariant), None if softcap is None else float(softcap), float(logit_scale)
     )
     logp = logp.reshape(lead)
     return logp, (entropy.reshape(lead) if return_entropy else None)
-
-
-def require_device(reference: torch.Tensor, whose: str, operands: dict, prefix: str = "") -> None:
-    """Every tensor among ``operands`` (name -> tensor or anything else) on ``reference``'s device (``whose``: the
-    reference's name in the possessive, for the message). Checked by the Python surfaces, not only in the ops: with
-    one tensor on meta the dispatcher would run the fake implementation and return uninitialised memory."""
-    for name, t in operands.items():
-        if isinstance(t, torch.Tensor) and t.device != reference.device:
-            raise ValueError(f"{prefix}{name} must be on {whose} device {reference.device}, got {t.device}")
-
-
-def _flatten(logits, labels, temperature):
-    """Checks of the public surface; (logits [N, V] stride-1 rows, labels [N], scalar T, token temperatures or None,
-    leading shape)."""
-    checks.require_tensor("logp_entropy", "logits", logits)
-    checks.require_tensor("logp_entropy", "labels", labels)
-    checks.require_temperature("logp_entropy", temperature)
-    if logits.dim() < 1:
-        raise ValueError(f"fused_logp: logits must have at least 1 dim [..., V], got a {logits.dim()}-D tensor")
-    vocab = logits.shape[-1]
-    lead = logits.shape[:-1]
-    if vocab < 1:
-        raise ValueError(f"fused_logp: logits vocab size (last dim) must be >= 1, got {vocab}")
-    if labels.shape != lead:
-        raise ValueError(
-            f"fused_logp: labels shape {tuple(labels.shape)} must equal logits' leading shape {tuple(lead)}"
-        )
-    require_device(logits, "logits'", {"labels": labels, "temperature": temperature}, prefix="fused_logp: ")
-    x = logits.reshape(-1, vocab)
-    if vocab > 1 and x.stride(-1) != 1:
-        x = x.contiguous()
-    if isinstance(temperature, torch.Tensor):
-        temperature = checks.temperature_as_float32("logp_entropy", temperature)
-        if temperature.dim() == 0:
-            token_temperature = temperature.expand(x.shape[0]).contiguous()
-        elif temperature.shape != lead:
-            raise ValueError(
-                f"fused_logp: per-token temperature shape {tuple(temperature.shape)} must equal logits' leading shape "
-                f"{tuple(lead)} (or be 0-d)"
-            )
-        else:
-            token_temperature = temperature.reshape(-1)
-        scalar_t = 1.0
-    else:
-        token_temperature = None
-        scalar_t = float(temperature)
-    return x, labels.reshape(-1), scalar_t, token_temperature, lead
 
 
 __all__ = [

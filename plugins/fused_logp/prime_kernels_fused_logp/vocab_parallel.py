@@ -27,7 +27,10 @@ import struct
 import torch
 import torch.distributed as dist
 
-from . import reference
+from prime_kernels_core.contracts import UnsupportedShapeError
+
+from . import linear_contract, reference
+from .inputs import check_linear_transform, flatten_linear, flatten_logits
 
 _ops = torch.ops.fused_logp
 _LOCAL_IGNORE = -1  # local label of ignored tokens; every other local label is in [0, V_local)
@@ -301,8 +304,6 @@ class _LogitsFn(torch.autograd.Function):
 def logp_entropy_vocab_parallel(logits, labels, temperature=1.0, *, ignore_index=-100, return_entropy=True,
                                 process_group, vocab_start=None, batch_invariant=False, softcap=None, logit_scale=1.0):
     """``ops.logp_entropy`` with logits sharded over the vocabulary: this rank's [..., V_local], global labels."""
-    from .ops import _flatten
-
     group = process_group
     device = logits.device if isinstance(logits, torch.Tensor) else _default_device(group)
     error = None
@@ -311,7 +312,7 @@ def logp_entropy_vocab_parallel(logits, labels, temperature=1.0, *, ignore_index
     try:
         if vocab_start is not None and (not isinstance(vocab_start, int) or vocab_start < 0):
             raise ValueError(f"fused_logp: vocab_start must be a non-negative int or None, got {vocab_start!r}")
-        x, l1, scalar_t, tt, _lead = _flatten(logits, labels, temperature)
+        x, l1, scalar_t, tt, _lead = flatten_logits(logits, labels, temperature)
         n, v_local = x.shape
         if x.dtype not in _FLOAT_DTYPES:
             raise ValueError(f"fused_logp: logits dtype must be float32, bfloat16 or float16, got {x.dtype}")
@@ -396,10 +397,6 @@ def linear_logp_entropy_vocab_parallel(hidden, weight, labels, temperature=1.0, 
                                        batch_invariant=False, softcap=None, logit_scale=1.0):
     """``linear_ops.linear_logp_entropy`` with the lm_head sharded over the vocabulary: weight [V_local, H] (and bias
     [V_local]) of this rank, hidden [..., H] and global labels identical on every rank."""
-    from prime_kernels_core.contracts import UnsupportedShapeError
-
-    from . import linear_ops
-
     group = process_group
     device = hidden.device if isinstance(hidden, torch.Tensor) else _default_device(group)
     error = None
@@ -411,10 +408,10 @@ def linear_logp_entropy_vocab_parallel(hidden, weight, labels, temperature=1.0, 
                              f"{vocab_start!r}")
         if fallback is not None:
             raise ValueError("linear_logp_entropy: fallback is not supported with a process_group")
-        h2, l1, temp, tt = linear_ops._flatten(hidden, weight, labels, temperature, bias)
+        h2, l1, temp, tt = flatten_linear(hidden, weight, labels, temperature, bias)
         n, h_size = h2.shape
         v_local = weight.shape[0]
-        reason = linear_ops.unsupported_shape_reason(h_size, v_local, n, h2.dtype, device=h2.device,
+        reason = linear_contract.unsupported_shape_reason(h_size, v_local, n, h2.dtype, device=h2.device,
                                                      hidden=h2 if h2.is_cuda else None,
                                                      weight=weight if weight.is_cuda else None)
         if reason is not None:
@@ -425,7 +422,7 @@ def linear_logp_entropy_vocab_parallel(hidden, weight, labels, temperature=1.0, 
             raise ValueError(f"linear_logp_entropy: labels dtype must be int64 or int32, got {l1.dtype}")
         if not (temp > 0 and temp < float("inf")):
             raise ValueError(f"linear_logp_entropy: temperature must be finite and > 0, got {temp}")
-        linear_ops._check_transform(temp, softcap, logit_scale)
+        check_linear_transform(temp, softcap, logit_scale)
         grad_hidden = torch.is_grad_enabled() and h2.requires_grad
     except Exception as e:  # raised on every rank by _agree, after the one collective
         error = e

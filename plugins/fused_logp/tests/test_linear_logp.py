@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from prime_kernels_core.testing import assert_conforms, assert_error_ratio
-from prime_kernels_fused_logp import linear_ops, reference
+from prime_kernels_fused_logp import inputs, linear_ops, reference
 from prime_kernels_fused_logp.linear_ops import linear_logp_entropy, unsupported_shape_reason
 
 SEED = int(os.environ.get("LINEAR_LOGP_TEST_SEED", time.time_ns() % 2**31))
@@ -380,7 +380,7 @@ def test_chunked_fallback_matches(tf):
     a = [t.clone().requires_grad_() for t in (hid, w, b)]
     c = [t.clone().requires_grad_() for t in (hid, w, b)]
     lp, ent = linear_logp_entropy(a[0], a[1], y, 0.7, bias=a[2], **tf)
-    h2, l1, temp, tt = linear_ops._flatten(c[0], c[1], y, 0.7, c[2])
+    h2, l1, temp, tt = inputs.flatten_linear(c[0], c[1], y, 0.7, c[2])
     lpc, entc = linear_ops._chunked(h2, c[1], l1, temp, tt, c[2], -100, 128, tf.get("softcap"),
                                     tf.get("logit_scale", 1.0))
     torch.testing.assert_close(lpc, lp, rtol=2e-2, atol=2e-2)  # chunked rounds logits to bf16

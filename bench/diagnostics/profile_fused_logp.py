@@ -1,12 +1,12 @@
 """One forward and one backward of the logits op per softcap, for Nsight Compute (never a test, never timed):
 
-    ncu --clock-control none --set full -k regex:fused_logp_ python bench/profile_fused_logp.py [--dtype bfloat16]
-    (scripts/gpu_check.sh OUT profile runs it so, PROFILE="bench/profile_fused_logp.py ...")
+    ncu --clock-control none --set full -k regex:fused_logp_ python bench/diagnostics/profile_fused_logp.py [--dtype bfloat16]
+    (scripts/gpu_check.sh OUT profile runs it so, PROFILE="bench/diagnostics/profile_fused_logp.py ...")
 
 On randn x 3 logits, as ``bench_fused_logp.py --softcap-ab`` times them, for each of --softcaps in turn (default 30:
 every logit within the tanh's series; 10: 3.7 % past it, in every warp; 3: over half) a forward then its backward:
 their stall reasons, issue rates and local-memory traffic side by side say what bounds the softcap kernels where
-logits leave the series (docs/notes/fused_logp.md, session 16).
+logits leave the series (docs/notes/fused_logp.md, open questions).
 """
 from __future__ import annotations
 

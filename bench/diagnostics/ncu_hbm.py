@@ -1,9 +1,9 @@
 """One line per kernel launch from Nsight Compute's CSV of gpu_check.sh's hbm phase (never a test): time, HBM bytes
 read and written, L2 hit rate; what a GEMM reads from HBM against what it needs says whether L2 reuse is its limit
-(docs/notes/flash_moe.md, session 22).
+(docs/notes/flash_moe.md, "L2 or HBM at DeepSeek-V3?").
 
     ncu --csv --print-units base --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,\\
-        lts__t_sector_hit_rate.pct ... | python bench/ncu_hbm.py
+        lts__t_sector_hit_rate.pct ... | python bench/diagnostics/ncu_hbm.py
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ more: its outputs against the CPU op's (grad_h in fp32) and against the CPU swig
 (what a kernel staging grad_h as bf16 computes), at small shapes like the sanitizer script's. A kernel with a
 protocol slip is far from both; one that stages grad_h as bf16 matches the second to fp32 summation order.
 
-    PYTHONPATH=/tmp/variants/NAME python3 bench/diag_dh_rounding.py
+    PYTHONPATH=/tmp/variants/NAME python3 bench/diagnostics/diag_dh_rounding.py
 """
 import torch
 

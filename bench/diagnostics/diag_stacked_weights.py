@@ -3,13 +3,17 @@ the SonicMoE comparison and transformers' fused experts pass) than with w1 and w
 beside the grouped-mm path, in turns, each timing ~1 s of calls (the main rows' 100 ms is 3 calls at Mixtral), then
 each form's GPU timeline span. If the two forms tie here, the SonicMoE bench's lower ratio for ours is its timing.
 
-    python3 bench/diag_stacked_weights.py [--shapes mixtral,qwen3-30b-a3b]
+    python3 bench/diagnostics/diag_stacked_weights.py [--shapes mixtral,qwen3-30b-a3b]
 """
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
 import prime_kernels
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the benchmarks' shapes and timing helpers
 from bench_flash_moe import SHAPES, forward_flops, problem
 from common import LONG_TIMING, free, gpu_timeline, interleaved, matmul_ceiling
 from prime_kernels_flash_moe.reference import moe_grouped_mm

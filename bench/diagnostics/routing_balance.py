@@ -3,7 +3,7 @@ on the benchmark's uniform random top-k routing against a balanced one (token t 
 every expert gets exactly T k / E slots: whole BLOCK_M blocks at these shapes, no partly filled last block), with the
 per-kernel split of our forward and the padded-block count of each routing.
 
-    python bench/routing_balance.py [--shape deepseek-v3|qwen3-30b-a3b|mixtral ...] [--json PATH]
+    python bench/diagnostics/routing_balance.py [--shape deepseek-v3|qwen3-30b-a3b|mixtral ...] [--json PATH]
 
 A large gap between the two routings says the partly filled last block of each expert (which streams the expert's
 whole weight tile through L2 for a few rows) is where the time goes; docs/notes/flash_moe.md reads these figures.
@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the benchmarks' shapes and timing helpers
 from bench_flash_moe import SHAPES, forward_flops, problem
 from common import do_bench, free, matmul_ceiling
 from profile_flash_moe import per_kernel_ms

@@ -5,12 +5,15 @@ contiguous tensor of their own (the grouped-mm path's autograd gradient), and dW
 the bf16 ceiling of the same run. If the half-view form is the slower, moe_grad_gate_up writing dg and du apart for
 separate w1 / w3 is the lever; if not, the gap is the clocks under our heavier kernels before it.
 
-    python3 bench/diag_dw_layout.py [--shapes mixtral,deepseek-v3]
+    python3 bench/diagnostics/diag_dw_layout.py [--shapes mixtral,deepseek-v3]
 """
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the benchmarks' shapes and timing helpers
 from bench_flash_moe import SHAPES
 from common import interleaved, matmul_ceiling
 

@@ -1,7 +1,7 @@
 """How many bytes flash_moe's bf16 GEMM kernels read from HBM for a CTA order (never a test; no GPU): a model of the
 claim order's L2 reuse, to rank tile orders before spending device time on them.
 
-    python bench/l2_model.py [--shape deepseek-v3|qwen3-30b-a3b|mixtral ...] [--l2-mib 30] [--lockstep]
+    python bench/diagnostics/l2_model.py [--shape deepseek-v3|qwen3-30b-a3b|mixtral ...] [--l2-mib 30] [--lockstep]
         [--raster-blocks N]
 
 The benchmark's uniform random top-k routing is aligned as moe() aligns it (BLOCK_M blocks, each expert's first block
@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import tomllib
 from collections import OrderedDict
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the benchmarks' shapes and timing helpers
 from bench_flash_moe import SHAPES as BENCH_SHAPES
 
-MANIFEST = Path(__file__).resolve().parents[1] / "plugins/flash_moe/prime_kernels_flash_moe/kernel.toml"
+MANIFEST = Path(__file__).resolve().parents[2] / "plugins/flash_moe/prime_kernels_flash_moe/kernel.toml"
 CONSTANTS = tomllib.loads(MANIFEST.read_text())["flash_moe"]["constants"]
 BM, BK, CLUSTER_BLOCKS = CONSTANTS["BLOCK_M"], CONSTANTS["BLOCK_K"], CONSTANTS["CLUSTER_BLOCKS"]
 SMS = 132

@@ -1,11 +1,11 @@
 """Where a kernel's warps wait, per SASS instruction, from Nsight Compute's source page (never a test): gpu_check.sh's
 profile phase writes it as profile_sass.csv and this summary beside it as profile_sass.txt.
 
-    python bench/ncu_sass.py profile_sass.csv [--top 12]
+    python bench/diagnostics/ncu_sass.py profile_sass.csv [--top 12]
 
 Per profiled launch: its warp-state samples, the share spent in the consumers' wait for a stage's data (the try-wait
 loop on the full mbarrier just before the first wgmma: a mainloop starved for loads shows here; docs/notes/flash_moe.md,
-session 26), and the instructions holding the most samples with their two largest stall reasons.
+"where the GEMM kernels wait"), and the instructions holding the most samples with their two largest stall reasons.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Per-kernel GPU time of one flash_moe forward (never a test): torch.profiler over a few calls of ``moe`` (bf16 or
 mxfp8) or of ``fused_moe_mxfp8`` on pre-quantized operands, summed per kernel name and divided by the call count.
 
-    python bench/profile_flash_moe.py [--shape deepseek-v3|qwen3-30b-a3b|mixtral] [--calls 5] [--backward]
+    python bench/diagnostics/profile_flash_moe.py [--shape deepseek-v3|qwen3-30b-a3b|mixtral] [--calls 5] [--backward]
         [--fused-dw] [--plain]
 
 --backward: the bf16 ``moe`` forward + backward instead (gradients of x, the weights and topk_weights); with
@@ -15,9 +15,13 @@ kernel change (docs/notes/flash_moe.md).
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the benchmarks' shapes and timing helpers
 from bench_flash_moe import SHAPES, problem, use_path
 from torch.profiler import ProfilerActivity, profile
 
