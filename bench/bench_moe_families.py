@@ -18,7 +18,7 @@ import json
 
 import torch
 
-from common import LONG_TIMING, backward_ms, do_bench, free, interleaved, matmul_ceiling, peak_extra
+from common import LONG_TIMING, backward_ms, do_bench, free, interleaved, matmul_ceiling, peak_extra, run_record
 
 # (name, T, E, top_k, dim, hidden, activation, layout args, biases): gpt-oss-120b / -20b experts from their configs
 # (hidden_size 2880, intermediate_size 2880, 128 / 32 experts, 4 per token); Nemotron 3 Nano 30B-A3B's
@@ -140,8 +140,7 @@ def main():
             if wanted is None or shape[0] in wanted]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "ceiling_tflops": ceiling / 1e12, "families": rows}, f, indent=2)
+            json.dump({"run": run_record(), "ceiling_tflops": ceiling / 1e12, "families": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
