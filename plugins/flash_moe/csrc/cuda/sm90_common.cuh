@@ -142,6 +142,9 @@ static_assert(128 * (kProducerRegs + 2 * kConsumerRegs) <= 384 * (65536 / 384 / 
 // arrival has seen the B tile's TMA bytes: both GEMM kernels (bf16 and mxfp8) fill their stages this way.
 constexpr int kFullArrivals = 128 + 1;
 
+// The expert activations of flash_moe.h (Activation), a compile-time choice of the kernels (host code picks one).
+enum : int { kActSwiGLU = 0, kActGptOss = 1, kActRelu2 = 2 };
+
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void producer_registers() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
@@ -190,9 +193,7 @@ __device__ __forceinline__ float fast_sigmoid(float x) {
 }
 __device__ __forceinline__ float silu_mul(float g, float u) { return g * fast_sigmoid(g) * u; }
 
-// The expert activations of flash_moe.h (Activation), a compile-time choice of the kernels: h from the pre-activations
-// g, u (fp32, biases included); relu2 reads no u.
-enum : int { kActSwiGLU = 0, kActGptOss = 1, kActRelu2 = 2 };
+// h from the pre-activations g, u (fp32, biases included) for activation ACT (kAct*); relu2 reads no u.
 template <int ACT>
 __device__ __forceinline__ float activate(float g, float u, float alpha, float limit) {
   if constexpr (ACT == kActSwiGLU) {
