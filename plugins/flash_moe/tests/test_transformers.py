@@ -1,7 +1,9 @@
 """flash_moe as a transformers experts implementation (prime_kernels_flash_moe.integrations): tiny randomly initialised
-Qwen3-MoE and Mixtral models built in code, bf16, one MoE block and the whole 2-layer model, forward and backward.
-The output and every gradient are judged against a float64 copy of the same model on the same inputs (transformers'
-eager experts loop), as a ratio to the error of transformers' grouped_mm path (at most 1.5x). The float64 copy takes
+Qwen3-MoE, Mixtral (SwiGLU), gpt-oss (its clamped sigmoid-GLU, interleaved transposed weights, biases) and Nemotron-H
+(relu2, up_proj only) models built in code, bf16, one MoE block and the whole model, forward and backward, flash_moe
+registered strict (a fallback would raise) and counted on every MoE layer. The output and every gradient are judged
+against a float64 copy of the same model on the same inputs (transformers' eager experts loop), as a ratio to the
+error of the bf16 baseline (at most 1.5x): transformers' grouped_mm path, or the model's own eager experts. The float64 copy takes
 the routing decisions of the bf16 run it judges (its routers' top-k forced to that run's ids), so a near-tie that
 rounding flips is not counted as error. Also: the layouts flash_moe refuses, with a sentence, falling back to
 grouped_mm (reason logged once) or raising with strict=True; expert id == num_experts skipped in moe().
@@ -49,8 +51,31 @@ def mixtral_config(**kw):
         "num_experts_per_tok": 2, "max_position_embeddings": 128, **kw})
 
 
+def gpt_oss_config(**kw):
+    """gpt-oss: interleaved, transposed gate_up_proj with biases, the clamped sigmoid-GLU (its config's alpha, limit)."""
+    return transformers.GptOssConfig(**{
+        "vocab_size": 256, "hidden_size": 128, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "max_position_embeddings": 128, "sliding_window": 16, **kw})
+
+
+def nemotron_h_config(**kw):
+    """Nemotron-H's MoE layers (relu2 experts, up_proj only) between attention, no Mamba layers (their CPU path is
+    not what is tested here)."""
+    return transformers.NemotronHConfig(**{
+        "vocab_size": 256, "hidden_size": 128, "layers_block_type": ["moe", "full_attention", "moe"],
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "n_routed_experts": 8,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 64, "moe_shared_expert_intermediate_size": 64,
+        "max_position_embeddings": 128, "use_mamba_kernels": False, **kw})
+
+
 MODELS = {"qwen3_moe": (qwen3_config, transformers.Qwen3MoeForCausalLM),
-          "mixtral": (mixtral_config, transformers.MixtralForCausalLM)}
+          "mixtral": (mixtral_config, transformers.MixtralForCausalLM),
+          "gpt_oss": (gpt_oss_config, transformers.GptOssForCausalLM),
+          "nemotron_h": (nemotron_h_config, transformers.NemotronHForCausalLM)}
+# the bf16 path each model's flash_moe run is judged against: transformers' default (grouped_mm) where flash_moe served
+# these models before; the model's own eager experts for the families added since (issue 55 names that baseline)
+BASELINES = {"qwen3_moe": "grouped_mm", "mixtral": "grouped_mm", "gpt_oss": "eager", "nemotron_h": "eager"}
 
 
 def make_model(kind, seed=0, device="cpu", **config):
@@ -62,12 +87,22 @@ def make_model(kind, seed=0, device="cpu", **config):
         model = cls(make_config(**config))
     with torch.no_grad():
         for module in model.modules():
-            if hasattr(module, "gate_up_proj"):
-                module.gate_up_proj.normal_(0, module.gate_up_proj.shape[-1] ** -0.5)
-                module.down_proj.normal_(0, module.down_proj.shape[-1] ** -0.5)
-            elif type(module).__name__.endswith("TopKRouter"):
+            if hasattr(module, "down_proj") and isinstance(module.down_proj, torch.nn.Parameter):
+                in_axis = 1 if getattr(module, "is_transposed", False) else 2  # the weights' fan-in
+                for name in ("gate_up_proj", "up_proj", "down_proj"):
+                    if hasattr(module, name):
+                        getattr(module, name).normal_(0, getattr(module, name).shape[in_axis] ** -0.5)
+                for name in ("gate_up_proj_bias", "up_proj_bias", "down_proj_bias"):
+                    if isinstance(getattr(module, name, None), torch.nn.Parameter):
+                        getattr(module, name).normal_(0, 0.5)
+            elif is_router(module):
                 module.weight.normal_(0, module.weight.shape[-1] ** -0.5)
     return model.to(torch.bfloat16).eval()
+
+
+def is_router(module):
+    """transformers' MoE routers: *TopKRouter (Qwen3-MoE, Mixtral, gpt-oss), NemotronHTopkRouter."""
+    return type(module).__name__.lower().endswith("topkrouter")
 
 
 def with_experts(model, implementation, dtype=None):
@@ -79,7 +114,7 @@ def with_experts(model, implementation, dtype=None):
 
 
 def routers(model):
-    return [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
+    return [(n, m) for n, m in model.named_modules() if is_router(m)]
 
 
 @contextlib.contextmanager
@@ -97,7 +132,8 @@ def recorded_routing(model):
 
 @contextlib.contextmanager
 def forced_routing(model, records):
-    """Each router's torch.topk returns the recorded ids (and its own probabilities at them) for one forward."""
+    """Each router's torch.topk over experts returns the recorded ids (and its own probabilities at them) for one
+    forward; its other torch.topk calls (Nemotron-H's expert-group choice, k = topk_group) run as they are."""
     real_topk = torch.topk
 
     def before(name):
@@ -105,7 +141,9 @@ def forced_routing(model, records):
             ids = records[name]
 
             def topk(probs, k, dim=-1, **kwargs):
-                assert k == ids.shape[-1] and dim in (-1, probs.dim() - 1)
+                if k != ids.shape[-1] or probs.shape[-1] != mod.weight.shape[0]:
+                    return real_topk(probs, k, dim, **kwargs)
+                assert dim in (-1, probs.dim() - 1)
                 forced = ids.to(probs.device)
                 return probs.gather(-1, forced), forced
 
@@ -174,11 +212,13 @@ def counted_moe_calls():
         ops.moe = real_moe
 
 
-def check_against_grouped_mm(label, model, fn, inputs, grad_out):
+def check_against(label, model, fn, inputs, grad_out, baseline="grouped_mm"):
+    """flash_moe (registered strict: a fallback would raise) computing every MoE layer, its output and every gradient
+    within the ratio rule of ``baseline``'s (a transformers experts implementation), each against float64 eager."""
     with counted_moe_calls() as calls:
-        ours, g_ours, r_ours = run(fn, with_experts(model, NAME), inputs, grad_out)
+        ours, g_ours, r_ours = run(fn, with_experts(model, STRICT), inputs, grad_out)
     assert calls[0] == len(r_ours) >= 1, f"{label}: flash_moe ran {calls[0]} of {len(r_ours)} MoE layers"
-    theirs, g_theirs, r_theirs = run(fn, with_experts(model, "grouped_mm"), inputs, grad_out)
+    theirs, g_theirs, r_theirs = run(fn, with_experts(model, baseline), inputs, grad_out)
     ours_ref, g_ours_ref = reference(fn, model, inputs, grad_out, r_ours)
     theirs_ref, g_theirs_ref = reference(fn, model, inputs, grad_out, r_theirs)
     assert ours.dtype == torch.bfloat16 and ours.shape == theirs.shape
@@ -195,11 +235,19 @@ def check_against_grouped_mm(label, model, fn, inputs, grad_out):
             continue
         assert_within_ratio(f"{label} grad {name}", g, g_ours_ref[name], g_theirs[name], g_theirs_ref[name])
         checked += 1
+    assert sum(".experts." in n and g_ours_ref[n] is not None for n in g_ours) >= 2, f"{label}: no expert gradients"
     assert checked >= 3, f"{label}: only {checked} gradients compared"
 
 
+def moe_block(model):
+    """The first layer's MoE block (Nemotron-H keeps it as the layer's mixer)."""
+    layer = model.model.layers[0]
+    return layer.mixer if hasattr(layer, "mixer") else layer.mlp
+
+
 def block_forward(model, hidden_states):
-    return model.model.layers[0].mlp(hidden_states)
+    out = moe_block(model)(hidden_states)
+    return out[0] if isinstance(out, tuple) else out  # gpt-oss's block returns (output, router scores)
 
 
 def model_forward(model, input_ids):
@@ -211,7 +259,7 @@ def check_block(kind, device, tokens=(2, 40), seed=0, **config):
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(*tokens, model.config.hidden_size, generator=g).to(torch.bfloat16).to(device)
     go = torch.randn(x.shape, generator=g).to(torch.bfloat16).to(device)
-    check_against_grouped_mm(f"{kind} block", model, block_forward, [x], go)
+    check_against(f"{kind} block", model, block_forward, [x], go, BASELINES[kind])
 
 
 def check_model(kind, device, seed=0):
@@ -219,7 +267,7 @@ def check_model(kind, device, seed=0):
     g = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=g).to(device)
     go = torch.randn(2, 24, model.config.vocab_size, generator=g).to(torch.bfloat16).to(device)
-    check_against_grouped_mm(f"{kind} 2-layer model", model, model_forward, [ids], go)
+    check_against(f"{kind} model", model, model_forward, [ids], go, BASELINES[kind])
 
 
 @cpu
@@ -238,14 +286,16 @@ def test_cpu_model(kind):
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_compiled_block_matches_eager(kind):
     """torch.compile(fullgraph=True) traces a transformers MoE block through the integration (no graph break)."""
-    block = with_experts(make_model(kind, seed=2), NAME).model.layers[0].mlp
-    x = torch.randn(2, 16, block.experts.gate_up_proj.shape[-1], generator=torch.Generator().manual_seed(3))
+    model = with_experts(make_model(kind, seed=2), STRICT)
+    block = moe_block(model)
+    x = torch.randn(2, 16, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
     x = x.to(torch.bfloat16).requires_grad_()
     results = []
     for fn in (block, torch.compile(block, fullgraph=True, backend="aot_eager")):
         torch._dynamo.reset()
         with counted_moe_calls() as calls:
             out = fn(x)
+            out = out[0] if isinstance(out, tuple) else out
         assert calls[0] == 1
         results.append([out.detach(), *torch.autograd.grad(out.float().square().sum(), [x, *block.parameters()])])
     torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
@@ -293,10 +343,11 @@ def _flip(attribute, value):
 
 
 @pytest.mark.parametrize("change, words", [
-    (_flip("has_gate", False), "has no gate"),
-    (_flip("has_bias", True), "has expert biases"),
-    (_flip("is_transposed", True), "transposed"),
-    (_flip("is_concatenated", False), "interleaves gate and up rows"),
+    (_flip("has_gate", False), "has no gate (has_gate=False: up_proj only) and activation SiLUActivation"),
+    (_flip("has_bias", True), "has no gate_up_proj_bias, down_proj_bias tensor"),
+    (_flip("is_transposed", True), "weights are not gate_up_proj (E, H, 2I) and down_proj (E, I, H)"),
+    (_flip("is_concatenated", False), "declares is_concatenated=False (gate and up interleaved) but its _apply_gate "
+                                      "reads them stacked"),
     (_flip("has_post_expert_norm", True), "normalizes each expert's output"),
     (lambda e: setattr(e, "act_fn", torch.nn.GELU()), "activation is GELU, not SiLU"),
     (lambda e: delattr(e, "has_gate"), "layout is unknown"),
@@ -342,12 +393,14 @@ def test_custom_gate_is_refused():
 
 
 def real_refused_experts():
-    """(experts module, the words of its reason): transformers models whose experts flash_moe does not compute."""
-    gpt_oss = transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts(transformers.GptOssConfig(
+    """(experts module, the words of its reason): transformers experts flash_moe does not compute (DeepSeek-V4's
+    clamped SiLU gate; Nemotron-H configured with a non-gated activation other than relu2)."""
+    deepseek_v4 = transformers.models.deepseek_v4.modeling_deepseek_v4.DeepseekV4Experts(transformers.DeepseekV4Config(
         hidden_size=128, intermediate_size=64, num_local_experts=4))
     nemotron = transformers.models.nemotron_h.modeling_nemotron_h.NemotronHExperts(transformers.NemotronHConfig(
-        hidden_size=128, moe_intermediate_size=64, n_routed_experts=4))
-    return [(gpt_oss, "has expert biases"), (nemotron, "has no gate")]
+        hidden_size=128, moe_intermediate_size=64, n_routed_experts=4, mlp_hidden_act="gelu"))
+    return [(deepseek_v4, "has its own gating (_apply_gate)"), (nemotron, "has no gate (has_gate=False: up_proj only) "
+                                                                           "and activation GELUActivation")]
 
 
 def _routing(T, E, top_k, seed):
