@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import logging
+import re
 
 import pytest
 import torch
@@ -425,7 +427,7 @@ def test_refused_experts_fall_back_to_grouped_mm_and_log_once(caplog):
                 assert torch.equal(got, expected)
         messages = [r.getMessage() for r in caplog.records if words in r.getMessage()]
         assert len(messages) == 1 and "grouped_mm" in messages[0], caplog.text
-        with pytest.raises(RuntimeError, match=f"flash_moe experts \\(strict\\): .*{words}"):
+        with pytest.raises(RuntimeError, match=f"flash_moe experts \\(strict\\): .*{re.escape(words)}"):
             tf_moe.ALL_EXPERTS_FUNCTIONS[STRICT](experts, x, ids, weights)
 
 
@@ -457,6 +459,70 @@ def test_shape_contract_falls_back():
         tf_moe.ALL_EXPERTS_FUNCTIONS[STRICT](experts, x, ids, weights)
 
 
+def call_experts(module, implementation, x, ids, weights, grad_out):
+    """(output, gradients of x, top_k_weights and every parameter of ``module``) of one experts call through
+    transformers' ``implementation``, in the module's dtype."""
+    dtype = next(module.parameters()).dtype
+    leaves = [x.to(dtype).requires_grad_(), weights.to(dtype).requires_grad_()]
+    fn = tf_moe.ALL_EXPERTS_FUNCTIONS.get_interface(implementation, type(module).forward.__wrapped__)
+    out = fn(module, leaves[0], ids, leaves[1])
+    return out, torch.autograd.grad(out, [*leaves, *module.parameters()], grad_out.to(dtype))
+
+
+def _experts_of(model_type, config_class, experts_class, **config):
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    configuration = importlib.import_module(f"transformers.models.{model_type}.configuration_{model_type}")
+    return getattr(modeling, experts_class)(getattr(configuration, config_class)(hidden_size=128, **config))
+
+
+# transformers experts classes of each family flash_moe computes (layout flags and gates read in 5.24): the
+# activation moe() gets, and a tiny module of the class
+SERVED = {
+    "GptOssExperts": ("gpt_oss", lambda: _experts_of("gpt_oss", "GptOssConfig", "GptOssExperts",
+                                                     intermediate_size=64, num_local_experts=4)),
+    "OpenAIPrivacyFilterExperts": ("gpt_oss", lambda: _experts_of(
+        "openai_privacy_filter", "OpenAIPrivacyFilterConfig", "OpenAIPrivacyFilterExperts", intermediate_size=64,
+        num_local_experts=4)),
+    "MiniMaxM3VLExperts": ("gpt_oss", lambda: _experts_of("minimax_m3_vl", "MiniMaxM3VLTextConfig",
+                                                          "MiniMaxM3VLExperts", intermediate_size=64,
+                                                          num_local_experts=4)),
+    "AriaExperts": ("swiglu", lambda: _experts_of("aria", "AriaTextConfig", "AriaExperts", intermediate_size=64,
+                                                  moe_num_experts=4)),
+    "NemotronHExperts": ("relu2", lambda: _experts_of("nemotron_h", "NemotronHConfig", "NemotronHExperts",
+                                                      moe_intermediate_size=64, n_routed_experts=4)),
+}
+
+
+@cpu
+@pytest.mark.parametrize("experts_class", list(SERVED))
+def test_cpu_served_experts_classes(experts_class):
+    """Each transformers experts class of a family flash_moe computes, called through the strict registration:
+    flash_moe runs it (no fallback), output and the gradients of x, top_k_weights, every weight and bias within the
+    ratio of grouped_mm's against float64 eager."""
+    activation, make = SERVED[experts_class]
+    experts = make()
+    family, reason = integrations.experts_family(experts)
+    assert reason is None and family.activation == activation
+    in_axis = 1 if experts.is_transposed else 2
+    with torch.no_grad():
+        for name, p in experts.named_parameters():
+            p.normal_(0, 0.5 if name.endswith("_bias") else p.shape[in_axis] ** -0.5)
+    experts = experts.to(torch.bfloat16)
+    ids, weights = _routing(60, 4, 2, seed=12)
+    x = torch.randn(60, 128, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+    go = torch.randn(60, 128, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
+    with counted_moe_calls() as calls:
+        ours = call_experts(experts, STRICT, x, ids, weights, go)
+    assert calls[0] == 1
+    theirs = call_experts(experts, "grouped_mm", x, ids, weights, go)
+    ref = call_experts(copy.deepcopy(experts).double(), "eager", x, ids, weights, go)
+    assert_within_ratio(f"{experts_class} output", ours[0], ref[0], theirs[0], ref[0])
+    names = ["x", "top_k_weights", *(n for n, _ in experts.named_parameters())]
+    assert len(names) == len(ours[1]) >= 4
+    for name, a, b, r in zip(names, ours[1], theirs[1], ref[1]):
+        assert_within_ratio(f"{experts_class} grad {name}", a, r, b, r)
+
+
 @cpu
 def test_expert_parallel_sentinels_through_transformers():
     """Under transformers' expert parallelism (AllReduceEP) the experts see local ids with other ranks' routes marked
@@ -470,19 +536,11 @@ def test_expert_parallel_sentinels_through_transformers():
     x = torch.randn(60, 128, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
     go = torch.randn(60, 128, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
     ref_experts = copy.deepcopy(experts).double()
-
-    def call(module, implementation, dtype):
-        leaves = [x.to(dtype).requires_grad_(), weights.to(dtype).requires_grad_()]
-        fn = tf_moe.ALL_EXPERTS_FUNCTIONS.get_interface(implementation, type(module).forward.__wrapped__)
-        out = fn(module, leaves[0], ids, leaves[1])
-        grads = torch.autograd.grad(out, [*leaves, module.gate_up_proj, module.down_proj], go.to(dtype))
-        return out, grads
-
     with counted_moe_calls() as calls:
-        ours = call(experts, NAME, torch.bfloat16)
+        ours = call_experts(experts, NAME, x, ids, weights, go)
     assert calls[0] == 1
-    theirs = call(experts, "grouped_mm", torch.bfloat16)
-    ref = call(ref_experts, "eager", torch.float64)
+    theirs = call_experts(experts, "grouped_mm", x, ids, weights, go)
+    ref = call_experts(ref_experts, "eager", x, ids, weights, go)
     assert_within_ratio("EP output", ours[0], ref[0], theirs[0], ref[0])
     for name, a, b, r in zip(("x", "top_k_weights", "gate_up_proj", "down_proj"), ours[1], theirs[1], ref[1]):
         assert_within_ratio(f"EP grad {name}", a, r, b, r)
