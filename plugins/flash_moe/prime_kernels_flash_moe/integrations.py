@@ -7,12 +7,15 @@ transformers (5.x: its experts-implementation registry, ``ALL_EXPERTS_FUNCTIONS`
     model.set_experts_implementation("flash_moe")  # or from_pretrained(..., experts_implementation="flash_moe")
 
 Routing stays the model's own (its router's top-k ids and weights, in the dtype it gives them: Qwen3-MoE rounds them
-to the model dtype, Mixtral keeps them fp32). The experts' fused weights are read in place: ``gate_up_proj`` (E, 2I, H)
-goes to ``moe`` whole as its stacked w1 (gate = its first I rows, up = the next I; its gradient comes back as one
-tensor), ``down_proj`` (E, H, I) is w2. Slots that transformers marks with
+to the model dtype, Mixtral keeps them fp32). Each experts module is mapped to one of moe()'s families
+(``experts_family``): transformers' layout flags become moe()'s layout and biases (``gate_up_proj`` or, without a
+gate, ``up_proj`` is w1, read in place whole: stacked when ``is_concatenated``, else interleaved, transposed when
+``is_transposed``; ``down_proj`` is w2; with ``has_bias`` the ``*_bias`` tensors are b1 and b2), and the module's gate
+the activation: transformers' default gate with SiLU is swiglu, gpt-oss's gate (and the classes reusing it,
+KNOWN_GATES) gpt_oss with the module's own alpha and limit, relu2 without a gate. Slots that transformers marks with
 expert id == num_experts (unrouted, or another rank's expert under its expert parallelism) are skipped by ``moe``.
-Where flash_moe cannot run a call (an experts layout it does not compute, the device, the dtype, the shape contract),
-the call goes to transformers' default implementation (``grouped_mm``) and the reason is logged once; with
+Where flash_moe cannot run a call (an experts layout or gate it does not compute, the device, the dtype, the shape
+contract), the call goes to transformers' default implementation (``grouped_mm``) and the reason is logged once; with
 ``strict=True`` it raises instead.
 """
 from __future__ import annotations
@@ -119,7 +122,13 @@ KNOWN_GATES = {
 
 def _gate_key(experts) -> tuple[str, str] | None:
     """(module, owner) of the experts class's _apply_gate: its class for a method, its name for a function."""
-    gate = getattr(type(experts), "_apply_gate", None)
+    return _class_gate_key(type(experts))
+
+
+# a constant of the class under torch.compile (dynamo does not trace str methods of a function's __qualname__)
+@torch.compiler.assume_constant_result
+def _class_gate_key(cls) -> tuple[str, str] | None:
+    gate = getattr(cls, "_apply_gate", None)
     if gate is None:
         return None
     return getattr(gate, "__module__", ""), getattr(gate, "__qualname__", "").split(".")[0]

@@ -33,6 +33,9 @@ from prime_kernels_flash_moe import integrations  # noqa: E402  (after the skips
 
 KERNEL = "flash_moe"
 MAX_RATIO = 1.5
+# a gradient of fewer elements (gpt-oss's attention sinks: one per head) is judged with the other small ones: a ratio
+# of errors measured on a handful of numbers is one rounding's luck (2 heads: 0.58x in one layer, 2.67x in the next)
+MIN_JUDGED_ELEMENTS = 64
 NAME = integrations.register_transformers()
 STRICT = integrations.register_transformers("flash_moe_strict", strict=True)
 cpu = pytest.mark.kernel(KERNEL, device="cpu")
@@ -57,8 +60,8 @@ def gpt_oss_config(**kw):
     """gpt-oss: interleaved, transposed gate_up_proj with biases, the clamped sigmoid-GLU (its config's alpha, limit)."""
     return transformers.GptOssConfig(**{
         "vocab_size": 256, "hidden_size": 128, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "num_local_experts": 4,
-        "num_experts_per_tok": 2, "max_position_embeddings": 128, "sliding_window": 16, **kw})
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 8, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "sliding_window": 16, **kw})  # its default context (YaRN factor 32 of 4096)
 
 
 def nemotron_h_config(**kw):
@@ -186,16 +189,16 @@ def reference(fn, model, inputs, grad_out, routing):
     return out, grads
 
 
-def assert_within_ratio(label, ours, ours_ref, theirs, theirs_ref):
+def assert_within_ratio(label, ours, ours_ref, theirs, theirs_ref, baseline="grouped_mm"):
     """ours' error against its float64 reference at most MAX_RATIO x theirs' against theirs (or at the rounding
     floor), as prime_kernels_core.testing.assert_error_ratio but with each run's own reference (routing)."""
     e_ours, e_theirs = relative_error(ours, ours_ref), relative_error(theirs, theirs_ref)
     floor = relative_error(ours_ref.to(ours.dtype), ours_ref)
     ratio = e_ours / e_theirs if e_theirs > 0 else (0.0 if e_ours == 0 else float("inf"))
-    print(f"{label}: error {e_ours:.3e}, grouped_mm {e_theirs:.3e}, ratio {ratio:.3f} (limit {MAX_RATIO}); "
+    print(f"{label}: error {e_ours:.3e}, {baseline} {e_theirs:.3e}, ratio {ratio:.3f} (limit {MAX_RATIO}); "
           f"rounding floor {floor:.3e}")
     assert ratio <= MAX_RATIO * (1 + RATIO_RESOLUTION) or e_ours <= floor * (1 + ROUNDING_FLOOR_SLACK), (
-        f"{label}: error {e_ours:.3e} is {ratio:.4f}x grouped_mm's {e_theirs:.3e} (limit {MAX_RATIO})")
+        f"{label}: error {e_ours:.3e} is {ratio:.4f}x {baseline}'s {e_theirs:.3e} (limit {MAX_RATIO})")
 
 
 @contextlib.contextmanager
@@ -223,10 +226,10 @@ def check_against(label, model, fn, inputs, grad_out, baseline="grouped_mm"):
     theirs, g_theirs, r_theirs = run(fn, with_experts(model, baseline), inputs, grad_out)
     ours_ref, g_ours_ref = reference(fn, model, inputs, grad_out, r_ours)
     theirs_ref, g_theirs_ref = reference(fn, model, inputs, grad_out, r_theirs)
-    assert ours.dtype == torch.bfloat16 and ours.shape == theirs.shape
-    assert_within_ratio(f"{label} output", ours, ours_ref, theirs, theirs_ref)
+    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape  # Nemotron-H's logits are fp32
+    assert_within_ratio(f"{label} output", ours, ours_ref, theirs, theirs_ref, baseline)
     assert g_ours.keys() == g_theirs.keys()
-    checked = 0
+    checked, small = 0, []
     for name, g in g_ours.items():
         if g_ours_ref[name] is None:
             assert g is None and g_theirs[name] is None, f"{label}: {name} has a gradient only on one path"
@@ -235,8 +238,18 @@ def check_against(label, model, fn, inputs, grad_out, baseline="grouped_mm"):
         if g_ours_ref[name].norm() == 0:
             assert g.abs().max() == 0, f"{label} grad {name} should be zero"
             continue
-        assert_within_ratio(f"{label} grad {name}", g, g_ours_ref[name], g_theirs[name], g_theirs_ref[name])
+        if g.numel() < MIN_JUDGED_ELEMENTS:
+            small.append(name)
+            continue
+        assert_within_ratio(f"{label} grad {name}", g, g_ours_ref[name], g_theirs[name], g_theirs_ref[name], baseline)
         checked += 1
+    if small:  # judged together, each scaled by its reference's norm so that none dominates
+        def joined(grads, refs):
+            return torch.cat([grads[n].double().flatten() / refs[n].norm() for n in small])
+
+        assert_within_ratio(f"{label} grads {', '.join(small)}", joined(g_ours, g_ours_ref),
+                            joined(g_ours_ref, g_ours_ref), joined(g_theirs, g_theirs_ref),
+                            joined(g_theirs_ref, g_theirs_ref), baseline)
     assert sum(".experts." in n and g_ours_ref[n] is not None for n in g_ours) >= 2, f"{label}: no expert gradients"
     assert checked >= 3, f"{label}: only {checked} gradients compared"
 
