@@ -506,10 +506,8 @@ SERVED = {
 }
 
 
-@cpu
-@pytest.mark.parametrize("experts_class", list(SERVED))
-def test_cpu_served_experts_classes(experts_class):
-    """Each transformers experts class of a family flash_moe computes, called through the strict registration:
+def check_served(experts_class, device):
+    """One transformers experts class of a family flash_moe computes, called through the strict registration:
     flash_moe runs it (no fallback), output and the gradients of x, top_k_weights, every weight and bias within the
     ratio of grouped_mm's against float64 eager."""
     activation, make = SERVED[experts_class]
@@ -520,10 +518,10 @@ def test_cpu_served_experts_classes(experts_class):
     with torch.no_grad():
         for name, p in experts.named_parameters():
             p.normal_(0, 0.5 if name.endswith("_bias") else p.shape[in_axis] ** -0.5)
-    experts = experts.to(torch.bfloat16)
-    ids, weights = _routing(60, 4, 2, seed=12)
-    x = torch.randn(60, 128, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
-    go = torch.randn(60, 128, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
+    experts = experts.to(device, torch.bfloat16)
+    ids, weights = (t.to(device) for t in _routing(60, 4, 2, seed=12))
+    x = torch.randn(60, 128, generator=torch.Generator().manual_seed(13)).to(device, torch.bfloat16)
+    go = torch.randn(60, 128, generator=torch.Generator().manual_seed(14)).to(device, torch.bfloat16)
     with counted_moe_calls() as calls:
         ours = call_experts(experts, STRICT, x, ids, weights, go)
     assert calls[0] == 1
@@ -534,6 +532,19 @@ def test_cpu_served_experts_classes(experts_class):
     assert len(names) == len(ours[1]) >= 4
     for name, a, b, r in zip(names, ours[1], theirs[1], ref[1]):
         assert_within_ratio(f"{experts_class} grad {name}", a, r, b, r)
+
+
+@cpu
+@pytest.mark.parametrize("experts_class", list(SERVED))
+def test_cpu_served_experts_classes(experts_class):
+    check_served(experts_class, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+@pytest.mark.parametrize("experts_class", list(SERVED))
+def test_cuda_served_experts_classes(experts_class):
+    check_served(experts_class, "cuda")
 
 
 @cpu
