@@ -142,7 +142,22 @@ def transformers_moe_rows(data: dict) -> list[dict]:
     return rows
 
 
-EXTRACTORS = {"bench_flash_moe": flash_moe_rows, "bench_fused_logp": fused_logp_rows,
+def moe_families_rows(data: dict) -> list[dict]:
+    """bench_moe_families.py: each family's forward+backward against prime-rl's grouped-mm formulation of it (the
+    turns both ran in), and against ours with SwiGLU at the same shape (TFLOP/s, the note)."""
+    rows = []
+    ceiling = data.get("ceiling_tflops")
+    for s in data.get("families", []):
+        turns = s["fwd_bwd_turns_ms"]
+        note = f"ours {s['ours']['fwd_bwd_tflops']:.0f} TFLOP/s, SwiGLU same shape " \
+               f"{s['swiglu_same_shape']['fwd_bwd_tflops']:.0f}"
+        rows.append(_row(f"flash_moe `moe` {s['activation']} ({s['layout']}{', biases' if s['biases'] else ''}) "
+                         f"forward+backward, {s['shape']}", turns["ours"], "prime-rl's grouped-mm formulation",
+                         turns["grouped_mm"], s["floor_fwd_bwd_ms"], _tflops(ceiling), note))
+    return rows
+
+
+EXTRACTORS = {"bench_flash_moe": flash_moe_rows, "bench_moe_families": moe_families_rows, "bench_fused_logp": fused_logp_rows,
               "bench_linear_logp": linear_logp_rows, "bench_vocab_parallel": vocab_parallel_rows,
               "bench_transformers_moe": transformers_moe_rows}
 
