@@ -21,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from . import jit_manifest
 from .manifest import (
     ARCH_PATTERN, BUILD_RECORD_NAME, DEFAULT_CXX_STD, EXTENSION_MODULE, MANIFEST_NAME, arch_runs_on, capability_of,
     cuda_source_sets, extension_module, load, major_minor, release_tuple,
@@ -474,6 +475,11 @@ def setup_plugin(root: str | Path | None = None, **setup_kwargs) -> None:
 
     # pip and python -m build run setup.py from its own directory; setuptools wants sources relative to it.
     root = Path(root) if root else Path.cwd()
+    package = _plugin_package(root)
+    if any(jit_manifest.is_jit(t) for t in load(package)["kernels"].values()):  # Triton / CuTe DSL: no _C
+        from .jit_build import setup_jit_plugin
+
+        return setup_jit_plugin(root, package, os.environ.get(REQUIRE_ENV) == "1", **setup_kwargs)
     toolchain = detect_toolchain()
     plan = extension_plan(root, toolchain)
     announce(plan)

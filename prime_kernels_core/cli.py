@@ -181,7 +181,9 @@ def _kernel_row(entry: registry.Entry, checks: dict, probe: bool) -> dict:
     devices = list(checks.values())
     reasons = (_probe_reasons(entry.name, devices) if probe
                else [registry.unavailable_reason(entry.name, d) for d in devices])
-    states = {key: {"available": reason is None, "reason": reason} for key, reason in zip(checks, reasons)}
+    states = {key: {"available": reason is None, "reason": reason,
+                    "note": registry.note(entry.name, device) if reason is None else None}
+              for (key, device), reason in zip(checks.items(), reasons)}
     return {
         "kernel": entry.name, "distribution": entry.distribution, "distribution_version": entry.version,
         "namespace": spec.namespace if spec else None,
@@ -190,6 +192,7 @@ def _kernel_row(entry: registry.Entry, checks: dict, probe: bool) -> dict:
         "built_torch_version": build.get("torch") if build else None,
         "built_torch_cuda_version": build.get("torch_cuda") if build else None,
         "torch_support": registry.torch_support(spec),
+        "language": spec.jit["language"] if spec and spec.jit else None,
         "checked_in_child": probe,
         "cuda": states.get("cuda"), "cpu": states["cpu"],
     }
@@ -282,6 +285,8 @@ def _table_lines(doc: dict, width: int) -> list[str]:
         for key in keys:
             if k[key]["reason"] and not shared[key]:
                 lines += _wrap(f"{labels[key]}: {k[key]['reason']}", width, indent="  ")
+            if k[key]["note"]:
+                lines += _wrap(f"{labels[key]}: {k[key]['note']}", width, indent="  ")
     for key in keys:
         if shared[key]:
             lines += _wrap(f"every kernel is unavailable on {labels[key]}: {shared[key]}", width)

@@ -19,6 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from . import hookimpl as _hookimpl
+from . import jit_manifest
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -60,10 +61,11 @@ class KernelSpec:
     archs: tuple[str, ...]
     trainable: tuple[str, ...] = ()
     constants: dict = dataclasses.field(default_factory=dict)
-    extension: str | None = None
+    extension: str | None = None  # None for a JIT kernel: it has no compiled module
     build: dict | None = None  # the build record as read; registry._kernel_build checks its form
     distribution: str = ""
     version: str = ""
+    jit: dict | None = None  # a JIT kernel's language, requires, capability, cpu paths (jit_manifest.declared)
 
 
 def _is_string_list(value) -> bool:
@@ -116,9 +118,10 @@ def _check_stable_floors(path: Path, kernels: dict) -> None:
 
 def _check_kernel(where: str, table: dict) -> None:
     """Every key of one kernel table, each with a sentence naming the key, what was expected and what was found."""
-    unknown = set(table) - KERNEL_KEYS
+    known = KERNEL_KEYS | (jit_manifest.JIT_KEYS if jit_manifest.is_jit(table) else set())
+    unknown = set(table) - known
     if unknown:
-        raise ManifestError(f"{where} has unknown keys {sorted(unknown)}; known: {sorted(KERNEL_KEYS)}")
+        raise ManifestError(f"{where} has unknown keys {sorted(unknown)}; known: {sorted(known)}")
     for key in ("namespace", "module"):
         if not isinstance(table.get(key), str) or not table[key]:
             raise ManifestError(f"{where} needs a {key} string, found {table.get(key)!r}")
@@ -154,6 +157,11 @@ def _check_kernel(where: str, table: dict) -> None:
                 f"{where}: constant {key!r} must be an identifier with a number or boolean value (it is compiled in "
                 f"as a define), found {value!r}"
             )
+    if jit_manifest.is_jit(table):
+        try:
+            jit_manifest.check(where, table)
+        except jit_manifest.JitManifestError as exc:
+            raise ManifestError(str(exc)) from None
 
 
 @lru_cache(maxsize=None)
@@ -253,8 +261,9 @@ def declare(hook_module_file: str) -> list[KernelSpec]:
             archs=tuple(table.get("archs", ())),
             trainable=tuple(table.get("trainable", ())),
             constants=dict(table.get("constants", {})),
-            extension=f"{package_dir.name}.{extension_module(table)}",
+            extension=None if jit_manifest.is_jit(table) else f"{package_dir.name}.{extension_module(table)}",
             build=record,
+            jit=jit_manifest.declared(table) if jit_manifest.is_jit(table) else None,
         )
         for name, table in manifest["kernels"].items()
     ]

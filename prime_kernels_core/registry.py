@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pluggy
 
-from . import ENTRY_POINT_GROUP, hookspecs, manifest
+from . import ENTRY_POINT_GROUP, hookspecs, jit_gating, manifest
 from .manifest import ARCH_PATTERN, TORCH_RELEASE, KernelSpec, arch_runs_on, capability_of, major_minor, release_tuple
 
 DISABLE_ENV = "PRIME_KERNELS_DISABLE"
@@ -295,7 +295,7 @@ def _foreign_namespace_reason(spec: KernelSpec) -> str | None:
         if taken:
             return (
                 f"torch.ops namespace '{namespace}' is already registered in this process by something other than "
-                f"{spec.distribution} (found {', '.join(taken[:3])}); importing {spec.extension} would abort the process"
+                f"{spec.distribution} (found {', '.join(taken[:3])}); importing {spec.extension or spec.module} would abort the process"
             )
     return None
 
@@ -388,6 +388,8 @@ def torch_support(spec: KernelSpec | None) -> str | None:
     """The torch releases ``spec``'s build runs under, as the CLI shows them: ``torch >= 2.11`` for a stable-ABI build,
     ``torch 2.14`` for an exact one; None without a well-formed build record. Never raises."""
     try:
+        if spec is not None and spec.jit is not None:
+            return spec.jit["requires"]
         kernel = _kernel_build(spec) if spec is not None and spec.build is not None else None
         if not isinstance(kernel, dict):
             return None
@@ -458,7 +460,10 @@ def _kernel_build(spec: KernelSpec) -> dict | str:
 
 
 def built_archs(spec: KernelSpec) -> list[str]:
-    """The archs ``spec``'s CUDA code was compiled for (none when its build record is missing or malformed)."""
+    """The archs ``spec``'s CUDA code was compiled for (none when its build record is missing or malformed); for a JIT
+    kernel, those its wheel ships ahead-of-time code for."""
+    if spec.jit is not None:
+        return jit_gating.shipped_archs(spec)
     kernel = _kernel_build(spec) if spec.build is not None else None
     return kernel["archs"] if isinstance(kernel, dict) else []
 
@@ -532,6 +537,8 @@ def _reason(name: str, device) -> str | None:
     if foreign:
         return foreign
     target = resolve_target(device)
+    if spec.jit is not None:  # rules 4-7 of a JIT kernel: its library and where it would run
+        return jit_gating.reason(spec, target) or _loaded_reason(entry, spec, name, target)
     if spec.build is None:  # rule 4
         return _unbuilt_reason(spec)
     kernel = _kernel_build(spec)
@@ -549,6 +556,11 @@ def _reason(name: str, device) -> str | None:
         arch = _arch_reason(spec, kernel, target.capability)
         if arch:
             return arch
+    return _loaded_reason(entry, spec, name, target)
+
+
+def _loaded_reason(entry: Entry, spec: KernelSpec, name: str, target: Target) -> str | None:
+    """Rules 8 and 9: importing the kernel module, the ops it registers, the plugin's extra check."""
     _, failure = _import_module(spec.module)  # rule 8
     if failure:
         return failure
@@ -568,6 +580,18 @@ def unavailable_reason(name: str, device=None) -> str | None:
         return _reason(name, device)
     except Exception as exc:  # gating never raises
         return f"checking {name} failed unexpectedly: {type(exc).__name__}: {exc}"
+
+
+def note(name: str, device=None) -> str | None:
+    """For a usable JIT kernel: a sentence when it will compile on its first call on ``device`` (no shipped code for
+    the device, or a call here already fell back to the JIT compiler), else None; never raises."""
+    try:
+        entry, _ = _find(name)
+        if entry is None or entry.spec is None or entry.spec.jit is None or unavailable_reason(name, device):
+            return None
+        return jit_gating.note(entry.spec, resolve_target(device))
+    except Exception as exc:
+        return f"checking {name}'s shipped code failed unexpectedly: {type(exc).__name__}: {exc}"
 
 
 def is_available(name: str, device=None) -> bool:
@@ -610,4 +634,5 @@ def load(name: str, device=None):
 def log_status(logger, device=None) -> None:
     """One line per kernel, for a trainer's start-up log."""
     for name, state in status(device).items():
-        logger.info("prime-kernels: %s: %s", name, state)
+        remark = note(name, device) if state == AVAILABLE else None
+        logger.info("prime-kernels: %s: %s", name, f"{state} ({remark})" if remark else state)

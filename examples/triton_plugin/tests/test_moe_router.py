@@ -1,0 +1,169 @@
+"""Tests for the Triton example plugin: numerics against float64 (the Triton functions through Triton's interpreter, in
+a child process with TRITON_INTERPRET=1, and the PyTorch CPU path), the conformance kit, the shipped code in the wheel,
+the shape contract, argument errors, and the GPU run.
+
+Run after installing the wheel: ``python -m pytest examples/triton_plugin/tests -q -s`` (``-s`` shows the error
+ratios). Every test skips, with the reason, when the kernel cannot run where it asks to.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import prime_kernels
+from prime_kernels_core import manifest
+from prime_kernels_core.testing import assert_conforms, assert_error_ratio
+
+KERNEL = "moe_router"
+pytestmark = pytest.mark.kernel(KERNEL, device="cpu")
+CONFIGS = {
+    "deepseek-v3": dict(n_experts=256, n_groups=8, topk_groups=4, top_k=8, score="sigmoid", renormalize=True, scale=2.5),
+    "qwen3-moe": dict(n_experts=128, n_groups=1, topk_groups=1, top_k=8, score="softmax", renormalize=True, scale=1.0),
+    "odd": dict(n_experts=37, n_groups=1, topk_groups=1, top_k=5, score="softmax", renormalize=False, scale=1.0),
+    "one-per-group": dict(n_experts=16, n_groups=16, topk_groups=3, top_k=2, score="sigmoid", renormalize=True,
+                          scale=1.0),
+}
+# An fp32 output's error is arithmetic (the order of a softmax's sum, exp's last bit), not output rounding, so its ratio
+# to PyTorch's gets room, as the C++ example's fp32 outputs do; 16-bit outputs round alike on both paths: 2%.
+FP32_MAX_RATIO, HALF_MAX_RATIO = 2.0, 1.02
+# The Triton functions on the CPU: the interpreter runs a program per token in Python, so the shapes stay small.
+INTERPRETER_SHAPES = {"deepseek-v3": 6, "qwen3-moe": 5, "odd": 7, "one-per-group": 4}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return prime_kernels.load(KERNEL, "cpu")
+
+
+def _inputs(tokens, config, dtype, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, config["n_experts"], generator=gen, dtype=torch.float64)
+    bias = 0.1 * torch.randn(config["n_experts"], generator=gen)
+    return logits.to(device=device, dtype=dtype), bias.to(device)
+
+
+def _options(config):
+    return {k: v for k, v in config.items() if k != "n_experts"}
+
+
+def _reference(ops, logits, bias, config, dtype):
+    return ops.route_reference(logits, bias, config["n_groups"], config["topk_groups"], config["top_k"],
+                               config["score"] == "sigmoid", config["renormalize"], config["scale"], dtype=dtype)
+
+
+def check_route(ops, tokens, config, dtype, device, label, judge_grad=True):
+    """The kernel's experts miss the float64 reference's no more often than the PyTorch path's (plus one near tie in
+    a thousand tokens: a last-bit difference in a score can flip it); its weights at the reference's experts are
+    judged by the error ratio; its gradient too."""
+    logits, bias = _inputs(tokens, config, dtype, device)
+    weights, experts = ops.moe_route(logits, bias, **_options(config))
+    base_weights, base_experts = _reference(ops, logits, bias, config, torch.float32)
+    ref_weights, ref_experts = _reference(ops, logits, bias, config, torch.float64)
+    missed = lambda chosen: int((chosen.sort(-1).values != ref_experts.sort(-1).values).any(-1).sum())
+    assert missed(experts) <= missed(base_experts) + tokens // 1000, f"{label}: experts differ from float64's"
+    same = (experts.sort(-1).values == ref_experts.sort(-1).values).all(-1)
+    order = lambda chosen, w: w.gather(1, chosen.argsort(-1))  # weights in the order of expert index
+    assert_error_ratio(f"{label} weights", order(experts, weights)[same], order(base_experts, base_weights)[same],
+                       order(ref_experts, ref_weights)[same], FP32_MAX_RATIO)
+    if not judge_grad:
+        return
+    grad = torch.randn(weights.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ours = _logit_grad(lambda x: ops.moe_route(x, bias, **_options(config))[0], logits, grad)
+    base = _logit_grad(lambda x: _reference(ops, x, bias, config, torch.float32)[0], logits, grad)
+    ref = _logit_grad(lambda x: _reference(ops, x, bias, config, torch.float64)[0], logits.double(), grad)
+    assert_error_ratio(f"{label} grad logits", ours, base, ref, FP32_MAX_RATIO if dtype == torch.float32 else HALF_MAX_RATIO)
+
+
+def _logit_grad(fn, logits, grad):
+    x = logits.detach().requires_grad_()
+    weights = fn(x)
+    (weights * grad.to(device=weights.device, dtype=weights.dtype)).sum().backward()
+    return x.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_pytorch_cpu_path_matches_float64(ops, name, dtype):
+    check_route(ops, 64, CONFIGS[name], dtype, "cpu", f"cpu {name} {dtype}")
+
+
+def test_triton_functions_through_the_interpreter_match_float64():
+    """The Triton functions themselves on the CPU: a child process with TRITON_INTERPRET=1 (Triton reads it once, at
+    import) runs the numerics checks and the conformance kit there."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("interpreted_moe_router.py"))], env=env,
+                          capture_output=True, text=True, timeout=900)
+    print(done.stdout)
+    assert done.returncode == 0, f"the interpreted run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert "interpreted_moe_router: ok" in done.stdout
+
+
+def test_conforms():
+    assert_conforms(KERNEL)
+
+
+def test_wheel_ships_code_for_every_listed_arch():
+    """The installed package holds a cubin for every listed arch and specialization, as its build record says."""
+    folder = manifest.package_dir("pk_example_router")
+    table = manifest.load(folder)["kernels"][KERNEL]
+    record = json.loads((folder / manifest.BUILD_RECORD_NAME).read_text())["kernels"][KERNEL]
+    assert record["archs"] == table["archs"] and not record["not_built"], record["not_built"]
+    per_arch = sum(len(s.get("dtypes") or [None]) for s in table["specializations"])
+    for arch in table["archs"]:
+        shipped = [s for s in record["shipped"] if s["arch"] == arch]
+        assert len(shipped) == per_arch, f"{arch}: {len(shipped)} shipped functions, the manifest names {per_arch}"
+        for entry in shipped:
+            cubin = (folder / entry["file"]).read_bytes()
+            assert cubin[:4] == b"\x7fELF", f"{entry['file']} is not a cubin (ELF)"
+
+
+def test_shape_contract(ops):
+    assert ops.unsupported_shape_reason(256) is None and ops.unsupported_shape_reason(1) is None
+    with pytest.raises(prime_kernels.UnsupportedShapeError, match="at most 1024 experts"):
+        prime_kernels.check_shape(ops, 1025)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda x, b: (x[0], b), r"logits must be 2-D \[tokens, experts\], got 1-D"),
+    (lambda x, b: (x.double(), b), "logits must be float32, bfloat16 or float16, got torch.float64"),
+    (lambda x, b: (x, b[:-1]), r"bias must have shape \[16\]"),
+    (lambda x, b: (x, b.half()), "bias must be float32, got torch.float16"),
+])
+def test_bad_arguments_name_the_argument(ops, change, message):
+    logits, bias = _inputs(3, CONFIGS["one-per-group"], torch.float32)
+    with pytest.raises(RuntimeError, match=message):
+        ops.moe_route(*change(logits, bias), top_k=2)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(top_k=2, n_groups=3), "n_groups must be positive and divide the 16 experts, got 3"),
+    (dict(top_k=2, n_groups=4, topk_groups=5), r"topk_groups must be in \[1, n_groups=4\], got 5"),
+    (dict(top_k=9, n_groups=4, topk_groups=2), r"top_k must be in \[1, 8\]"),
+])
+def test_bad_routing_options_name_the_option(ops, options, message):
+    with pytest.raises(RuntimeError, match=message):
+        ops.moe_route(*_inputs(3, CONFIGS["one-per-group"], torch.float32), **options)
+
+
+def test_non_tensors_and_bad_scores_are_named(ops):
+    logits, bias = _inputs(3, CONFIGS["one-per-group"], torch.float32)
+    with pytest.raises(TypeError, match="moe_route: logits must be a torch.Tensor, got list"):
+        ops.moe_route([[1.0]], bias, top_k=2)
+    with pytest.raises(TypeError, match="moe_route: top_k must be an int, got float"):
+        ops.moe_route(logits, bias, top_k=2.0)
+    with pytest.raises(ValueError, match="score must be 'sigmoid' or 'softmax', got 'relu'"):
+        ops.moe_route(logits, bias, top_k=2, score="relu")
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cuda_matches_float64(ops, name, dtype):
+    for tokens in (1, 333, 16384):
+        check_route(ops, tokens, CONFIGS[name], dtype, "cuda", f"cuda {name} {dtype} {tokens} tokens")
+    torch.cuda.synchronize()

@@ -1,0 +1,190 @@
+"""Ahead-of-time code for JIT kernels, compiled while the wheel is built, without a GPU.
+
+For each arch a Triton kernel lists and each specialization its manifest names, the build runs Triton's own compiler
+(``triton.compile`` on an ``ASTSource``, for ``GPUTarget("cuda", capability, 32)``) with the signature, constexprs,
+alignment attributes and launch options Triton's JIT would use for such a call on such a device, and ships the cubin
+in the package (``_aot/<kernel>/``). The build record lists every shipped cubin with what a launcher needs (kernel
+name, runtime parameters and their types, trailing scratch pointers, warps, shared memory) and, per arch, why one was
+not shipped. jit_runtime.launch runs them with torch's static launcher: nothing is compiled at run time.
+
+Why this mechanism (and not Triton's cache or Triton's CompiledKernel): Triton's launcher is a C file that Triton
+compiles with the system C compiler the first time a process launches any kernel (triton/backends/nvidia/driver.py:
+CudaUtils, compile_module_from_file), and its cache key runs ptxas --version; a pre-filled cache would still compile
+the launcher on a fresh machine and breaks on any change of Triton, Python or path. torch's static launcher is C++ in
+libtorch_python (Inductor launches its own Triton kernels with it), loads a cubin by path and launches it with the
+current stream: no compiler, no cache, and no dependence on the installed Triton's version for shipped code.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import platform
+import re
+import sys
+from pathlib import Path
+
+from . import jit_manifest
+from .manifest import BUILD_RECORD_NAME, MANIFEST_NAME, capability_of, load
+from .jit_runtime import SHIPPED_DIR
+
+# Triton appends these pointer parameters to every CUDA kernel when its metadata has the size (torch's static
+# launcher follows the same rule); shipped code passes null, so each size must be 0.
+SCRATCH_SIZES = ("global_scratch_size", "profile_scratch_size")
+
+
+class AotBuildError(RuntimeError):
+    """A JIT plugin build that cannot go on (a manifest the kit cannot compile, or a target failing under REQUIRE)."""
+
+
+def _unshippable(metadata, params: list, ptx: str) -> str | None:
+    """Why a compiled kernel cannot be launched by the static launcher with null scratch, or None."""
+    used = [s for s in SCRATCH_SIZES if getattr(metadata, s, 0)]
+    if used:
+        return f"it needs {', '.join(used)} > 0, scratch memory the shipped launcher does not allocate"
+    if getattr(metadata, "num_ctas", 1) != 1 or getattr(metadata, "launch_cooperative_grid", False) \
+            or getattr(metadata, "launch_pdl", False) or getattr(metadata, "tensordesc_meta", None):
+        return "it uses clusters, a cooperative grid, programmatic dependent launch or TMA descriptors, which the " \
+               "shipped launcher does not set up"
+    declared = len(re.findall(r"\.param\s", ptx.split(".entry", 1)[-1].split("{", 1)[0]))
+    expected = len(params) + sum(hasattr(metadata, s) for s in SCRATCH_SIZES)
+    if declared != expected:
+        return (f"its PTX entry takes {declared} parameters where {len(params)} arguments and the scratch pointers "
+                f"make {expected}: this Triton's kernel ABI is not the one the shipped launcher follows")
+    return None
+
+
+def compile_function(fn, arch: str, specialization: dict, options: dict):
+    """Triton's CompiledKernel of JIT function ``fn`` for ``arch`` ("9.0a"), as Triton's JIT would compile a call with
+    16-byte aligned tensors of ``specialization``'s signature on such a device."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile, make_backend
+
+    major, minor = capability_of(arch)
+    target = GPUTarget("cuda", major * 10 + minor, 32)
+    backend = make_backend(target)
+    signature, constexprs = specialization["signature"], specialization["constexprs"]
+    unknown = set(signature) ^ (set(fn.arg_names) - set(constexprs))
+    if unknown:
+        raise AotBuildError(f"{fn.__name__}'s parameters are {fn.arg_names}; the specialization gives types and "
+                            f"constexprs that do not cover them exactly (off: {sorted(unknown)})")
+    position = {name: (i,) for i, name in enumerate(fn.arg_names)}
+    attrs = {position[n]: backend.parse_attr("D") for n, kind in signature.items() if kind.startswith("*")}
+    attrs.update({position[n]: backend.parse_attr("") for n in constexprs})
+    source = ASTSource(fn, {n: signature.get(n, "constexpr") for n in fn.arg_names},
+                       {position[n]: v for n, v in constexprs.items()}, attrs)
+    parsed = backend.parse_options({**options, "debug": False})
+    return compile(source, target=target, options=parsed.__dict__)
+
+
+def _file_name(kernel: str, function: str, arch: str, specialization: dict) -> str:
+    digest = hashlib.sha1(json.dumps(specialization, sort_keys=True).encode()).hexdigest()[:12]
+    return f"{SHIPPED_DIR}/{kernel}/{function}-sm{arch.replace('.', '')}-{digest}.cubin"
+
+
+def ship_function(package_out: Path, kernel: str, fn, arch: str, specialization: dict, options: dict) -> dict:
+    """Compile one specialization for one arch, write its cubin under ``package_out``, return its record entry."""
+    compiled = compile_function(fn, arch, specialization, options)
+    params = [[n, specialization["signature"][n]] for n in fn.arg_names if n not in specialization["constexprs"]]
+    why = _unshippable(compiled.metadata, params, compiled.asm["ptx"])
+    if why:
+        raise AotBuildError(f"{fn.__name__} cannot be shipped: {why}")
+    file = _file_name(kernel, fn.__name__, arch, specialization)
+    (package_out / file).parent.mkdir(parents=True, exist_ok=True)
+    (package_out / file).write_bytes(compiled.asm["cubin"])
+    return {
+        "function": fn.__name__, "arch": arch, "params": params, "constexprs": specialization["constexprs"],
+        "file": file, "name": compiled.metadata.name, "num_warps": compiled.metadata.num_warps,
+        "shared": compiled.metadata.shared, "scratch": sum(hasattr(compiled.metadata, s) for s in SCRATCH_SIZES),
+    }
+
+
+def _ptxas_version(arch: str) -> str | None:
+    """The ptxas release Triton compiles ``arch`` with (it bundles one for sm_100 and newer, one for the rest)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas_version
+
+        found = re.search(r"release (\d+\.\d+)", get_ptxas_version(capability_of(arch)[0] * 10))
+        return found[1] if found else None
+    except Exception:
+        return None
+
+
+def ship_kernel(package_out: Path, name: str, table: dict) -> dict:
+    """This kernel's build record entry: every specialization for every arch it lists, each arch shipped whole or
+    not at all (with why)."""
+    entry = {"language": table["language"], "requires": table["requires"], "archs": [], "not_built": {}, "ptxas": {},
+             "shipped": []}
+    if not table.get("archs"):
+        return entry
+    import triton
+
+    entry["library_version"] = triton.__version__
+    functions = importlib.import_module(table["functions"])
+    specializations = [s for spec in table.get("specializations", []) for s in jit_manifest.expanded(spec)]
+    for arch in table["archs"]:
+        try:
+            shipped = [ship_function(package_out, name, getattr(functions, s["function"]), arch, s,
+                                     table["launch"][s["function"]]) for s in specializations]
+        except Exception as exc:  # one arch Triton cannot target leaves the others shipped
+            entry["not_built"][arch] = f"Triton {triton.__version__} did not compile it: {type(exc).__name__}: {exc}"
+            continue
+        entry["archs"].append(arch)
+        entry["ptxas"][arch] = _ptxas_version(arch)
+        entry["shipped"] += shipped
+    return entry
+
+
+def _refuse_other_languages(package: str, kernels: dict) -> None:
+    compiled = [n for n, t in kernels.items() if not jit_manifest.is_jit(t)]
+    if compiled:
+        raise AotBuildError(f"{package}: kernels {compiled} are compiled (C++/CUDA) and the others JIT; the build kit "
+                            "builds a plugin of one kind: put them in two plugins")
+    for name, table in kernels.items():
+        if table["language"] != "triton" and table.get("archs"):
+            raise AotBuildError(f"{package}: {name} is a {table['language']} kernel with archs; the build kit compiles "
+                                "ahead of time for Triton only, so a CuTe DSL kernel lists no archs and runs JIT")
+
+
+def build_record(package_out: Path, kernels: dict, required: bool) -> dict:
+    """Compile every kernel's shipped code into ``package_out``; the record of what was shipped and what was not."""
+    import torch
+
+    record = {"torch": torch.__version__, "python": platform.python_version(), "jit": True,
+              "kernels": {name: ship_kernel(package_out, name, table) for name, table in kernels.items()}}
+    for name, kernel in record["kernels"].items():
+        shipped = ", ".join(kernel["archs"]) or "no arch"
+        left = "; ".join(f"not {a}: {why}" for a, why in kernel["not_built"].items())
+        print(f"prime-kernels: {name}: {len(kernel['shipped'])} compiled functions shipped for {shipped}"
+              + (f" ({left})" if left else ""), file=sys.stderr)
+        if left and required:
+            raise AotBuildError(f"prime-kernels: {name}: {left} (PRIME_KERNELS_REQUIRE=1 makes this an error)")
+    return record
+
+
+def setup_jit_plugin(root: Path, package_dir: Path, required: bool, **setup_kwargs) -> None:
+    """A JIT plugin's setup: a pure-Python wheel holding its manifest, its shipped code and the build record."""
+    import setuptools
+    from setuptools.command.build_py import build_py
+
+    manifest = load(package_dir)
+    _refuse_other_languages(package_dir.name, manifest["kernels"])
+
+    class BuildWithShippedCode(build_py):
+        def run(self):
+            super().run()
+            package_out = Path(self.build_lib) / package_dir.name
+            sys.path.insert(0, str(root))  # the build imports the kernel's JIT functions from the source tree
+            try:
+                record = build_record(package_out, manifest["kernels"], required)
+            finally:
+                sys.path.remove(str(root))
+            (package_out / BUILD_RECORD_NAME).write_text(json.dumps(record, indent=2))
+
+    setuptools.setup(
+        version=manifest["version"],
+        packages=[package_dir.name],
+        package_data={package_dir.name: [MANIFEST_NAME]},
+        cmdclass={"build_py": BuildWithShippedCode},
+        **setup_kwargs,
+    )

@@ -1,0 +1,202 @@
+"""Running a JIT kernel's functions: the code its wheel ships where it serves the call, else the library's JIT.
+
+``launch(kernel, fn, grid, args, constexprs)`` is what a kernel module calls instead of ``fn[grid](*args, **constexprs)``:
+
+- under tracing (FakeTensorMode, torch.compile's functionalization: tensor subclasses), it goes through
+  ``torch.library.wrap_triton`` so that the op's fake runs and Inductor sees the kernel;
+- on CUDA tensors, it looks up the shipped cubin compiled at wheel build time for this function, specialization
+  (every argument's Triton type, the constexprs) and device, and launches it with torch's static launcher
+  (``torch._C._StaticCudaLauncher``, the C++ launcher Inductor uses for its own Triton kernels): loading and launching
+  a cubin, nothing compiled, no Triton launcher built. Where nothing shipped serves the call, it calls the library's
+  JIT (``fn[grid]``), and says why once (a warning, and ``fallbacks()``, which status notes show);
+- on CPU tensors, ``fn[grid]`` too: Triton's interpreter, when the process runs with TRITON_INTERPRET=1.
+
+Launch options (``num_warps``, ``num_stages``) come from the manifest's ``launch.<function>`` table, the same the
+build compiled with, so shipped code and a JIT fallback run the same configuration.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+from . import manifest
+
+# "0" turns shipped code off: every JIT kernel compiles on its first call (for measuring a cold JIT, or a bad build).
+SHIPPED_ENV = "PRIME_KERNELS_AOT"
+# Where the build puts shipped code inside the package (one file per function, specialization and arch).
+SHIPPED_DIR = "_aot"
+# Shipped code is compiled for 16-byte aligned pointers, as Triton's JIT specializes for them (tt.divisibility 16).
+POINTER_ALIGNMENT = 16
+# The argument type characters of torch's static launcher (torch/csrc/inductor/static_launcher/cuda.cpp) for each
+# scalar Triton type; every pointer is "O" (a tensor, or None for a null pointer).
+LAUNCHER_CHARS = {"i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "I", "u8": "B", "u16": "H",
+                  "u32": "I", "u64": "K", "fp16": "f", "bf16": "f", "fp32": "f", "fp64": "d"}
+
+_fallbacks: dict[str, list[str]] = {}
+
+
+def shipped_code_enabled() -> bool:
+    return os.environ.get(SHIPPED_ENV, "1").strip() != "0"
+
+
+def fallbacks() -> dict[str, list[str]]:
+    """{kernel: why a call compiled at run time instead of using shipped code}, each sentence once, in this process."""
+    return {kernel: list(sentences) for kernel, sentences in _fallbacks.items()}
+
+
+def _fell_back(kernel: str, sentence: str) -> None:
+    """Say once per process and sentence that a call compiles with the JIT instead of running shipped code."""
+    said = _fallbacks.setdefault(kernel, [])
+    if sentence not in said:
+        said.append(sentence)
+        warnings.warn(f"prime-kernels: {kernel}: {sentence}; compiling it now (seconds, once per process and "
+                      "specialization)", RuntimeWarning, stacklevel=4)
+
+
+def launcher_arg_types(params: list[list[str]], scratch: int) -> str:
+    """The static launcher's type string for a shipped function: one character per runtime parameter, in order, then
+    one "O" per trailing scratch pointer Triton appends to every kernel (passed as null)."""
+    return "".join("O" if kind.startswith("*") else LAUNCHER_CHARS[kind] for _, kind in params) + "O" * scratch
+
+
+def triton_type(value) -> str | None:
+    """The Triton type Triton's JIT gives an argument (``*bf16`` for a bfloat16 tensor, ``i32`` for a small int), or
+    None for a value it has no scalar type for."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
+                torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
+                torch.bool: "i1"}.get(value.dtype)
+        return f"*{name}" if name else None
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else ("i64" if -2**63 <= value < 2**63 else "u64")
+    if isinstance(value, float):
+        return "fp32"
+    return None
+
+
+def _key(function: str, params: list, constexprs: dict) -> tuple:
+    return function, tuple(tuple(p) for p in params), tuple(sorted(constexprs.items()))
+
+
+@lru_cache(maxsize=None)
+def _shipped_index(package: str, kernel: str) -> dict:
+    """{specialization key: [shipped entries, one per arch]} of ``kernel`` in the installed ``package``'s record."""
+    record = manifest.read_build_record(manifest.package_dir(package))
+    entry = record.get("kernels", {}).get(kernel, {}) if isinstance(record, dict) else {}
+    index: dict = {}
+    for shipped in entry.get("shipped", []) if isinstance(entry, dict) else []:
+        index.setdefault(_key(shipped["function"], shipped["params"], shipped["constexprs"]), []).append(shipped)
+    return index
+
+
+@lru_cache(maxsize=None)
+def _options(package: str, kernel: str, function: str) -> dict:
+    table = manifest.load(manifest.package_dir(package))["kernels"][kernel]
+    return dict(table.get("launch", {}).get(function, {}))
+
+
+def _best_for(entries: list[dict], capability: tuple[int, int]) -> dict | None:
+    """The shipped entry whose arch runs best on ``capability``: arch-specific first, then the highest plain arch."""
+    runs = [e for e in entries if manifest.arch_runs_on(e["arch"], capability)]
+    return max(runs, key=lambda e: (e["arch"].endswith("a"), manifest.capability_of(e["arch"])), default=None)
+
+
+@lru_cache(maxsize=None)
+def _loaded(path: str, name: str, shared: int, device: int) -> int:
+    """The CUfunction of a shipped cubin on ``device``, loaded once per process and device (never unloaded)."""
+    import torch
+
+    loaded = torch._C._StaticCudaLauncher._load_kernel(path, name, shared, device)
+    return loaded[-3]  # (module, function, n_regs, n_spills) since torch 2.8; (function, n_regs, n_spills) before
+
+
+def traced(args: tuple) -> bool:
+    """Whether the call is being traced (fake or functional tensors, torch.compile): then only wrap_triton will do."""
+    import torch
+
+    plain = (torch.Tensor, torch.nn.Parameter)
+    return torch.compiler.is_compiling() or any(isinstance(a, torch.Tensor) and type(a) not in plain for a in args)
+
+
+def _shipped_miss(package: str, kernel: str, function: str, arg_names: list, args: tuple, constexprs: dict,
+                  device) -> tuple[dict | None, str]:
+    """(the shipped entry serving this call, "") or (None, why none does)."""
+    import torch
+
+    if not shipped_code_enabled():
+        return None, f"{SHIPPED_ENV}=0 turns shipped code off"
+    if not hasattr(torch._C, "_StaticCudaLauncher"):
+        return None, f"torch {torch.__version__} has no static CUDA launcher (torch._C._StaticCudaLauncher) to load shipped code"
+    names = [n for n in arg_names if n not in constexprs]
+    params = [[n, triton_type(a)] for n, a in zip(names, args)]
+    candidates = _shipped_index(package, kernel).get(_key(function, params, constexprs))
+    described = ", ".join(f"{n} {t}" for n, t in params) + "".join(f", {k}={v}" for k, v in sorted(constexprs.items()))
+    if not candidates:
+        return None, f"no shipped {function} for this call's specialization ({described})"
+    capability = torch.cuda.get_device_capability(device)
+    entry = _best_for(candidates, capability)
+    if entry is None:
+        archs = ", ".join(sorted(e["arch"] for e in candidates))
+        return None, f"no shipped {function} runs on sm_{capability[0]}{capability[1]} (shipped for {archs})"
+    misaligned = [n for n, a in zip(names, args) if isinstance(a, torch.Tensor) and a.data_ptr() % POINTER_ALIGNMENT]
+    if misaligned:
+        return None, (f"{', '.join(misaligned)} is not {POINTER_ALIGNMENT}-byte aligned, and the shipped "
+                      f"{function} is compiled for aligned pointers as Triton's JIT is")
+    return entry, ""
+
+
+def _device_index(device) -> int:
+    import torch
+
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _load_shipped(package: str, entry: dict, device) -> tuple[int | None, str]:
+    """(the CUfunction, "") or (None, why the driver would not load the shipped cubin)."""
+    path = str(manifest.package_dir(package) / entry["file"])
+    try:
+        return _loaded(path, entry["name"], entry["shared"], _device_index(device)), ""
+    except Exception as exc:  # a cubin this driver cannot load falls back to the JIT, with the driver's words
+        return None, f"the driver did not load the shipped {entry['file']}: {type(exc).__name__}: {exc}"
+
+
+def _run_shipped(entry: dict, function: int, grid: tuple, args: tuple, device) -> None:
+    import torch
+
+    index = _device_index(device)
+    grid = (*grid, 1, 1)[:3]
+    # The function was loaded in the device's primary context, which the launch uses as the current context.
+    with torch.cuda.device(index):
+        torch._C._StaticCudaLauncher._launch_kernel(
+            function, grid[0], grid[1], grid[2], entry["num_warps"], entry["shared"],
+            launcher_arg_types(entry["params"], entry["scratch"]), (*args, *[None] * entry["scratch"]),
+            torch.cuda.current_stream(index).cuda_stream)
+
+
+def launch(kernel: str, fn, grid: tuple, args: tuple, constexprs: dict) -> None:
+    """Run JIT function ``fn`` of ``kernel`` over ``grid`` with runtime ``args`` (in parameter order) and ``constexprs``
+    (by name): shipped code where it serves the call, else the library's JIT (see the module's docstring)."""
+    package, name = fn.fn.__module__.split(".")[0], fn.fn.__name__  # JITFunction and InterpretedFunction keep .fn
+    options = _options(package, kernel, name)
+    if traced(args):
+        import torch
+
+        torch.library.wrap_triton(fn)[grid](*args, **constexprs, **options)
+        return
+    device = next((a.device for a in args if hasattr(a, "device")), None)
+    if device is not None and device.type == "cuda":
+        entry, why = _shipped_miss(package, kernel, name, fn.arg_names, args, constexprs, device)
+        function = None
+        if entry is not None:
+            function, why = _load_shipped(package, entry, device)
+        if function is not None:
+            _run_shipped(entry, function, grid, args, device)
+            return
+        _fell_back(kernel, why)
+    fn[grid](*args, **constexprs, **options)
