@@ -91,6 +91,7 @@ def _shipped_index(package: str, kernel: str) -> dict:
     entry = record.get("kernels", {}).get(kernel, {}) if isinstance(record, dict) else {}
     index: dict = {}
     for shipped in entry.get("shipped", []) if isinstance(entry, dict) else []:
+        shipped = dict(shipped, arg_types=launcher_arg_types(shipped["params"], shipped["scratch"]))
         index.setdefault(_key(shipped["function"], shipped["params"], shipped["constexprs"]), []).append(shipped)
     return index
 
@@ -136,8 +137,8 @@ def _shipped_miss(package: str, kernel: str, function: str, arg_names: list, arg
     names = [n for n in arg_names if n not in constexprs]
     params = [[n, triton_type(a)] for n, a in zip(names, args)]
     candidates = _shipped_index(package, kernel).get(_key(function, params, constexprs))
-    described = ", ".join(f"{n} {t}" for n, t in params) + "".join(f", {k}={v}" for k, v in sorted(constexprs.items()))
     if not candidates:
+        described = ", ".join(f"{n} {t}" for n, t in params) + "".join(f", {k}={v}" for k, v in sorted(constexprs.items()))
         return None, f"no shipped {function} for this call's specialization ({described})"
     capability = torch.cuda.get_device_capability(device)
     entry = _best_for(candidates, capability)
@@ -170,13 +171,15 @@ def _run_shipped(entry: dict, function: int, grid: tuple, args: tuple, device) -
     import torch
 
     index = _device_index(device)
+    if index != torch.cuda.current_device():  # the function lives in its device's context, the launch uses the current
+        with torch.cuda.device(index):
+            _run_shipped(entry, function, grid, args, device)
+        return
     grid = (*grid, 1, 1)[:3]
-    # The function was loaded in the device's primary context, which the launch uses as the current context.
-    with torch.cuda.device(index):
-        torch._C._StaticCudaLauncher._launch_kernel(
-            function, grid[0], grid[1], grid[2], entry["num_warps"], entry["shared"],
-            launcher_arg_types(entry["params"], entry["scratch"]), (*args, *[None] * entry["scratch"]),
-            torch.cuda.current_stream(index).cuda_stream)
+    torch._C._StaticCudaLauncher._launch_kernel(
+        function, grid[0], grid[1], grid[2], entry["num_warps"], entry["shared"],
+        entry["arg_types"], (*args, *[None] * entry["scratch"]),
+        torch.cuda.current_stream(index).cuda_stream)
 
 
 def launch(kernel: str, fn, grid: tuple, args: tuple, constexprs: dict) -> None:

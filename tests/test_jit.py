@@ -267,7 +267,8 @@ def test_triton_types_as_the_jit_gives_them():
 
 
 SHIPPED = [{"function": "scale", "arch": arch, "params": [["x", "*fp32"], ["n", "i32"]], "constexprs": {"B": 128},
-            "file": f"_aot/router/scale-{arch}.cubin", "name": "scale", "num_warps": 4, "shared": 0, "scratch": 2}
+            "file": f"_aot/router/scale-{arch}.cubin", "name": "scale", "num_warps": 4, "shared": 0, "scratch": 2,
+            "arg_types": "OiOO"}
            for arch in ("8.0", "9.0a")]
 
 

@@ -167,3 +167,36 @@ def test_cuda_matches_float64(ops, name, dtype):
     for tokens in (1, 333, 16384):
         check_route(ops, tokens, CONFIGS[name], dtype, "cuda", f"cuda {name} {dtype} {tokens} tokens")
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("capability, arch", [((9, 0), "9.0a"), ((8, 6), "8.0"), ((8, 9), "8.9"), ((12, 0), "12.0a")])
+def test_a_shipped_call_finds_its_cubin(monkeypatch, capability, arch):
+    """The runtime's selection against the installed record: a DeepSeek-V3 bf16 call on a device of each capability
+    gets the cubin of the best arch for it; an fp16 call, which was not shipped, gets the sentence saying so."""
+    from prime_kernels_core import jit_runtime
+
+    from pk_example_router import kernels
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    logits, bias = _inputs(4, CONFIGS["deepseek-v3"], torch.bfloat16)
+    out = torch.empty(4, 8), torch.empty(4, 8, dtype=torch.int64)
+    constexprs = dict(N_EXPERTS=256, N_GROUPS=8, TOPK_GROUPS=4, TOP_K=8, SIGMOID=True, RENORMALIZE=True)
+    miss = lambda x: jit_runtime._shipped_miss("pk_example_router", KERNEL, "route_forward",
+                                               kernels.route_forward.arg_names, (x, bias, *out, 256, 2.5),
+                                               constexprs, torch.device("cuda", 0))
+    entry, why = miss(logits)
+    assert entry is not None, why
+    assert entry["arch"] == arch and entry["arg_types"] == "OOOOifOO"
+    assert (manifest.package_dir("pk_example_router") / entry["file"]).is_file()
+    assert miss(logits.half())[1].startswith("no shipped route_forward for this call's specialization (logits *fp16")
+
+
+def test_discovery_and_library_gating_never_import_triton():
+    """A fresh process: discovery, the spec and the library check leave Triton unimported."""
+    code = ("import sys; from prime_kernels_core import jit_gating, registry; registry.entries(); "
+            "spec = registry.spec('moe_router'); assert jit_gating.library_reason(spec) is None; "
+            "print(sorted(m for m in ('triton', 'pk_example_router.ops', 'pk_example_router.kernels') "
+            "if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

@@ -1,0 +1,85 @@
+"""The shipped code on a GPU: the first call compiles nothing and returns within a second, beside a cold JIT's first
+call; the shipped cubin is the one Triton's JIT compiles for the same call; steady state matches the JIT-compiled
+kernel. Run on the GPU machine: ``python -m pytest examples/triton_plugin/tests -m gpu -q -s``."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+KERNEL = "moe_router"
+pytestmark = [pytest.mark.gpu, pytest.mark.kernel(KERNEL)]
+FIRST_CALL = Path(__file__).with_name("first_call.py")
+# What a compile would run: a C compiler (Triton builds its launcher with one), ptxas, nvcc.
+COMPILERS = ("cc", "gcc", "g++", "c++", "clang", "nvcc", "ptxas")
+FIRST_CALL_LIMIT_S = 1.0
+
+
+def _path_without_compilers() -> str:
+    """PATH without any folder holding a compiler (python itself may share a folder with none of them)."""
+    return os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
+                           if d and not any(Path(d, c).exists() for c in COMPILERS))
+
+
+def _first_call(mode: str, tmp_path: Path) -> dict:
+    cache = tmp_path / f"triton-cache-{mode}"
+    cache.mkdir()
+    env = dict(os.environ, TRITON_CACHE_DIR=str(cache), PATH=_path_without_compilers(), CC="/nonexistent/cc",
+               TRITON_PTXAS_PATH="/nonexistent/ptxas", TRITON_PTXAS_BLACKWELL_PATH="/nonexistent/ptxas")
+    if mode == "jit":  # the cold JIT needs its compilers back
+        env = dict(os.environ, TRITON_CACHE_DIR=str(cache), PRIME_KERNELS_AOT="0")
+    done = subprocess.run([sys.executable, str(FIRST_CALL), mode], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, f"{mode} first call failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(json.dumps(result, indent=1))
+    return result
+
+
+def test_first_call_with_shipped_code_compiles_nothing(tmp_path):
+    shipped = _first_call("shipped", tmp_path)
+    cold = _first_call("jit", tmp_path)
+    print(f"first call (forward + backward, 16384 x 256 bf16) on {shipped['device']}: shipped code "
+          f"{shipped['first_call_s'] * 1e3:.1f} ms, cold JIT {cold['first_call_s'] * 1e3:.1f} ms; second call "
+          f"{shipped['second_call_s'] * 1e3:.2f} / {cold['second_call_s'] * 1e3:.2f} ms")
+    assert shipped["processes_started"] == [], shipped["processes_started"]
+    assert shipped["cache_files_after_first_call"] == [], "the first call wrote Triton's cache: it compiled"
+    assert shipped["fallbacks"] == {}, shipped["fallbacks"]
+    assert shipped["first_call_s"] < FIRST_CALL_LIMIT_S
+    # The same checks see the cold JIT compile: they can fail.
+    assert cold["fallbacks"] and cold["cache_files_after_first_call"] and cold["processes_started"]
+
+
+def test_shipped_cubin_is_what_the_jit_compiles(tmp_path, monkeypatch):
+    """Triton's JIT, asked for the shipped specialization on this device, produces the shipped cubin byte for byte:
+    steady state runs the same machine code either way."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    from prime_kernels_core import jit_runtime, manifest
+
+    from pk_example_router import kernels
+
+    logits = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    bias = torch.zeros(256, device="cuda")
+    weights = torch.empty(64, 8, device="cuda")
+    experts = torch.empty(64, 8, device="cuda", dtype=torch.int64)
+    constexprs = dict(N_EXPERTS=256, N_GROUPS=8, TOPK_GROUPS=4, TOP_K=8, SIGMOID=True, RENORMALIZE=True)
+    args = (logits, bias, weights, experts, logits.stride(0), 2.5)
+    entry, why = jit_runtime._shipped_miss("pk_example_router", KERNEL, "route_forward", kernels.route_forward.arg_names,
+                                           args, constexprs, logits.device)
+    assert entry is not None, why
+    compiled = kernels.route_forward[(64,)](*args, **constexprs, num_warps=4, num_stages=1)
+    shipped = (manifest.package_dir("pk_example_router") / entry["file"]).read_bytes()
+    assert compiled.asm["cubin"] == shipped, f"the JIT's cubin differs from the shipped {entry['file']}"
+
+
+def test_steady_state_matches_the_jit_compiled_kernel():
+    """CUDA-event time of many back-to-back launches, shipped code against Triton's JIT launch of the same function:
+    within 2 % (bench_moe_router.py prints the table)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_moe_router import compare
+
+    for row in compare(rounds=5):
+        assert row["shipped_ms"] <= row["jit_ms"] * 1.02, row
