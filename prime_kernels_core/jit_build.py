@@ -26,7 +26,7 @@ from pathlib import Path
 
 from . import jit_manifest
 from .manifest import BUILD_RECORD_NAME, MANIFEST_NAME, capability_of, load
-from .jit_runtime import SHIPPED_DIR
+from .jit_runtime import LAUNCHER_CHARS, SHIPPED_DIR
 
 # Triton appends these pointer parameters to every CUDA kernel when its metadata has the size (torch's static
 # launcher follows the same rule); shipped code passes null, so each size must be 0.
@@ -39,6 +39,9 @@ class AotBuildError(RuntimeError):
 
 def _unshippable(metadata, params: list, ptx: str) -> str | None:
     """Why a compiled kernel cannot be launched by the static launcher with null scratch, or None."""
+    scalars = [f"{n} {kind}" for n, kind in params if not kind.startswith("*") and kind not in LAUNCHER_CHARS]
+    if scalars:
+        return f"the shipped launcher cannot pass its scalar parameters {', '.join(scalars)} (pass fp32 or an int)"
     used = [s for s in SCRATCH_SIZES if getattr(metadata, s, 0)]
     if used:
         return f"it needs {', '.join(used)} > 0, scratch memory the shipped launcher does not allocate"

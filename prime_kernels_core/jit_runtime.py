@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import warnings
 from functools import lru_cache
-from pathlib import Path
 
 from . import manifest
 
@@ -30,9 +29,10 @@ SHIPPED_DIR = "_aot"
 # Shipped code is compiled for 16-byte aligned pointers, as Triton's JIT specializes for them (tt.divisibility 16).
 POINTER_ALIGNMENT = 16
 # The argument type characters of torch's static launcher (torch/csrc/inductor/static_launcher/cuda.cpp) for each
-# scalar Triton type; every pointer is "O" (a tensor, or None for a null pointer).
+# scalar Triton type it passes bit-exactly; every pointer is "O" (a tensor, or None for a null pointer). It writes a
+# 16-bit float scalar as a float, so a function taking one is not shipped (jit_build refuses it).
 LAUNCHER_CHARS = {"i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "I", "u8": "B", "u16": "H",
-                  "u32": "I", "u64": "K", "fp16": "f", "bf16": "f", "fp32": "f", "fp64": "d"}
+                  "u32": "I", "u64": "K", "fp32": "f", "fp64": "d"}
 
 _fallbacks: dict[str, list[str]] = {}
 
