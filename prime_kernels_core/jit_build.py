@@ -191,3 +191,34 @@ def setup_jit_plugin(root: Path, package_dir: Path, required: bool, **setup_kwar
         cmdclass={"build_py": BuildWithShippedCode},
         **setup_kwargs,
     )
+
+
+def check_jit_wheel(names: list[str], read, package: str, kernels: dict, record: dict) -> list[str]:
+    """Every way a JIT plugin's wheel differs from a release wheel of its manifest (``names`` its members, ``read(name)``
+    their bytes): each kernel shipped for every arch it lists, one cubin per arch and specialization, each in the wheel
+    and machine code, nothing else beside the Python surface, the manifest and the record."""
+    problems = []
+    shipped_files = set()
+    for name, table in kernels.items():
+        kernel = record.get("kernels", {}).get(name, {})
+        missing = [a for a in table.get("archs", []) if a not in kernel.get("archs", [])]
+        if missing:
+            why = "; ".join(f"{a}: {kernel.get('not_built', {}).get(a, 'not in the record')}" for a in missing)
+            problems.append(f"{name} ships no code for {', '.join(missing)} ({why})")
+        per_arch = len([s for spec in table.get("specializations", []) for s in jit_manifest.expanded(spec)])
+        for arch in kernel.get("archs", []):
+            count = sum(e["arch"] == arch for e in kernel.get("shipped", []))
+            if count != per_arch:
+                problems.append(f"{name} ships {count} functions for {arch}, its manifest names {per_arch}")
+        for entry in kernel.get("shipped", []):
+            file = f"{package}/{entry['file']}"
+            shipped_files.add(file)
+            if file not in names:
+                problems.append(f"{file} is in the build record but not in the wheel")
+            elif read(file)[:4] != b"\x7fELF":
+                problems.append(f"{file} is not a cubin (no ELF header)")
+    surface = {f"{package}/{MANIFEST_NAME}", f"{package}/{BUILD_RECORD_NAME}"}
+    problems += [f"{n} is not part of a JIT plugin's surface (its .py files, {MANIFEST_NAME}, {BUILD_RECORD_NAME}, "
+                 "the shipped cubins of its record)" for n in names
+                 if not (".dist-info/" in n or n.endswith(".py") or n in surface or n in shipped_files)]
+    return problems

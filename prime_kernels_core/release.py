@@ -111,6 +111,10 @@ def check_plugin_wheel(wheel: Path) -> list[str]:
         package = next(n.split("/")[0] for n in names if n.endswith(f"/{MANIFEST_NAME}"))
         kernels = load(archive.extract(f"{package}/{MANIFEST_NAME}", scratch))["kernels"]
         record = json.loads(archive.read(f"{package}/{BUILD_RECORD_NAME}"))
+        if record.get("jit"):  # Triton kernels: shipped cubins, no compiled module
+            from .jit_build import check_jit_wheel
+
+            return check_jit_wheel(names, archive.read, package, kernels, record)
         modules = sorted({extension_module(t) for t in kernels.values()})
         problems = [
             f"{name} is not part of a plugin's surface (its .py files, {MANIFEST_NAME}, {BUILD_RECORD_NAME}, "

@@ -341,3 +341,29 @@ def test_a_plugin_is_compiled_or_jit_not_both():
         jit_build._refuse_other_languages("pkg", {"c": {"sources": {}}, "j": {"language": "triton"}})
     with pytest.raises(jit_build.AotBuildError, match="compiles ahead of time for Triton only"):
         jit_build._refuse_other_languages("pkg", {"j": {"language": "cute-dsl", "archs": ["9.0a"]}})
+
+
+def test_a_jit_wheel_is_checked_from_its_own_files():
+    """release's check of a JIT plugin's wheel: every listed arch shipped, one cubin per arch and specialization, each
+    in the wheel and machine code, nothing else."""
+    table = {"archs": ["8.0", "9.0a"], "specializations": [{"function": "f", "signature": {"x": "*{dtype}"},
+                                                              "dtypes": ["bf16", "fp32"]}]}
+    entry = lambda arch, i: {"arch": arch, "file": f"_aot/k/f-{arch}-{i}.cubin"}
+    record = {"jit": True, "kernels": {"k": {"archs": ["8.0", "9.0a"], "not_built": {},
+                                             "shipped": [entry(a, i) for a in ("8.0", "9.0a") for i in (0, 1)]}}}
+    files = {f"pkg/{e['file']}": b"\x7fELF..." for e in record["kernels"]["k"]["shipped"]}
+    files.update({"pkg/__init__.py": b"", "pkg/kernel.toml": b"", "pkg/_build_record.json": b""})
+    check = lambda names, rec: jit_build.check_jit_wheel(list(names), files.__getitem__, "pkg", {"k": table}, rec)
+    assert check(files, record) == []
+    assert check([*files, "pkg/notes.txt"], record) == [
+        "pkg/notes.txt is not part of a JIT plugin's surface (its .py files, kernel.toml, _build_record.json, the "
+        "shipped cubins of its record)"]
+    assert check([n for n in files if "9.0a-1" not in n], record) == [
+        "pkg/_aot/k/f-9.0a-1.cubin is in the build record but not in the wheel"]
+    files["pkg/_aot/k/f-8.0-0.cubin"] = b"PTX"
+    assert check(files, record) == ["pkg/_aot/k/f-8.0-0.cubin is not a cubin (no ELF header)"]
+    files["pkg/_aot/k/f-8.0-0.cubin"] = b"\x7fELF"
+    partial = {"jit": True, "kernels": {"k": {"archs": ["8.0"], "not_built": {"9.0a": "Triton failed"},
+                                              "shipped": [entry("8.0", 0)]}}}
+    assert check(files, partial)[:2] == ["k ships no code for 9.0a (9.0a: Triton failed)",
+                                         "k ships 1 functions for 8.0, its manifest names 2"]

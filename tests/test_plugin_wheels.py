@@ -47,6 +47,11 @@ def test_wheel_contents(wheel):
     package = next(n.split("/")[0] for n in names if n.endswith("/kernel.toml"))
     for required in ("__init__.py", "plugin.py", "ops.py", "kernel.toml", "_build_record.json"):
         assert f"{package}/{required}" in names, f"{wheel.name} lacks {package}/{required}"
+    if json.loads(zipfile.ZipFile(wheel).read(f"{package}/_build_record.json")).get("jit"):
+        from prime_kernels_core.release import check_plugin_wheel
+
+        assert check_plugin_wheel(wheel) == [], f"{wheel.name}: the shipped code of a JIT plugin"
+        return
     assert any(n.startswith(f"{package}/_C") and n.endswith(".so") for n in names), f"{wheel.name} lacks _C"
     assert not any("csrc/" in n for n in names), f"{wheel.name} ships its csrc/ build input"
     record = json.loads(zipfile.ZipFile(wheel).read(f"{package}/_build_record.json"))
