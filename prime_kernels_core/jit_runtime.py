@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import warnings
 from functools import lru_cache
+from pathlib import Path
 
 from . import manifest
 
@@ -87,11 +88,13 @@ def _key(function: str, params: list, constexprs: dict) -> tuple:
 @lru_cache(maxsize=None)
 def _shipped_index(package: str, kernel: str) -> dict:
     """{specialization key: [shipped entries, one per arch]} of ``kernel`` in the installed ``package``'s record."""
-    record = manifest.read_build_record(manifest.package_dir(package))
+    folder = manifest.package_dir(package)
+    record = manifest.read_build_record(folder)
     entry = record.get("kernels", {}).get(kernel, {}) if isinstance(record, dict) else {}
     index: dict = {}
     for shipped in entry.get("shipped", []) if isinstance(entry, dict) else []:
-        shipped = dict(shipped, arg_types=launcher_arg_types(shipped["params"], shipped["scratch"]))
+        shipped = dict(shipped, arg_types=launcher_arg_types(shipped["params"], shipped["scratch"]),
+                       path=str(folder / shipped["file"]))
         index.setdefault(_key(shipped["function"], shipped["params"], shipped["constexprs"]), []).append(shipped)
     return index
 
@@ -109,12 +112,16 @@ def _best_for(entries: list[dict], capability: tuple[int, int]) -> dict | None:
 
 
 @lru_cache(maxsize=None)
-def _loaded(path: str, name: str, shared: int, device: int) -> int:
-    """The CUfunction of a shipped cubin on ``device``, loaded once per process and device (never unloaded)."""
+def _loaded(path: str, name: str, shared: int, device: int) -> tuple[int | None, str]:
+    """(the CUfunction of a shipped cubin on ``device``, "") or (None, why the driver did not load it): tried once per
+    process and device, and never unloaded."""
     import torch
 
-    loaded = torch._C._StaticCudaLauncher._load_kernel(path, name, shared, device)
-    return loaded[-3]  # (module, function, n_regs, n_spills) since torch 2.8; (function, n_regs, n_spills) before
+    try:
+        loaded = torch._C._StaticCudaLauncher._load_kernel(path, name, shared, device)
+    except Exception as exc:  # a cubin this driver cannot load falls back to the JIT, with the driver's words
+        return None, f"the driver did not load the shipped {Path(path).name}: {type(exc).__name__}: {exc}"
+    return loaded[-3], ""  # (module, function, n_regs, n_spills) since torch 2.8; (function, n_regs, n_spills) before
 
 
 def traced(args: tuple) -> bool:
@@ -158,13 +165,9 @@ def _device_index(device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _load_shipped(package: str, entry: dict, device) -> tuple[int | None, str]:
+def _load_shipped(entry: dict, device) -> tuple[int | None, str]:
     """(the CUfunction, "") or (None, why the driver would not load the shipped cubin)."""
-    path = str(manifest.package_dir(package) / entry["file"])
-    try:
-        return _loaded(path, entry["name"], entry["shared"], _device_index(device)), ""
-    except Exception as exc:  # a cubin this driver cannot load falls back to the JIT, with the driver's words
-        return None, f"the driver did not load the shipped {entry['file']}: {type(exc).__name__}: {exc}"
+    return _loaded(entry["path"], entry["name"], entry["shared"], _device_index(device))
 
 
 def _run_shipped(entry: dict, function: int, grid: tuple, args: tuple, device) -> None:
@@ -197,7 +200,7 @@ def launch(kernel: str, fn, grid: tuple, args: tuple, constexprs: dict) -> None:
         entry, why = _shipped_miss(package, kernel, name, fn.arg_names, args, constexprs, device)
         function = None
         if entry is not None:
-            function, why = _load_shipped(package, entry, device)
+            function, why = _load_shipped(entry, device)
         if function is not None:
             _run_shipped(entry, function, grid, args, device)
             return

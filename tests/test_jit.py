@@ -268,7 +268,7 @@ def test_triton_types_as_the_jit_gives_them():
 
 SHIPPED = [{"function": "scale", "arch": arch, "params": [["x", "*fp32"], ["n", "i32"]], "constexprs": {"B": 128},
             "file": f"_aot/router/scale-{arch}.cubin", "name": "scale", "num_warps": 4, "shared": 0, "scratch": 2,
-            "arg_types": "OiOO"}
+            "arg_types": "OiOO", "path": f"/nonexistent/scale-{arch}.cubin"}
            for arch in ("8.0", "9.0a")]
 
 
@@ -367,3 +367,9 @@ def test_a_jit_wheel_is_checked_from_its_own_files():
                                               "shipped": [entry("8.0", 0)]}}}
     assert check(files, partial)[:2] == ["k ships no code for 9.0a (9.0a: Triton failed)",
                                          "k ships 1 functions for 8.0, its manifest names 2"]
+
+
+def test_a_cubin_the_driver_does_not_load_is_a_reason(shipped):
+    """No driver here (or a cubin the driver rejects): the loader's error becomes the fallback's sentence."""
+    function, why = jit_runtime._load_shipped(SHIPPED[1], torch.device("cuda", 0))
+    assert function is None and why.startswith("the driver did not load the shipped scale-9.0a.cubin: ")
