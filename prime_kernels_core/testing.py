@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import registry
+from . import jit_gating, registry
 from .contracts import ShapeContract
 
 
@@ -122,3 +122,19 @@ def assert_conforms(name: str, compile_backend: str = "aot_eager") -> None:
             _assert_compiles_like_eager(name, fn, args, kwargs, compile_backend)
 
     assert isinstance(module, ShapeContract), f"{name}: {spec.module} does not export unsupported_shape_reason"
+    if spec.jit and "interpreter" in spec.jit.get("cpu", []) and not jit_gating.interpreting():
+        _assert_conforms_interpreted(name, compile_backend)
+
+
+def _assert_conforms_interpreted(name: str, compile_backend: str) -> None:
+    """A JIT kernel whose ops run through Triton's interpreter: the same checks in a child process started with
+    TRITON_INTERPRET=1 (Triton reads it once, at import), so the Triton functions themselves run on the CPU."""
+    import os
+    import subprocess
+    import sys
+
+    code = f"from prime_kernels_core.testing import assert_conforms; assert_conforms({name!r}, {compile_backend!r})"
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **{jit_gating.INTERPRET_ENV: "1"}),
+                          capture_output=True, text=True)
+    tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
+    assert done.returncode == 0, f"{name}: through Triton's interpreter ({jit_gating.INTERPRET_ENV}=1): {tail}"

@@ -1,7 +1,7 @@
 """The router's Triton functions on the CPU through Triton's interpreter: run with TRITON_INTERPRET=1 (set before
 Python starts; test_moe_router.py does so in a child process). Checks numerics against float64 with the error-ratio
-rule, that the interpreter really ran the Triton functions, and the conformance kit (fakes, opcheck,
-torch.compile(fullgraph=True) through wrap_triton) on this path. Prints "interpreted_moe_router: ok" at the end."""
+rule, and that the interpreter really ran the Triton functions (the conformance kit runs its own child with
+TRITON_INTERPRET=1). Prints "interpreted_moe_router: ok" at the end."""
 import sys
 from pathlib import Path
 
@@ -9,7 +9,6 @@ import torch
 
 import prime_kernels
 from prime_kernels_core import jit_gating
-from prime_kernels_core.testing import assert_conforms
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_moe_router import CONFIGS, INTERPRETER_SHAPES, KERNEL, check_route  # noqa: E402
@@ -29,5 +28,4 @@ for name, tokens in INTERPRETER_SHAPES.items():
         check_route(ops, tokens, CONFIGS[name], dtype, "cpu", f"interpreter {name} {dtype}",
                     judge_grad=dtype == torch.float32)
 assert prime_kernels.unavailable_reason(KERNEL, (9, 0)).startswith("TRITON_INTERPRET=1 is set")
-assert_conforms(KERNEL)
 print("interpreted_moe_router: ok")

@@ -93,7 +93,7 @@ def test_pytorch_cpu_path_matches_float64(ops, name, dtype):
 
 def test_triton_functions_through_the_interpreter_match_float64():
     """The Triton functions themselves on the CPU: a child process with TRITON_INTERPRET=1 (Triton reads it once, at
-    import) runs the numerics checks and the conformance kit there."""
+    import) runs the numerics checks there."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("interpreted_moe_router.py"))], env=env,
                           capture_output=True, text=True, timeout=900)
@@ -103,6 +103,7 @@ def test_triton_functions_through_the_interpreter_match_float64():
 
 
 def test_conforms():
+    """The kit on the PyTorch CPU path here, and (cpu lists "interpreter") in a child with TRITON_INTERPRET=1."""
     assert_conforms(KERNEL)
 
 
