@@ -90,14 +90,15 @@ def test_json_schema_version_1(plugin_dir, tmp_path):
     good, bad = kernels["good"], kernels["bad"]
     assert set(good) == {
         "kernel", "distribution", "distribution_version", "namespace", "archs_listed", "archs_built",
-        "built_torch_version", "built_torch_cuda_version", "torch_support", "checked_in_child", "cuda", "cpu"}
+        "built_torch_version", "built_torch_cuda_version", "torch_support", "language", "checked_in_child", "cuda",
+        "cpu"}
     assert (good["distribution"], good["distribution_version"], good["namespace"]) == ("pk-cli-good", "0.1.0",
                                                                                        "pk_test_pk_cli_good")
     assert good["archs_listed"] == good["archs_built"] == ["9.0a"]
     assert (good["built_torch_version"], good["built_torch_cuda_version"]) == (torch.__version__, torch.version.cuda)
     assert good["torch_support"] == bad["torch_support"] == f"torch {'.'.join(torch.__version__.split('.')[:2])}"
-    assert good["cpu"] == {"available": True, "reason": None}
-    assert set(good["cuda"]) == {"available", "reason"}
+    assert good["cpu"] == {"available": True, "reason": None, "note": None}
+    assert set(good["cuda"]) == {"available", "reason", "note"} and good["language"] is None
     assert bad["cpu"]["available"] is False and bad["cpu"]["reason"].endswith(BAD_REASON)
     assert all(" " not in key for k in doc["kernels"] for key in k)
 
@@ -226,7 +227,7 @@ def test_arch_table_and_require_answer_for_a_gpu_that_is_not_here(plugin_dir, tm
     allow = "pk-cli-generic,pk-cli-hopper"
     doc = json.loads(_run(tmp_path, "--json", "--arch", "sm_120", allow=allow).stdout)
     state = {k["kernel"]: k["cuda"] for k in doc["kernels"]}
-    assert state["generic"] == {"available": True, "reason": None}
+    assert state["generic"] == {"available": True, "reason": None, "note": None}
     assert state["hopper"]["reason"] == ("hopper has no CUDA build for sm_120: it supports 9.0a only (this install has "
                                          "it for 9.0a)")
     assert _run(tmp_path, "--require", "generic", "--arch", "sm_121", allow=allow).returncode == 0

@@ -91,7 +91,7 @@ def test_missing_nvcc_skips_cuda_and_status_says_why(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), *sys.path]), PRIME_KERNELS_PLUGINS="pk-example-rmsnorm")
     (row,) = json.loads(subprocess.run([sys.executable, "-m", "prime_kernels", "--json", "--device", "cuda:0"],
                                        capture_output=True, text=True, env=env, check=True).stdout)["kernels"]
-    assert row["cpu"] == {"available": True, "reason": None}
+    assert row["cpu"] == {"available": True, "reason": None, "note": None}
     assert row["cuda"]["reason"] == "residual_rmsnorm was built without CUDA: no CUDA toolkit was found (CUDA_HOME=/nonexistent has no bin/nvcc and include/cuda_runtime.h)"
 
 
