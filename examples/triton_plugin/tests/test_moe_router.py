@@ -57,32 +57,32 @@ def _reference(ops, logits, bias, config, dtype):
 
 def check_route(ops, tokens, config, dtype, device, label, judge_grad=True):
     """The kernel's experts miss the float64 reference's no more often than the PyTorch path's (plus one near tie in
-    a thousand tokens: a last-bit difference in a score can flip it); its weights at the reference's experts are
-    judged by the error ratio; its gradient too."""
+    a thousand tokens: a last-bit difference in a score can flip it); its weights, on the tokens where both paths chose
+    the reference's experts, and its gradient, at the reference's experts, are judged by the error ratio; autograd
+    reaches the backward op at the experts the forward chose."""
     logits, bias = _inputs(tokens, config, dtype, device)
     weights, experts = ops.moe_route(logits, bias, **_options(config))
     base_weights, base_experts = _reference(ops, logits, bias, config, torch.float32)
     ref_weights, ref_experts = _reference(ops, logits, bias, config, torch.float64)
-    missed = lambda chosen: int((chosen.sort(-1).values != ref_experts.sort(-1).values).any(-1).sum())
-    assert missed(experts) <= missed(base_experts) + tokens // 1000, f"{label}: experts differ from float64's"
-    same = (experts.sort(-1).values == ref_experts.sort(-1).values).all(-1)
+    matches = lambda chosen: (chosen.sort(-1).values == ref_experts.sort(-1).values).all(-1)
+    assert int((~matches(experts)).sum()) <= int((~matches(base_experts)).sum()) + tokens // 1000, (
+        f"{label}: experts differ from float64's")
+    same = matches(experts) & matches(base_experts)
     order = lambda chosen, w: w.gather(1, chosen.argsort(-1))  # weights in the order of expert index
     assert_error_ratio(f"{label} weights", order(experts, weights)[same], order(base_experts, base_weights)[same],
                        order(ref_experts, ref_weights)[same], FP32_MAX_RATIO)
     if not judge_grad:
         return
-    grad = torch.randn(weights.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    ours = _logit_grad(lambda x: ops.moe_route(x, bias, **_options(config))[0], logits, grad)
-    base = _logit_grad(lambda x: _reference(ops, x, bias, config, torch.float32)[0], logits, grad)
-    ref = _logit_grad(lambda x: _reference(ops, x, bias, config, torch.float64)[0], logits.double(), grad)
+    grad = torch.randn(weights.shape, generator=torch.Generator().manual_seed(1)).to(device)
+    flags = (config["score"] == "sigmoid", config["renormalize"], config["scale"])
+    ours = ops.route_backward(logits, ref_experts, grad, *flags)
+    base = ops.route_backward_reference(logits, ref_experts, grad, *flags, dtype=torch.float32)
+    ref = ops.route_backward_reference(logits.double(), ref_experts, grad.double(), *flags, dtype=torch.float64)
     assert_error_ratio(f"{label} grad logits", ours, base, ref, FP32_MAX_RATIO if dtype == torch.float32 else HALF_MAX_RATIO)
-
-
-def _logit_grad(fn, logits, grad):
     x = logits.detach().requires_grad_()
-    weights = fn(x)
-    (weights * grad.to(device=weights.device, dtype=weights.dtype)).sum().backward()
-    return x.grad
+    weights, experts = ops.moe_route(x, bias, **_options(config))
+    weights.backward(grad)
+    torch.testing.assert_close(x.grad, ops.route_backward(logits, experts, grad, *flags), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
