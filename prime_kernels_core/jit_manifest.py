@@ -4,7 +4,7 @@ not C++/CUDA compiled into ``_C``.
 A JIT kernel's table holds the keys every kernel has (description, namespace, ops, trainable, module, constants) and:
 
 - ``language``: ``"triton"`` or ``"cute-dsl"``;
-- ``requires``: the library and the versions the kernel supports, ``"triton >= 3.4, < 3.9"`` (comma-separated
+- ``requires``: the library and the versions the kernel supports, ``"triton >= 3.5, < 3.9"`` (comma-separated
   ``>=``, ``>``, ``<=``, ``<``, ``==``, ``!=`` clauses on numeric releases);
 - ``capability``: the compute capabilities its code runs on, in the same clause form, ``">= 8.0"`` (Triton's own
   floor) or ``">= 9.0, < 10.0"`` (a kernel using Hopper-only features);
