@@ -98,3 +98,23 @@ def test_steady_state_matches_the_jit_compiled_kernel():
 
     for row in compare(rounds=5):
         assert row["shipped_ms"] <= row["jit_ms"] * 1.02, row
+
+
+def test_inductor_compiles_the_triton_functions():
+    """torch.compile with Inductor (not only the conformance kit's aot_eager) sees the Triton functions through
+    wrap_triton and matches eager, forward and backward."""
+    import prime_kernels
+
+    ops = prime_kernels.load(KERNEL)
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(512, 256, generator=gen).to("cuda", torch.bfloat16)
+    bias = (0.1 * torch.randn(256, generator=gen)).cuda()
+    grad = torch.randn(512, 8, device="cuda")
+    options = dict(top_k=8, n_groups=8, topk_groups=4, score="sigmoid", scale=2.5)
+    results = []
+    for fn in (ops.moe_route, torch.compile(ops.moe_route, fullgraph=True)):
+        x = logits.clone().requires_grad_()
+        weights, experts = fn(x, bias, **options)
+        weights.backward(grad)
+        results.append((weights, experts, x.grad))
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
