@@ -181,6 +181,8 @@ def surface_samples(kernel, device):
         return ops.moe_sorted(x, w1, w2, w3, counts, row_weights=tw[:, 0])
 
     grad = problem(device, requires_grad=True, seed=2)
+    not_gated = problem(device, requires_grad=True, seed=8)
+    not_gated[3].requires_grad_(False)  # relu2 reads no w3
     return [
         (ops.moe, grad, {}),
         (mxfp8, problem(device, dim=128, hidden=128, requires_grad=True, seed=5), {}),
@@ -188,6 +190,6 @@ def surface_samples(kernel, device):
         (deterministic, problem(device, requires_grad=True, seed=3), {}),
         (fused, problem(device, seed=4), {}),
         (gpt_oss, problem(device, requires_grad=True, seed=7), {}),
-        (relu2, problem(device, requires_grad=True, seed=8), {}),
+        (relu2, not_gated, {}),
         (presorted, problem(device, requires_grad=True, seed=9), {}),
     ]
