@@ -2,7 +2,7 @@
 # Idempotent set-up for building and running linux_aarch64 (GH200 / GB200) wheels on this x86_64 Debian machine, no
 # aarch64 hardware and no binfmt_misc needed. Prints last (stdout) the path of an aarch64 CPython 3.11 that runs under
 # qemu-user in a venv holding PyPI's aarch64 torch: a wrapper script that is also the aarch64 build environment (step 3).
-# Install into that venv with scripts/lib/aarch64.sh's aarch64_pip.
+# Install into that venv with scripts/lib/aarch64.sh's aarch64_pip; this tree's core is installed there each run.
 # Usage: bash scripts/cross_aarch64.sh [DIR]   (default .cross/aarch64, ignored by git; ~5.5 GB, ~4 min the first time)
 # Environment: PRIME_KERNELS_TORCH (default: setup.sh's pin), PRIME_KERNELS_TORCH_INDEX (a pip index URL for another
 # torch build, e.g. https://download.pytorch.org/whl/cpu for the CPU-only one).
@@ -103,6 +103,10 @@ ln -s targets/aarch64-linux/lib "$cuda/lib64"
 # compilers' path (the sysroot's usr/include would put its C headers before libstdc++'s).
 mkdir -p "$root/include/aarch64-linux-gnu"
 ln -sfn "$sysroot/usr/include/aarch64-linux-gnu/python3.11" "$root/include/aarch64-linux-gnu/python3.11"
+
+# 7. This tree's core: the build kit the aarch64 builds import (pure Python; pip builds it in isolation).
+env -u PIP_FIND_LINKS python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore --no-deps \
+  --upgrade --target "$site" . 2>&1 | { grep -v 'already exists. Specify --upgrade' || true; } >&2
 
 log "ready: $("$venv/bin/python" -c 'import platform, torch; print(platform.machine(), "torch", torch.__version__)' 2>&1 | tail -n 1)"
 echo "$venv/bin/python"

@@ -19,14 +19,11 @@ for arg in "$@"; do
   esac
 done
 py=$(bash scripts/setup.sh)
+# As setup.sh: torch guesses CUDA_HOME from the nvcc on PATH, which may be a wrapper outside the toolkit.
+[ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ] && export CUDA_HOME=/usr/local/cuda
 pythons=(--python "$py")
 if [ -n "$aarch64" ]; then
   aarch64_py=$(bash scripts/cross_aarch64.sh)
-  # shellcheck source=lib/aarch64.sh
-  . scripts/lib/aarch64.sh
-  core=$(mktemp -d)  # the build kit the aarch64 builds import: this tree's core
-  "$py" -m pip wheel -q --no-deps --no-build-isolation -w "$core" . >&2
-  aarch64_pip "$aarch64_py" --no-deps "$core"/*.whl && rm -rf "$core"
   pythons+=(--python "$aarch64_py")
 fi
 # shellcheck disable=SC2046
