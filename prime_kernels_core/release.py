@@ -201,7 +201,7 @@ def pin_lines(wheels: list[Path], wheelhouse: Path) -> str:
             uv += [f"{name} = ["] + [f'  {{ path = "{path}", marker = "{_marker(machine)}" }},'
                                      for _, machine, path in built] + ["]"]
     return "\n".join([
-        f"pip install --find-links {wheelhouse} " + " ".join(f"'{r}'" for r in requirements),
+        f"pip install --find-links {wheelhouse} " + " ".join(f'"{r}"' for r in requirements),
         "", "# pyproject.toml", "[project]", "dependencies = [" + ", ".join(f'"{r}"' for r in requirements) + "]",
         "[tool.uv.sources]", *uv,
     ])
