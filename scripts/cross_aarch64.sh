@@ -4,8 +4,7 @@
 # qemu-user in a venv holding PyPI's aarch64 torch: a wrapper script that is also the aarch64 build environment (step 3).
 # Install into that venv with scripts/lib/aarch64.sh's aarch64_pip; this tree's core is installed there each run.
 # Usage: bash scripts/cross_aarch64.sh [DIR]   (default .cross/aarch64, ignored by git; ~5.5 GB, ~4 min the first time)
-# Environment: PRIME_KERNELS_TORCH (default: setup.sh's pin), PRIME_KERNELS_TORCH_INDEX (a pip index URL for another
-# torch build, e.g. https://download.pytorch.org/whl/cpu for the CPU-only one).
+# Environment: PRIME_KERNELS_TORCH (default: setup.sh's pin; PyPI's aarch64 torch is the CUDA build).
 # How each blocker was met: docs/notes/building.md (cross-building for aarch64).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -76,13 +75,11 @@ chmod +x "$venv/bin/python"
 
 # 4. Its packages, for the aarch64 platform (scripts/lib/aarch64.sh). The pip ninja only satisfies the plugins' build
 # requirements: the host's ninja (step 1) is the one on PATH.
-want="torch==$torch_pin${PRIME_KERNELS_TORCH_INDEX:+ from $PRIME_KERNELS_TORCH_INDEX}"
+want="torch==$torch_pin"
 if [ "$(cat "$root/installed" 2>/dev/null)" != "$want" ]; then
   log "installing aarch64 $want and the build and test tools into $venv (up to 3 GB the first time)"
   rm -rf "$site" && mkdir -p "$site"
-  aarch64_pip "$venv/bin/python" \
-    ${PRIME_KERNELS_TORCH_INDEX:+--index-url "$PRIME_KERNELS_TORCH_INDEX" --extra-index-url https://pypi.org/simple} \
-    "torch==$torch_pin" pluggy pytest build wheel "setuptools>=64" numpy ninja
+  aarch64_pip "$venv/bin/python" "torch==$torch_pin" pluggy pytest build wheel "setuptools>=64" numpy ninja
   echo "$want" > "$root/installed"
 fi
 
