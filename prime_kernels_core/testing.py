@@ -91,7 +91,7 @@ def kernel_module(kernel: str, module: str):
 
     reason = registry.unavailable_reason(kernel, "cpu")
     if reason:
-        pytest.skip(f"{kernel}: {reason}", allow_module_level=True)
+        pytest.skip(reason, allow_module_level=True)
     return importlib.import_module(module)
 
 
