@@ -245,7 +245,8 @@ def test_the_example_wheel_is_one_abi3_wheel_for_every_torch_from_its_floor():
     from packaging.version import Version
 
     dist, spec = _installed_example()
-    cuda = "cpu" if spec.build["cuda_skipped"] else f"cu{spec.build['torch_cuda'].replace('.', '')}"
+    # "cpu" when no CUDA code was compiled (a skipped toolkit, PRIME_KERNELS_ARCH=cpu, or PRIME_KERNELS naming others)
+    cuda = f"cu{spec.build['torch_cuda'].replace('.', '')}" if spec.build["nvcc"] else "cpu"
     assert Version(dist.version).local == f"{cuda}torchabi2.11", dist.version  # PEP 440, as pip and uv parse it
     (tag,) = [Tag(*line.split(": ")[1].split("-")) for line in dist.read_text("WHEEL").splitlines()
               if line.startswith("Tag: ")]
