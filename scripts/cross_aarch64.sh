@@ -55,6 +55,10 @@ CPU revision	: 0
 
 EOF
 
+# oneDNN's xbyak_aarch64 reads the core's MIDR_EL1 from sysfs (the same Neoverse V2: 0x41, variant 0, 0xd4f, r0p0).
+midr=$sysroot/sys/devices/system/cpu/cpu0/regs/identification
+mkdir -p "$midr" && echo 0x00000000410fd4f0 > "$midr/midr_el1"
+
 # 3. A venv whose python is a wrapper script: qemu runs the sysroot's python3.11 with argv[0] set to the wrapper, so that
 # sys.executable (and every `sys.executable -m ...` child, as `python -m build` and the build kit start) is the wrapper
 # again, a script this machine runs. The wrapper is also the aarch64 build environment: the compilers it hands to
