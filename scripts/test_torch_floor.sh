@@ -27,8 +27,11 @@ if ! "$fpy" -c "import sys, torch; sys.exit(not torch.__version__.startswith('$f
   log "installing torch $floor (PyPI's CUDA build, a download of a few GB the first time)"
   # This machine's pip config points at local folders holding other torch releases (a CPU-only 2.13 among them).
   env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$fpy" -m pip install -q --disable-pip-version-check \
-    "torch~=$floor.0" pluggy pytest numpy "setuptools>=64" >&2
+    "torch~=$floor.0" >&2
 fi
+# The test and build tools (wheel: the core is installed from source without isolation).
+"$fpy" -m pip install -q --disable-pip-version-check pluggy pytest numpy "setuptools>=64" wheel 2>&1 \
+  | { grep -v '^WARNING: Location .* is ignored' || true; } >&2
 # shellcheck source=lib/wheels.sh
 . scripts/lib/wheels.sh
 kit=$(kit_hash)
