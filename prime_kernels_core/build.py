@@ -30,6 +30,8 @@ from .manifest import (
 ARCH_ENV = "PRIME_KERNELS_ARCH"
 REQUIRE_ENV = "PRIME_KERNELS_REQUIRE"
 KERNELS_ENV = "PRIME_KERNELS"
+# PRIME_KERNELS_ARCH=cpu: no device code at all, a wheel for CPU-only torch (``+cpu...``), whatever toolkit is present.
+CPU_ONLY_ARCH = "cpu"
 MODULE_INIT = Path(__file__).parent / "csrc" / "module_init.cpp"
 # Device-code building blocks every plugin may include (<prime_kernels/sm90.cuh>).
 CORE_INCLUDE = Path(__file__).parent / "include"
@@ -93,11 +95,13 @@ class ArchRequest:
 
 
 def arch_request() -> ArchRequest | str:
-    """PRIME_KERNELS_ARCH as an ArchRequest (unset: the fat default; ``native``: the visible device), or why CUDA
-    cannot be built for it."""
+    """PRIME_KERNELS_ARCH as an ArchRequest (unset: the fat default; ``native``: the visible device; ``cpu``: none),
+    or why CUDA cannot be built for it."""
     override = os.environ.get(ARCH_ENV, "").strip()
     if not override:
         return ArchRequest(None, f"every arch each kernel lists ({ARCH_ENV} unset)")
+    if override == CPU_ONLY_ARCH:
+        return ArchRequest((), f"{ARCH_ENV}={CPU_ONLY_ARCH} (a CPU-only build)")
     if override == "native":
         import torch
 
@@ -328,8 +332,11 @@ def extension_plan(root: Path, toolchain: Toolchain) -> dict:
         raise BuildError(f"{package_dir.name}: {stable_floor_reason(floor, toolchain)}")
     has_cuda_sources = any(cuda_source_sets(t) for t in kernels.values())
     request = arch_request()
-    # A plugin without CUDA sources is CPU-only by design: nothing is skipped, so PRIME_KERNELS_REQUIRE has no say.
-    skip = (request if isinstance(request, str) else toolchain_skip_reason(toolchain)) if has_cuda_sources else None
+    # A plugin without CUDA sources is CPU-only by design, and a CPU-only request asks for no CUDA: nothing is skipped,
+    # so PRIME_KERNELS_REQUIRE has no say.
+    cpu_only = not isinstance(request, str) and request.archs == ()
+    skip = (request if isinstance(request, str) else toolchain_skip_reason(toolchain)) \
+        if has_cuda_sources and not cpu_only else None
     arch_plans = {
         name: kernel_arch_plan(name, table, request, toolchain.nvcc_version, _selected_kernels())
         if has_cuda_sources and skip is None else {"archs": [], "not_built": {}}

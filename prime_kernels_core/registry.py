@@ -350,19 +350,24 @@ def _torch_reason(spec: KernelSpec, floor: str | None) -> str | None:
 
 def _cuda_reason(spec: KernelSpec, floor: str | None, target: Target | str) -> str | None:
     """CUDA code runs under the CUDA it was built against: the same version for an exact-ABI build, the same major
-    for a stable-ABI one. The CPU code needs none."""
+    for a stable-ABI one. The CPU code needs none, but a module with CUDA code in it links torch's CUDA libraries,
+    which a CPU-only torch lacks: it does not even load there."""
     import torch
 
     built_cuda, running_cuda = spec.build.get("torch_cuda"), torch.version.cuda
     cuda_built = bool(spec.build.get("nvcc"))  # the build kit records nvcc only when it compiled CUDA code
-    if not cuda_built or (isinstance(target, Target) and target.kind == "cpu"):
+    if not cuda_built:
         return None
     if running_cuda is None:
+        cpu_label = f"cputorchabi{floor}" if floor else f"cputorch{major_minor(spec.build.get('torch'))}"
         return (
-            f"{spec.name} was built against CUDA {built_cuda} but this process runs a CPU-only torch; "
-            f"install a torch built with CUDA {built_cuda if not floor else _cuda_major(built_cuda) + '.x'}, "
-            "or use device 'cpu'"
+            f"{spec.name} was built with CUDA {built_cuda}, and its compiled module loads only under a torch built with "
+            f"CUDA, but this process runs a CPU-only torch ({torch.__version__}); install a torch built with CUDA "
+            f"{built_cuda if not floor else _cuda_major(built_cuda) + '.x'}, or the CPU-only build of "
+            f"{spec.distribution} (+{cpu_label})"
         )
+    if isinstance(target, Target) and target.kind == "cpu":
+        return None
     if floor and _cuda_major(built_cuda) != _cuda_major(running_cuda):
         return (
             f"{spec.name} was built against CUDA {built_cuda} and runs under any torch >= {floor} built with CUDA "

@@ -1,6 +1,8 @@
 """The conformance kit: ``assert_conforms(name)`` for any installed plugin, and the error-ratio rule for numerics."""
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from . import jit_gating, registry
@@ -79,6 +81,18 @@ def _assert_compiles_like_eager(name, fn, args, kwargs, backend) -> None:
             grads = list(torch.autograd.grad(total, leaves))
         results.append([o.detach() for o in outputs] + grads)
     torch.testing.assert_close(results[1], results[0], equal_nan=True, msg=lambda m: f"{name}: compiled != eager: {m}")
+
+
+def kernel_module(kernel: str, module: str):
+    """``module`` (a plugin module that loads ``kernel``'s compiled ops), imported at the top of a test file that
+    tests ``kernel``: where the registry refuses the kernel even on the CPU (a build for another torch, a CUDA build
+    under a CPU-only torch, ...), the whole file is skipped with the registry's sentence instead of failing to import."""
+    import pytest
+
+    reason = registry.unavailable_reason(kernel, "cpu")
+    if reason:
+        pytest.skip(reason, allow_module_level=True)
+    return importlib.import_module(module)
 
 
 def assert_conforms(name: str, compile_backend: str = "aot_eager") -> None:

@@ -69,7 +69,7 @@ def test_release_builds_checks_and_prints_pins(released):
     (wheel,) = wheelhouse.glob("*.whl")
     assert "checks passed" in done.stderr
     version = wheel.name.split("-")[1]
-    assert f"pip install --find-links {wheelhouse} 'pk-arch-variants=={version}'" in done.stdout
+    assert f'pip install --find-links {wheelhouse} "pk-arch-variants=={version}"' in done.stdout
     assert f'pk-arch-variants = {{ path = "{wheel}" }}' in done.stdout
     record = json.loads(zipfile.ZipFile(wheel).read("pk_arch_variants/_build_record.json"))
     assert record["kernels"]["arch_variants"] == {"archs": ["8.0", "9.0a", "12.0"], "not_built": {}}

@@ -186,6 +186,20 @@ def test_a_requested_arch_a_kernel_lacks_leaves_it_without_code_not_a_failed_bui
     assert [g["sources"] for g in _module(plan)["cuda_groups"]] == [["csrc/cuda/a.cu"]]
 
 
+@pytest.mark.parametrize("toolchain", [GOOD, Toolchain("2.14.1+cpu", None, None, None),
+                                       Toolchain("2.14.1+cu130", "13.0", None, None)], ids=["cuda", "cpu-torch", "no-nvcc"])
+def test_a_cpu_only_build_compiles_no_device_code_whatever_the_toolkit(tmp_path, monkeypatch, toolchain):
+    monkeypatch.setenv(build.ARCH_ENV, "cpu")
+    monkeypatch.setenv(build.REQUIRE_ENV, "1")
+    _write_plugin(tmp_path)
+    plan = build.extension_plan(tmp_path, toolchain)
+    build.announce(plan)  # asked for no CUDA, so nothing is skipped: no error under PRIME_KERNELS_REQUIRE=1
+    assert plan["version"] == "0.2.0+cputorch2.14" and plan["cuda_skipped"] is None
+    assert _module(plan)["cuda_groups"] == [] and _module(plan)["cpu_sources"] == ["csrc/k.cpp"]
+    assert plan["kernels"]["moe"] == {"archs": [], "not_built": dict.fromkeys(
+        ["9.0a", "10.0a"], "PRIME_KERNELS_ARCH=cpu (a CPU-only build) did not ask for a device it runs on")}
+
+
 def test_prime_kernels_names_the_kernels_built_with_cuda(tmp_path, monkeypatch):
     monkeypatch.delenv(build.ARCH_ENV, raising=False)
     monkeypatch.setenv(build.KERNELS_ENV, "hopper")

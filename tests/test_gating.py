@@ -137,11 +137,20 @@ def test_rule5_cuda_mismatch(plugin_dir, api, record):
 def test_rule5_cpu_only_torch(plugin_dir, api, monkeypatch, record):
     import torch
 
-    plugin_dir("pk-cputorch", record=record({"demo": ["9.0a"]}, torch_cuda="13.0"))
+    plugin_dir("pk-cputorch", record=record({"demo": ["9.0a"]}, torch="2.14.1+cu130", torch_cuda="13.0"))
     monkeypatch.setattr(torch.version, "cuda", None)
-    assert api.unavailable_reason("demo", SM90) == (
-        "demo was built against CUDA 13.0 but this process runs a CPU-only torch; "
-        "install a torch built with CUDA 13.0, or use device 'cpu'")
+    expected = ("demo was built with CUDA 13.0, and its compiled module loads only under a torch built with CUDA, but "
+                f"this process runs a CPU-only torch ({torch.__version__}); install a torch built with CUDA 13.0, or the "
+                "CPU-only build of pk-cputorch (+cputorch2.14)")
+    assert api.unavailable_reason("demo", SM90) == expected
+    assert api.unavailable_reason("demo", "cpu") == expected  # its module links libtorch_cuda: it cannot load
+
+
+def test_rule5_cpu_only_build_under_cpu_only_torch(plugin_dir, api, monkeypatch, record):
+    import torch
+
+    plugin_dir("pk-cpubuild", record=record({"demo": []}, torch_cuda="13.0", nvcc=None))
+    monkeypatch.setattr(torch.version, "cuda", None)
     assert api.unavailable_reason("demo", "cpu") is None
 
 

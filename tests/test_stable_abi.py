@@ -172,14 +172,23 @@ def test_a_stable_build_runs_on_every_torch_from_its_floor(plugin_dir, record, m
     ("13.0", None), ("13.2", None),
     ("12.8", "demo was built against CUDA 13.0 and runs under any torch >= 2.11 built with CUDA 13.x, but this process "
              "runs torch with CUDA 12.8; install a build of {dist} for CUDA 12"),
-    (None, "demo was built against CUDA 13.0 but this process runs a CPU-only torch; install a torch built with CUDA "
-           "13.x, or use device 'cpu'"),
 ])
 def test_a_stable_build_needs_the_same_cuda_major(plugin_dir, record, monkeypatch, cuda, expected):
     dist = _stable_plugin(plugin_dir, record)
     _running(monkeypatch, "2.12.0", cuda)
     assert prime_kernels.unavailable_reason("demo", "sm_90") == (expected and expected.format(dist=dist))
     assert prime_kernels.unavailable_reason("demo", "cpu") is None  # the CPU code needs no CUDA
+
+
+def test_a_cuda_build_is_refused_everywhere_under_a_cpu_only_torch(plugin_dir, record, monkeypatch):
+    """Its module links libtorch_cuda and libcudart, which a CPU-only torch lacks: even its CPU code cannot load."""
+    dist = _stable_plugin(plugin_dir, record)
+    _running(monkeypatch, "2.12.0", None)
+    expected = ("demo was built with CUDA 13.0, and its compiled module loads only under a torch built with CUDA, but "
+                f"this process runs a CPU-only torch (2.12.0); install a torch built with CUDA 13.x, or the CPU-only "
+                f"build of {dist} (+cputorchabi2.11)")
+    assert prime_kernels.unavailable_reason("demo", "sm_90") == expected
+    assert prime_kernels.unavailable_reason("demo", "cpu") == expected
 
 
 def test_an_exact_build_keeps_its_one_torch(plugin_dir, record, monkeypatch):
@@ -236,7 +245,8 @@ def test_the_example_wheel_is_one_abi3_wheel_for_every_torch_from_its_floor():
     from packaging.version import Version
 
     dist, spec = _installed_example()
-    cuda = "cpu" if spec.build["cuda_skipped"] else f"cu{spec.build['torch_cuda'].replace('.', '')}"
+    # "cpu" when no CUDA code was compiled (a skipped toolkit, PRIME_KERNELS_ARCH=cpu, or PRIME_KERNELS naming others)
+    cuda = f"cu{spec.build['torch_cuda'].replace('.', '')}" if spec.build["nvcc"] else "cpu"
     assert Version(dist.version).local == f"{cuda}torchabi2.11", dist.version  # PEP 440, as pip and uv parse it
     (tag,) = [Tag(*line.split(": ")[1].split("-")) for line in dist.read_text("WHEEL").splitlines()
               if line.startswith("Tag: ")]

@@ -3,8 +3,9 @@ fake runs them) instead of returning uninitialised memory; non-tensors are named
 import pytest
 import torch
 
-from pk_example_rmsnorm.ops import residual_rmsnorm
+from prime_kernels_core.testing import kernel_module
 
+residual_rmsnorm = kernel_module("residual_rmsnorm", "pk_example_rmsnorm.ops").residual_rmsnorm
 pytestmark = pytest.mark.kernel("residual_rmsnorm", device="cpu")
 
 

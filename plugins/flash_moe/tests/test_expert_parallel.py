@@ -29,11 +29,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from prime_kernels_core.testing import assert_error_ratio
-from prime_kernels_flash_moe import ops, reference
+from prime_kernels_core.testing import assert_error_ratio, kernel_module
+from prime_kernels_flash_moe import reference
 from prime_kernels_flash_moe.layouts import ExpertLayout, join_pairs
 
 KERNEL = "flash_moe"
+ops = kernel_module(KERNEL, "prime_kernels_flash_moe.ops")
 MAX_RATIO = 1.5
 NUM_EXPERTS, TOP_K, TOKENS, DIM, HIDDEN = 8, 2, 96, 128, 64
 ALIGN = 8  # torchtitan pads each local expert's rows to a multiple of the grouped GEMM's alignment

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prime_kernels_flash_moe import ops
+from prime_kernels_core.testing import kernel_module
 
 KERNEL = "flash_moe"
+ops = kernel_module(KERNEL, "prime_kernels_flash_moe.ops")
 cpu = pytest.mark.kernel(KERNEL, device="cpu")
 M, DIM, HIDDEN, E, TOP_K = 16, 128, 128, 4, 2
 

@@ -21,6 +21,7 @@ import torch
 SEED = int(os.environ.get("BATCH_INVARIANCE_TEST_SEED", time.time_ns() % 2**31))
 CUDA = torch.cuda.is_available()
 PROBES = 32  # 8 probes of 256 outputs passed without the CPU padding fix; 32 of 512 caught it
+pytestmark = pytest.mark.kernel("flash_moe", device="cpu")  # every test here runs it (on the CPU at least)
 
 
 def _weights(E, dim, hidden, device, g):

@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prime_kernels_core.testing import assert_error_ratio
-from prime_kernels_flash_moe import ops, reference
+from prime_kernels_core.testing import assert_error_ratio, kernel_module
+from prime_kernels_flash_moe import reference
 from prime_kernels_flash_moe.layouts import ExpertLayout, join_pairs
 
 KERNEL = "flash_moe"
+ops = kernel_module(KERNEL, "prime_kernels_flash_moe.ops")
 MAX_RATIO = 1.5
 cpu = pytest.mark.kernel(KERNEL, device="cpu")
 gpu = [pytest.mark.gpu, pytest.mark.kernel(KERNEL)]

@@ -19,8 +19,9 @@ import re
 import pytest
 import torch
 
-from prime_kernels_core.testing import RATIO_RESOLUTION, ROUNDING_FLOOR_SLACK, relative_error
-from prime_kernels_flash_moe import ops
+from prime_kernels_core.testing import RATIO_RESOLUTION, ROUNDING_FLOOR_SLACK, kernel_module, relative_error
+
+ops = kernel_module("flash_moe", "prime_kernels_flash_moe.ops")
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (scripts/setup.sh installs "
                                                            "it): the integration tests need it")

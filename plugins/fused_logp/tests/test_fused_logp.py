@@ -11,9 +11,11 @@ import time
 
 import pytest
 import torch
-from prime_kernels_core.testing import assert_conforms, assert_error_ratio
-from prime_kernels_fused_logp import ops, reference
-from prime_kernels_fused_logp.ops import logp_entropy
+from prime_kernels_core.testing import assert_conforms, assert_error_ratio, kernel_module
+from prime_kernels_fused_logp import reference
+
+ops = kernel_module("fused_logp", "prime_kernels_fused_logp.ops")
+logp_entropy = ops.logp_entropy
 
 SEED = int(os.environ.get("FUSED_LOGP_TEST_SEED", time.time_ns() % 2**31))
 print(f"fused_logp tests: seed {SEED}")

@@ -71,8 +71,10 @@ def cpu_targets() -> dict:
     }
 
 
-@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.kernel(KERNEL, device="cpu")),
-                                    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.kernel(KERNEL)])])
+# The sweep covers both kernels' functions: it skips where either cannot run.
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=[pytest.mark.kernel(KERNEL, device="cpu"), pytest.mark.kernel("linear_logp", device="cpu")]),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.kernel(KERNEL), pytest.mark.kernel("linear_logp")])])
 def test_every_bad_input_gets_a_clean_result_or_an_error_naming_the_argument(device):
     failures = fuzz.sweep(__file__, device)
     assert not failures, "\n".join(failures)

@@ -9,9 +9,11 @@ import time
 
 import pytest
 import torch
-from prime_kernels_core.testing import assert_conforms, assert_error_ratio
-from prime_kernels_fused_logp import inputs, linear_ops, reference
-from prime_kernels_fused_logp.linear_ops import linear_logp_entropy, unsupported_shape_reason
+from prime_kernels_core.testing import assert_conforms, assert_error_ratio, kernel_module
+from prime_kernels_fused_logp import inputs, reference
+
+linear_ops = kernel_module("linear_logp", "prime_kernels_fused_logp.linear_ops")
+from prime_kernels_fused_logp.linear_ops import linear_logp_entropy, unsupported_shape_reason  # noqa: E402
 
 SEED = int(os.environ.get("LINEAR_LOGP_TEST_SEED", time.time_ns() % 2**31))
 print(f"linear_logp tests: seed {SEED}")

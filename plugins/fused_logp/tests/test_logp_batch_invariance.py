@@ -21,6 +21,9 @@ import torch
 SEED = int(os.environ.get("BATCH_INVARIANCE_TEST_SEED", time.time_ns() % 2**31))
 CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device; none is visible")]
+# linear_logp's tests skip, with the registry's sentence, where it cannot run (the logits kernel's run on).
+linear_cpu = pytest.mark.kernel("linear_logp", device="cpu")
+linear_gpu = pytest.mark.kernel("linear_logp")
 CPU_BATCHES = (1, 7, 64, 1500)
 GPU_BATCHES = (1, 7, 64, 1500, 16384, 65536)
 PROBES = 3  # tokens followed through every batch (batch 1 holds the first only)
@@ -227,11 +230,13 @@ CPU_LINEAR_CASES = [(32000, 16, torch.bfloat16, CPU_BATCHES), (32000, 16, torch.
 
 
 @pytest.mark.parametrize("v, h, dtype, batches", CPU_LINEAR_CASES, ids=lambda c: str(c))
+@linear_cpu
 def test_cpu_linear(v, h, dtype, batches):
     check_linear_invariance(v, h, dtype, "cpu", batches)
 
 
 @pytest.mark.parametrize("tf", TRANSFORMS, ids=str)
+@linear_cpu
 def test_cpu_linear_transforms(tf):
     check_linear_invariance(32000, 16, torch.bfloat16, "cpu", CPU_BATCHES[:3], tf=tf)
 
@@ -239,6 +244,7 @@ def test_cpu_linear_transforms(tf):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device; none is visible")
 @pytest.mark.parametrize("tf", SOFTCAPS, ids=str)
+@linear_gpu
 def test_gpu_linear_transforms(tf):
     check_linear_invariance(151936, 4096, torch.bfloat16, "cuda", GPU_BATCHES[:5], tf=tf)
 
@@ -247,6 +253,7 @@ def test_gpu_linear_transforms(tf):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device; none is visible")
 @pytest.mark.parametrize("v, h", [(32000, 4096), (151936, 4096), (32001, 200)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@linear_gpu
 def test_gpu_linear(v, h, dtype):
     """Batches up to 65536 tokens: token chunks of the backward, several grad_hidden GEMM blocks, a padded last one."""
     check_linear_invariance(v, h, dtype, "cuda", GPU_BATCHES)
@@ -254,6 +261,7 @@ def test_gpu_linear(v, h, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device; none is visible")
+@linear_gpu
 def test_gpu_cublas_row_blocks_are_row_invariant():
     """The premise of the invariant backward: one cuBLAS GEMM shape gives a row the same bits wherever it sits in the
     block and whatever the other rows hold (rows permuted and refilled, the accumulator too)."""
@@ -387,12 +395,14 @@ def check_vp(outs, world):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
+@linear_cpu
 def test_gloo_vocab_parallel(tmp_path, world):
     check_vp(_vp_spawn(world, tmp_path, "gloo", 300), world)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [1, 2])
+@linear_gpu
 def test_nccl_vocab_parallel(tmp_path, world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA devices for NCCL")

@@ -28,6 +28,8 @@ import torch
 
 SEED = int(os.environ.get("VOCAB_PARALLEL_TEST_SEED", time.time_ns() % 2**31))
 TIMEOUT_S = 150  # the whole spawn (all cases of one world size); a hang fails the test after this
+# Every case here runs both kernels (the spawned ranks import both modules): each skips where either cannot run.
+pytestmark = [pytest.mark.kernel("fused_logp", device="cpu"), pytest.mark.kernel("linear_logp", device="cpu")]
 SMALL_V = 1000
 BIG_V = 151936
 LAYOUTS = {1: [1000], 2: [437, 563], 3: [300, 451, 249]}  # uneven local vocab sizes for SMALL_V, in vocab order
