@@ -513,6 +513,9 @@ def check_served(experts_class, device):
     ratio of grouped_mm's against float64 eager."""
     activation, make = SERVED[experts_class]
     experts = make()
+    unflagged = [f for f in ("has_gate", "has_bias", "is_transposed", "is_concatenated") if not hasattr(experts, f)]
+    if unflagged:  # an older transformers (the GPU machine's) declares no layout for this class: it falls back there
+        pytest.skip(f"{experts_class} has no {', '.join(unflagged)} in transformers {transformers.__version__}")
     family, reason = integrations.experts_family(experts)
     assert reason is None and family.activation == activation
     in_axis = 1 if experts.is_transposed else 2
