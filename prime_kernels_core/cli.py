@@ -54,6 +54,16 @@ def arch_arg(value: str) -> str:
     return value
 
 
+class _Once(argparse.Action):
+    """A single-valued flag given twice is a usage error: silently keeping the last one checks another target than
+    the launch script's first flag asked for."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest) is not None:
+            parser.error(f"{option_string} was given twice ({getattr(namespace, self.dest)} and {values}); give it once")
+        setattr(namespace, self.dest, values)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, not argparse's usage block
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -65,12 +75,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"prime-kernels {__version__}")
     p.add_argument("--json", action="store_true", help=f"print the report as JSON (schema version {SCHEMA_VERSION})")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--device", type=device_arg, default=None,
+    where.add_argument("--device", type=device_arg, default=None, action=_Once,
                        help="the CUDA device to check (N, cuda or cuda:N; default: the current one), or cpu alone")
-    where.add_argument("--arch", type=arch_arg, default=None,
+    where.add_argument("--arch", type=arch_arg, default=None, action=_Once,
                        help="check as if the GPU were of this capability (sm_90, sm_100, ...), not the one present")
-    p.add_argument("--require", nargs="+", metavar="NAME", default=[],
-                   help="exit 1 unless each of these kernels is available on the CUDA device (the CPU with --device cpu)")
+    # "extend": a launch script that passes one --require per kernel requires them all, not the last one only.
+    p.add_argument("--require", nargs="+", action="extend", metavar="NAME", default=[],
+                   help="exit 1 unless each of these kernels is available on the CUDA device (the CPU with --device "
+                        "cpu); repeatable, the lists add up")
     p.add_argument("--probe", action="store_true", help="check each kernel in a child process (a crash becomes a row)")
     return p
 

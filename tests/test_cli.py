@@ -236,3 +236,21 @@ def test_arch_table_and_require_answer_for_a_gpu_that_is_not_here(plugin_dir, tm
     assert done.returncode == 1 and "hopper has no CUDA build for sm_100" in done.stderr
     text = _run(tmp_path, "--arch", "sm_100", allow=allow, columns=120).stdout
     assert "sm_100" in text and all(len(line) <= 120 for line in text.splitlines())
+
+
+def test_repeated_require_flags_add_up(plugin_dir, capsys):
+    """A launch script that passes one --require per kernel requires every one of them (issue 61, item 1)."""
+    plugin_dir("pk-cli-repeat", kernel="good")  # in this process: a distribution name no other test imports
+    assert cli.main(["--device", "cpu", "--require", "nope_kernel", "--require", "good"]) == 1
+    assert "required kernel nope_kernel is unavailable on cpu" in capsys.readouterr().err
+    assert cli.main(["--device", "cpu", "--require", "good", "--require", "nope_kernel", "other"]) == 1
+    assert capsys.readouterr().err.count("is unavailable on cpu") == 2
+    assert cli.main(["--device", "cpu", "--require", "good", "--require", "good"]) == 0
+
+
+@pytest.mark.parametrize("flag, first, second", [("--device", "cpu", "0"), ("--arch", "sm_90", "sm_100")])
+def test_a_single_valued_flag_given_twice_is_a_usage_error(flag, first, second, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.parser().parse_args([flag, first, flag, second])
+    assert exited.value.code == 2
+    assert f"{flag} was given twice ({first} and {second}); give it once" in capsys.readouterr().err
