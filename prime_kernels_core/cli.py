@@ -20,8 +20,10 @@ from . import __version__, registry
 
 # Bumped whenever a key of the JSON document is renamed, removed or changes meaning (adding a key does not).
 SCHEMA_VERSION = 1
-DEVICE_SPELLING = re.compile(r"\d+|cpu|cuda(:\d+)?")
-WHAT_IF_ARCH = re.compile(r"sm_(\d+)")
+# ASCII digits only: "sm_٩٠" or "cuda:٩" would pass \d and reach torch as a device it cannot parse. An arch has a
+# major and a minor digit at least (sm_9 is no capability).
+DEVICE_SPELLING = re.compile(r"[0-9]+|cpu|cuda(:[0-9]+)?")
+WHAT_IF_ARCH = re.compile(r"sm_[1-9][0-9]+")
 PROBE_TIMEOUT_S = 300
 # The child prints one marked JSON line per device it was asked about; anything a plugin prints is not one.
 PROBE_MARK = "prime-kernels-probe: "
@@ -48,9 +50,11 @@ def device_arg(value: str):
 
 
 def arch_arg(value: str) -> str:
-    """--arch: a compute capability spelled sm_<digits> (sm_90, sm_100, sm_120), checked as if such a GPU were here."""
+    """--arch: a compute capability spelled sm_<major><minor> (sm_90, sm_100, sm_120), checked as if such a GPU were
+    here."""
     if not WHAT_IF_ARCH.fullmatch(value):
-        raise argparse.ArgumentTypeError(f"{value!r} is not an arch; use sm_ and the capability's digits, e.g. sm_100")
+        raise argparse.ArgumentTypeError(f"{value!r} is not an arch; use sm_ and the capability's major and minor "
+                                         "digits (ASCII), e.g. sm_90 or sm_100")
     return value
 
 

@@ -254,3 +254,12 @@ def test_a_single_valued_flag_given_twice_is_a_usage_error(flag, first, second, 
         cli.parser().parse_args([flag, first, flag, second])
     assert exited.value.code == 2
     assert f"{flag} was given twice ({first} and {second}); give it once" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["--arch", "sm_9"], ["--arch", "sm_٩٠"], ["--device", "cuda:٩"], ["--device", "٠"]])
+def test_an_arch_or_device_torch_cannot_parse_is_a_usage_error(args, capsys):
+    """Not "Invalid device string" in every row (issue 61, items 7 and 8): one digit, or non-ASCII digits."""
+    with pytest.raises(SystemExit) as exited:
+        cli.parser().parse_args(args)
+    assert exited.value.code == 2
+    assert f"{args[1]!r} is not a{'n arch' if args[0] == '--arch' else ' device'}" in capsys.readouterr().err
