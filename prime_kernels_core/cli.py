@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import io
 import json
+import os
 import platform
 import re
 import shutil
@@ -328,6 +330,22 @@ def format_report(doc: dict, width: int) -> str:
 
 # ---------------------------------------------------------------- main
 
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """What plugins print while they are imported and checked (from Python or from C) goes to stderr, so stdout holds
+    the report alone and ``--json`` stays one JSON document."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        ctypes.CDLL(None).fflush(None)  # C stdio's buffer, written while fd 1 was stderr, goes there too
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _missing(doc: dict, names: list[str]) -> dict[str, str]:
     """{required name: why it cannot run on the first column's target} for each required kernel that cannot."""
     key = "cuda" if doc["cuda_target"] else "cpu"
@@ -343,7 +361,8 @@ def _missing(doc: dict, names: list[str]) -> dict[str, str]:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    doc = report(args.device, args.arch, args.probe)
+    with _stdout_to_stderr():
+        doc = report(args.device, args.arch, args.probe)
     width = shutil.get_terminal_size((80, 24)).columns
     print(json.dumps(doc, indent=2) if args.json else format_report(doc, width))
     target = doc["cuda_target"]

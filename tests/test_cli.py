@@ -263,3 +263,16 @@ def test_an_arch_or_device_torch_cannot_parse_is_a_usage_error(args, capsys):
         cli.parser().parse_args(args)
     assert exited.value.code == 2
     assert f"{args[1]!r} is not a{'n arch' if args[0] == '--arch' else ' device'}" in capsys.readouterr().err
+
+
+def test_json_is_the_only_thing_on_stdout_when_a_plugin_prints(plugin_dir, tmp_path):
+    """A plugin that prints at import, from Python and straight to file descriptor 1 (as C code would), does not break
+    --json (issue 61, item 6): its output goes to stderr."""
+    plugin_dir("pk-cli-chatty", kernel="chatty", ops_source=(
+        "import os\nprint('hello from python')\nos.write(1, b'hello from fd 1\\n')\n"
+        "def unsupported_shape_reason(n):\n    return None\n"))
+    done = _run(tmp_path, "--json", "--device", "cpu", allow="pk-cli-chatty")
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(done.stdout)["kernels"]
+    assert row["kernel"] == "chatty"
+    assert "hello from python" in done.stderr and "hello from fd 1" in done.stderr
