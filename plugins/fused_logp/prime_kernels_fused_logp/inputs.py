@@ -100,5 +100,6 @@ def flatten_linear(hidden, weight, labels, temperature, bias):
                              f"{tuple(labels.shape)}, got shape {tuple(temperature.shape)}")
         temperature = 1.0
     if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
-        raise ValueError(f"bias must be a tensor of shape [{weight.shape[0]}], got {getattr(bias, 'shape', bias)}")
+        raise ValueError(f"bias must be a tensor of shape [{weight.shape[0]}] (weight's vocab rows), got "
+                         f"{getattr(bias, 'shape', bias)}")
     return h2, l1, float(temperature), token_temperature
