@@ -24,7 +24,7 @@ from pathlib import Path
 from . import jit_manifest
 from .manifest import (
     ARCH_PATTERN, BUILD_RECORD_NAME, DEFAULT_CXX_STD, EXTENSION_MODULE, MANIFEST_NAME, arch_runs_on, capability_of,
-    cuda_source_sets, extension_module, load, major_minor, release_tuple,
+    cuda_source_sets, extension_module, load, major_minor, release_tuple, source_paths,
 )
 
 ARCH_ENV = "PRIME_KERNELS_ARCH"
@@ -281,6 +281,15 @@ def _check_cuda_sources(name: str, table: dict) -> None:
         raise BuildError(f"kernel {name!r} lists archs {bare} with no CUDA sources (sources.cuda or sources.cuda_variants)")
 
 
+def _check_source_files(root: Path, name: str, table: dict) -> None:
+    """Every source a kernel names is a file, whether or not this build compiles CUDA: a missing .cu would otherwise
+    go unnoticed wherever no toolkit is found (the wheel comes out CPU-only either way)."""
+    missing = [p for p in source_paths(table) if not (root / p).is_file()]
+    if missing:
+        raise BuildError(f"kernel {name!r} names sources {missing} that are not files under {root} (kernel.toml's "
+                         "sources are relative to the project folder, where setup.py is)")
+
+
 def _selected_kernels() -> set[str] | None:
     """The kernels PRIME_KERNELS names (the only ones built with CUDA), or None when it is unset."""
     named = {n.strip() for n in os.environ.get(KERNELS_ENV, "").split(",") if n.strip()}
@@ -326,6 +335,7 @@ def extension_plan(root: Path, toolchain: Toolchain) -> dict:
     kernels = manifest["kernels"]
     for name, table in kernels.items():
         _check_cuda_sources(name, table)
+        _check_source_files(root, name, table)
     floors = {t["stable_abi"] for t in kernels.values() if t.get("stable_abi")}
     floor = floors.pop() if floors else None  # the manifest allows one floor per plugin
     if floor and stable_floor_reason(floor, toolchain):

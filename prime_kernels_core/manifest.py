@@ -196,6 +196,13 @@ def cuda_source_sets(table: dict) -> dict[str, tuple[str, ...]]:
     return {arch: tuple(variants.get(arch, sources.get("cuda", []))) for arch in table.get("archs", [])}
 
 
+def source_paths(table: dict) -> list[str]:
+    """Every path one kernel table's sources name (cpu, cuda, each cuda_variants entry), relative to the project."""
+    sources = table.get("sources", {})
+    variants = [p for paths in sources.get("cuda_variants", {}).values() for p in paths]
+    return list(dict.fromkeys([*sources.get("cpu", []), *sources.get("cuda", []), *variants]))
+
+
 def capability_of(arch: str) -> tuple[int, int] | None:
     """``"9.0a"`` -> ``(9, 0)``: the compute capability an arch is spelled after, or None when it is malformed."""
     match = ARCH_PATTERN.fullmatch(arch) if isinstance(arch, str) else None

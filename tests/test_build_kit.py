@@ -8,7 +8,7 @@ import pytest
 import prime_kernels
 
 from prime_kernels_core import build
-from prime_kernels_core.manifest import ManifestError
+from prime_kernels_core.manifest import ManifestError, load, source_paths
 from prime_kernels_core.build import Toolchain, nvcc_arch_reason, toolchain_skip_reason
 
 GOOD = Toolchain("2.14.1+cu130", "13.0", "/usr/local/cuda", "13.0")
@@ -103,6 +103,18 @@ def _module(plan, name="_C"):
     return next(m for m in plan["modules"] if m["name"] == name)
 
 
+def _touch_sources(root, package):
+    """An empty file for each source the manifest names: the build kit checks that they exist."""
+    try:
+        kernels = load(root / package)["kernels"]
+    except ManifestError:  # the test is about the manifest's own mistake
+        return
+    for table in kernels.values():
+        for path in source_paths(table):
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            (root / path).touch()
+
+
 def _write_plugin(root, constants="BLOCK_M = 128\nUSE_TMA = true", cuda='["csrc/k.cu"]', extra=""):
     (root / "pk_plan").mkdir()
     (root / "pk_plan" / "kernel.toml").write_text(textwrap.dedent(f"""\
@@ -118,6 +130,8 @@ def _write_plugin(root, constants="BLOCK_M = 128\nUSE_TMA = true", cuda='["csrc/
         {extra}
         [moe.constants]
     """) + constants + "\n")
+    load.cache_clear()
+    _touch_sources(root, "pk_plan")
 
 
 def _write_two_kernels(root):
@@ -141,6 +155,8 @@ def _write_two_kernels(root):
         sources.cuda_variants."9.0a" = ["csrc/cuda/b_sm90.cu", "csrc/cuda/b_common.cu"]
         sources.cuda_variants."10.0a" = ["csrc/cuda/b_sm100.cu"]
     """))
+    load.cache_clear()
+    _touch_sources(root, "pk_two")
 
 
 def test_plan_compiles_manifest_constants_and_archs(tmp_path, monkeypatch):
@@ -250,6 +266,17 @@ def test_plugin_without_cuda_sources_is_no_skip(tmp_path, monkeypatch, capsys):
     assert "skipping CUDA" not in capsys.readouterr().err
     assert plan["cuda_skipped"] is None and _module(plan)["cuda_groups"] == [] and _module(plan)["nvcc_flags"] == []
     assert plan["version"] == "0.2.0+cputorch2.14"
+
+
+@pytest.mark.parametrize("toolchain", [GOOD, Toolchain("2.14.1+cu130", "13.0", None, None)], ids=["cuda", "no toolkit"])
+@pytest.mark.parametrize("missing", ["csrc/k.cpp", "csrc/k.cu", "csrc/k100.cu"])
+def test_a_missing_source_fails_the_build_with_or_without_cuda(tmp_path, monkeypatch, toolchain, missing):
+    """A missing .cu built a CPU-only wheel without a word where no toolkit was found (issue 61, item 12)."""
+    monkeypatch.delenv(build.ARCH_ENV, raising=False)
+    _write_plugin(tmp_path, extra='sources.cuda_variants."10.0a" = ["csrc/k100.cu"]')
+    (tmp_path / missing).unlink()
+    with pytest.raises(build.BuildError, match=rf"kernel 'moe' names sources \['{missing}'\] that are not files under "):
+        build.extension_plan(tmp_path, toolchain)
 
 
 def test_string_constants_are_refused(tmp_path):
