@@ -1,7 +1,7 @@
 """``python -m prime_kernels`` / ``prime-kernels``: what this machine has (core, Python, torch, driver, nvcc, GPUs), then
 whether each installed kernel can run on the CUDA device and on the CPU, and why not; as text that fits the terminal
 or as JSON (schema SCHEMA_VERSION, docs/core.md); ``--require`` for launch scripts. Exit codes: 0, 1 when a required
-kernel is unavailable, 2 for a usage error."""
+kernel is unavailable, 2 for a usage error, 3 when the report could not be written (stdout on a full device)."""
 from __future__ import annotations
 
 import argparse
@@ -40,6 +40,7 @@ NO_PLUGINS_HINT = (
     "and run again."
 )
 GAP = "  "
+UNWRITTEN_EXIT = 3
 
 
 # ---------------------------------------------------------------- arguments
@@ -359,12 +360,34 @@ def _missing(doc: dict, names: list[str]) -> dict[str, str]:
     return missing
 
 
+def _write_report(text: str) -> str | None:
+    """Print the report; None, or why stdout took it not (a full device, a closed pipe). A character the output's
+    encoding lacks (PYTHONIOENCODING=ascii, a reason naming a non-ASCII path) is escaped, not a traceback."""
+    try:
+        sys.stdout.reconfigure(errors="backslashreplace")
+    except (AttributeError, ValueError):  # a replaced stdout without reconfigure: write as it can
+        pass
+    try:
+        print(text)
+        sys.stdout.flush()
+        return None
+    except OSError as exc:
+        # What stays buffered would fail again at exit ("Exception ignored ..."): send it to the null device.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return f"prime-kernels: error: the report could not be written to stdout: {exc.strerror or exc}"
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     with _stdout_to_stderr():
         doc = report(args.device, args.arch, args.probe)
     width = shutil.get_terminal_size((80, 24)).columns
-    print(json.dumps(doc, indent=2) if args.json else format_report(doc, width))
+    unwritten = _write_report(json.dumps(doc, indent=2) if args.json else format_report(doc, width))
+    if unwritten:
+        print(unwritten, file=sys.stderr)
+        return UNWRITTEN_EXIT
     target = doc["cuda_target"]
     where = "cpu" if target is None else _cuda_label(target)
     missing = _missing(doc, args.require)

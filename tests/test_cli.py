@@ -276,3 +276,42 @@ def test_json_is_the_only_thing_on_stdout_when_a_plugin_prints(plugin_dir, tmp_p
     (row,) = json.loads(done.stdout)["kernels"]
     assert row["kernel"] == "chatty"
     assert "hello from python" in done.stderr and "hello from fd 1" in done.stderr
+
+
+def test_a_non_ascii_reason_under_an_ascii_stdout_is_escaped(plugin_dir, tmp_path):
+    """PYTHONIOENCODING=ascii and a reason naming a non-ASCII path: the report, not a UnicodeEncodeError (issue 61,
+    item 7)."""
+    plugin_dir("pk-cli-ascii", kernel="good", import_error="/home/josé/libcuda.so.1: cannot open shared object file")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]), PRIME_KERNELS_PLUGINS="pk-cli-ascii",
+               PYTHONIOENCODING="ascii")
+    done = subprocess.run([sys.executable, "-m", "prime_kernels", "--device", "cpu"], capture_output=True, env=env)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    assert b"/home/jos\\xe9/libcuda.so.1" in done.stdout and b"Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_stdout_on_a_full_device_is_one_line_and_exit_3(plugin_dir, tmp_path):
+    plugin_dir("pk-cli-full", kernel="good")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]), PRIME_KERNELS_PLUGINS="pk-cli-full")
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "prime_kernels", "--device", "cpu"], stdout=full,
+                              stderr=subprocess.PIPE, text=True, env=env)
+    assert done.returncode == cli.UNWRITTEN_EXIT == 3, done.stderr
+    assert done.stderr == "prime-kernels: error: the report could not be written to stdout: No space left on device\n"
+
+
+@pytest.mark.parametrize("where", ["a file", "unwritable"])
+def test_release_with_a_wheelhouse_it_cannot_use_is_one_line(tmp_path, where):
+    wheelhouse = tmp_path / "wheelhouse"
+    if where == "a file":
+        wheelhouse.write_text("")
+    else:
+        (wheelhouse / "logs").mkdir(parents=True)
+        (wheelhouse / "logs").chmod(0o500)
+        if os.access(wheelhouse / "logs", os.W_OK):
+            pytest.skip("this user writes to read-only folders (root)")
+    done = subprocess.run([sys.executable, "-m", "prime_kernels_core.release", "--wheelhouse", str(wheelhouse),
+                           str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(f"python -m prime_kernels_core.release: error: --wheelhouse {wheelhouse} cannot hold "
+                                  "the wheels and their logs: "), done.stderr
