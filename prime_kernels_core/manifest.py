@@ -34,9 +34,10 @@ EXTENSION_MODULE = "_C"
 STABLE_EXTENSION_MODULE = "_C_stable"
 # The first torch whose stable ABI a build can target (TORCH_TARGET_VERSION, STABLE_TORCH_LIBRARY, TORCH_BOX).
 STABLE_ABI_FIRST = (2, 10)
-TORCH_RELEASE = re.compile(r"(\d+)\.(\d+)")
+# ASCII digits only ([0-9], not \d): "٢.١١" or "٩.٠a" would pass \d, and int() reads them, but no compiler does.
+TORCH_RELEASE = re.compile(r"([0-9]+)\.([0-9]+)")
 # A CUDA arch as manifests and PRIME_KERNELS_ARCH spell it: MAJOR.MINOR, then "a" (arch-specific) or "f" (family).
-ARCH_PATTERN = re.compile(r"(\d+)\.(\d+)([af]?)")
+ARCH_PATTERN = re.compile(r"([0-9]+)\.([0-9]+)([af]?)")
 CXX_STD_PATTERN = re.compile(r"c\+\+(17|20|23)")
 DEFAULT_CXX_STD = "c++20"
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -261,7 +261,7 @@ def _find(name: str) -> tuple[Entry | None, str | None]:
 # ---------------------------------------------------------------- targets
 
 # "sm_120", "sm_90", "sm_90a": a capability as nvcc and nvidia-smi users spell it (the last digit is the minor).
-SM_PATTERN = re.compile(r"sm_?(\d+)(\d)[af]?")
+SM_PATTERN = re.compile(r"sm_?([0-9]+)([0-9])[af]?")  # ASCII digits, as manifest.ARCH_PATTERN
 
 
 def parse_capability(device) -> tuple[int, int] | None:

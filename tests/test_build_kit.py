@@ -332,3 +332,27 @@ def test_cuda_library_headers_only_when_the_toolkit_lacks_them(tmp_path):
     assert includes, "the nvidia wheels beside torch have no include folder with cusparse.h"
     for include in includes:
         assert (Path(include) / "cusparse.h").exists()
+
+
+@pytest.mark.parametrize("extra, words", [
+    ('archs = ["٩.٠a"]', r"archs are spelled MAJOR.MINOR\[a\|f\]"),
+    ('stable_abi = "٢.١١"', r"stable_abi is the oldest torch release the kernel targets, a string MAJOR.MINOR"),
+])
+def test_non_ascii_digits_are_no_arch_and_no_release(tmp_path, extra, words):
+    """Arabic-Indic digits passed every spelling check (\\d) and reached nvcc (issue 61, item 8)."""
+    (tmp_path / "pk_digits").mkdir()
+    (tmp_path / "pk_digits" / "kernel.toml").write_text(
+        f'version = "0.1.0"\n[k]\nnamespace = "pk_digits"\nops = ["a"]\nmodule = "pk_digits.ops"\n{extra}\n',
+        encoding="utf-8")
+    load.cache_clear()
+    with pytest.raises(ManifestError, match=words):
+        load(tmp_path / "pk_digits")
+
+
+def test_non_ascii_digits_are_no_capability_and_no_arch_request(monkeypatch):
+    from prime_kernels_core import registry
+
+    assert registry.parse_capability("sm_٩٠") is None and registry.parse_capability("٩.٠") is None
+    assert registry.parse_capability("sm_90") == (9, 0)
+    monkeypatch.setenv(build.ARCH_ENV, "٩.٠a")
+    assert "not of the form MAJOR.MINOR[a|f]" in build.arch_request()
