@@ -73,7 +73,7 @@ def detect_toolchain() -> Toolchain:
     cuda_home = cpp_extension.CUDA_HOME
     nvcc_version = None
     # torch guesses CUDA_HOME from the nvcc on PATH; a wrapper script there yields a directory with no toolkit in it.
-    if cuda_home and Path(cuda_home, "bin", "nvcc").exists() and Path(cuda_home, "include", "cuda_runtime.h").exists():
+    if cuda_home and all(Path(cuda_home, f).exists() for f in TOOLKIT_FILES):
         text = subprocess.run([str(Path(cuda_home, "bin", "nvcc")), "--version"], capture_output=True, text=True).stdout
         found = re.search(r"release (\d+\.\d+)", text)
         nvcc_version = found[1] if found else None
@@ -117,12 +117,31 @@ def arch_request() -> ArchRequest | str:
     return ArchRequest(archs, f"{ARCH_ENV}={override}")
 
 
+# What a folder needs to be the CUDA toolkit a build compiles with (detect_toolchain checks the same).
+TOOLKIT_FILES = ("bin/nvcc", "include/cuda_runtime.h")
+
+
+def no_toolkit_reason(cuda_home: str | None) -> str:
+    """Why ``cuda_home`` (torch's CUDA_HOME) is no usable toolkit, naming what it lacks and where it came from: torch
+    guesses it from the nvcc on PATH when CUDA_HOME is unset, and a wrapper script there yields a folder with a
+    bin/nvcc but no headers."""
+    if not cuda_home:
+        return "no CUDA toolkit was found (CUDA_HOME is unset and no nvcc is on PATH)"
+    origin = ("CUDA_HOME" if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+              else "CUDA_HOME is unset, so torch guessed it from the nvcc on PATH")
+    missing = [f for f in TOOLKIT_FILES if not Path(cuda_home, f).exists()]
+    if missing:
+        return (f"no CUDA toolkit was found: {cuda_home} ({origin}) has no {' and no '.join(missing)}; set CUDA_HOME "
+                "to the toolkit's folder (e.g. /usr/local/cuda)")
+    return f"no CUDA toolkit was found: {Path(cuda_home, 'bin', 'nvcc')} --version names no release ({origin})"
+
+
 def toolchain_skip_reason(toolchain: Toolchain) -> str | None:
     """Why this toolchain cannot build CUDA extensions for the installed torch at all, or None."""
     if toolchain.torch_cuda is None:
         return f"torch {toolchain.torch_version} is a CPU-only build"
     if not toolchain.nvcc_version:
-        return f"no CUDA toolkit was found (CUDA_HOME={toolchain.cuda_home} has no bin/nvcc and include/cuda_runtime.h)"
+        return no_toolkit_reason(toolchain.cuda_home)
     if _version_tuple(toolchain.nvcc_version)[0] != _version_tuple(toolchain.torch_cuda)[0]:
         return (
             f"nvcc is CUDA {toolchain.nvcc_version} but torch {toolchain.torch_version} was built with CUDA "

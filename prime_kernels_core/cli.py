@@ -18,7 +18,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from . import __version__, registry
+from . import __version__, build, registry
 
 # Bumped whenever a key of the JSON document is renamed, removed or changes meaning (adding a key does not).
 SCHEMA_VERSION = 1
@@ -117,21 +117,16 @@ def _driver() -> tuple[str | None, str | None]:
 
 
 def _nvcc() -> tuple[str | None, str | None, str | None]:
-    """(version, path, None) of the nvcc that torch's extension builds would use, or (None, path or None, why not)."""
+    """(version, CUDA_HOME, None) of the toolkit a plugin build would compile with (the build kit's own check), or
+    (None, CUDA_HOME or None, why a build would skip CUDA)."""
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # it prints "No CUDA runtime is found" without a GPU
-            from torch.utils.cpp_extension import CUDA_HOME
+            toolchain = build.detect_toolchain()
     except Exception as exc:
         return None, None, f"torch.utils.cpp_extension failed to import: {type(exc).__name__}: {exc}"
-    if not CUDA_HOME:
-        return None, None, "no CUDA toolkit found (CUDA_HOME is unset and no nvcc is on PATH)"
-    nvcc = Path(CUDA_HOME) / "bin" / "nvcc"
-    try:
-        out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=30).stdout
-    except Exception as exc:
-        return None, str(nvcc), f"{nvcc} --version failed: {type(exc).__name__}: {exc}"
-    release = re.search(r"release (\d+\.\d+)", out)
-    return (release[1], str(nvcc), None) if release else (None, str(nvcc), f"{nvcc} --version printed no release")
+    if toolchain.nvcc_version:
+        return toolchain.nvcc_version, toolchain.cuda_home, None
+    return None, toolchain.cuda_home, build.no_toolkit_reason(toolchain.cuda_home)
 
 
 def _gpus(torch) -> tuple[list[dict], str | None]:
@@ -152,7 +147,7 @@ def environment() -> dict:
     import torch
 
     driver, driver_reason = _driver()
-    nvcc, nvcc_path, nvcc_reason = _nvcc()
+    nvcc, cuda_home, nvcc_reason = _nvcc()
     try:
         gpus, gpu_reason = _gpus(torch)
     except Exception as exc:
@@ -161,7 +156,8 @@ def environment() -> dict:
         "core_version": __version__, "python_version": platform.python_version(), "python_executable": sys.executable,
         "torch_version": torch.__version__, "torch_cuda_version": torch.version.cuda,
         "driver_version": driver, "driver_reason": driver_reason,
-        "nvcc_version": nvcc, "nvcc_path": nvcc_path, "nvcc_reason": nvcc_reason,
+        "nvcc_version": nvcc, "nvcc_path": cuda_home and str(Path(cuda_home, "bin", "nvcc")), "cuda_home": cuda_home,
+        "nvcc_reason": nvcc_reason,
         "gpus": gpus, "gpu_reason": gpu_reason,
     }
 
@@ -240,7 +236,8 @@ def _environment_lines(env: dict, width: int) -> list[str]:
         ("prime-kernels", f"{env['core_version']}; Python {env['python_version']}; "
                           f"torch {env['torch_version']} ({torch_cuda})"),
         ("driver", env["driver_version"] or env["driver_reason"]),
-        ("nvcc", f"{env['nvcc_version']} ({env['nvcc_path']})" if env["nvcc_version"] else env["nvcc_reason"]),
+        ("nvcc", f"{env['nvcc_version']} (CUDA_HOME {env['cuda_home']}, as plugin builds use it)"
+                 if env["nvcc_version"] else env["nvcc_reason"]),
     ]
     facts += [(f"GPU {g['index']}", f"{g['name']}, {g['arch']} (capability {g['capability']}), {g['memory_gib']} GiB")
               for g in env["gpus"]] or [("GPU", f"none: {env['gpu_reason']}")]

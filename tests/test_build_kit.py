@@ -22,12 +22,24 @@ def test_suitable_toolchain_builds():
 @pytest.mark.parametrize("toolchain,expected", [
     (Toolchain("2.14.1+cpu", None, "/usr/local/cuda", "13.0"), "torch 2.14.1+cpu is a CPU-only build"),
     (Toolchain("2.14.1+cu130", "13.0", None, None),
-     "no CUDA toolkit was found (CUDA_HOME=None has no bin/nvcc and include/cuda_runtime.h)"),
+     "no CUDA toolkit was found (CUDA_HOME is unset and no nvcc is on PATH)"),
     (Toolchain("2.14.1+cu130", "13.0", "/usr/local/cuda", "12.8"),
      "nvcc is CUDA 12.8 but torch 2.14.1+cu130 was built with CUDA 13.0; the CUDA majors must match"),
 ])
 def test_unsuitable_toolchains_skip_with_a_sentence(toolchain, expected):
     assert toolchain_skip_reason(toolchain) == expected
+
+
+def test_a_guessed_cuda_home_with_nvcc_but_no_headers_says_so(tmp_path, monkeypatch):
+    """A wrapper nvcc on PATH outside the toolkit: torch guesses a folder with bin/nvcc but no headers, and the skip
+    said it had neither (issue 61, item 11)."""
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("#!/bin/sh\n")
+    assert toolchain_skip_reason(Toolchain("2.14.1+cu130", "13.0", str(tmp_path), None)) == (
+        f"no CUDA toolkit was found: {tmp_path} (CUDA_HOME is unset, so torch guessed it from the nvcc on PATH) has "
+        "no include/cuda_runtime.h; set CUDA_HOME to the toolkit's folder (e.g. /usr/local/cuda)")
 
 
 @pytest.mark.parametrize("nvcc,arch,expected", [

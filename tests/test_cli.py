@@ -77,7 +77,7 @@ def test_json_schema_version_1(plugin_dir, tmp_path):
     assert set(doc) == {"schema_version", "environment", "cuda_target", "probed", "discovery_failure", "kernels"}
     assert set(doc["environment"]) == {
         "core_version", "python_version", "python_executable", "torch_version", "torch_cuda_version",
-        "driver_version", "driver_reason", "nvcc_version", "nvcc_path", "nvcc_reason", "gpus", "gpu_reason"}
+        "driver_version", "driver_reason", "nvcc_version", "nvcc_path", "cuda_home", "nvcc_reason", "gpus", "gpu_reason"}
     for gpu in doc["environment"]["gpus"]:
         assert set(gpu) == {"index", "name", "capability", "arch", "memory_gib"}
     assert (doc["environment"]["gpus"] == []) == (doc["environment"]["gpu_reason"] is not None)
@@ -315,3 +315,21 @@ def test_release_with_a_wheelhouse_it_cannot_use_is_one_line(tmp_path, where):
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
     assert done.stderr.startswith(f"python -m prime_kernels_core.release: error: --wheelhouse {wheelhouse} cannot hold "
                                   "the wheels and their logs: "), done.stderr
+
+
+def test_the_nvcc_line_is_the_build_kits_toolkit(tmp_path, monkeypatch):
+    """A wrapper nvcc on PATH outside the toolkit: the CLI reported it as what builds would use while the build kit
+    skipped CUDA (issue 61, item 11); both now give the build kit's answer, naming the CUDA_HOME."""
+    from prime_kernels_core import build
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.48'\n")
+    (tmp_path / "bin" / "nvcc").chmod(0o755)
+    monkeypatch.setattr(build, "detect_toolchain", lambda: build.Toolchain("2.14.1", "13.0", str(tmp_path), None))
+    env = cli.environment()
+    assert env["nvcc_version"] is None and env["cuda_home"] == str(tmp_path)
+    assert env["nvcc_reason"] == build.no_toolkit_reason(str(tmp_path)) and "include/cuda_runtime.h" in env["nvcc_reason"]
+    monkeypatch.setattr(build, "detect_toolchain", lambda: build.Toolchain("2.14.1", "13.0", "/usr/local/cuda", "13.0"))
+    lines = cli._environment_lines(cli.environment(), 120)
+    assert any(line.startswith("nvcc") and "13.0 (CUDA_HOME /usr/local/cuda, as plugin builds use it)" in line
+               for line in lines), lines
