@@ -23,7 +23,8 @@ from pathlib import Path
 
 from . import jit_manifest
 from .manifest import (
-    ARCH_PATTERN, BUILD_RECORD_NAME, DEFAULT_CXX_STD, EXTENSION_MODULE, MANIFEST_NAME, arch_runs_on, capability_of,
+    ARCH_PATTERN, BUILD_RECORD_NAME, DEFAULT_CXX_STD, EXTENSION_MODULE, GPU_CAPABILITIES, MANIFEST_NAME, arch_runs_on,
+    capability_of,
     cuda_source_sets, extension_module, load, major_minor, release_tuple, source_paths,
 )
 
@@ -428,6 +429,29 @@ def announce(plan: dict) -> None:
         print(f"prime-kernels: {plan['package']}: {name}: CUDA for {built}" + (f" ({left})" if left else ""), file=sys.stderr)
 
 
+def _sm(capability: tuple[int, int]) -> str:
+    return "sm_{}{}".format(*capability)
+
+
+def _gpus_of(arch: str) -> list[tuple[int, int]]:
+    return [c for c in GPU_CAPABILITIES if arch_runs_on(arch, c)]
+
+
+def runs_on_line(package: str, name: str, archs: list[str]) -> str:
+    """Which GPU generations (GPU_CAPABILITIES) a kernel built for ``archs`` runs on and, for each GPU of a major it
+    has code for that none of that code runs on, why not: a valid but wrong arch ("10.3" for "10.0") shows here."""
+    runs = [c for c in GPU_CAPABILITIES if any(arch_runs_on(a, c) for a in archs)]
+    if not runs:
+        return f"prime-kernels: {package}: {name} runs on no GPU (no CUDA code: its CPU implementation only)"
+    gaps = []
+    for capability in (c for c in GPU_CAPABILITIES if c not in runs):
+        same_major = [a for a in archs if capability_of(a)[0] == capability[0]]
+        if same_major:
+            why = ", ".join(f"{a} runs on {' '.join(map(_sm, _gpus_of(a))) or 'none of them'} only" for a in same_major)
+            gaps.append(f"; not on {_sm(capability)}: {why}")
+    return f"prime-kernels: {package}: {name} runs on {' '.join(map(_sm, runs))}" + "".join(gaps)
+
+
 # Run in a child process against the built _C: the ops its static TORCH_LIBRARY blocks register (overloads folded).
 REGISTRATION_PROBE = (
     "import json, sys, torch; before = set(torch._C._dispatch_get_all_op_names()); "
@@ -552,6 +576,8 @@ def setup_plugin(root: str | Path | None = None, **setup_kwargs) -> None:
             for package_dir in {Path(self.build_lib) / plan["package"], in_place}:
                 package_dir.mkdir(parents=True, exist_ok=True)
                 (package_dir / BUILD_RECORD_NAME).write_text(json.dumps(record, indent=2))
+            for name, kernel in plan["kernels"].items():  # last, where the build's output ends
+                print(runs_on_line(plan["package"], name, kernel["archs"]), file=sys.stderr)
 
     options = {"bdist_wheel": {"py_limited_api": limited_api_tag(cpp_extension)}} if plan["py_limited_api"] else {}
     setuptools.setup(

@@ -210,6 +210,11 @@ def capability_of(arch: str) -> tuple[int, int] | None:
     return (int(match[1]), int(match[2])) if match else None
 
 
+# The GPU generations a wheel is described for at the end of its build: every shipping capability from Turing on
+# (docs/archs.md's columns, which tests/test_archs.py checks against this).
+GPU_CAPABILITIES = ((7, 5), (8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (10, 3), (11, 0), (12, 0), (12, 1))
+
+
 def arch_runs_on(arch: str, capability: tuple[int, int]) -> bool:
     """Whether machine code built for ``arch`` runs on a device of ``capability`` (no PTX is ever shipped).
 

@@ -368,3 +368,15 @@ def test_non_ascii_digits_are_no_capability_and_no_arch_request(monkeypatch):
     assert registry.parse_capability("sm_90") == (9, 0)
     monkeypatch.setenv(build.ARCH_ENV, "٩.٠a")
     assert "not of the form MAJOR.MINOR[a|f]" in build.arch_request()
+
+
+@pytest.mark.parametrize("archs, line", [
+    (["8.0", "9.0", "10.3"], "k runs on sm_80 sm_86 sm_87 sm_89 sm_90 sm_103; not on sm_100: 10.3 runs on sm_103 only"),
+    (["9.0a", "12.1a"], "k runs on sm_90 sm_121; not on sm_120: 12.1a runs on sm_121 only"),
+    (["8.0", "8.6", "8.9", "9.0", "10.0", "11.0", "12.0"],
+     "k runs on sm_80 sm_86 sm_87 sm_89 sm_90 sm_100 sm_103 sm_110 sm_120 sm_121"),
+    ([], "k runs on no GPU (no CUDA code: its CPU implementation only)"),
+])
+def test_the_build_ends_saying_which_gpus_each_kernel_runs_on(archs, line):
+    """A valid but wrong arch ("10.3" for "10.0") is visible at the end of the build (issue 61, item 15)."""
+    assert build.runs_on_line("pk", "k", archs) == f"prime-kernels: pk: {line}"

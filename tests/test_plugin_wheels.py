@@ -84,6 +84,8 @@ def test_missing_nvcc_skips_cuda_and_status_says_why(tmp_path):
     done = _build_example(tmp_path, CUDA_HOME="/nonexistent")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert SKIP in done.stdout + done.stderr
+    assert "prime-kernels: pk_example_rmsnorm: residual_rmsnorm runs on no GPU (no CUDA code: its CPU implementation " \
+           "only)" in done.stdout + done.stderr
     (wheel,) = (tmp_path / "out").glob("*.whl")
     assert "+cputorch" in wheel.name
     site = tmp_path / "site"
