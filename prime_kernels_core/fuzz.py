@@ -1,8 +1,9 @@
 """Fuzz sweeps for plugin tests (the conformance kit's bad-input half): every public function and raw op of a plugin,
 each argument in turn replaced by a bad or edge value (non-tensors, other dtypes, shapes one off, empty,
 non-contiguous, meta, NaN; numbers of other kinds and out of range). Each case must give a clean result or a
-TypeError / ValueError / RuntimeError whose message names the argument that was replaced; a crash, any other
-exception, or a result for a tensor on another device than the others' fails. A clean result of a target that has a
+TypeError / ValueError / RuntimeError whose message names the argument that was replaced (for a changed shape, an
+argument of the call will do: SHAPE_MUTATIONS); a crash, any other exception, or a result for a tensor on another
+device than the others' fails. A clean result of a target that has a
 reference must also be right: the same outputs (shape, dtype, NaN and infinity where the reference has them), each
 floating one within the ratio rule (prime_kernels_core.testing.assert_error_ratio) of the reference run on the same
 inputs in float64, against the reference run on the inputs as given as the PyTorch path; integer outputs equal. The
@@ -29,6 +30,10 @@ ACCEPTED = ("TypeError", "ValueError", "RuntimeError", "UnsupportedShapeError")
 # What torch's dispatcher says when a raw op's only tensor argument is None: no kernel of ours runs, none can name it.
 NO_TENSOR_ARGUMENTS = "There were no tensor arguments to this function"
 ABORT = "abort"  # a case the child answers by aborting, as a crashing kernel would
+# Mutations that change a tensor's shape: the shapes of a call are checked against each other, and the message may
+# rightly name the argument on the other side ("topk_weights must have shape (M, top_k) = (0, 2)" for an empty x).
+# Any other mutation (a type, a dtype, a value) is the replaced argument's own mistake, which its message must name.
+SHAPE_MUTATIONS = {"empty", "extra dim", "one dim fewer", "last dim short", "first dim short", "transposed", "0-d"}
 
 
 @functools.cache
@@ -224,9 +229,12 @@ def verdict(record: dict) -> str | None:
         return None  # torch's dispatcher, before any kernel: a raw op's only tensor given as None
     if record["type"] not in ACCEPTED:
         return f"{record['type']}: {record['message']}"
+    names = lambda name: re.search(rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])", record["message"])
     replaced = record["replaced"]
-    if re.search(rf"(?<![A-Za-z0-9_]){re.escape(replaced)}(?![A-Za-z0-9_])", record["message"]):
+    if names(replaced) or (record["label"] in SHAPE_MUTATIONS and any(map(names, record["names"]))):
         return None
+    if record["label"] in SHAPE_MUTATIONS:
+        return f"the message names no argument: {record['type']}: {record['message']}"
     return f"the message does not name {replaced}, the argument replaced: {record['type']}: {record['message']}"
 
 
