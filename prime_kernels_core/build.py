@@ -23,8 +23,9 @@ from pathlib import Path
 
 from . import jit_manifest
 from .manifest import (
-    ARCH_PATTERN, BUILD_RECORD_NAME, DEFAULT_CXX_STD, EXTENSION_MODULE, MANIFEST_NAME, arch_runs_on, capability_of,
-    cuda_source_sets, extension_module, load, major_minor, release_tuple,
+    ARCH_PATTERN, BUILD_RECORD_NAME, DEFAULT_CXX_STD, EXTENSION_MODULE, GPU_CAPABILITIES, MANIFEST_NAME, arch_runs_on,
+    capability_of,
+    cuda_source_sets, extension_module, load, major_minor, release_tuple, source_paths,
 )
 
 ARCH_ENV = "PRIME_KERNELS_ARCH"
@@ -73,7 +74,7 @@ def detect_toolchain() -> Toolchain:
     cuda_home = cpp_extension.CUDA_HOME
     nvcc_version = None
     # torch guesses CUDA_HOME from the nvcc on PATH; a wrapper script there yields a directory with no toolkit in it.
-    if cuda_home and Path(cuda_home, "bin", "nvcc").exists() and Path(cuda_home, "include", "cuda_runtime.h").exists():
+    if cuda_home and all(Path(cuda_home, f).exists() for f in TOOLKIT_FILES):
         text = subprocess.run([str(Path(cuda_home, "bin", "nvcc")), "--version"], capture_output=True, text=True).stdout
         found = re.search(r"release (\d+\.\d+)", text)
         nvcc_version = found[1] if found else None
@@ -117,12 +118,31 @@ def arch_request() -> ArchRequest | str:
     return ArchRequest(archs, f"{ARCH_ENV}={override}")
 
 
+# What a folder needs to be the CUDA toolkit a build compiles with (detect_toolchain checks the same).
+TOOLKIT_FILES = ("bin/nvcc", "include/cuda_runtime.h")
+
+
+def no_toolkit_reason(cuda_home: str | None) -> str:
+    """Why ``cuda_home`` (torch's CUDA_HOME) is no usable toolkit, naming what it lacks and where it came from: torch
+    guesses it from the nvcc on PATH when CUDA_HOME is unset, and a wrapper script there yields a folder with a
+    bin/nvcc but no headers."""
+    if not cuda_home:
+        return "no CUDA toolkit was found (CUDA_HOME is unset and no nvcc is on PATH)"
+    origin = ("CUDA_HOME" if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+              else "CUDA_HOME is unset, so torch guessed it from the nvcc on PATH")
+    missing = [f for f in TOOLKIT_FILES if not Path(cuda_home, f).exists()]
+    if missing:
+        return (f"no CUDA toolkit was found: {cuda_home} ({origin}) has no {' and no '.join(missing)}; set CUDA_HOME "
+                "to the toolkit's folder (e.g. /usr/local/cuda)")
+    return f"no CUDA toolkit was found: {Path(cuda_home, 'bin', 'nvcc')} --version names no release ({origin})"
+
+
 def toolchain_skip_reason(toolchain: Toolchain) -> str | None:
     """Why this toolchain cannot build CUDA extensions for the installed torch at all, or None."""
     if toolchain.torch_cuda is None:
         return f"torch {toolchain.torch_version} is a CPU-only build"
     if not toolchain.nvcc_version:
-        return f"no CUDA toolkit was found (CUDA_HOME={toolchain.cuda_home} has no bin/nvcc and include/cuda_runtime.h)"
+        return no_toolkit_reason(toolchain.cuda_home)
     if _version_tuple(toolchain.nvcc_version)[0] != _version_tuple(toolchain.torch_cuda)[0]:
         return (
             f"nvcc is CUDA {toolchain.nvcc_version} but torch {toolchain.torch_version} was built with CUDA "
@@ -281,6 +301,15 @@ def _check_cuda_sources(name: str, table: dict) -> None:
         raise BuildError(f"kernel {name!r} lists archs {bare} with no CUDA sources (sources.cuda or sources.cuda_variants)")
 
 
+def _check_source_files(root: Path, name: str, table: dict) -> None:
+    """Every source a kernel names is a file, whether or not this build compiles CUDA: a missing .cu would otherwise
+    go unnoticed wherever no toolkit is found (the wheel comes out CPU-only either way)."""
+    missing = [p for p in source_paths(table) if not (root / p).is_file()]
+    if missing:
+        raise BuildError(f"kernel {name!r} names sources {missing} that are not files under {root} (kernel.toml's "
+                         "sources are relative to the project folder, where setup.py is)")
+
+
 def _selected_kernels() -> set[str] | None:
     """The kernels PRIME_KERNELS names (the only ones built with CUDA), or None when it is unset."""
     named = {n.strip() for n in os.environ.get(KERNELS_ENV, "").split(",") if n.strip()}
@@ -326,6 +355,7 @@ def extension_plan(root: Path, toolchain: Toolchain) -> dict:
     kernels = manifest["kernels"]
     for name, table in kernels.items():
         _check_cuda_sources(name, table)
+        _check_source_files(root, name, table)
     floors = {t["stable_abi"] for t in kernels.values() if t.get("stable_abi")}
     floor = floors.pop() if floors else None  # the manifest allows one floor per plugin
     if floor and stable_floor_reason(floor, toolchain):
@@ -397,6 +427,29 @@ def announce(plan: dict) -> None:
         built = ", ".join(kernel["archs"]) or "no CUDA arch"
         left = "; ".join(f"not {a}: {why}" for a, why in kernel["not_built"].items())
         print(f"prime-kernels: {plan['package']}: {name}: CUDA for {built}" + (f" ({left})" if left else ""), file=sys.stderr)
+
+
+def _sm(capability: tuple[int, int]) -> str:
+    return "sm_{}{}".format(*capability)
+
+
+def _gpus_of(arch: str) -> list[tuple[int, int]]:
+    return [c for c in GPU_CAPABILITIES if arch_runs_on(arch, c)]
+
+
+def runs_on_line(package: str, name: str, archs: list[str]) -> str:
+    """Which GPU generations (GPU_CAPABILITIES) a kernel built for ``archs`` runs on and, for each GPU of a major it
+    has code for that none of that code runs on, why not: a valid but wrong arch ("10.3" for "10.0") shows here."""
+    runs = [c for c in GPU_CAPABILITIES if any(arch_runs_on(a, c) for a in archs)]
+    if not runs:
+        return f"prime-kernels: {package}: {name} runs on no GPU (no CUDA code: its CPU implementation only)"
+    gaps = []
+    for capability in (c for c in GPU_CAPABILITIES if c not in runs):
+        same_major = [a for a in archs if capability_of(a)[0] == capability[0]]
+        if same_major:
+            why = ", ".join(f"{a} runs on {' '.join(map(_sm, _gpus_of(a))) or 'none of them'} only" for a in same_major)
+            gaps.append(f"; not on {_sm(capability)}: {why}")
+    return f"prime-kernels: {package}: {name} runs on {' '.join(map(_sm, runs))}" + "".join(gaps)
 
 
 # Run in a child process against the built _C: the ops its static TORCH_LIBRARY blocks register (overloads folded).
@@ -523,6 +576,8 @@ def setup_plugin(root: str | Path | None = None, **setup_kwargs) -> None:
             for package_dir in {Path(self.build_lib) / plan["package"], in_place}:
                 package_dir.mkdir(parents=True, exist_ok=True)
                 (package_dir / BUILD_RECORD_NAME).write_text(json.dumps(record, indent=2))
+            for name, kernel in plan["kernels"].items():  # last, where the build's output ends
+                print(runs_on_line(plan["package"], name, kernel["archs"]), file=sys.stderr)
 
     options = {"bdist_wheel": {"py_limited_api": limited_api_tag(cpp_extension)}} if plan["py_limited_api"] else {}
     setuptools.setup(

@@ -1,13 +1,15 @@
 """``python -m prime_kernels`` / ``prime-kernels``: what this machine has (core, Python, torch, driver, nvcc, GPUs), then
 whether each installed kernel can run on the CUDA device and on the CPU, and why not; as text that fits the terminal
 or as JSON (schema SCHEMA_VERSION, docs/core.md); ``--require`` for launch scripts. Exit codes: 0, 1 when a required
-kernel is unavailable, 2 for a usage error."""
+kernel is unavailable, 2 for a usage error, 3 when the report could not be written (stdout on a full device)."""
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import io
 import json
+import os
 import platform
 import re
 import shutil
@@ -16,12 +18,14 @@ import sys
 import textwrap
 from pathlib import Path
 
-from . import __version__, registry
+from . import __version__, build, registry
 
 # Bumped whenever a key of the JSON document is renamed, removed or changes meaning (adding a key does not).
 SCHEMA_VERSION = 1
-DEVICE_SPELLING = re.compile(r"\d+|cpu|cuda(:\d+)?")
-WHAT_IF_ARCH = re.compile(r"sm_(\d+)")
+# ASCII digits only: "sm_٩٠" or "cuda:٩" would pass \d and reach torch as a device it cannot parse. An arch has a
+# major and a minor digit at least (sm_9 is no capability).
+DEVICE_SPELLING = re.compile(r"[0-9]+|cpu|cuda(:[0-9]+)?")
+WHAT_IF_ARCH = re.compile(r"sm_[1-9][0-9]+")
 PROBE_TIMEOUT_S = 300
 # The child prints one marked JSON line per device it was asked about; anything a plugin prints is not one.
 PROBE_MARK = "prime-kernels-probe: "
@@ -36,6 +40,7 @@ NO_PLUGINS_HINT = (
     "and run again."
 )
 GAP = "  "
+UNWRITTEN_EXIT = 3
 
 
 # ---------------------------------------------------------------- arguments
@@ -48,10 +53,22 @@ def device_arg(value: str):
 
 
 def arch_arg(value: str) -> str:
-    """--arch: a compute capability spelled sm_<digits> (sm_90, sm_100, sm_120), checked as if such a GPU were here."""
+    """--arch: a compute capability spelled sm_<major><minor> (sm_90, sm_100, sm_120), checked as if such a GPU were
+    here."""
     if not WHAT_IF_ARCH.fullmatch(value):
-        raise argparse.ArgumentTypeError(f"{value!r} is not an arch; use sm_ and the capability's digits, e.g. sm_100")
+        raise argparse.ArgumentTypeError(f"{value!r} is not an arch; use sm_ and the capability's major and minor "
+                                         "digits (ASCII), e.g. sm_90 or sm_100")
     return value
+
+
+class _Once(argparse.Action):
+    """A single-valued flag given twice is a usage error: silently keeping the last one checks another target than
+    the launch script's first flag asked for."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest) is not None:
+            parser.error(f"{option_string} was given twice ({getattr(namespace, self.dest)} and {values}); give it once")
+        setattr(namespace, self.dest, values)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -65,12 +82,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"prime-kernels {__version__}")
     p.add_argument("--json", action="store_true", help=f"print the report as JSON (schema version {SCHEMA_VERSION})")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--device", type=device_arg, default=None,
+    where.add_argument("--device", type=device_arg, default=None, action=_Once,
                        help="the CUDA device to check (N, cuda or cuda:N; default: the current one), or cpu alone")
-    where.add_argument("--arch", type=arch_arg, default=None,
+    where.add_argument("--arch", type=arch_arg, default=None, action=_Once,
                        help="check as if the GPU were of this capability (sm_90, sm_100, ...), not the one present")
-    p.add_argument("--require", nargs="+", metavar="NAME", default=[],
-                   help="exit 1 unless each of these kernels is available on the CUDA device (the CPU with --device cpu)")
+    # "extend": a launch script that passes one --require per kernel requires them all, not the last one only.
+    p.add_argument("--require", nargs="+", action="extend", metavar="NAME", default=[],
+                   help="exit 1 unless each of these kernels is available on the CUDA device (the CPU with --device "
+                        "cpu); repeatable, the lists add up")
     p.add_argument("--probe", action="store_true", help="check each kernel in a child process (a crash becomes a row)")
     return p
 
@@ -98,21 +117,16 @@ def _driver() -> tuple[str | None, str | None]:
 
 
 def _nvcc() -> tuple[str | None, str | None, str | None]:
-    """(version, path, None) of the nvcc that torch's extension builds would use, or (None, path or None, why not)."""
+    """(version, CUDA_HOME, None) of the toolkit a plugin build would compile with (the build kit's own check), or
+    (None, CUDA_HOME or None, why a build would skip CUDA)."""
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # it prints "No CUDA runtime is found" without a GPU
-            from torch.utils.cpp_extension import CUDA_HOME
+            toolchain = build.detect_toolchain()
     except Exception as exc:
         return None, None, f"torch.utils.cpp_extension failed to import: {type(exc).__name__}: {exc}"
-    if not CUDA_HOME:
-        return None, None, "no CUDA toolkit found (CUDA_HOME is unset and no nvcc is on PATH)"
-    nvcc = Path(CUDA_HOME) / "bin" / "nvcc"
-    try:
-        out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=30).stdout
-    except Exception as exc:
-        return None, str(nvcc), f"{nvcc} --version failed: {type(exc).__name__}: {exc}"
-    release = re.search(r"release (\d+\.\d+)", out)
-    return (release[1], str(nvcc), None) if release else (None, str(nvcc), f"{nvcc} --version printed no release")
+    if toolchain.nvcc_version:
+        return toolchain.nvcc_version, toolchain.cuda_home, None
+    return None, toolchain.cuda_home, build.no_toolkit_reason(toolchain.cuda_home)
 
 
 def _gpus(torch) -> tuple[list[dict], str | None]:
@@ -133,7 +147,7 @@ def environment() -> dict:
     import torch
 
     driver, driver_reason = _driver()
-    nvcc, nvcc_path, nvcc_reason = _nvcc()
+    nvcc, cuda_home, nvcc_reason = _nvcc()
     try:
         gpus, gpu_reason = _gpus(torch)
     except Exception as exc:
@@ -142,7 +156,8 @@ def environment() -> dict:
         "core_version": __version__, "python_version": platform.python_version(), "python_executable": sys.executable,
         "torch_version": torch.__version__, "torch_cuda_version": torch.version.cuda,
         "driver_version": driver, "driver_reason": driver_reason,
-        "nvcc_version": nvcc, "nvcc_path": nvcc_path, "nvcc_reason": nvcc_reason,
+        "nvcc_version": nvcc, "nvcc_path": cuda_home and str(Path(cuda_home, "bin", "nvcc")), "cuda_home": cuda_home,
+        "nvcc_reason": nvcc_reason,
         "gpus": gpus, "gpu_reason": gpu_reason,
     }
 
@@ -221,7 +236,8 @@ def _environment_lines(env: dict, width: int) -> list[str]:
         ("prime-kernels", f"{env['core_version']}; Python {env['python_version']}; "
                           f"torch {env['torch_version']} ({torch_cuda})"),
         ("driver", env["driver_version"] or env["driver_reason"]),
-        ("nvcc", f"{env['nvcc_version']} ({env['nvcc_path']})" if env["nvcc_version"] else env["nvcc_reason"]),
+        ("nvcc", f"{env['nvcc_version']} (CUDA_HOME {env['cuda_home']}, as plugin builds use it)"
+                 if env["nvcc_version"] else env["nvcc_reason"]),
     ]
     facts += [(f"GPU {g['index']}", f"{g['name']}, {g['arch']} (capability {g['capability']}), {g['memory_gib']} GiB")
               for g in env["gpus"]] or [("GPU", f"none: {env['gpu_reason']}")]
@@ -312,6 +328,22 @@ def format_report(doc: dict, width: int) -> str:
 
 # ---------------------------------------------------------------- main
 
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """What plugins print while they are imported and checked (from Python or from C) goes to stderr, so stdout holds
+    the report alone and ``--json`` stays one JSON document."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        ctypes.CDLL(None).fflush(None)  # C stdio's buffer, written while fd 1 was stderr, goes there too
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _missing(doc: dict, names: list[str]) -> dict[str, str]:
     """{required name: why it cannot run on the first column's target} for each required kernel that cannot."""
     key = "cuda" if doc["cuda_target"] else "cpu"
@@ -325,11 +357,34 @@ def _missing(doc: dict, names: list[str]) -> dict[str, str]:
     return missing
 
 
+def _write_report(text: str) -> str | None:
+    """Print the report; None, or why stdout took it not (a full device, a closed pipe). A character the output's
+    encoding lacks (PYTHONIOENCODING=ascii, a reason naming a non-ASCII path) is escaped, not a traceback."""
+    try:
+        sys.stdout.reconfigure(errors="backslashreplace")
+    except (AttributeError, ValueError):  # a replaced stdout without reconfigure: write as it can
+        pass
+    try:
+        print(text)
+        sys.stdout.flush()
+        return None
+    except OSError as exc:
+        # What stays buffered would fail again at exit ("Exception ignored ..."): send it to the null device.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return f"prime-kernels: error: the report could not be written to stdout: {exc.strerror or exc}"
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    doc = report(args.device, args.arch, args.probe)
+    with _stdout_to_stderr():
+        doc = report(args.device, args.arch, args.probe)
     width = shutil.get_terminal_size((80, 24)).columns
-    print(json.dumps(doc, indent=2) if args.json else format_report(doc, width))
+    unwritten = _write_report(json.dumps(doc, indent=2) if args.json else format_report(doc, width))
+    if unwritten:
+        print(unwritten, file=sys.stderr)
+        return UNWRITTEN_EXIT
     target = doc["cuda_target"]
     where = "cpu" if target is None else _cuda_label(target)
     missing = _missing(doc, args.require)

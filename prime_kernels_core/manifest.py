@@ -34,9 +34,10 @@ EXTENSION_MODULE = "_C"
 STABLE_EXTENSION_MODULE = "_C_stable"
 # The first torch whose stable ABI a build can target (TORCH_TARGET_VERSION, STABLE_TORCH_LIBRARY, TORCH_BOX).
 STABLE_ABI_FIRST = (2, 10)
-TORCH_RELEASE = re.compile(r"(\d+)\.(\d+)")
+# ASCII digits only ([0-9], not \d): "٢.١١" or "٩.٠a" would pass \d, and int() reads them, but no compiler does.
+TORCH_RELEASE = re.compile(r"([0-9]+)\.([0-9]+)")
 # A CUDA arch as manifests and PRIME_KERNELS_ARCH spell it: MAJOR.MINOR, then "a" (arch-specific) or "f" (family).
-ARCH_PATTERN = re.compile(r"(\d+)\.(\d+)([af]?)")
+ARCH_PATTERN = re.compile(r"([0-9]+)\.([0-9]+)([af]?)")
 CXX_STD_PATTERN = re.compile(r"c\+\+(17|20|23)")
 DEFAULT_CXX_STD = "c++20"
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -196,10 +197,22 @@ def cuda_source_sets(table: dict) -> dict[str, tuple[str, ...]]:
     return {arch: tuple(variants.get(arch, sources.get("cuda", []))) for arch in table.get("archs", [])}
 
 
+def source_paths(table: dict) -> list[str]:
+    """Every path one kernel table's sources name (cpu, cuda, each cuda_variants entry), relative to the project."""
+    sources = table.get("sources", {})
+    variants = [p for paths in sources.get("cuda_variants", {}).values() for p in paths]
+    return list(dict.fromkeys([*sources.get("cpu", []), *sources.get("cuda", []), *variants]))
+
+
 def capability_of(arch: str) -> tuple[int, int] | None:
     """``"9.0a"`` -> ``(9, 0)``: the compute capability an arch is spelled after, or None when it is malformed."""
     match = ARCH_PATTERN.fullmatch(arch) if isinstance(arch, str) else None
     return (int(match[1]), int(match[2])) if match else None
+
+
+# The GPU generations a wheel is described for at the end of its build: every shipping capability from Turing on
+# (docs/archs.md's columns, which tests/test_archs.py checks against this).
+GPU_CAPABILITIES = ((7, 5), (8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (10, 3), (11, 0), (12, 0), (12, 1))
 
 
 def arch_runs_on(arch: str, capability: tuple[int, int]) -> bool:

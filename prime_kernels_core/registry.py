@@ -25,6 +25,10 @@ ALLOW_ENV = "PRIME_KERNELS_PLUGINS"
 AVAILABLE = "available"
 # status()'s one key when discovery itself failed: no kernel is named like this.
 DISCOVERY_KEY = "<discovery>"
+DECLARE_HINT = "return prime_kernels_core.manifest.declare(__file__)"
+# The KernelSpec fields the gating rules and the CLI read as text, and as lists of text.
+SPEC_STRING_FIELDS = ("name", "description", "namespace", "module")
+SPEC_STRING_TUPLE_FIELDS = ("ops", "archs", "trainable")
 
 
 class KernelUnavailableError(RuntimeError):
@@ -85,10 +89,13 @@ def _plugin_entry_points():
         except Exception:  # an unparsable entry_points.txt names no plugin that could be loaded
             continue
         try:
-            name, version, unreadable = dist.metadata["Name"] or "?", dist.version, None
+            name, version, unreadable = dist.metadata["Name"], dist.version, None
         except Exception as exc:
+            name, unreadable = None, f"its METADATA cannot be read: {type(exc).__name__}: {exc}"
+        if name is None:  # importlib.metadata reads a missing METADATA as an empty one
             name, version = _installed_as(dist)
-            unreadable = f"its METADATA cannot be read: {type(exc).__name__}: {exc}"
+            unreadable = unreadable or (f"its dist-info folder {getattr(dist, '_path', '')} has no METADATA "
+                                        "(reinstall the distribution)")
         key = normalized_name(name)
         if key in seen:
             continue
@@ -130,24 +137,61 @@ def _plugin_failure(exc: BaseException, package: str) -> str:
     return text
 
 
+def _entry_point_problem(ep) -> str | None:
+    """Why an entry point's value names no importable object (importlib.metadata fails on it with an AttributeError)."""
+    try:
+        ep.module
+    except Exception:
+        return (f"its {ENTRY_POINT_GROUP} entry point {ep.name!r} has the value {ep.value!r}, which is no module path "
+                "(package.module or package.module:object)")
+    return None
+
+
+def _spec_problem(spec) -> str | None:
+    """Why a declared object is no well-formed KernelSpec (a hand-built one with a number for a name, say)."""
+    if not isinstance(spec, KernelSpec):
+        return f"{spec!r}, not a KernelSpec"
+    for field in SPEC_STRING_FIELDS:
+        if not isinstance(getattr(spec, field), str):
+            return f"a KernelSpec whose {field} is {getattr(spec, field)!r}, not a string"
+    for field in SPEC_STRING_TUPLE_FIELDS:
+        value = getattr(spec, field)
+        if not isinstance(value, (tuple, list)) or not all(isinstance(v, str) for v in value):
+            return f"a KernelSpec whose {field} is {value!r}, not a tuple of strings"
+    return None
+
+
+def _declared_specs(manager) -> list[KernelSpec]:
+    """The KernelSpecs the plugin's prime_kernels_declare hooks return, each checked for form."""
+    results = manager.hook.prime_kernels_declare()
+    if not manager.hook.prime_kernels_declare.get_hookimpls():
+        raise ValueError("it has no prime_kernels_declare hook")
+    if not results:  # pluggy drops a hook's None
+        raise TypeError(f"its prime_kernels_declare hook returned None, not a list of KernelSpecs ({DECLARE_HINT})")
+    for result in results:
+        if not isinstance(result, (list, tuple)):
+            raise TypeError(f"its prime_kernels_declare hook returned {result!r}, not a list of KernelSpecs "
+                            f"({DECLARE_HINT})")
+    specs = [s for result in results for s in result]
+    for spec in specs:
+        problem = _spec_problem(spec)
+        if problem:
+            raise TypeError(f"its prime_kernels_declare hook returned {problem} ({DECLARE_HINT})")
+    return specs
+
+
 def _declare(dist_name: str, version: str, ep, unreadable: str | None) -> list[Entry]:
     """Import one plugin's hook module in its own PluginManager, so one plugin's failure touches no other."""
-    if unreadable:
-        return _failed(dist_name, version, ep, unreadable)
+    problem = unreadable or _entry_point_problem(ep)
+    if problem:
+        return _failed(dist_name, version, ep, problem)
     package = ep.module.split(".")[0]
     try:
         manager = _HookManager(ENTRY_POINT_GROUP)
         manager.add_hookspecs(hookspecs)
         manager.register(ep.load(), name=f"{dist_name}:{ep.name}")
         manager.check_pending()
-        results = manager.hook.prime_kernels_declare()
-        if not results:
-            raise ValueError(f"the entry point {ep.value} has no prime_kernels_declare hook")
-        specs = [s for result in results for s in result]
-        strays = [s for s in specs if not isinstance(s, KernelSpec)]
-        if strays:
-            raise TypeError(f"its prime_kernels_declare hook returned {strays[0]!r}, not a KernelSpec "
-                            "(return prime_kernels_core.manifest.declare(__file__))")
+        specs = _declared_specs(manager)
         if not specs:
             raise ValueError("its prime_kernels_declare hook declared no kernel")
         return [
@@ -217,7 +261,7 @@ def _find(name: str) -> tuple[Entry | None, str | None]:
 # ---------------------------------------------------------------- targets
 
 # "sm_120", "sm_90", "sm_90a": a capability as nvcc and nvidia-smi users spell it (the last digit is the minor).
-SM_PATTERN = re.compile(r"sm_?(\d+)(\d)[af]?")
+SM_PATTERN = re.compile(r"sm_?([0-9]+)([0-9])[af]?")  # ASCII digits, as manifest.ARCH_PATTERN
 
 
 def parse_capability(device) -> tuple[int, int] | None:

@@ -234,7 +234,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     wheelhouse = args.wheelhouse.resolve()
     log_dir = wheelhouse / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(log_dir, os.W_OK):
+            raise PermissionError(f"{log_dir} is not writable")
+    except OSError as exc:
+        parser.exit(2, f"{parser.prog}: error: --wheelhouse {args.wheelhouse} cannot hold the wheels and their logs: "
+                       f"{exc.strerror or exc}{f' ({exc.filename})' if exc.filename else ''}\n")
     pythons = args.pythons or [sys.executable]
     plugins = [p for p in args.projects if list(p.glob(f"*/{MANIFEST_NAME}"))]
     jobs = [(p, pythons[0], False) for p in args.projects if p not in plugins]  # pure Python: one wheel for all

@@ -95,6 +95,21 @@ def kernel_module(kernel: str, module: str):
     return importlib.import_module(module)
 
 
+def _assert_has_fake(name: str, namespace: str, op_name: str, args, kwargs) -> None:
+    """The op runs on fake tensors (its register_fake, or a Meta kernel): a sentence naming it if not."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, UnsupportedOperatorException
+
+    op = getattr(getattr(torch.ops, namespace), op_name).default
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
+            op(*map(fake, args), **{k: fake(v) for k, v in kwargs.items()})
+    except UnsupportedOperatorException as exc:  # its message is only the op's name
+        raise AssertionError(
+            f"{name}: op {op_name} has no fake implementation; register one with torch.library.register_fake"
+        ) from exc
+
+
 def assert_conforms(name: str, compile_backend: str = "aot_eager") -> None:
     """Check the plugin declaring ``name`` against the framework's contract; raise AssertionError naming the failure."""
     reason = registry.unavailable_reason(name, "cpu")
@@ -114,24 +129,20 @@ def assert_conforms(name: str, compile_backend: str = "aot_eager") -> None:
             f"{name}: op {op} is declared trainable but has no autograd registration"
         )
 
-    from torch._subclasses.fake_tensor import FakeTensorMode, UnsupportedOperatorException
-
+    samples = {}
     for device in _devices(name):
-        samples = _hook_results(entry, "prime_kernels_sample_inputs", kernel=name, device=device)
-        sampled = {op for op, _, _ in samples}
+        samples[device] = _hook_results(entry, "prime_kernels_sample_inputs", kernel=name, device=device)
+        sampled = {op for op, _, _ in samples[device]}
         assert sampled >= set(spec.ops), f"{name}: no sample inputs for ops {sorted(set(spec.ops) - sampled)} on {device}"
-        for op_name, args, kwargs in samples:
-            op = getattr(getattr(torch.ops, spec.namespace), op_name).default
-            try:
-                with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-                    fake = lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
-                    op(*map(fake, args), **{k: fake(v) for k, v in kwargs.items()})
-            except UnsupportedOperatorException as exc:  # its message is only the op's name
-                raise AssertionError(
-                    f"{name}: op {op_name} has no fake implementation; register one with torch.library.register_fake"
-                ) from exc
-            torch.library.opcheck(op, args, kwargs)
+    # Every op's fake first: opcheck on a forward traces its backward, and a backward op without a fake would be
+    # reported there as "test_aot_dispatch_dynamic failed" on the forward op.
+    for op_name, args, kwargs in (sample for found in samples.values() for sample in found):
+        _assert_has_fake(name, spec.namespace, op_name, args, kwargs)
+    for found in samples.values():
+        for op_name, args, kwargs in found:
+            torch.library.opcheck(getattr(getattr(torch.ops, spec.namespace), op_name).default, args, kwargs)
 
+    for device in samples:
         for fn, args, kwargs in _hook_results(entry, "prime_kernels_surface_samples", kernel=name, device=device):
             _assert_compiles_like_eager(name, fn, args, kwargs, compile_backend)
 

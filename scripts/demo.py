@@ -2,10 +2,11 @@
 clipped policy-gradient loss, backward), with the prime-kernels kernels where they can run and the PyTorch paths
 otherwise. Prints which path ran for each part, the step time of both (median and spread of several steps after
 warm-up) and, for both, the error of every output against a float64 reference on the same inputs, judged by the
-project's ratio rule (prime_kernels_core.testing.assert_error_ratio)."""
+project's ratio rule (prime_kernels_core.testing.assert_error_ratio). Exits 1 when any output fails that rule."""
 import contextlib
 import io
 import statistics
+import sys
 import time
 
 import torch
@@ -142,7 +143,8 @@ def verdict(label, actual, baseline, ref) -> bool:
     return passed
 
 
-def main():
+def main() -> int:
+    """0 when every output passes (or no kernel can run here and only the PyTorch paths ran), 1 when one fails."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokens, dim, hidden, experts, vocab = SHAPES[device]
     g = torch.Generator(device="cpu").manual_seed(1)
@@ -160,7 +162,7 @@ def main():
     if (fast["moe_path"], fast["logp_path"]) == pytorch_names:
         print(timing_line("PyTorch paths", fast["times"], WARMUP_STEPS[device]))
         print("no prime-kernels kernel can run here; the PyTorch paths ran (see the status table for why)")
-        return
+        return 0
     slow = run(device, False, inputs, shape)
     print("step time:")
     print(timing_line("prime-kernels paths", fast["times"], WARMUP_STEPS[device]))
@@ -176,14 +178,20 @@ def main():
     print(f"accuracy against a float64 reference on the same inputs (pass: error at most {MAX_RATIO}x the PyTorch\n"
           "path's, as the kernels' own tests, or at the rounding floor of the output's dtype;\n"
           "prime_kernels_core.testing.assert_error_ratio):")
-    results = [verdict(key, fast[key], slow[key], ref[key]) for key in ("logp", "entropy")]
-    results += [verdict(f"grad {k}", fast["grads"][k], slow["grads"][k], ref["grads"][k]) for k in ref["grads"]]
+    results = {key: verdict(key, fast[key], slow[key], ref[key]) for key in ("logp", "entropy")}
+    results |= {f"grad {k}": verdict(f"grad {k}", fast["grads"][k], slow["grads"][k], ref["grads"][k])
+                for k in ref["grads"]}
     nats = lambda out: float((out["logp"].double() - ref["logp"]).abs().max())
     print(f"largest |delta logp| against float64: prime-kernels {nats(fast):.2e} nats, PyTorch {nats(slow):.2e} nats")
-    print(f"{sum(results)} of {len(results)} outputs pass. The loss, one number whose per-token errors partly cancel "
-          f"(not judged):\n  prime-kernels {float(fast['loss']):.6f}, PyTorch {float(slow['loss']):.6f}, "
+    print(f"{sum(results.values())} of {len(results)} outputs pass. The loss, one number whose per-token errors "
+          f"partly cancel (not judged):\n  prime-kernels {float(fast['loss']):.6f}, PyTorch {float(slow['loss']):.6f}, "
           f"float64 {float(ref['loss']):.6f}")
+    failed = [label for label, passed in results.items() if not passed]
+    if failed:
+        print(f"demo: {', '.join(failed)} failed the accuracy check (error over {MAX_RATIO}x the PyTorch path's); "
+              f"MoE via {fast['moe_path']}, logp/entropy via {fast['logp_path']}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,7 +8,7 @@ import pytest
 import prime_kernels
 
 from prime_kernels_core import build
-from prime_kernels_core.manifest import ManifestError
+from prime_kernels_core.manifest import ManifestError, load, source_paths
 from prime_kernels_core.build import Toolchain, nvcc_arch_reason, toolchain_skip_reason
 
 GOOD = Toolchain("2.14.1+cu130", "13.0", "/usr/local/cuda", "13.0")
@@ -22,12 +22,24 @@ def test_suitable_toolchain_builds():
 @pytest.mark.parametrize("toolchain,expected", [
     (Toolchain("2.14.1+cpu", None, "/usr/local/cuda", "13.0"), "torch 2.14.1+cpu is a CPU-only build"),
     (Toolchain("2.14.1+cu130", "13.0", None, None),
-     "no CUDA toolkit was found (CUDA_HOME=None has no bin/nvcc and include/cuda_runtime.h)"),
+     "no CUDA toolkit was found (CUDA_HOME is unset and no nvcc is on PATH)"),
     (Toolchain("2.14.1+cu130", "13.0", "/usr/local/cuda", "12.8"),
      "nvcc is CUDA 12.8 but torch 2.14.1+cu130 was built with CUDA 13.0; the CUDA majors must match"),
 ])
 def test_unsuitable_toolchains_skip_with_a_sentence(toolchain, expected):
     assert toolchain_skip_reason(toolchain) == expected
+
+
+def test_a_guessed_cuda_home_with_nvcc_but_no_headers_says_so(tmp_path, monkeypatch):
+    """A wrapper nvcc on PATH outside the toolkit: torch guesses a folder with bin/nvcc but no headers, and the skip
+    said it had neither (issue 61, item 11)."""
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("#!/bin/sh\n")
+    assert toolchain_skip_reason(Toolchain("2.14.1+cu130", "13.0", str(tmp_path), None)) == (
+        f"no CUDA toolkit was found: {tmp_path} (CUDA_HOME is unset, so torch guessed it from the nvcc on PATH) has "
+        "no include/cuda_runtime.h; set CUDA_HOME to the toolkit's folder (e.g. /usr/local/cuda)")
 
 
 @pytest.mark.parametrize("nvcc,arch,expected", [
@@ -103,6 +115,18 @@ def _module(plan, name="_C"):
     return next(m for m in plan["modules"] if m["name"] == name)
 
 
+def _touch_sources(root, package):
+    """An empty file for each source the manifest names: the build kit checks that they exist."""
+    try:
+        kernels = load(root / package)["kernels"]
+    except ManifestError:  # the test is about the manifest's own mistake
+        return
+    for table in kernels.values():
+        for path in source_paths(table):
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            (root / path).touch()
+
+
 def _write_plugin(root, constants="BLOCK_M = 128\nUSE_TMA = true", cuda='["csrc/k.cu"]', extra=""):
     (root / "pk_plan").mkdir()
     (root / "pk_plan" / "kernel.toml").write_text(textwrap.dedent(f"""\
@@ -118,6 +142,8 @@ def _write_plugin(root, constants="BLOCK_M = 128\nUSE_TMA = true", cuda='["csrc/
         {extra}
         [moe.constants]
     """) + constants + "\n")
+    load.cache_clear()
+    _touch_sources(root, "pk_plan")
 
 
 def _write_two_kernels(root):
@@ -141,6 +167,8 @@ def _write_two_kernels(root):
         sources.cuda_variants."9.0a" = ["csrc/cuda/b_sm90.cu", "csrc/cuda/b_common.cu"]
         sources.cuda_variants."10.0a" = ["csrc/cuda/b_sm100.cu"]
     """))
+    load.cache_clear()
+    _touch_sources(root, "pk_two")
 
 
 def test_plan_compiles_manifest_constants_and_archs(tmp_path, monkeypatch):
@@ -252,6 +280,17 @@ def test_plugin_without_cuda_sources_is_no_skip(tmp_path, monkeypatch, capsys):
     assert plan["version"] == "0.2.0+cputorch2.14"
 
 
+@pytest.mark.parametrize("toolchain", [GOOD, Toolchain("2.14.1+cu130", "13.0", None, None)], ids=["cuda", "no toolkit"])
+@pytest.mark.parametrize("missing", ["csrc/k.cpp", "csrc/k.cu", "csrc/k100.cu"])
+def test_a_missing_source_fails_the_build_with_or_without_cuda(tmp_path, monkeypatch, toolchain, missing):
+    """A missing .cu built a CPU-only wheel without a word where no toolkit was found (issue 61, item 12)."""
+    monkeypatch.delenv(build.ARCH_ENV, raising=False)
+    _write_plugin(tmp_path, extra='sources.cuda_variants."10.0a" = ["csrc/k100.cu"]')
+    (tmp_path / missing).unlink()
+    with pytest.raises(build.BuildError, match=rf"kernel 'moe' names sources \['{missing}'\] that are not files under "):
+        build.extension_plan(tmp_path, toolchain)
+
+
 def test_string_constants_are_refused(tmp_path):
     _write_plugin(tmp_path, constants='NAME = "x"')
     with pytest.raises(ManifestError, match="constant 'NAME' must be an identifier with a number or boolean value"):
@@ -305,3 +344,39 @@ def test_cuda_library_headers_only_when_the_toolkit_lacks_them(tmp_path):
     assert includes, "the nvidia wheels beside torch have no include folder with cusparse.h"
     for include in includes:
         assert (Path(include) / "cusparse.h").exists()
+
+
+@pytest.mark.parametrize("extra, words", [
+    ('archs = ["٩.٠a"]', r"archs are spelled MAJOR.MINOR\[a\|f\]"),
+    ('stable_abi = "٢.١١"', r"stable_abi is the oldest torch release the kernel targets, a string MAJOR.MINOR"),
+])
+def test_non_ascii_digits_are_no_arch_and_no_release(tmp_path, extra, words):
+    """Arabic-Indic digits passed every spelling check (\\d) and reached nvcc (issue 61, item 8)."""
+    (tmp_path / "pk_digits").mkdir()
+    (tmp_path / "pk_digits" / "kernel.toml").write_text(
+        f'version = "0.1.0"\n[k]\nnamespace = "pk_digits"\nops = ["a"]\nmodule = "pk_digits.ops"\n{extra}\n',
+        encoding="utf-8")
+    load.cache_clear()
+    with pytest.raises(ManifestError, match=words):
+        load(tmp_path / "pk_digits")
+
+
+def test_non_ascii_digits_are_no_capability_and_no_arch_request(monkeypatch):
+    from prime_kernels_core import registry
+
+    assert registry.parse_capability("sm_٩٠") is None and registry.parse_capability("٩.٠") is None
+    assert registry.parse_capability("sm_90") == (9, 0)
+    monkeypatch.setenv(build.ARCH_ENV, "٩.٠a")
+    assert "not of the form MAJOR.MINOR[a|f]" in build.arch_request()
+
+
+@pytest.mark.parametrize("archs, line", [
+    (["8.0", "9.0", "10.3"], "k runs on sm_80 sm_86 sm_87 sm_89 sm_90 sm_103; not on sm_100: 10.3 runs on sm_103 only"),
+    (["9.0a", "12.1a"], "k runs on sm_90 sm_121; not on sm_120: 12.1a runs on sm_121 only"),
+    (["8.0", "8.6", "8.9", "9.0", "10.0", "11.0", "12.0"],
+     "k runs on sm_80 sm_86 sm_87 sm_89 sm_90 sm_100 sm_103 sm_110 sm_120 sm_121"),
+    ([], "k runs on no GPU (no CUDA code: its CPU implementation only)"),
+])
+def test_the_build_ends_saying_which_gpus_each_kernel_runs_on(archs, line):
+    """A valid but wrong arch ("10.3" for "10.0") is visible at the end of the build (issue 61, item 15)."""
+    assert build.runs_on_line("pk", "k", archs) == f"prime-kernels: pk: {line}"

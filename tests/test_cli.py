@@ -77,7 +77,7 @@ def test_json_schema_version_1(plugin_dir, tmp_path):
     assert set(doc) == {"schema_version", "environment", "cuda_target", "probed", "discovery_failure", "kernels"}
     assert set(doc["environment"]) == {
         "core_version", "python_version", "python_executable", "torch_version", "torch_cuda_version",
-        "driver_version", "driver_reason", "nvcc_version", "nvcc_path", "nvcc_reason", "gpus", "gpu_reason"}
+        "driver_version", "driver_reason", "nvcc_version", "nvcc_path", "cuda_home", "nvcc_reason", "gpus", "gpu_reason"}
     for gpu in doc["environment"]["gpus"]:
         assert set(gpu) == {"index", "name", "capability", "arch", "memory_gib"}
     assert (doc["environment"]["gpus"] == []) == (doc["environment"]["gpu_reason"] is not None)
@@ -236,3 +236,100 @@ def test_arch_table_and_require_answer_for_a_gpu_that_is_not_here(plugin_dir, tm
     assert done.returncode == 1 and "hopper has no CUDA build for sm_100" in done.stderr
     text = _run(tmp_path, "--arch", "sm_100", allow=allow, columns=120).stdout
     assert "sm_100" in text and all(len(line) <= 120 for line in text.splitlines())
+
+
+def test_repeated_require_flags_add_up(plugin_dir, capsys):
+    """A launch script that passes one --require per kernel requires every one of them (issue 61, item 1)."""
+    plugin_dir("pk-cli-repeat", kernel="good")  # in this process: a distribution name no other test imports
+    assert cli.main(["--device", "cpu", "--require", "nope_kernel", "--require", "good"]) == 1
+    assert "required kernel nope_kernel is unavailable on cpu" in capsys.readouterr().err
+    assert cli.main(["--device", "cpu", "--require", "good", "--require", "nope_kernel", "other"]) == 1
+    assert capsys.readouterr().err.count("is unavailable on cpu") == 2
+    assert cli.main(["--device", "cpu", "--require", "good", "--require", "good"]) == 0
+
+
+@pytest.mark.parametrize("flag, first, second", [("--device", "cpu", "0"), ("--arch", "sm_90", "sm_100")])
+def test_a_single_valued_flag_given_twice_is_a_usage_error(flag, first, second, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.parser().parse_args([flag, first, flag, second])
+    assert exited.value.code == 2
+    assert f"{flag} was given twice ({first} and {second}); give it once" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["--arch", "sm_9"], ["--arch", "sm_٩٠"], ["--device", "cuda:٩"], ["--device", "٠"]])
+def test_an_arch_or_device_torch_cannot_parse_is_a_usage_error(args, capsys):
+    """Not "Invalid device string" in every row (issue 61, items 7 and 8): one digit, or non-ASCII digits."""
+    with pytest.raises(SystemExit) as exited:
+        cli.parser().parse_args(args)
+    assert exited.value.code == 2
+    assert f"{args[1]!r} is not a{'n arch' if args[0] == '--arch' else ' device'}" in capsys.readouterr().err
+
+
+def test_json_is_the_only_thing_on_stdout_when_a_plugin_prints(plugin_dir, tmp_path):
+    """A plugin that prints at import, from Python and straight to file descriptor 1 (as C code would), does not break
+    --json (issue 61, item 6): its output goes to stderr."""
+    plugin_dir("pk-cli-chatty", kernel="chatty", ops_source=(
+        "import os\nprint('hello from python')\nos.write(1, b'hello from fd 1\\n')\n"
+        "def unsupported_shape_reason(n):\n    return None\n"))
+    done = _run(tmp_path, "--json", "--device", "cpu", allow="pk-cli-chatty")
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(done.stdout)["kernels"]
+    assert row["kernel"] == "chatty"
+    assert "hello from python" in done.stderr and "hello from fd 1" in done.stderr
+
+
+def test_a_non_ascii_reason_under_an_ascii_stdout_is_escaped(plugin_dir, tmp_path):
+    """PYTHONIOENCODING=ascii and a reason naming a non-ASCII path: the report, not a UnicodeEncodeError (issue 61,
+    item 7)."""
+    plugin_dir("pk-cli-ascii", kernel="good", import_error="/home/josé/libcuda.so.1: cannot open shared object file")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]), PRIME_KERNELS_PLUGINS="pk-cli-ascii",
+               PYTHONIOENCODING="ascii")
+    done = subprocess.run([sys.executable, "-m", "prime_kernels", "--device", "cpu"], capture_output=True, env=env)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    assert b"/home/jos\\xe9/libcuda.so.1" in done.stdout and b"Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_stdout_on_a_full_device_is_one_line_and_exit_3(plugin_dir, tmp_path):
+    plugin_dir("pk-cli-full", kernel="good")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]), PRIME_KERNELS_PLUGINS="pk-cli-full")
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "prime_kernels", "--device", "cpu"], stdout=full,
+                              stderr=subprocess.PIPE, text=True, env=env)
+    assert done.returncode == cli.UNWRITTEN_EXIT == 3, done.stderr
+    assert done.stderr == "prime-kernels: error: the report could not be written to stdout: No space left on device\n"
+
+
+@pytest.mark.parametrize("where", ["a file", "unwritable"])
+def test_release_with_a_wheelhouse_it_cannot_use_is_one_line(tmp_path, where):
+    wheelhouse = tmp_path / "wheelhouse"
+    if where == "a file":
+        wheelhouse.write_text("")
+    else:
+        (wheelhouse / "logs").mkdir(parents=True)
+        (wheelhouse / "logs").chmod(0o500)
+        if os.access(wheelhouse / "logs", os.W_OK):
+            pytest.skip("this user writes to read-only folders (root)")
+    done = subprocess.run([sys.executable, "-m", "prime_kernels_core.release", "--wheelhouse", str(wheelhouse),
+                           str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(f"python -m prime_kernels_core.release: error: --wheelhouse {wheelhouse} cannot hold "
+                                  "the wheels and their logs: "), done.stderr
+
+
+def test_the_nvcc_line_is_the_build_kits_toolkit(tmp_path, monkeypatch):
+    """A wrapper nvcc on PATH outside the toolkit: the CLI reported it as what builds would use while the build kit
+    skipped CUDA (issue 61, item 11); both now give the build kit's answer, naming the CUDA_HOME."""
+    from prime_kernels_core import build
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.48'\n")
+    (tmp_path / "bin" / "nvcc").chmod(0o755)
+    monkeypatch.setattr(build, "detect_toolchain", lambda: build.Toolchain("2.14.1", "13.0", str(tmp_path), None))
+    env = cli.environment()
+    assert env["nvcc_version"] is None and env["cuda_home"] == str(tmp_path)
+    assert env["nvcc_reason"] == build.no_toolkit_reason(str(tmp_path)) and "include/cuda_runtime.h" in env["nvcc_reason"]
+    monkeypatch.setattr(build, "detect_toolchain", lambda: build.Toolchain("2.14.1", "13.0", "/usr/local/cuda", "13.0"))
+    lines = cli._environment_lines(cli.environment(), 120)
+    assert any(line.startswith("nvcc") and "13.0 (CUDA_HOME /usr/local/cuda, as plugin builds use it)" in line
+               for line in lines), lines

@@ -72,6 +72,24 @@ def test_op_without_fake(plugin_dir):
         assert_conforms("demo")
 
 
+BACKWARD_OP = '''
+lib.define("op_a_backward(Tensor grad) -> Tensor")
+lib.impl("op_a_backward", lambda grad: grad * 2, "CPU")
+torch.library.register_autograd("NAMESPACE::op_a", lambda ctx, grad: torch.ops.NAMESPACE.op_a_backward(grad))
+'''
+BACKWARD_HOOKS = HOOKS.replace(  # the forward's sample first, as a plugin lists them
+    "requires_grad=GRAD),), {})]\n", "requires_grad=GRAD),), {}), (\"op_a_backward\", (torch.randn(3, device=device),), {})]\n", 1)
+
+
+def test_a_backward_op_without_fake_is_named_before_any_opcheck(plugin_dir):
+    """Not "test_aot_dispatch_dynamic failed" on the forward op whose backward calls it (issue 61, item 14)."""
+    _plugin(plugin_dir, "nobwdfake", OPS + BACKWARD_OP + FAKE + CONTRACT, hooks=BACKWARD_HOOKS,
+            ops=("op_a", "op_a_backward"), trainable=("op_a",))
+    expected = r"^demo: op op_a_backward has no fake implementation; register one with torch\.library\.register_fake$"
+    with pytest.raises(AssertionError, match=expected):
+        assert_conforms("demo")
+
+
 def test_op_without_samples(plugin_dir):
     _plugin(plugin_dir, "nosamples", OPS + FAKE + CONTRACT, hooks="")
     with pytest.raises(AssertionError, match=r"no sample inputs for ops \['op_a'\] on cpu"):

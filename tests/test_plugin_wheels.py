@@ -71,7 +71,7 @@ def _build_example(tmp_path, *command, **env):
     )
 
 
-SKIP = "prime-kernels: skipping CUDA for pk_example_rmsnorm: no CUDA toolkit was found (CUDA_HOME=/nonexistent has no bin/nvcc and include/cuda_runtime.h)"
+SKIP = "prime-kernels: skipping CUDA for pk_example_rmsnorm: no CUDA toolkit was found: /nonexistent (CUDA_HOME) has no bin/nvcc and no include/cuda_runtime.h; set CUDA_HOME to the toolkit's folder (e.g. /usr/local/cuda)"
 
 
 def test_missing_nvcc_fails_the_build_under_require(tmp_path):
@@ -84,6 +84,8 @@ def test_missing_nvcc_skips_cuda_and_status_says_why(tmp_path):
     done = _build_example(tmp_path, CUDA_HOME="/nonexistent")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert SKIP in done.stdout + done.stderr
+    assert "prime-kernels: pk_example_rmsnorm: residual_rmsnorm runs on no GPU (no CUDA code: its CPU implementation " \
+           "only)" in done.stdout + done.stderr
     (wheel,) = (tmp_path / "out").glob("*.whl")
     assert "+cputorch" in wheel.name
     site = tmp_path / "site"
@@ -92,7 +94,7 @@ def test_missing_nvcc_skips_cuda_and_status_says_why(tmp_path):
     (row,) = json.loads(subprocess.run([sys.executable, "-m", "prime_kernels", "--json", "--device", "cuda:0"],
                                        capture_output=True, text=True, env=env, check=True).stdout)["kernels"]
     assert row["cpu"] == {"available": True, "reason": None, "note": None}
-    assert row["cuda"]["reason"] == "residual_rmsnorm was built without CUDA: no CUDA toolkit was found (CUDA_HOME=/nonexistent has no bin/nvcc and include/cuda_runtime.h)"
+    assert row["cuda"]["reason"] == "residual_rmsnorm was built without CUDA: no CUDA toolkit was found: /nonexistent (CUDA_HOME) has no bin/nvcc and no include/cuda_runtime.h; set CUDA_HOME to the toolkit's folder (e.g. /usr/local/cuda)"
 
 
 def test_in_place_build_records_beside_the_in_place_extension(tmp_path):

@@ -13,16 +13,29 @@ import pytest
 import prime_kernels
 from prime_kernels_core import build
 from prime_kernels_core.build import BuildError, Toolchain
-from prime_kernels_core.manifest import ManifestError, load
+from prime_kernels_core.manifest import ManifestError, load, source_paths
 from prime_kernels_core.testing import assert_error_ratio
 
 GOOD = Toolchain("2.14.1+cu130", "13.0", "/usr/local/cuda", "13.0")
+
+
+def _touch_sources(root, package):
+    """An empty file for each source the manifest names: the build kit checks that they exist."""
+    try:
+        kernels = load(root / package)["kernels"]
+    except ManifestError:  # the test is about the manifest's own mistake
+        return
+    for table in kernels.values():
+        for path in source_paths(table):
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            (root / path).touch()
 
 
 def _write(root, kernels: str, package="pk_stable"):
     (root / package).mkdir()
     (root / package / "kernel.toml").write_text('version = "0.3.0"\n' + textwrap.dedent(kernels))
     load.cache_clear()
+    _touch_sources(root, package)
     return root / package
 
 

@@ -49,20 +49,22 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_y, grad_new_residual):
-    """Closed-form RMSNorm backward in fp32; the add passes its gradient to x and residual unchanged."""
+    """Closed-form RMSNorm backward in the forward's math precision (fp32, float64 for float64: as the kernels); the
+    add passes its gradient to x and residual unchanged."""
     new_residual, weight = ctx.saved_tensors
-    h = new_residual.float()
+    math_dtype = torch.promote_types(new_residual.dtype, torch.float32)
+    h = new_residual.to(math_dtype)
     rstd = torch.rsqrt(h.square().mean(-1, keepdim=True) + ctx.eps)
     h_hat = h * rstd
     grad_h = grad_weight = None
     if grad_y is not None:
-        g = grad_y.float()
-        g_hat = g * weight.float()
+        g = grad_y.to(math_dtype)
+        g_hat = g * weight.to(math_dtype)
         grad_h = rstd * (g_hat - h_hat * (g_hat * h_hat).mean(-1, keepdim=True))
         if ctx.needs_input_grad[2]:
             grad_weight = (g * h_hat).reshape(-1, h.shape[-1]).sum(0).to(weight.dtype)
     if grad_new_residual is not None:
-        grad_h = grad_new_residual.float() if grad_h is None else grad_h + grad_new_residual.float()
+        grad_h = grad_new_residual.to(math_dtype) if grad_h is None else grad_h + grad_new_residual.to(math_dtype)
     if grad_h is None:
         return None, None, grad_weight, None
     return grad_h.to(new_residual.dtype), grad_h.to(ctx.residual_dtype), grad_weight, None

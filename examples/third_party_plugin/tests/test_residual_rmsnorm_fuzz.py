@@ -1,8 +1,8 @@
 """Fuzz-style sweep (issue 22): residual_rmsnorm's public functions and raw op, each argument in turn replaced by a
 bad or edge value (non-tensors, other dtypes, shapes one off, empty, non-contiguous, meta, NaN; numbers of other kinds
-and out of range). Each case must give a clean result or a TypeError / ValueError / RuntimeError whose message names
-an argument of the call; a crash, any other exception, or a result for a tensor on another device
-than the others' fails; prime_kernels_core.fuzz runs the sweep."""
+and out of range). Each case must give a clean result, judged against the reference, or a TypeError / ValueError /
+RuntimeError whose message names the argument replaced; a crash, any other exception, or a result for a tensor on
+another device than the others' fails; prime_kernels_core.fuzz runs the sweep."""
 from __future__ import annotations
 
 import pytest
@@ -26,6 +26,15 @@ def cpu_targets() -> dict:
                                          dict(x=x, residual=residual, weight=weight, eps=1e-6)),
         "unsupported_shape_reason": (ops.unsupported_shape_reason, dict(hidden_size=8)),
     }
+
+
+def references() -> dict:
+    """name -> (the reference each clean result is judged against, max_ratio): the plain PyTorch computation. The
+    targets are fp32, whose error is reduction order, not output rounding: test_residual_rmsnorm.py's room for fp32."""
+    from pk_example_rmsnorm import ops
+
+    return {name: (ops.residual_rmsnorm_reference, 2.0)
+            for name in ("residual_rmsnorm", "pk_example::residual_rmsnorm")}
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.kernel(KERNEL, device="cpu")),

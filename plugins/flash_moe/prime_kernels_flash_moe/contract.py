@@ -87,7 +87,11 @@ def check_moe_operands(x, w1, w2, w3, b1, b2, topk_ids, topk_weights, family: Fa
     w2_form, w2_shape = ("(E, hidden, dim)", (E, hidden, dim)) if layout.transposed else \
         ("(E, dim, hidden)", (E, dim, hidden))
     if w2.shape != w2_shape:
-        raise RuntimeError(f"moe: w2 must have shape {w2_form} = {w2_shape}, got {tuple(w2.shape)}")
+        stacked = family.gated and layout.gate_up != "separate"
+        whence = f"half of w1's {'third' if layout.transposed else 'second'} dimension: w3 is None, so w1 holds " \
+                 "gate and up" if stacked else f"w1's {'third' if layout.transposed else 'second'} dimension"
+        raise RuntimeError(f"moe: w2 must have shape {w2_form} = {w2_shape} (hidden = {whence}), got "
+                           f"{tuple(w2.shape)}")
     b1_shape = (E, 2 * hidden if family.gated else hidden)
     if b1 is not None and b1.shape != b1_shape:
         raise RuntimeError(f"moe: b1 must have shape (E, {'2 hidden' if family.gated else 'hidden'}) = {b1_shape}, "

@@ -306,7 +306,17 @@ def register_transformers(name: str = DEFAULT_NAME, *, strict: bool = False) -> 
     Then ``model.set_experts_implementation(name)`` (or ``from_pretrained(..., experts_implementation=name)``) routes
     every experts module of the model through ``ops.moe``. A call flash_moe cannot run goes to transformers'
     ``grouped_mm`` with the reason logged once (``strict=False``) or raises a RuntimeError with it (``strict=True``).
-    Raises a RuntimeError saying so when transformers is missing or has no experts-implementation registry.
+    Raises a RuntimeError saying so when transformers is missing or has no experts-implementation registry, and a
+    ValueError for a name transformers' own implementation (or any other not flash_moe's) is registered under: replacing
+    ``grouped_mm`` would make every fallback call flash_moe again, without end.
     """
-    _transformers_moe().ALL_EXPERTS_FUNCTIONS.register(name, _strict if strict else _lenient)
+    functions = _transformers_moe().ALL_EXPERTS_FUNCTIONS
+    taken = functions.get(name)
+    if name == FALLBACK or taken not in (None, _lenient, _strict):
+        raise ValueError(
+            f"register_transformers: name {name!r} is taken by {getattr(taken, '__module__', '?')}."
+            f"{getattr(taken, '__qualname__', taken)!s}" + (f" (transformers' {FALLBACK}, which flash_moe falls back "
+                                                             "to)" if name == FALLBACK else "")
+            + f"; give flash_moe a name of its own, e.g. {DEFAULT_NAME!r}")
+    functions.register(name, _strict if strict else _lenient)
     return name

@@ -35,6 +35,9 @@ def quantize_mxfp8(t: torch.Tensor, block: int = MXFP8_SCALE_BLOCK, *, exponent_
         return torch.ops.flash_moe.quantize_mxfp8(t, block)
     if block < 1 or exponent_block < block or exponent_block % block:
         raise RuntimeError(f"quantize_mxfp8: exponent_block must be a multiple of block={block}, got {exponent_block}")
+    if t.dim() >= 1 and t.shape[-1] % exponent_block:  # the op below would name its own argument, block
+        raise RuntimeError(f"quantize_mxfp8: the last dimension of t must be a multiple of exponent_block="
+                           f"{exponent_block}, got {t.shape[-1]}")
     data, scales = torch.ops.flash_moe.quantize_mxfp8(t, exponent_block)
     repeated = scales.view(torch.uint8).repeat_interleave(exponent_block // block, -1)
     return data, repeated.view(torch.float8_e8m0fnu)

@@ -178,6 +178,7 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | 
     lead = x.shape[:-1]
     top_k = topk_ids.shape[-1]
     E = w1.shape[0]
+    _check_local_experts(E, expert_start, num_experts)
     global_experts = E if num_experts is None else num_experts  # the kernels' launch rules
     if num_experts is None:
         num_experts = E if expert_start == 0 else INT32_MAX
@@ -205,6 +206,17 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | 
                         deterministic or top_k >= CONSTANTS["SLOT_COMBINE_MIN_TOP_K"],
                         recompute_gate_up or not torch.is_grad_enabled())
     return out.view(*lead, x.shape[-1])
+
+
+def _check_local_experts(local: int, expert_start: int, num_experts: int | None) -> None:
+    """moe()'s own words for its expert range (moe_align's name its num_local_experts, which moe() does not have)."""
+    if expert_start < 0:
+        raise ValueError(f"moe: expert_start must be >= 0 (the global id of w1's first expert), got {expert_start}")
+    if num_experts is not None and expert_start + local > num_experts:
+        raise ValueError(
+            f"moe: the local experts [expert_start, expert_start + {local}) = [{expert_start}, {expert_start + local}) "
+            f"({local}: w1's expert count) must lie within the num_experts = {num_experts} global experts; lower "
+            f"expert_start to at most {num_experts - local} or raise num_experts")
 
 
 def moe_sorted(x_sorted: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None,

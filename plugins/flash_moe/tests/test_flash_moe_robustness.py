@@ -283,3 +283,17 @@ def test_fused_moe_mxfp8_compiles_with_inductor_on_float8_operands(device):
     torch._dynamo.reset()
     compiled = torch.compile(run, fullgraph=True, backend="inductor")(*mx)
     torch.testing.assert_close(compiled, eager, **({} if device == "cuda" else dict(rtol=0, atol=0)))  # atomics
+
+
+@cpu
+@pytest.mark.parametrize("expert_start, num_experts, words", [
+    (6, 8, r"moe: the local experts \[expert_start, expert_start \+ 4\) = \[6, 10\) \(4: w1's expert count\) must lie "
+           r"within the num_experts = 8 global experts; lower expert_start to at most 4 or raise num_experts"),
+    (0, 3, r"= \[0, 4\) \(4: w1's expert count\) must lie within the num_experts = 3 global experts"),
+    (-1, None, r"moe: expert_start must be >= 0 \(the global id of w1's first expert\), got -1"),
+])
+def test_an_expert_range_past_num_experts_names_moes_own_arguments(expert_start, num_experts, words):
+    """Not moe_align's "num_local_experts must be in [1, 2]", an argument moe() does not have (issue 61, item 10)."""
+    x, w1, w2, w3, ids, tw = problem()
+    with pytest.raises(ValueError, match=words):
+        ops.moe(x, w1, w2, w3, ids, tw, expert_start=expert_start, num_experts=num_experts)

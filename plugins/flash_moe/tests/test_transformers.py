@@ -629,3 +629,16 @@ def test_cuda_qwen3_30b_a3b_shaped_block():
     check_block("qwen3_moe", "cuda", tokens=(2, 512), hidden_size=2048, moe_intermediate_size=768, num_experts=128,
                 num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=64,
                 num_hidden_layers=1)
+
+
+@pytest.mark.parametrize("name", ["grouped_mm", "batched_mm"])
+def test_a_name_transformers_uses_is_refused(name):
+    """register_transformers("grouped_mm") made every fallback call flash_moe again (RecursionError; issue 61,
+    item 9): the name is refused and transformers' own function stays."""
+    own = tf_moe.ALL_EXPERTS_FUNCTIONS[name]
+    with pytest.raises(ValueError, match=f"register_transformers: name '{name}' is taken by transformers"):
+        integrations.register_transformers(name)
+    assert tf_moe.ALL_EXPERTS_FUNCTIONS[name] is own
+    assert integrations.register_transformers(NAME) == NAME  # its own names stay re-registrable, strict or not
+    assert integrations.register_transformers(NAME, strict=True) == NAME
+    assert integrations.register_transformers(NAME) == NAME

@@ -9,6 +9,7 @@ naming it, not an AttributeError from deep inside.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -185,6 +186,18 @@ def require_tensor(fn: str, name: str, value, *, optional: bool = False) -> None
         raise TypeError(f"{fn}: {name} must be {what}, got {type(value).__name__}")
 
 
+def is_real(value) -> bool:
+    """A real number: Python's int and float, and NumPy's scalars (np.float32 is no Python float); not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def require_flags(fn: str, **flags) -> None:
+    """TypeError naming the first flag that is not a bool: a string or a tensor there would be read as its truth."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{fn}: {name} must be True or False, got {type(value).__name__} {value!r}")
+
+
 def require_temperature(fn: str, temperature) -> None:
     """A real number, or a floating-point tensor (its dtype and shape are checked where it is flattened)."""
     if isinstance(temperature, torch.Tensor):
@@ -192,8 +205,9 @@ def require_temperature(fn: str, temperature) -> None:
             raise TypeError(f"{fn}: a temperature tensor must be floating point (it is used as float32), got "
                             f"{temperature.dtype}")
         return
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"{fn}: temperature must be a float or a float32 tensor, got {type(temperature).__name__}")
+    if not is_real(temperature):
+        raise TypeError(f"{fn}: temperature must be a real number or a floating-point tensor, got "
+                        f"{type(temperature).__name__}")
 
 
 def require_logit_transform(fn: str, softcap, logit_scale) -> None:
@@ -202,12 +216,13 @@ def require_logit_transform(fn: str, softcap, logit_scale) -> None:
     for name, value, optional in (("softcap", softcap, True), ("logit_scale", logit_scale, False)):
         if optional and value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            what = "None or a float" if optional else "a float"
+        if not is_real(value):
+            what = "None or a real number" if optional else "a real number"
             raise TypeError(f"{fn}: {name} must be {what}, got {type(value).__name__}")
-        if not _FLOAT32_MIN <= value <= _FLOAT32_MAX:
+        if not _FLOAT32_MIN <= float(value) <= _FLOAT32_MAX:  # float(): a NumPy float16 compared with 3e38 warns
             raise ValueError(f"{fn}: {name} must be finite and > 0 (a normal float32, in [{_FLOAT32_MIN}, "
                              f"{_FLOAT32_MAX}]), got {value}")
+    softcap, logit_scale = None if softcap is None else float(softcap), float(logit_scale)
     if softcap is not None and not _slope_in_range(softcap, logit_scale):
         raise ValueError(f"{fn}: logit_scale / softcap must be in [{_FLOAT32_MIN}, {_MAX_SOFTCAP_SLOPE:g}], got "
                          f"{logit_scale} / {softcap} = {logit_scale / softcap}")

@@ -99,8 +99,7 @@ def flatten_linear(hidden, weight, labels, temperature, bias):
             raise ValueError(f"temperature must be a float, a 0-d tensor or a tensor of labels' shape "
                              f"{tuple(labels.shape)}, got shape {tuple(temperature.shape)}")
         temperature = 1.0
-    elif not isinstance(temperature, (int, float)):
-        raise ValueError(f"temperature must be a float or a tensor, got {type(temperature).__name__}")
     if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
-        raise ValueError(f"bias must be a tensor of shape [{weight.shape[0]}], got {getattr(bias, 'shape', bias)}")
+        raise ValueError(f"bias must be a tensor of shape [{weight.shape[0]}] (weight's vocab rows), got "
+                         f"{getattr(bias, 'shape', bias)}")
     return h2, l1, float(temperature), token_temperature

@@ -118,6 +118,7 @@ def linear_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     summed in rank order). docs/notes/batch_invariance.md.
     """
     checks.require_ignore_index("linear_logp_entropy", ignore_index)
+    checks.require_flags("linear_logp_entropy", return_entropy=return_entropy, batch_invariant=batch_invariant)
     checks.require_process_group("linear_logp_entropy", process_group)
     checks.require_logit_transform("linear_logp_entropy", softcap, logit_scale)
     softcap = None if softcap is None else float(softcap)
@@ -218,6 +219,8 @@ def linear_logp_entropy_backward(grad_logp, grad_entropy, hidden, weight, labels
     checks.require_tensor("linear_logp_entropy_backward", "stats", stats)
     checks.require_ignore_index("linear_logp_entropy_backward", ignore_index)
     checks.require_needs("linear_logp_entropy_backward", needs)
+    checks.require_flags("linear_logp_entropy_backward", grad_weight_fp32=grad_weight_fp32,
+                         batch_invariant=batch_invariant)
     checks.require_logit_transform("linear_logp_entropy_backward", softcap, logit_scale)
     h2, l1, temp, token_temperature = flatten_linear(hidden, weight, labels, temperature, bias)
     ge = None if grad_entropy is None else grad_entropy.reshape(-1)

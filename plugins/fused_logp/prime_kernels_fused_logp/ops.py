@@ -162,6 +162,8 @@ def logp_entropy(
         / softcap)); docs/integrations.md lists the model fields.
     """
     checks.require_ignore_index("logp_entropy", ignore_index)
+    checks.require_flags("logp_entropy", return_entropy=return_entropy, check_labels=check_labels,
+                         batch_invariant=batch_invariant)
     checks.require_logit_transform("logp_entropy", softcap, logit_scale)
     checks.require_process_group("logp_entropy", process_group)
     if process_group is not None:

@@ -165,7 +165,7 @@ def test_cpu_bad_logit_transform_names_the_argument(kwargs, match):
     op_args = (logits, labels, 1.0, None, -100, True, True, False, kwargs.get("softcap"), kwargs.get("logit_scale", 1.0))
     with pytest.raises(RuntimeError, match="fused_logp: " + match.split(" must")[0]):
         torch.ops.fused_logp.logp_entropy(*op_args)
-    with pytest.raises(TypeError, match="softcap must be None or a float, got str"):
+    with pytest.raises(TypeError, match="softcap must be None or a real number, got str"):
         logp_entropy(logits, labels, softcap="30")
 
 

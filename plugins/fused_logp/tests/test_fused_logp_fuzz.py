@@ -1,11 +1,14 @@
 """Fuzz-style sweep (issue 22): every public function and raw op of fused_logp, each argument in turn replaced by a
 bad or edge value (non-tensors, other dtypes, shapes one off, empty, non-contiguous, meta, NaN; ints at and past int32
-and int64, negative, of other types). Each case must give a clean result or a TypeError / ValueError / RuntimeError
-whose message names an argument of the call; a crash, any other exception, or a result for a tensor on another device
-than the others' (meta, or CPU among CUDA tensors) fails; prime_kernels_core.fuzz runs the sweep."""
+and int64, negative, of other types), the logit transforms (softcap, logit_scale) and batch_invariant included. Each
+case must give a clean result, judged against the float64 reference where the target has one (references()), or a
+TypeError / ValueError / RuntimeError whose message names the argument replaced; a crash, any other exception, or a
+result for a tensor on another device than the others' (meta, or CPU among CUDA tensors) fails;
+prime_kernels_core.fuzz runs the sweep."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from prime_kernels_core import fuzz
 
@@ -36,6 +39,11 @@ def cpu_targets() -> dict:
                                                 return_entropy=True, check_labels=True, process_group=None,
                                                 vocab_start=None)),
         "logp_entropy(T per token)": (ops.logp_entropy, dict(logits=logits, labels=labels, temperature=tt)),
+        # softcap 2 bends N(0, 1) logits visibly (tanh(x / 2)); logit_scale 1.5 scales them first
+        "logp_entropy(softcap, logit_scale)": (ops.logp_entropy, dict(logits=logits, labels=labels, temperature=0.7,
+                                                                      softcap=2.0, logit_scale=1.5)),
+        "logp_entropy(batch_invariant)": (ops.logp_entropy, dict(logits=logits, labels=labels, temperature=tt,
+                                                                 batch_invariant=True)),
         "linear_logp_entropy": (linear_ops.linear_logp_entropy,
                                 dict(hidden=hidden, weight=weight, labels=labels, temperature=0.7, bias=bias,
                                      ignore_index=-100, return_entropy=True, fallback=None, chunk_size=16,
@@ -69,6 +77,25 @@ def cpu_targets() -> dict:
                                                           ignore_index=-100, output_mask=[True, True, True],
                                                           grad_weight_fp32=False)),
     }
+
+
+def _logp_entropy_reference(logits, labels, temperature=1.0, ignore_index=-100, return_entropy=True, softcap=None,
+                            logit_scale=1.0, **_modes):
+    """ops.logp_entropy's value: the fp32 PyTorch path, or the float64 ground truth for float64 logits (the sweep
+    gives it those); the modes (batch_invariant, check_labels, ...) change no value."""
+    from prime_kernels_fused_logp import reference
+
+    path = reference.logp_entropy_float64 if logits.dtype == torch.float64 else reference.logp_entropy_reference
+    return path(logits, labels, temperature, ignore_index=ignore_index, return_entropy=return_entropy,
+                softcap=softcap, logit_scale=logit_scale)
+
+
+def references() -> dict:
+    """name -> (the reference each clean result is judged against, max_ratio): the ratio test_fused_logp.py holds the
+    same outputs to."""
+    return {name: (_logp_entropy_reference, 1.0) for name in
+            ("logp_entropy", "logp_entropy(T per token)", "logp_entropy(softcap, logit_scale)",
+             "logp_entropy(batch_invariant)")}
 
 
 # The sweep covers both kernels' functions: it skips where either cannot run.

@@ -166,9 +166,9 @@ def test_linear_logp_entropy_names_a_non_tensor(value, position):
                          ids=["list", "numpy", "None", "str", "bool"])
 def test_temperatures_of_the_wrong_kind_are_named(temperature):
     logits, labels = torch.randn(N, V), torch.randint(0, V, (N,))
-    with pytest.raises(TypeError, match="logp_entropy: temperature must be a float or a float32 tensor"):
+    with pytest.raises(TypeError, match="logp_entropy: temperature must be a real number or a floating-point tensor"):
         logp_entropy(logits, labels, temperature)
-    with pytest.raises(TypeError, match="linear_logp_entropy: temperature must be a float or a float32 tensor"):
+    with pytest.raises(TypeError, match="linear_logp_entropy: temperature must be a real number or a floating-point tensor"):
         linear_logp_entropy(torch.randn(N, H), torch.randn(V, H), labels, temperature)
 
 
@@ -227,3 +227,29 @@ def test_chunked_fallback_for_float32_still_runs():
     got = linear_ops._chunked(hid, w, labels, 1.0, None, None, -100, 16)
     want = linear_logp_entropy(hid, w, labels)
     torch.testing.assert_close(got[0], want[0])
+
+
+@pytest.mark.parametrize("value", ["no", torch.tensor(True), 1, None], ids=["str", "tensor", "int", "None"])
+@pytest.mark.parametrize("flag", ["return_entropy", "check_labels", "batch_invariant"])
+def test_a_flag_that_is_not_a_bool_is_refused_naming_it(flag, value):
+    """ "no" would read as True, a tensor as its truth (issue 61, item 10)."""
+    logits, labels = torch.randn(N, V), torch.randint(0, V, (N,))
+    with pytest.raises(TypeError, match=f"logp_entropy: {flag} must be True or False, got"):
+        logp_entropy(logits, labels, 0.7, **{flag: value})
+    if flag != "check_labels":
+        with pytest.raises(TypeError, match=f"linear_logp_entropy: {flag} must be True or False, got"):
+            linear_logp_entropy(torch.randn(N, H), torch.randn(V, H), labels, 0.7, **{flag: value})
+
+
+@pytest.mark.parametrize("number", [np.float32(0.7), np.float64(0.7), np.float16(0.7), np.int64(1)],
+                         ids=["float32", "float64", "float16", "int64"])
+def test_numpy_scalars_are_real_numbers(number):
+    """A temperature, softcap or logit_scale read from a NumPy config is accepted as its value (issue 61, item 10)."""
+    logits, labels = torch.randn(N, V), torch.randint(0, V, (N,))
+    want = logp_entropy(logits, labels, float(number), softcap=float(number) * 4, logit_scale=float(number))
+    got = logp_entropy(logits, labels, number, softcap=number * 4, logit_scale=number)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    hidden, weight = torch.randn(N, H), torch.randn(V, H)
+    torch.testing.assert_close(linear_logp_entropy(hidden, weight, labels, number, logit_scale=number),
+                               linear_logp_entropy(hidden, weight, labels, float(number), logit_scale=float(number)),
+                               rtol=0, atol=0)
