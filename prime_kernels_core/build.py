@@ -12,6 +12,7 @@ PRIME_KERNELS_REQUIRE=1. The build record it writes into the package is what the
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -19,6 +20,7 @@ import platform
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from . import jit_manifest
@@ -528,6 +530,80 @@ def _extension(plan: dict, module: dict, cpp_extension):
     )
 
 
+# A compiler's error line: gcc / clang "file:line:col: error:", nvcc's front end "file(line): error:", or one that
+# names no file ("nvcc fatal   :", "ld: error").
+_ERROR_LINE = re.compile(r"(?P<file>[^\s:()]+\.\w+)(?:\(\d+\)|:\d+(?::\d+)?): (?:fatal )?error|\berror\b|\bfatal\b",
+                         re.IGNORECASE)
+# Headers outside the LibTorch stable API (section 9 of docs/writing-a-plugin.md has the porting table).
+_UNSTABLE_INCLUDE = re.compile(r'#\s*include\s*[<"]((?:ATen|c10|torch/(?!csrc/stable|headeronly))[^>"]*)[>"]')
+FIRST_ERRORS = 5
+
+
+@contextlib.contextmanager
+def _captured_output():
+    """Whatever the compilers and ninja write to this process's stdout and stderr (their file descriptors, which
+    subprocesses inherit), still shown as it comes and also kept: yields the list the text accumulates in."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    kept, pumps, restore = [], [], []
+    for fd in (1, 2):
+        read_end, write_end = os.pipe()
+        shown = os.dup(fd)
+        restore.append((fd, shown))
+
+        def pump(read_end=read_end, shown=shown):
+            while chunk := os.read(read_end, 65536):
+                kept.append(chunk)
+                os.write(shown, chunk)
+            os.close(read_end)
+
+        pumps.append(threading.Thread(target=pump, daemon=True))
+        pumps[-1].start()
+        os.dup2(write_end, fd)
+        os.close(write_end)
+    try:
+        yield kept
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, shown in restore:
+            os.dup2(shown, fd)  # the pipe's last write end closes: its pump sees the end
+        for thread in pumps:
+            thread.join()
+        for _, shown in restore:
+            os.close(shown)
+
+
+def compile_failure(output: str, root: Path, kernels: dict) -> str:
+    """The sentence a failed compile ends with: the compiler's first error lines, the kernel and source file they
+    belong to and, where that kernel is on the stable ABI and its source includes a header outside the stable API,
+    where the porting table is."""
+    errors = [line.strip() for line in output.splitlines() if _ERROR_LINE.search(line)]
+    errors = [e for e in errors if not e.startswith(("RuntimeError", "subprocess.CalledProcessError", "error: command"))]
+    sources = {str((root / path).resolve()): (name, path, table)
+               for name, table in kernels.items() for path in source_paths(table)}
+
+    def source_of(line: str):
+        match = _ERROR_LINE.search(line)
+        if not match or not match["file"]:
+            return None
+        return sources.get(str((root / match["file"]).resolve())) or next(
+            (v for k, v in sources.items() if k.endswith("/" + match["file"].lstrip("./"))), None)
+
+    failing = next(filter(None, map(source_of, errors)), None)
+    where = f" in kernel {failing[0]}'s {failing[1]}" if failing else ""
+    first = "\n  ".join(errors[:FIRST_ERRORS]) or "(the compiler printed no error line: see the output above)"
+    message = f"prime-kernels: compiling failed{where}; the compiler's first errors:\n  {first}"
+    if failing and failing[2].get("stable_abi"):
+        text = (root / failing[1]).read_text(errors="replace")
+        unstable = sorted(set(_UNSTABLE_INCLUDE.findall(text)))
+        if unstable:
+            message += (f"\n{failing[0]} is built on the LibTorch stable ABI (stable_abi = "
+                        f"\"{failing[2]['stable_abi']}\") and {failing[1]} includes {', '.join(unstable)}, outside "
+                        f"the stable API: docs/writing-a-plugin.md section 9 has the porting table")
+    return message
+
+
 def setup_plugin(root: str | Path | None = None, **setup_kwargs) -> None:
     """The whole of a plugin's setup.py. ``root`` defaults to the working directory, where setup.py runs."""
     import setuptools
@@ -549,6 +625,19 @@ def setup_plugin(root: str | Path | None = None, **setup_kwargs) -> None:
 
     class BuildWithRecord(cpp_extension.BuildExtension):
         def build_extension(self, ext):
+            # A failed compile ends with the compiler's first errors and their kernel, not with setuptools' "Error
+            # compiling objects for extension" a hundred lines below them.
+            failure = None
+            with _captured_output() as output:
+                try:
+                    self._compile_and_link(ext)
+                except Exception as error:  # the compilers', ninja's and the linker's failures alike
+                    failure = error
+            if failure is not None:
+                text = b"".join(output).decode(errors="replace")
+                raise BuildError(compile_failure(text, root, load(_plugin_package(root))["kernels"])) from failure
+
+        def _compile_and_link(self, ext):
             # cpp_extension gives one extension one set of nvcc flags, so each CUDA source set is compiled on its own
             # (its archs' -gencode only, into its own folder) and linked in as objects.
             for i, group in enumerate(modules[ext.name]["cuda_groups"]):

@@ -380,3 +380,40 @@ def test_non_ascii_digits_are_no_capability_and_no_arch_request(monkeypatch):
 def test_the_build_ends_saying_which_gpus_each_kernel_runs_on(archs, line):
     """A valid but wrong arch ("10.3" for "10.0") is visible at the end of the build (issue 61, item 15)."""
     assert build.runs_on_line("pk", "k", archs) == f"prime-kernels: pk: {line}"
+
+
+COMPILE_KERNELS = {
+    "fused_rope": {"sources": {"cpu": ["csrc/rope.cpp"], "cuda": ["csrc/cuda/rope.cu"]}},
+    "fused_norm": {"sources": {"cpu": ["csrc/norm.cpp"]}, "stable_abi": "2.11"},
+}
+
+
+@pytest.mark.parametrize("output, where, first", [
+    ("[1/2] c++ -c /ROOT/csrc/rope.cpp\n/ROOT/csrc/rope.cpp:12:5: error: 'foo' was not declared in this scope\n"
+     "   12 |     foo();\nninja: build stopped: subcommand failed.\nRuntimeError: Error compiling objects for extension",
+     "in kernel fused_rope's csrc/rope.cpp", "/ROOT/csrc/rope.cpp:12:5: error: 'foo' was not declared in this scope"),
+    ("/ROOT/csrc/cuda/rope.cu(40): error: identifier \"kAct\" is undefined\n1 error detected in the compilation of "
+     "\"/ROOT/csrc/cuda/rope.cu\".", "in kernel fused_rope's csrc/cuda/rope.cu",
+     "/ROOT/csrc/cuda/rope.cu(40): error: identifier \"kAct\" is undefined"),
+    ("nvcc fatal   : Unsupported gpu architecture 'compute_200'", "", "nvcc fatal   : Unsupported gpu architecture"),
+])
+def test_a_failed_compile_ends_with_the_first_errors_and_their_kernel(tmp_path, output, where, first):
+    """Issue 61, item 13: the compiler's first error lines and the kernel and source they belong to (or none where
+    the line names no source), not setuptools' 'Error compiling objects' a hundred lines below."""
+    message = build.compile_failure(output.replace("/ROOT", str(tmp_path)), tmp_path, COMPILE_KERNELS)
+    assert message.startswith(f"prime-kernels: compiling failed{' ' + where if where else ''}; the compiler's first "
+                              "errors:\n  "), message
+    assert first.replace("/ROOT", str(tmp_path)) in message
+    assert "Error compiling objects" not in message and "porting table" not in message
+
+
+def test_a_stable_abi_kernel_including_an_unstable_header_is_pointed_at_the_porting_table(tmp_path):
+    (tmp_path / "csrc").mkdir()
+    (tmp_path / "csrc" / "norm.cpp").write_text("#include <torch/csrc/stable/library.h>\n#include <ATen/ATen.h>\n"
+                                                "#include <torch/extension.h>\n")
+    output = f"{tmp_path}/csrc/norm.cpp:2:10: error: static assertion failed: TORCH_TARGET_VERSION\n"
+    message = build.compile_failure(output, tmp_path, COMPILE_KERNELS)
+    assert "in kernel fused_norm's csrc/norm.cpp" in message
+    assert message.endswith('fused_norm is built on the LibTorch stable ABI (stable_abi = "2.11") and csrc/norm.cpp '
+                            "includes ATen/ATen.h, torch/extension.h, outside the stable API: "
+                            "docs/writing-a-plugin.md section 9 has the porting table"), message

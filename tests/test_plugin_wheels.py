@@ -181,6 +181,25 @@ def test_a_build_whose_c_plus_plus_registers_another_namespace_is_refused(tmp_pa
     assert not (source / "pk_example_rmsnorm" / "_build_record.json").exists()
 
 
+def test_a_failed_compile_ends_with_the_compilers_first_errors(tmp_path):
+    """Issue 61, item 13: a C++ error in a stable-ABI kernel's source ends the build's output with the compiler's
+    first error lines, the kernel and source, and the porting table for the unstable header it includes."""
+    source = tmp_path / "src"
+    shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.so", "_build_record.json", "tests"))
+    cpp = source / "csrc" / "residual_rmsnorm.cpp"
+    cpp.write_text("#include <ATen/ATen.h>\n" + cpp.read_text() + "\nthis is not C++;\n")
+    inherited = {k: v for k, v in os.environ.items() if k != ARCH_ENV}
+    done = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=source, capture_output=True,
+                          text=True, env=dict(inherited, CUDA_HOME="/nonexistent"))
+    assert done.returncode != 0
+    tail = "\n".join(done.stderr.strip().splitlines()[-12:])
+    assert "prime-kernels: compiling failed in kernel residual_rmsnorm's csrc/residual_rmsnorm.cpp; the compiler's " \
+           "first errors:" in tail, tail
+    assert "residual_rmsnorm.cpp:" in tail and "error" in tail
+    assert tail.endswith("includes ATen/ATen.h, outside the stable API: docs/writing-a-plugin.md section 9 has the "
+                         "porting table"), tail
+
+
 def test_the_build_record_lists_what_c_registers():
     spec = prime_kernels.spec("residual_rmsnorm")
     assert spec.build["registered_ops"] == ["pk_example::residual_rmsnorm"]
