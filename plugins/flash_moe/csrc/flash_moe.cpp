@@ -398,11 +398,9 @@ at::Tensor moe_gate_up_cpu(const at::Tensor& x, const at::Tensor& w1, const std:
                            int64_t num_experts, const std::optional<at::Tensor>& b_gate,
                            const std::optional<at::Tensor>& b_up) {
   const char* op = "moe_gate_up";
-  // the activation itself does not enter g | u: only whether it is gated (w3 given)
-  const ActivationSpec act{w3.has_value() ? Activation::kSwiGLU : Activation::kRelu2, 0.f, 0.f};
   MoeShape s;
-  const Experts w = check_experts(op, x, w1, w3, nullptr, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                                  nullptr, top_k, block_m, num_experts, act, b_gate, b_up, std::nullopt, s);
+  const Experts w = check_gate_up_experts(op, x, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
+                                          block_m, num_experts, b_gate, b_up, s);
   return gate_up_cpu(op, x, w, sorted_token_ids, expert_ids, num_tokens_post_padded, s, block_m);
 }
 

@@ -272,6 +272,19 @@ inline Experts check_experts(const char* op, const at::Tensor& x, const at::Tens
   return Experts{w1, w3.value_or(w1), act, b_gate, b_up, b2};
 }
 
+// moe_gate_up's operands: no down projection and no routing weights; gated exactly when w3 is given (the activation
+// itself does not enter g | u).
+inline Experts check_gate_up_experts(const char* op, const at::Tensor& x, const at::Tensor& w1,
+                                     const std::optional<at::Tensor>& w3, const at::Tensor& sorted_token_ids,
+                                     const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
+                                     int64_t top_k, int64_t block_m, int64_t num_experts,
+                                     const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& b_up,
+                                     MoeShape& s) {
+  const ActivationSpec act{w3.has_value() ? Activation::kSwiGLU : Activation::kRelu2, 0.f, 0.f};
+  return check_experts(op, x, w1, w3, nullptr, sorted_token_ids, expert_ids, num_tokens_post_padded, nullptr, top_k,
+                       block_m, num_experts, act, b_gate, b_up, std::nullopt, s);
+}
+
 // The mxfp8 ops take e4m3 / e8m0 tensors or their uint8 bytes (same layout; torch.library.opcheck's schema check
 // compares inputs with allclose, which float8 types lack on CPU, so the conformance samples pass bytes).
 inline at::Tensor as_bits_of(const at::Tensor& t, at::ScalarType dtype) {

@@ -806,19 +806,17 @@ at::Tensor moe_gate_up_cuda(const at::Tensor& x, const at::Tensor& w1, const std
                             int64_t num_experts, const std::optional<at::Tensor>& b_gate,
                             const std::optional<at::Tensor>& b_up) {
   const char* op = "moe_gate_up";
-  // the activation itself does not enter g | u: only whether it is gated (w3 given)
-  const ActivationSpec act{w3.has_value() ? Activation::kSwiGLU : Activation::kRelu2, 0.f, 0.f};
   MoeShape s;
-  const Experts w = check_experts(op, x, w1, w3, nullptr, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                                 nullptr, top_k, block_m, num_experts, act, b_gate, b_up, std::nullopt, s);
+  const Experts w = check_gate_up_experts(op, x, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
+                                          block_m, num_experts, b_gate, b_up, s);
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<at::Tensor> keep;
   sm90::Params p = gate_up_params(op, x, w.gate, w.up, sorted_token_ids, expert_ids, num_tokens_post_padded, s, w,
                                   keep);
   CompactRows rows;
-  auto result = saved_gate_up(p, keep[3], keep[4], num_tokens_post_padded, s, act.gated(), rows);
+  auto result = saved_gate_up(p, keep[3], keep[4], num_tokens_post_padded, s, w.act.gated(), rows);
   if (s.blocks == 0 || s.M == 0) return result;
-  with_activation(act, [&](auto a) {
+  with_activation(w.act, [&](auto a) {
     launch_gate_up<sm90::GATE_UP_SAVE, decltype(a)::value>(p, keep[3], s, c10::cuda::getCurrentCUDAStream());
   });
   return result;
