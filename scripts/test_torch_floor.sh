@@ -26,7 +26,8 @@ start=$(date +%s)
 if ! "$fpy" -c "import sys, torch; sys.exit(not torch.__version__.startswith('$floor.'))" 2>/dev/null; then
   log "installing torch $floor (PyPI's CUDA build, a download of a few GB the first time)"
   # This machine's pip config points at local folders holding other torch releases (a CPU-only 2.13 among them).
-  env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$fpy" -m pip install -q --disable-pip-version-check \
+  # No cache: the venv is kept instead, and a cached copy would hold a second few GB on the disk.
+  env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$fpy" -m pip install -q --disable-pip-version-check --no-cache-dir \
     "torch~=$floor.0" >&2
 fi
 # The test and build tools (wheel: the core is installed from source without isolation).

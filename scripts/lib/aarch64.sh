@@ -11,8 +11,9 @@ aarch64_site() {  # AARCH64_PYTHON: its venv's site-packages
 aarch64_pip() {  # AARCH64_PYTHON PIP_INSTALL_ARGS...: aarch64 binaries (or pure wheels) into that venv, replacing
   local site; site=$(aarch64_site "$1"); shift
   # This machine's pip config names local x86_64 folders and caps torch at what lies there; neither applies here.
+  # No cache: aarch64 wheels are of no use to this machine's pip, and torch's would hold a second ~3 GB on the disk.
   # shellcheck disable=SC2086
-  env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null python3 -m pip install -q --disable-pip-version-check \
+  env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null python3 -m pip install -q --disable-pip-version-check --no-cache-dir \
     --root-user-action=ignore --target "$site" --upgrade --only-binary=:all: --python-version 3.11 --implementation cp \
     --abi cp311 --abi abi3 --abi none $AARCH64_PLATFORMS "$@" 2>&1 | { grep -v 'already exists. Specify --upgrade' || true; } >&2
 }
