@@ -100,8 +100,8 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, b1, b2, ids, tw, align, needs
     gradients are per-expert GEMMs over the slots sorted by expert with x / grad_out gathered by token
     (``moe_grad_weight``, one kernel each with the gathers inside, where ``_fused_weight_grads`` says it is the faster
     path; else gathers + ``torch._grouped_mm``; fp32 accumulation in both), written in the weight's own layout where
-    that is a GEMM's output order (transposed weights: the source-major product) and permuted once where it is not
-    (gate and up interleaved); ``moe_grad_x`` (one GEMM kernel on CUDA) gives dx = sum over a token's slots of dg W1[e]
+    that is a GEMM's output order (transposed weights: the source-major product; gate and up interleaved: dg | du
+    interleaved the same way first); ``moe_grad_x`` (one GEMM kernel on CUDA) gives dx = sum over a token's slots of dg W1[e]
     + du W3[e] in fp32: in k order when ``deterministic`` (bitwise reproducible), else with fp32 atomics on CUDA. When
     w2's gradient alone is needed (SwiGLU), the grad_h GEMM is skipped (``swiglu_backward`` on zeros gives p h).
     Biases: db1 = per-expert sums of dg | du (a grouped GEMM against ones: fp32 accumulation, deterministic);
@@ -134,7 +134,14 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, b1, b2, ids, tw, align, needs
         grad_gate_up, weighted_h, grad_p = torch.ops.flash_moe.moe_grad_gate_up(
             go, w2v, gate_up, *align, tw, top_k, BLOCK_M, global_experts, family.activation, family.alpha,
             family.limit)
-        grad_gate, grad_up = grad_gate_up.split(hidden, 1) if family.gated else (grad_gate_up, None)  # views
+        if family.gated and layout.gate_up == "interleaved":
+            # dg | du interleaved column by column as w1 interleaves gate and up: dx is then one GEMM over w1 whole
+            # (moe_grad_x reads the pairs in place), and db1 and dW1 come out in w1's order (an S x 2 hidden copy
+            # here instead of a permuting copy of dW1)
+            grad_gate_up = join_pairs(*grad_gate_up.split(hidden, 1), 1, "interleaved")
+            grad_gate, grad_up = split_pairs(grad_gate_up, 1, "interleaved")  # views
+        else:
+            grad_gate, grad_up = grad_gate_up.split(hidden, 1) if family.gated else (grad_gate_up, None)  # views
         if needs["topk_weights"]:
             if b2 is not None:  # y = h W2^T + b2: dL/dp gains grad_out_t . b2[e]
                 bias_dot = (go.float() @ b2.float().t()).gather(1, local.clamp(0, E - 1).view(T, top_k))
@@ -148,7 +155,7 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, b1, b2, ids, tw, align, needs
         grads["x"] = torch.ops.flash_moe.moe_grad_x(grad_gate, grad_up, gate, up, *align, top_k, BLOCK_M,
                                                     deterministic, global_experts)
     if needs["b1"]:
-        grads["b1"] = _bias_grad(grad_gate_up, offs, E, family)
+        grads["b1"] = _bias_grad(grad_gate_up, offs)
     if needs["b2"]:
         routed = torch.zeros(T, E + 1, dtype=torch.float32, device=x.device).scatter_add_(
             1, key.view(T, top_k), torch.where(valid, tw.reshape(-1), 0).view(T, top_k))
@@ -177,22 +184,16 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, b1, b2, ids, tw, align, needs
         if any(r is not None for r in rows_x):  # the S x dim gather lives only while they run
             grad_w1, grad_w3 = _grouped_against(rows_x, x[tok], offs, gate_up_major)
     del rows_x
-    if grad_w1 is not None and family.gated and layout.gate_up == "interleaved":
-        # the product's gate rows come first, then the up rows: w1 interleaves them (one permuting copy)
-        out_dim = 2 if layout.transposed else 1
-        grad_w1 = join_pairs(*split_pairs(grad_w1, out_dim, "stacked"), out_dim, "interleaved")
     grads["w1"], grads["w3"] = grad_w1, grad_w3
     return tuple(grads[name] for name in GRAD_INPUTS)
 
 
-def _bias_grad(grad_gate_up, offs, E, family):
-    """db1 in b1's layout: each expert's sum of its dg | du rows (the rows sorted by expert, ``offs`` their ends), as a
-    grouped GEMM against a column of ones (fp32 accumulation, deterministic; 8 columns: the GEMM's 16-byte rows)."""
+def _bias_grad(grad_gate_up, offs):
+    """db1: each expert's sum of its dg | du rows (the rows sorted by expert, ``offs`` their ends; their columns in
+    b1's order), as a grouped GEMM against a column of ones (fp32 accumulation, deterministic; 8 columns: the GEMM's
+    16-byte rows)."""
     ones = grad_gate_up.new_ones(grad_gate_up.shape[0], 8)
-    sums = torch._grouped_mm(grad_gate_up.t(), ones, offs=offs)[:, :, 0]  # (E, width)
-    if family.gated and family.layout.gate_up == "interleaved":
-        return join_pairs(*split_pairs(sums, 1, "stacked"), 1, "interleaved")
-    return sums
+    return torch._grouped_mm(grad_gate_up.t(), ones, offs=offs)[:, :, 0]  # (E, width)
 
 
 def _grouped_against(rows, gathered, offs, source_major=False):

@@ -131,8 +131,8 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | 
     Forward: ``moe_align`` (experts aligned to CLUSTER_BLOCKS blocks) + ``moe_forward`` (the fused kernels; the
     weights are read in place, never concatenated).
     On CUDA every family runs the fused sm_90a kernels: the activation is a compile-time choice of the gate/up and
-    dH epilogues, the biases are added in the epilogues. Weights the kernels' TMA cannot read in place (transposed
-    layouts: their K dimension is not the contiguous one) reach them as a contiguous copy per call.
+    dH epilogues, the biases are added in the epilogues. Every layout is read in place (transposed weights: the
+    kernels' B tiles flip majorness; gate and up interleaved: one tile of column pairs).
     Backward: closed form: the gate/up projections g | u saved by the forward (or recomputed: below), the
     grad_h = grad_out W2 with the activation's derivative and d topk_weights in its epilogue (``moe_grad_gate_up``),
     dx in one GEMM summed over each token's slots (``moe_grad_x``), the weight gradients per expert with the gathers

@@ -27,6 +27,11 @@
 //   through dst_rows, K = 2 hidden), B = w1[e], then w3[e], N-major as in kernel 3 (they are (hidden, dim): K =
 //   hidden, N = dim); the epilogue adds the fp32 result into dx [M, dim] with float2 atomics (DX_ATOMIC) or stores
 //   it as bf16 per slot (DX_SLOTS: summed over a token's slots in k order afterwards, bitwise reproducible).
+// Transposed weights ((E, in, out), transformers' is_transposed) are read in place with every B tile's majorness
+// flipped (WEIGHTS = kInOut: N-major in the gate/up and down GEMMs, K-major in dH and dX); gate and up interleaved
+// column by column in one transposed tensor (gpt-oss) are read as 256 consecutive columns, 128 (gate, up) pairs, whose
+// two values land in the same thread (kInOutPairs: the gate/up epilogue pairs them); dX then runs over the one
+// interleaved tensor, K = 2 hidden, against dg | du interleaved the same way.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -119,6 +124,10 @@ constexpr bool persistent_mode(int mode) {
   return mode == DOWN_ATOMIC || mode == DOWN_SLOTS || mode == DX_ATOMIC || mode == DX_SLOTS || mode == DH_SWIGLU ||
          mode == GATE_UP_PERSISTENT || mode == GATE_UP_SAVE_PERSISTENT || mode == GATE_UP_AND_SAVE_PERSISTENT;
 }
+// How the weights lie (the host reads it off the strides of the ops' (E, out, in) views): kOutIn, each expert's
+// (out, in) rows K-contiguous for the forward (today's form); kInOut, transposed (E, in, out); kInOutPairs, transposed
+// with gate and up interleaved column by column in one tensor (gate/up GEMMs only; its down and dX GEMMs read kInOut).
+enum WeightForm : int { kOutIn = 0, kInOut = 1, kInOutPairs = 2 };
 // The backward's N-major B tiles: atoms of 64 columns (128 bytes of bf16, the 128-byte swizzle's row), a TMA box each.
 constexpr int MN_ATOMS = BN / MN_ATOM;
 
@@ -255,16 +264,22 @@ __device__ __forceinline__ void tile_order(const Params& p, int cta, int blocks,
 // (8 * (i / 4) + 2 * (lane % 4) + i % 2) of its warpgroup's 64 x 256 tile.
 // ACT: the activation (sm90_common.cuh) of the gate/up and dH modes' epilogues; relu2's gate/up tiles are BN
 // consecutive w1 rows (no up half), its h columns all BN of them.
-template <int MODE, int ACT>
+// WEIGHTS: their WeightForm; kPairs (the gate/up modes with kInOutPairs): column pair 4 j + quad of a tile holds gate
+// (register 4 j + 2 h) and up (+ 1).
+template <int MODE, int ACT, int WEIGHTS>
 __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kMode = base_mode(MODE);  // a persistent twin computes what its base mode does
   constexpr bool kGateUp = kMode == GATE_UP || kMode == GATE_UP_SAVE || kMode == GATE_UP_AND_SAVE;
-  constexpr bool kHalves = kGateUp && ACT != kActRelu2;  // B tile: BN_GU gate rows + the same BN_GU up rows
+  static_assert(WEIGHTS != kInOutPairs || (kGateUp && ACT != kActRelu2), "column pairs: the gated gate/up GEMMs only");
+  constexpr bool kPairs = WEIGHTS == kInOutPairs;
+  // B tile: BN_GU gate rows (or columns) + the same BN_GU up ones
+  constexpr bool kHalves = kGateUp && ACT != kActRelu2 && !kPairs;
   constexpr bool kDh = kMode == DH_SWIGLU;
   constexpr bool kGather = kGateUp || kDh;  // A rows gathered from a [tokens, dim] tensor, K = dim
   constexpr bool kDx = kMode == DX_ATOMIC || kMode == DX_SLOTS;
-  constexpr bool kMajorN = kDh || kDx;  // B read N-major (wgmma's transposed B)
+  // B read N-major (wgmma's transposed B): where the weights' out dimension is the contiguous one for this GEMM's N
+  constexpr bool kMajorN = (kDh || kDx) != (WEIGHTS != kOutIn);
   // The down GEMMs run persistent: one CTA per SM, its producer filling the ring with the next tile while the
   // consumers finish the last: their K (hidden: 12 k tiles at Qwen3, 32 at DeepSeek-V3) is too short to hide a CTA's
   // launch, ring fill and epilogue. A CTA's first tile is blockIdx.x, the next ones are claimed from a counter, so the
@@ -401,25 +416,29 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         const bool second = kDx && kt >= p.k_half;
         const int kofs = (second ? kt - p.k_half : kt) * BK;
         const __nv_bfloat16* const a_src = second ? p.a2 : p.a;
+        // the weight map of this k tile: DX's second half reads w3's
+        const CUtensorMap* const map = second ? &p.tm_b1 : &p.tm_b0;
         if (kMajorN && threadIdx.x == 0) {  // the B tile: MN_ATOMS boxes of weight rows kofs.., 64 columns each
           static_assert(!kMajorN || kPersistent, "N-major B tiles are loaded per CTA (no CTA-pair multicast)");
           mbar_expect_tx(full_bar(stage), B_BYTES);
-          const CUtensorMap* map = second ? &p.tm_b1 : &p.tm_b0;
 #pragma unroll
-          for (int q = 0; q < MN_ATOMS; ++q) {
-            tma_load_2d(st + A_BYTES + q * (B_BYTES / MN_ATOMS), map, full_bar(stage), n_tile * BN + q * MN_ATOM,
+          for (int q = 0; q < MN_ATOMS; ++q) {  // halves: the gate columns' boxes, then the same up columns'
+            constexpr int kHalfAtoms = MN_ATOMS / 2;
+            const bool up_half = kHalves && q >= kHalfAtoms;
+            const int col = kHalves ? n_tile * BN_GU + (q % kHalfAtoms) * MN_ATOM : n_tile * BN + q * MN_ATOM;
+            tma_load_2d(st + A_BYTES + q * (B_BYTES / MN_ATOMS), up_half ? &p.tm_b1 : map, full_bar(stage), col,
                         b_row + kofs);
           }
         }
         if (!kMajorN && threadIdx.x == 0) {  // the B tile: two TMA boxes (halves: gate rows, then the same up rows)
           mbar_expect_tx(full_bar(stage), B_BYTES);  // paired: half from this CTA's copy, half from the peer's
-          const CUtensorMap* box1 = kHalves ? &p.tm_b1 : &p.tm_b0;
+          const CUtensorMap* box1 = kHalves ? &p.tm_b1 : map;
           const int row1 = kHalves ? b_row : b_row + B_BOX_ROWS;
           if (paired) {
-            tma_load_2d_multicast(st + A_BYTES + rank * (B_BYTES / 2), rank ? box1 : &p.tm_b0, full_bar(stage), kofs,
+            tma_load_2d_multicast(st + A_BYTES + rank * (B_BYTES / 2), rank ? box1 : map, full_bar(stage), kofs,
                                   rank ? row1 : b_row, kPairMask);
           } else {
-            tma_load_2d(st + A_BYTES, &p.tm_b0, full_bar(stage), kofs, b_row);
+            tma_load_2d(st + A_BYTES, map, full_bar(stage), kofs, b_row);
             tma_load_2d(st + A_BYTES + B_BYTES / 2, box1, full_bar(stage), kofs, row1);
           }
         }
@@ -492,37 +511,46 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       fence_acc(acc);
       if (lane == 0) release(prev, p.k_tiles - 1);  // the ring's next turn (persistent: the next tile) may refill it
       // ------------------------------- epilogue -------------------------------
-      // the tile's columns n0 + 8 j + 2 quad + e: of each half (gate, up) with halves, else of the whole tile
-      constexpr int kCols = kHalves ? BN_GU : BN;
+      // the tile's output columns n0 + 8 j + 2 quad + e: of each half (gate, up) with halves, else of the whole tile;
+      // kPairs: n0 + 4 j + quad, gate and up alike
+      constexpr bool kGated = kHalves || kPairs;
+      constexpr int kCols = kGated ? BN_GU : BN;
       const int n0 = n_tile * kCols;
       const int64_t bias_row = static_cast<int64_t>(__ldg(p.expert_ids + block)) * p.n_total + n0;
       const __nv_bfloat16* const bias_gate = p.b_gate != nullptr ? p.b_gate + bias_row : nullptr;
       const __nv_bfloat16* const bias_up = p.b_up != nullptr ? p.b_up + bias_row : nullptr;
       // the pre-activations with their biases: gate (or relu2's only) and up
-      auto pre_gate = [&](int h, int j, int e) { return acc[4 * j + 2 * h + e] + bias_at(bias_gate, 8 * j + 2 * quad + e); };
+      auto pre_gate = [&](int h, int j, int e) {
+        return kPairs ? acc[4 * j + 2 * h] + bias_at(bias_gate, 4 * j + quad)
+                      : acc[4 * j + 2 * h + e] + bias_at(bias_gate, 8 * j + 2 * quad + e);
+      };
       auto pre_up = [&](int h, int j, int e) {
-        return acc[4 * (j + BN_GU / 8) + 2 * h + e] + bias_at(bias_up, 8 * j + 2 * quad + e);
+        return kPairs ? acc[4 * j + 2 * h + 1] + bias_at(bias_up, 4 * j + quad)
+                      : acc[4 * (j + BN_GU / 8) + 2 * h + e] + bias_at(bias_up, 8 * j + 2 * quad + e);
+      };
+      // a row of the tile's output columns as bf16 from dst (its column n0), value(j, e) as pre_gate's
+      auto store_cols = [&](__nv_bfloat16* dst, auto value) {
+        if constexpr (kPairs) {
+          store_pairs_row_bf16<kCols>(dst, n0, p.n_total, quad, [&](int j) { return value(j, 0); });
+        } else {
+          store_row_bf16<kCols>(dst, n0, p.n_total, quad, value);
+        }
       };
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int lr = wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
         if constexpr (kMode == GATE_UP || kMode == GATE_UP_AND_SAVE) {
-          store_row_bf16<kCols>(p.inter + static_cast<int64_t>(block * BM + lr) * p.ld_inter + n0, n0, p.n_total, quad,
-                                [&](int j, int e) {
-                                  return activate<ACT>(pre_gate(h, j, e), kHalves ? pre_up(h, j, e) : 0.f, p.alpha,
-                                                       p.limit);
-                                });
+          store_cols(p.inter + static_cast<int64_t>(block * BM + lr) * p.ld_inter + n0, [&](int j, int e) {
+            return activate<ACT>(pre_gate(h, j, e), kGated ? pre_up(h, j, e) : 0.f, p.alpha, p.limit);
+          });
         }
         if constexpr (kMode == GATE_UP_SAVE || kMode == GATE_UP_AND_SAVE) {
           const int dst_row = p.dst_rows[block * BM + lr];
           if (dst_row >= 0 && dst_row < p.dst_limit) {
             __nv_bfloat16* dst = p.saved + static_cast<int64_t>(dst_row) * p.ld_saved + n0;
-            // gate columns, then (halves) the up columns hidden (n_total) further
-            store_row_bf16<kCols>(dst, n0, p.n_total, quad, [&](int j, int e) { return pre_gate(h, j, e); });
-            if constexpr (kHalves) {
-              store_row_bf16<kCols>(dst + p.n_total, n0, p.n_total, quad,
-                                    [&](int j, int e) { return pre_up(h, j, e); });
-            }
+            // gate columns, then (gated) the up columns hidden (n_total) further
+            store_cols(dst, [&](int j, int e) { return pre_gate(h, j, e); });
+            if constexpr (kGated) store_cols(dst + p.n_total, [&](int j, int e) { return pre_up(h, j, e); });
           }
         }
         if constexpr (kDh) {
@@ -563,11 +591,12 @@ bool raster_runs(const MoeShape& s) {
   return 2 * s.M * s.top_k < static_cast<int64_t>(RASTER_BLOCKS) * BM * s.global_experts;
 }
 
-template <int MODE, int ACT = kActSwiGLU>
+template <int MODE, int ACT = kActSwiGLU, int WEIGHTS = kOutIn>
 void launch(Params p, int n_tiles, const MoeShape& s, cudaStream_t stream) {
   constexpr bool kPersistent = persistent_mode(MODE);
+  static_assert(kPersistent || WEIGHTS == kOutIn, "transposed weights: N-major B tiles, persistent launches only");
   p.raster_runs = raster_runs(s);
-  launch_rastered<moe_gemm_kernel<MODE, ACT>, NUM_THREADS, SMEM_BYTES, kPersistent ? 1 : CLUSTER_BLOCKS, kPersistent>(
+  launch_rastered<moe_gemm_kernel<MODE, ACT, WEIGHTS>, NUM_THREADS, SMEM_BYTES, kPersistent ? 1 : CLUSTER_BLOCKS, kPersistent>(
       p, n_tiles, s.blocks, stream);
 }
 
@@ -575,8 +604,52 @@ void launch(Params p, int n_tiles, const MoeShape& s, cudaStream_t stream) {
 
 namespace {
 
-void weight_map(const char* op, const char* name, CUtensorMap* map, const at::Tensor& w, int64_t rows, int64_t K) {
-  sm90::expert_weight_map(op, name, map, w, rows, K, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, sm90::B_BOX_ROWS, sm90::BK);
+// Whether TMA reads the (E, rows, cols) view w in place with `cols` contiguous: 16-byte row pitch, whole rows between
+// experts.
+bool tma_rows(const at::Tensor& w) {
+  return w.stride(2) == 1 && w.stride(1) % 8 == 0 && w.stride(0) % w.stride(1) == 0;
+}
+
+// The WeightForm of an (E, out, in) weight view (as the ops take them) that TMA reads in place, -1 for none.
+int weight_form(const at::Tensor& w) {
+  if (tma_rows(w)) return sm90::kOutIn;
+  if (tma_rows(w.transpose(1, 2))) return sm90::kInOut;
+  return -1;
+}
+
+// A map over an (E, out, in) view of the form weight_form gave: the GEMM's B tile reads `in` as K when the form is
+// kOutIn and `n_major` is false (boxes of B_BOX_ROWS out rows x BK), or as N when both are (a GEMM with K = out: boxes
+// of BK out rows x MN_ATOM in columns); transposed (kInOut) the other way round. Sets b_rows_per_expert.
+void expert_map(const char* op, const char* name, CUtensorMap* map, const at::Tensor& w, int form, bool n_major,
+                int& b_rows_per_expert) {
+  const at::Tensor rows_view = form == sm90::kOutIn ? w : w.transpose(1, 2);  // its last dimension contiguous
+  b_rows_per_expert = static_cast<int>(rows_view.stride(0) / rows_view.stride(1));
+  const int box_rows = n_major ? sm90::BK : sm90::B_BOX_ROWS, box_cols = n_major ? sm90::MN_ATOM : sm90::BK;
+  sm90::expert_weight_map(op, name, map, rows_view, rows_view.size(1), rows_view.size(2),
+                          CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, box_rows, box_cols);
+}
+
+// gate and up (E, hidden, dim) as the interleaved halves of one weight (gpt-oss's gate_up_proj, its columns (or rows)
+// alternating gate, up): that weight as (E, 2 hidden, dim), else an undefined tensor.
+at::Tensor interleaved_base(const at::Tensor& gate, const at::Tensor& up) {
+  const int64_t half_step = gate.stride(1) / 2;
+  if (gate.strides() != up.strides() || gate.stride(1) % 2 != 0 || half_step == 0 ||
+      static_cast<const __nv_bfloat16*>(up.const_data_ptr()) !=
+          static_cast<const __nv_bfloat16*>(gate.const_data_ptr()) + half_step) {
+    return {};
+  }
+  return gate.as_strided({gate.size(0), 2 * gate.size(1), gate.size(2)}, {gate.stride(0), half_step, gate.stride(2)});
+}
+
+// dg and du (slots, hidden) as the interleaved column halves of one (slots, 2 hidden) tensor with contiguous rows of
+// whole 16-byte units: that tensor, else an undefined one.
+at::Tensor interleaved_grads(const at::Tensor& dg, const at::Tensor& du) {
+  if (dg.strides() != du.strides() || dg.stride(1) != 2 || dg.stride(0) % 8 != 0 ||
+      static_cast<const __nv_bfloat16*>(du.const_data_ptr()) !=
+          static_cast<const __nv_bfloat16*>(dg.const_data_ptr()) + 1) {
+    return {};
+  }
+  return dg.as_strided({dg.size(0), 2 * dg.size(1)}, {dg.stride(0), 1});
 }
 
 // An optional bias as a contiguous tensor (kept alive in `keep`) and its pointer, nullptr without one: (E, n) bias rows
@@ -591,16 +664,22 @@ const __nv_bfloat16* bias_pointer(const char* op, const char* name, const std::o
 
 // The gate/up GEMM's parameters for gate/up views (E, hidden, dim) (up: gate again when not gated; it is never read
 // then) and the biases; the contiguous copies it needed stay in `keep` (x, gate, up, sorted, expert ids first).
+// `form`: how the kernels read the weights (sm90::WeightForm): in place where TMA can, else from contiguous copies.
 sm90::Params gate_up_params(const char* op, const at::Tensor& x_in, const at::Tensor& gate_in, const at::Tensor& up_in,
                             const at::Tensor& sorted, const at::Tensor& eids, const at::Tensor& ntpp,
-                            const MoeShape& s, const Experts& w, std::vector<at::Tensor>& keep) {
+                            const MoeShape& s, const Experts& w, std::vector<at::Tensor>& keep, int& form) {
   sm90::check_sm90(op, x_in);
   const auto x = x_in.contiguous();
   auto gate = gate_in, up = up_in;
-  if (gate.stride(2) != 1 || up.stride(2) != 1 || gate.strides() != up.strides() || gate.stride(1) % 8 != 0 ||
-      gate.stride(0) % gate.stride(1) != 0) {
+  const at::Tensor pairs = w.act.gated() ? interleaved_base(gate, up) : at::Tensor();
+  form = gate.strides() == up.strides() ? weight_form(gate) : -1;
+  if (pairs.defined() && weight_form(pairs) == sm90::kInOut) {
+    form = sm90::kInOutPairs;
+    gate = up = pairs;  // read through one map over the pairs (up's own view starts mid-row, not TMA-aligned)
+  } else if (form < 0) {
     gate = gate.contiguous();
     up = up.contiguous();
+    form = sm90::kOutIn;
   }
   for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"x", &x}, {"gate weight", &gate},
                          {"up weight", &up}}) {
@@ -616,9 +695,13 @@ sm90::Params gate_up_params(const char* op, const at::Tensor& x_in, const at::Te
   p.ntpp = ntpp.const_data_ptr<int>();
   p.a = reinterpret_cast<const __nv_bfloat16*>(x.const_data_ptr());
   p.lda = s.dim;
-  p.b_rows_per_expert = static_cast<int>(gate.stride(0) / gate.stride(1));
-  weight_map(op, "the gate weight", &p.tm_b0, gate, s.hidden, s.dim);
-  weight_map(op, "the up weight", &p.tm_b1, up, s.hidden, s.dim);
+  if (form == sm90::kInOutPairs) {  // one map over the pairs' columns (N-major)
+    expert_map(op, "the gate/up weight", &p.tm_b0, pairs, sm90::kInOut, true, p.b_rows_per_expert);
+  } else {
+    const bool n_major = form == sm90::kInOut;
+    expert_map(op, "the gate weight", &p.tm_b0, gate, form, n_major, p.b_rows_per_expert);
+    expert_map(op, "the up weight", &p.tm_b1, up, form, n_major, p.b_rows_per_expert);
+  }
   p.n_total = static_cast<int>(s.hidden);
   p.k_tiles = static_cast<int>(s.dim / sm90::BK);
   p.alpha = w.act.alpha;
@@ -640,18 +723,46 @@ bool gate_up_persistent(const MoeShape& s) {
   return s.M * s.top_k >= sm90::PERSISTENT_GATE_UP_MIN_SLOTS * s.global_experts;
 }
 
-// The gate/up GEMM in MODE, or where gate_up_persistent in its persistent twin, which claims tiles from a counter
-// that must be zero at launch.
+// fn(std::integral_constant<int, FORM>) for a runtime sm90::WeightForm.
+template <class Fn>
+void with_weight_form(int form, Fn&& fn) {
+  switch (form) {
+    case sm90::kOutIn:
+      return fn(std::integral_constant<int, sm90::kOutIn>{});
+    case sm90::kInOut:
+      return fn(std::integral_constant<int, sm90::kInOut>{});
+    default:
+      return fn(std::integral_constant<int, sm90::kInOutPairs>{});
+  }
+}
+
+// The gate/up GEMM in MODE with weights of `form`, or in MODE's persistent twin, which claims tiles from a counter
+// that must be zero at launch: where gate_up_persistent, and for transposed weights (N-major B tiles, which the CTA
+// pairs' multicast does not load).
 template <int MODE, int ACT>
-void launch_gate_up(sm90::Params& p, const at::Tensor& sorted, const MoeShape& s, cudaStream_t stream) {
+void launch_gate_up(sm90::Params& p, int form, const at::Tensor& sorted, const MoeShape& s, cudaStream_t stream) {
   const int n_tiles = gate_up_tiles(s, ACT != sm90::kActRelu2);
-  if (!gate_up_persistent(s)) {
+  if (form == sm90::kOutIn && !gate_up_persistent(s)) {
     sm90::launch<MODE, ACT>(p, n_tiles, s, stream);
     return;
   }
   const auto tile_counter = at::zeros({1}, sorted.options().dtype(at::kInt));
   p.tile_counter = tile_counter.mutable_data_ptr<int>();
-  sm90::launch<sm90::persistent_twin(MODE), ACT>(p, n_tiles, s, stream);
+  with_weight_form(form, [&](auto f) {
+    constexpr int kForm = decltype(f)::value;
+    if constexpr (kForm == sm90::kInOutPairs && ACT == sm90::kActRelu2) {
+      TORCH_CHECK(false, "flash_moe: relu2 has no gate/up pairs");  // gate_up_params never pairs a relu2 weight
+    } else {
+      sm90::launch<sm90::persistent_twin(MODE), ACT, kForm>(p, n_tiles, s, stream);
+    }
+  });
+}
+
+// w2 (E, dim, hidden) as TMA reads it: its WeightForm, from a contiguous copy (in `keep`) where it cannot in place.
+int w2_form(const at::Tensor& w2_in, at::Tensor& w2) {
+  const int form = weight_form(w2_in);
+  w2 = form < 0 ? w2_in.contiguous() : w2_in;
+  return form < 0 ? sm90::kOutIn : form;
 }
 
 // fn(std::integral_constant<int, ACT>) for the activation's compile-time ACT (sm90_common.cuh).
@@ -755,8 +866,10 @@ void run(const char* op, const at::Tensor& x, const Experts& w, const at::Tensor
          const at::Tensor& eids, const at::Tensor& ntpp, const at::Tensor& topk_weights, const MoeShape& s, int mode,
          at::Tensor& result, at::Tensor* gate_up) {
   std::vector<at::Tensor> keep;
-  sm90::Params p = gate_up_params(op, x, w.gate, w.up, sorted, eids, ntpp, s, w, keep);
-  const auto w2 = w2_in.contiguous();
+  int form;
+  sm90::Params p = gate_up_params(op, x, w.gate, w.up, sorted, eids, ntpp, s, w, keep, form);
+  at::Tensor w2;
+  const int down_form = w2_form(w2_in, w2);
   sm90::check_cuda_operand(op, "w2", w2);
   const auto tw = topk_weights.contiguous();
   if (mode == sm90::DOWN_ATOMIC) {
@@ -773,31 +886,35 @@ void run(const char* op, const at::Tensor& x, const Experts& w, const at::Tensor
   p.inter = reinterpret_cast<__nv_bfloat16*>(inter.mutable_data_ptr());
   p.ld_inter = s.hidden;
   if (gate_up != nullptr) {
-    launch_gate_up<sm90::GATE_UP_AND_SAVE, ACT>(p, keep[3], s, stream);
+    launch_gate_up<sm90::GATE_UP_AND_SAVE, ACT>(p, form, keep[3], s, stream);
   } else {
-    launch_gate_up<sm90::GATE_UP, ACT>(p, keep[3], s, stream);
+    launch_gate_up<sm90::GATE_UP, ACT>(p, form, keep[3], s, stream);
   }
   // down + b2 + combine
   p.b_gate = p.b_up = nullptr;
   p.b2 = bias_pointer(op, "b2", w.b2, keep);
   p.a = reinterpret_cast<const __nv_bfloat16*>(inter.const_data_ptr());
   p.lda = s.hidden;
-  p.b_rows_per_expert = static_cast<int>(s.dim);
-  weight_map(op, "w2", &p.tm_b0, w2, s.dim, s.hidden);
+  expert_map(op, "w2", &p.tm_b0, w2, down_form, down_form == sm90::kInOut, p.b_rows_per_expert);
   p.n_total = static_cast<int>(s.dim);
   p.k_tiles = static_cast<int>(s.hidden / sm90::BK);
   p.ld_out = s.dim;
   const int n_tiles = static_cast<int>((s.dim + sm90::BN_DOWN - 1) / sm90::BN_DOWN);
   const auto tile_counter = at::zeros({1}, sorted.options().dtype(at::kInt));
   p.tile_counter = tile_counter.mutable_data_ptr<int>();
-  if (mode == sm90::DOWN_ATOMIC) {
-    p.topk_weights = tw.const_data_ptr<float>();
-    p.acc32 = result.mutable_data_ptr<float>();
-    sm90::launch<sm90::DOWN_ATOMIC>(p, n_tiles, s, stream);
-  } else {
-    p.yslots = reinterpret_cast<__nv_bfloat16*>(result.mutable_data_ptr());
-    sm90::launch<sm90::DOWN_SLOTS>(p, n_tiles, s, stream);
-  }
+  with_weight_form(down_form, [&](auto f) {
+    constexpr int kForm = decltype(f)::value;
+    if constexpr (kForm != sm90::kInOutPairs) {  // w2_form: never pairs
+      if (mode == sm90::DOWN_ATOMIC) {
+        p.topk_weights = tw.const_data_ptr<float>();
+        p.acc32 = result.mutable_data_ptr<float>();
+        sm90::launch<sm90::DOWN_ATOMIC, sm90::kActSwiGLU, kForm>(p, n_tiles, s, stream);
+      } else {
+        p.yslots = reinterpret_cast<__nv_bfloat16*>(result.mutable_data_ptr());
+        sm90::launch<sm90::DOWN_SLOTS, sm90::kActSwiGLU, kForm>(p, n_tiles, s, stream);
+      }
+    }
+  });
 }
 
 at::Tensor moe_gate_up_cuda(const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& w3,
@@ -811,13 +928,14 @@ at::Tensor moe_gate_up_cuda(const at::Tensor& x, const at::Tensor& w1, const std
                                           block_m, num_experts, b_gate, b_up, s);
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<at::Tensor> keep;
+  int form;
   sm90::Params p = gate_up_params(op, x, w.gate, w.up, sorted_token_ids, expert_ids, num_tokens_post_padded, s, w,
-                                  keep);
+                                  keep, form);
   CompactRows rows;
   auto result = saved_gate_up(p, keep[3], keep[4], num_tokens_post_padded, s, w.act.gated(), rows);
   if (s.blocks == 0 || s.M == 0) return result;
   with_activation(w.act, [&](auto a) {
-    launch_gate_up<sm90::GATE_UP_SAVE, decltype(a)::value>(p, keep[3], s, c10::cuda::getCurrentCUDAStream());
+    launch_gate_up<sm90::GATE_UP_SAVE, decltype(a)::value>(p, form, keep[3], s, c10::cuda::getCurrentCUDAStream());
   });
   return result;
 }
@@ -834,8 +952,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda(
   const c10::cuda::CUDAGuard guard(grad_out.device());
   sm90::check_sm90(op, grad_out);
   const auto go = grad_out.contiguous(), gu = gate_up.contiguous(), tw = topk_weights.contiguous();
-  auto w2 = w2_in;  // read in place when its rows are whole 16-byte units with whole rows between experts (TMA)
-  if (w2.stride(2) != 1 || w2.stride(1) % 8 != 0 || w2.stride(0) % w2.stride(1) != 0) w2 = w2.contiguous();
+  at::Tensor w2;
+  const int form = w2_form(w2_in, w2);
   for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"grad_out", &go}, {"w2", &w2},
                          {"gate_up", &gu}}) {
     sm90::check_cuda_operand(op, name, *t);
@@ -864,10 +982,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda(
     p.ntpp = num_tokens_post_padded.const_data_ptr<int>();
     p.a = reinterpret_cast<const __nv_bfloat16*>(go.const_data_ptr());
     p.lda = s.dim;
-    p.b_rows_per_expert = static_cast<int>(w2.stride(0) / w2.stride(1));
-    // boxes of BK w2 rows (K) x MN_ATOM hidden columns (N, contiguous); columns past hidden read as zeros
-    sm90::expert_weight_map(op, "w2", &p.tm_b0, w2, s.dim, s.hidden, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, sm90::BK,
-                            sm90::MN_ATOM);
+    // K = dim, N = hidden: w2's rows (K) x hidden columns, N-major, or transposed its hidden rows (N), K-major;
+    // columns past hidden read as zeros
+    expert_map(op, "w2", &p.tm_b0, w2, form, form == sm90::kOutIn, p.b_rows_per_expert);
     p.n_total = static_cast<int>(s.hidden);
     p.k_tiles = static_cast<int>(s.dim / sm90::BK);
     p.topk_weights = tw.const_data_ptr<float>();
@@ -879,7 +996,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda(
     p.weighted_h = reinterpret_cast<__nv_bfloat16*>(weighted_h.mutable_data_ptr());
     p.dot_partials = partials.mutable_data_ptr<float>();
     p.tile_counter = tile_counter.mutable_data_ptr<int>();
-    with_activation(act, [&](auto a) { sm90::launch<sm90::DH_SWIGLU, decltype(a)::value>(p, n_tiles, s, stream); });
+    with_activation(act, [&](auto a) {
+      if (form == sm90::kInOut) {
+        sm90::launch<sm90::DH_SWIGLU, decltype(a)::value, sm90::kInOut>(p, n_tiles, s, stream);
+      } else {
+        sm90::launch<sm90::DH_SWIGLU, decltype(a)::value>(p, n_tiles, s, stream);
+      }
+    });
   }
   // the column tiles' partial sums in tile order: the same bits on every run
   return {grad_gate_up, weighted_h, partials.sum(0).view({s.M, s.top_k})};
@@ -900,16 +1023,23 @@ at::Tensor moe_grad_x_cuda(const at::Tensor& grad_gate, const std::optional<at::
   set_global_experts(op, num_experts, s);
   const c10::cuda::CUDAGuard guard(grad_gate.device());
   sm90::check_sm90(op, grad_gate);
-  // read in place when their rows are whole 16-byte units at one row stride (the halves of moe_grad_gate_up's
+  // dg, du and w1, w3 each the interleaved halves of one tensor (gpt-oss's gate_up_proj): one GEMM over those, K =
+  // 2 hidden in their column order
+  const at::Tensor grad_pairs = gated ? interleaved_grads(grad_gate, grad_up) : at::Tensor();
+  const at::Tensor weight_pairs = grad_pairs.defined() ? interleaved_base(w1_in, w3_in) : at::Tensor();
+  const bool one_gemm = weight_pairs.defined() && weight_form(weight_pairs) >= 0;
+  // else read in place when their rows are whole 16-byte units at one row stride (the halves of moe_grad_gate_up's
   // dg | du: row stride 2 hidden), else as contiguous copies
-  const bool in_place = grad_gate.stride(1) == 1 && grad_up.stride(1) == 1 &&
-                        grad_gate.stride(0) == grad_up.stride(0) && grad_gate.stride(0) % 8 == 0;
-  const auto dg = in_place ? grad_gate : grad_gate.contiguous(), du = in_place ? grad_up : grad_up.contiguous();
-  auto w1 = w1_in, w3 = w3_in;  // read in place when TMA can (whole 16-byte rows, whole rows between experts)
-  if (w1.stride(2) != 1 || w3.strides() != w1.strides() || w1.stride(1) % 8 != 0 || w1.stride(0) % w1.stride(1) != 0) {
-    w1 = w1.contiguous();
-    w3 = w3.contiguous();
-  }
+  const bool in_place = one_gemm || (grad_gate.stride(1) == 1 && grad_up.stride(1) == 1 &&
+                                     grad_gate.stride(0) == grad_up.stride(0) && grad_gate.stride(0) % 8 == 0);
+  // one GEMM: du and w3 are never read (their views start mid-row): the pairs stand in for them
+  const auto dg = one_gemm ? grad_pairs : in_place ? grad_gate : grad_gate.contiguous();
+  const auto du = one_gemm ? grad_pairs : in_place ? grad_up : grad_up.contiguous();
+  // the weights read in place when TMA can (whole 16-byte rows, whole rows between experts), K-major when transposed
+  int form = one_gemm ? weight_form(weight_pairs) : w1_in.strides() == w3_in.strides() ? weight_form(w1_in) : -1;
+  const auto w1 = one_gemm ? weight_pairs : form < 0 ? w1_in.contiguous() : w1_in;
+  const auto w3 = one_gemm ? weight_pairs : form < 0 ? w3_in.contiguous() : w3_in;
+  if (form < 0) form = sm90::kOutIn;
   for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"grad_gate", &dg}, {"grad_up", &du},
                          {"w1", &w1}, {"w3", &w3}}) {
     sm90::check_cuda_operand(op, name, *t);
@@ -931,26 +1061,29 @@ at::Tensor moe_grad_x_cuda(const at::Tensor& grad_gate, const std::optional<at::
     p.a = reinterpret_cast<const __nv_bfloat16*>(dg.const_data_ptr());
     p.a2 = reinterpret_cast<const __nv_bfloat16*>(du.const_data_ptr());
     p.lda = dg.stride(0);
-    p.b_rows_per_expert = static_cast<int>(w1.stride(0) / w1.stride(1));
-    // boxes of BK weight rows (K = hidden) x MN_ATOM dim columns (N, contiguous); columns past dim read as zeros
-    sm90::expert_weight_map(op, "w1", &p.tm_b0, w1, s.hidden, s.dim, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, sm90::BK,
-                            sm90::MN_ATOM);
-    sm90::expert_weight_map(op, "w3", &p.tm_b1, w3, s.hidden, s.dim, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, sm90::BK,
-                            sm90::MN_ATOM);
-    p.k_half = static_cast<int>(s.hidden / sm90::BK);
-    p.k_tiles = (gated ? 2 : 1) * p.k_half;
+    // K = hidden, N = dim: the weights' hidden rows (K) x dim columns, N-major, or transposed their dim rows (N),
+    // K-major; columns past dim read as zeros. One GEMM: w1 is the pairs' (E, 2 hidden, dim), its K tiles all first.
+    expert_map(op, "w1", &p.tm_b0, w1, form, form == sm90::kOutIn, p.b_rows_per_expert);
+    if (!one_gemm) expert_map(op, "w3", &p.tm_b1, w3, form, form == sm90::kOutIn, p.b_rows_per_expert);
+    p.k_tiles = static_cast<int>((gated ? 2 : 1) * s.hidden / sm90::BK);
+    p.k_half = one_gemm || !gated ? p.k_tiles : p.k_tiles / 2;
     p.n_total = static_cast<int>(s.dim);
     p.ld_out = s.dim;
     p.tile_counter = tile_counter.mutable_data_ptr<int>();
     const int n_tiles = static_cast<int>((s.dim + sm90::BN_DOWN - 1) / sm90::BN_DOWN);
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    if (deterministic) {
-      p.yslots = reinterpret_cast<__nv_bfloat16*>(result.mutable_data_ptr());
-      sm90::launch<sm90::DX_SLOTS>(p, n_tiles, s, stream);
-    } else {
-      p.acc32 = result.mutable_data_ptr<float>();
-      sm90::launch<sm90::DX_ATOMIC>(p, n_tiles, s, stream);
-    }
+    with_weight_form(form, [&](auto f) {
+      constexpr int kForm = decltype(f)::value;
+      if constexpr (kForm != sm90::kInOutPairs) {  // weight_form: never pairs
+        if (deterministic) {
+          p.yslots = reinterpret_cast<__nv_bfloat16*>(result.mutable_data_ptr());
+          sm90::launch<sm90::DX_SLOTS, sm90::kActSwiGLU, kForm>(p, n_tiles, s, stream);
+        } else {
+          p.acc32 = result.mutable_data_ptr<float>();
+          sm90::launch<sm90::DX_ATOMIC, sm90::kActSwiGLU, kForm>(p, n_tiles, s, stream);
+        }
+      }
+    });
   }
   if (!deterministic) return result.to(at::kBFloat16);
   // a token's slots summed in k order (fp32), the routed ones only

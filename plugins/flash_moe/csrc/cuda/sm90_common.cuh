@@ -340,6 +340,29 @@ __device__ __forceinline__ void store_row_bf16(__nv_bfloat16* dst, int n0, int n
   }
 }
 
+// store_row_bf16 for a quad's row of COLS values of which each lane holds every fourth: value(j) is column 4 j + quad
+// (the (gate, up) column pairs' outputs). Per 32 columns, the 4 x 4 words of value(8 g + k) (low half) and
+// value(8 g + 4 + k) (high half) go through quad_transpose: lane q then holds columns 32 g + 4 q .. + 3 in the low
+// halves and the same 16 columns further in the high ones, two 8-byte stores.
+template <int COLS, class Value>
+__device__ __forceinline__ void store_pairs_row_bf16(__nv_bfloat16* dst, int n0, int n_total, int quad, Value value) {
+  static_assert(COLS % 32 == 0, "whole groups of 8 j (32 columns)");
+#pragma unroll
+  for (int g = 0; g < COLS / 32; ++g) {
+    if (n0 + 32 * g >= n_total) break;
+    uint4 w;
+    w.x = bf16x2_bits(value(8 * g), value(8 * g + 4));
+    w.y = bf16x2_bits(value(8 * g + 1), value(8 * g + 5));
+    w.z = bf16x2_bits(value(8 * g + 2), value(8 * g + 6));
+    w.w = bf16x2_bits(value(8 * g + 3), value(8 * g + 7));
+    const uint4 t = quad_transpose(w, quad);
+    const uint2 low = make_uint2(__byte_perm(t.x, t.y, 0x5410), __byte_perm(t.z, t.w, 0x5410));
+    const uint2 high = make_uint2(__byte_perm(t.x, t.y, 0x7632), __byte_perm(t.z, t.w, 0x7632));
+    *reinterpret_cast<uint2*>(dst + 32 * g + 4 * quad) = low;
+    *reinterpret_cast<uint2*>(dst + 32 * g + 16 + 4 * quad) = high;
+  }
+}
+
 // The down GEMMs' epilogue for accumulator row h (0 or 1) of a consumer thread holding COLS columns of slot `slot`
 // (register 4 j + 2 h + e is column 8 j + 2 quad + e, from column n0): kAtomic adds topk_weight * y (kWeighted; else
 // y) into the fp32 [M, dim] buffer, else y is stored as bf16 to the slot's row. The atomics go 16 bytes at a time
