@@ -262,13 +262,23 @@ def test_dtypes_expand_each_specialization():
 def test_triton_types_as_the_jit_gives_them():
     assert jit_runtime.triton_type(torch.zeros(2, dtype=torch.bfloat16)) == "*bf16"
     assert jit_runtime.triton_type(torch.zeros(2, dtype=torch.int64)) == "*i64"
-    assert [jit_runtime.triton_type(v) for v in (7, 2**31, True, 0.5)] == ["i32", "i64", "i1", "fp32"]
+    assert [jit_runtime.triton_type(v) for v in (7, 2**31, True, 0.5)] == ["i32", "i64", "u1", "fp32"]
+
+
+def test_triton_types_are_the_ones_tritons_jit_derives():
+    """Every dtype and scalar range the runtime types, against Triton's own typing of a call's argument."""
+    pytest.importorskip("triton")
+    from triton.runtime.jit import mangle_type
+
+    values = [torch.zeros(2, dtype=getattr(torch, name)) for name in jit_runtime.TORCH_TO_TRITON if hasattr(torch, name)]
+    values += [7, -2**31, 2**31, -2**63, 2**63, True, 0.5]
+    assert [jit_runtime.triton_type(v) for v in values] == [mangle_type(v) for v in values]
     assert jit_runtime.launcher_arg_types([["x", "*bf16"], ["n", "i32"], ["s", "fp32"]], 2) == "OifOO"
 
 
 SHIPPED = [{"function": "scale", "arch": arch, "params": [["x", "*fp32"], ["n", "i32"]], "constexprs": {"B": 128},
             "file": f"_aot/router/scale-{arch}.cubin", "name": "scale", "num_warps": 4, "shared": 0, "scratch": 2,
-            "arg_types": "OiOO", "path": f"/nonexistent/scale-{arch}.cubin"}
+            "arg_types": "OiOO", "path": f"/nonexistent/scale-{arch}.cubin", "aligned": ["x"], "aligned_at": [0]}
            for arch in ("8.0", "9.0a")]
 
 
@@ -297,7 +307,17 @@ def test_why_nothing_shipped_serves_a_call(shipped):
     assert shipped((x, 64), constexprs={"B": 64})[1].startswith("no shipped scale for this call's specialization")
     assert shipped((x, 64), capability=(12, 0))[1] == "no shipped scale runs on sm_120 (shipped for 8.0, 9.0a)"
     assert shipped((x[1:], 63))[1] == (
-        "x is not 16-byte aligned, and the shipped scale is compiled for aligned pointers as Triton's JIT is")
+        "x is not 16-byte aligned, and the shipped scale is compiled for aligned pointers as Triton's JIT is for "
+        "aligned tensors")
+
+
+def test_a_pointer_compiled_without_alignment_takes_any_address(shipped, monkeypatch):
+    """A function whose pointer is do_not_specialize_on_alignment was compiled without the assumption (the record's
+    aligned list leaves it out): a misaligned tensor is served."""
+    unaligned = [dict(e, aligned=[], aligned_at=[]) for e in SHIPPED]
+    index = {jit_runtime._key("scale", SHIPPED[0]["params"], {"B": 128}): unaligned}
+    monkeypatch.setattr(jit_runtime, "_shipped_index", lambda package, kernel: index)
+    assert shipped((torch.zeros(64)[1:], 63)) == (unaligned[1], "")
 
 
 def test_shipped_code_turned_off(shipped, monkeypatch):

@@ -1,0 +1,57 @@
+"""Triton's own JIT, aimed at a named target on a machine without a GPU.
+
+``compiled_by_the_jit(fn, arch, args, kwargs)`` runs ``fn.warmup(*args, **kwargs)``: Triton's JIT derives the
+specialization from the arguments exactly as for a launch (each argument's type, ``tt.divisibility 16`` for a
+16-byte aligned tensor unless the function says ``do_not_specialize_on_alignment``, an integer's value class unless it
+says ``do_not_specialize``, the constexprs, the options: ``num_warps``, ``num_stages``, ``debug``, instrumentation) and
+compiles it, without launching. Only the device is replaced: a driver that reports ``GPUTarget("cuda", capability, 32)``
+(what Triton's CUDA driver reports for such a device) and an identity of its own per target, so the function's
+per-device caches never mix targets. The build ships what this returns, and the tests compare it with a call's.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from .manifest import capability_of
+
+
+def target_capability(arch: str) -> int:
+    """``"9.0a"`` -> 90: the capability Triton's GPUTarget names (Triton picks sm_90a for 90 itself)."""
+    major, minor = capability_of(arch)
+    return major * 10 + minor
+
+
+@contextmanager
+def _driver_for(arch: str):
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.driver import CudaDriver
+    from triton.runtime.driver import driver
+
+    class NamedTargetDriver(CudaDriver):
+        """Triton's CUDA driver as seen from a device of ``arch``: no libcuda, no launcher build (never launches)."""
+
+        def __init__(self):  # CudaDriver's own loads libcuda and compiles its launcher utilities
+            pass
+
+        def get_current_target(self):
+            return GPUTarget("cuda", target_capability(arch), 32)
+
+        def get_current_device(self):
+            return f"prime-kernels-target-{arch}"
+
+        def get_current_stream(self, device=None):
+            return 0
+
+    previous = driver._active  # None until a process first asks for its driver: restored as it was
+    driver.set_active(NamedTargetDriver())
+    try:
+        yield
+    finally:
+        driver.set_active(previous)
+
+
+def compiled_by_the_jit(fn, arch: str, args: tuple, kwargs: dict):
+    """Triton's CompiledKernel of JIT function ``fn`` for a call ``fn[grid](*args, **kwargs)`` on a device of ``arch``
+    ("9.0a"): tensors may be CPU tensors (only their dtype and address count) or torch dtypes (an aligned tensor)."""
+    with _driver_for(arch):
+        return fn.warmup(*args, grid=(1,), **kwargs)
