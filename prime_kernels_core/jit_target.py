@@ -55,3 +55,18 @@ def compiled_by_the_jit(fn, arch: str, args: tuple, kwargs: dict):
     ("9.0a"): tensors may be CPU tensors (only their dtype and address count) or torch dtypes (an aligned tensor)."""
     with _driver_for(arch):
         return fn.warmup(*args, grid=(1,), **kwargs)
+
+
+def machine_code(cubin: bytes) -> str:
+    """The SASS of a cubin, by the cuobjdump Triton bundles: what the GPU runs, without the debug sections (their line
+    table names the source file's path, which differs between a build's source tree and an installed package)."""
+    import subprocess
+    import tempfile
+
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        return subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", file.name], check=True, capture_output=True,
+                              text=True).stdout
