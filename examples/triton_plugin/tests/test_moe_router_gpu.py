@@ -67,11 +67,13 @@ def _same_triton_as_the_build():
 
 
 def test_shipped_cubin_is_what_the_jit_compiles(tmp_path, monkeypatch):
-    """Triton's JIT, asked for the shipped specialization on this device, produces the shipped cubin byte for byte:
-    steady state runs the same machine code either way."""
+    """Triton's JIT, launching the shipped specialization on this device, compiles with the hash the build recorded
+    (the same source, specialization, options, target and ptxas) and to the shipped cubin's machine code: steady state
+    runs the same SASS either way. The bytes also differ in the debug line table, which names kernels.py's path: the
+    build's source tree in the shipped cubin, the installed package in the JIT's (printed, not asserted)."""
     _same_triton_as_the_build()
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-    from prime_kernels_core import jit_runtime, manifest
+    from prime_kernels_core import jit_runtime, jit_target, manifest
 
     from pk_example_router import kernels
 
@@ -86,7 +88,10 @@ def test_shipped_cubin_is_what_the_jit_compiles(tmp_path, monkeypatch):
     assert entry is not None, why
     compiled = kernels.route_forward[(64,)](*args, **constexprs, num_warps=4, num_stages=1)
     shipped = (manifest.package_dir("pk_example_router") / entry["file"]).read_bytes()
-    assert compiled.asm["cubin"] == shipped, f"the JIT's cubin differs from the shipped {entry['file']}"
+    print(f"shipped {entry['file']}: bytes equal to the JIT's: {compiled.asm['cubin'] == shipped}")
+    assert compiled.hash == entry["triton_hash"], "the JIT compiled other inputs than the build"
+    assert jit_target.machine_code(compiled.asm["cubin"]) == jit_target.machine_code(shipped), (
+        f"the JIT's SASS differs from the shipped {entry['file']}")
 
 
 def test_steady_state_matches_the_jit_compiled_kernel():
@@ -96,8 +101,11 @@ def test_steady_state_matches_the_jit_compiled_kernel():
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_moe_router import compare
 
-    for row in compare(rounds=5):
-        assert row["shipped_ms"] <= row["jit_ms"] * 1.02, row
+    rows = [row for row in compare(rounds=5) if "jit_ms" in row]  # the op-against-PyTorch rows have no JIT figure
+    for row in rows:
+        print(row)
+    slower = [row for row in rows if row["shipped_ms"] > row["jit_ms"] * 1.02]
+    assert not slower, f"shipped code more than 2 % slower than the JIT's launch (host ms per call beside): {slower}"
 
 
 def test_inductor_compiles_the_triton_functions():
