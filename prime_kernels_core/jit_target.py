@@ -5,11 +5,13 @@ specialization from the arguments exactly as for a launch (each argument's type,
 16-byte aligned tensor unless the function says ``do_not_specialize_on_alignment``, an integer's value class unless it
 says ``do_not_specialize``, the constexprs, the options: ``num_warps``, ``num_stages``, ``debug``, instrumentation) and
 compiles it, without launching. Only the device is replaced: a driver that reports ``GPUTarget("cuda", capability, 32)``
-(what Triton's CUDA driver reports for such a device) and an identity of its own per target, so the function's
-per-device caches never mix targets. The build ships what this returns, and the tests compare it with a call's.
+(what Triton's CUDA driver reports for such a device) and a new device identity for every call, so the function's
+in-memory kernel cache (kept per device) never answers: each call compiles, or reads Triton's on-disk cache, as a new
+process's first launch does, and two calls compared in one process are two compiles. The build ships what this returns, and the tests compare it with a call's.
 """
 from __future__ import annotations
 
+import itertools
 from contextlib import contextmanager
 
 from .manifest import capability_of
@@ -21,11 +23,16 @@ def target_capability(arch: str) -> int:
     return major * 10 + minor
 
 
+_calls = itertools.count()
+
+
 @contextmanager
 def _driver_for(arch: str):
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.driver import CudaDriver
     from triton.runtime.driver import driver
+
+    device = f"prime-kernels-target-{arch}-{next(_calls)}"
 
     class NamedTargetDriver(CudaDriver):
         """Triton's CUDA driver as seen from a device of ``arch``: no libcuda, no launcher build (never launches)."""
@@ -37,7 +44,7 @@ def _driver_for(arch: str):
             return GPUTarget("cuda", target_capability(arch), 32)
 
         def get_current_device(self):
-            return f"prime-kernels-target-{arch}"
+            return device
 
         def get_current_stream(self, device=None):
             return 0

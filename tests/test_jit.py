@@ -332,8 +332,14 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["n"])
+@triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["out"])
 def scale(x, out, n, factor, BLOCK: tl.constexpr):
+    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out + lanes, tl.load(x + lanes, mask=lanes < n) * factor, mask=lanes < n)
+
+
+@triton.jit
+def scale_specialized(x, out, n, factor, BLOCK: tl.constexpr):
     lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(out + lanes, tl.load(x + lanes, mask=lanes < n) * factor, mask=lanes < n)
 '''
@@ -351,9 +357,39 @@ def test_one_function_compiled_for_a_named_target_without_a_gpu(tmp_path, monkey
     entry = jit_build.ship_function(tmp_path / "out", "k", scale, "8.0", specialization, {"num_warps": 4})
     assert entry["params"] == [["x", "*fp32"], ["out", "*fp32"], ["n", "i32"], ["factor", "fp32"]]
     assert entry["name"] == "scale" and entry["num_warps"] == 4 and entry["scratch"] == 2
+    assert entry["aligned"] == ["x"]  # out is do_not_specialize_on_alignment: compiled for any address, as the JIT does
     assert (tmp_path / "out" / entry["file"]).read_bytes()[:4] == b"\x7fELF"
     with pytest.raises(jit_build.AotBuildError, match="do not cover them exactly"):
         jit_build.compile_function(scale, "8.0", {"signature": {"x": "*fp32"}, "constexprs": {}}, {})
+    with pytest.raises(jit_build.AotBuildError, match="factor is a fp64: Triton's JIT types a Python scalar as"):
+        jit_build.compile_function(scale, "8.0", dict(specialization, signature=dict(
+            specialization["signature"], factor="fp64")), {})
+    monkeypatch.setitem(jit_build.SCALAR_STAND_INS, "i32", 2**40)  # a Triton that typed this stand-in otherwise
+    with pytest.raises(jit_build.AotBuildError, match="Triton's JIT types scale's parameters .*'n': 'i64'"):
+        jit_build.compile_function(scale, "8.0", specialization, {})
+
+
+def test_the_build_compiles_what_the_jit_compiles_for_a_call(tmp_path, monkeypatch):
+    """The build's compile of a specialization and Triton's JIT given a call of it (CPU tensors at their addresses)
+    for the same target, each from an empty cache: the same hash (compile inputs) and the same cubin bytes (one
+    source path here); an integer the JIT specializes on its value is refused at build, naming it."""
+    (tmp_path / "aot_functions2.py").write_text(FUNCTIONS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from aot_functions2 import scale, scale_specialized
+
+    from prime_kernels_core import jit_target
+
+    specialization = {"function": "scale", "signature": {"x": "*fp32", "out": "*fp32", "n": "i32", "factor": "fp32"},
+                      "constexprs": {"BLOCK": 256}}
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "build-cache"))
+    built = jit_build.compile_function(scale, "9.0a", specialization, {"num_warps": 4})
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "jit-cache"))
+    x = torch.randn(1000)
+    called = jit_target.compiled_by_the_jit(scale, "9.0a", (x, torch.empty(1000)[1:], 999, 0.5),
+                                            {"BLOCK": 256, "num_warps": 4})
+    assert called.hash == built.hash and called.asm["cubin"] == built.asm["cubin"]
+    with pytest.raises(jit_build.AotBuildError, match=r"integer parameters \['n'\] are specialized"):
+        jit_build.compile_function(scale_specialized, "9.0a", specialization, {"num_warps": 4})
 
 
 def test_a_plugin_is_compiled_or_jit_not_both():
