@@ -94,6 +94,39 @@ def test_shipped_cubin_is_what_the_jit_compiles(tmp_path, monkeypatch):
         f"the JIT's SASS differs from the shipped {entry['file']}")
 
 
+# A value for each scalar type of the shipped functions' runtime parameters (every integer is do_not_specialize, so
+# the value does not change what the JIT compiles).
+SCALARS = {"i32": 7, "fp32": 0.5}
+
+
+def test_every_shipped_specialization_for_this_device_is_the_jits(tmp_path, monkeypatch):
+    """For each specialization shipped for this device's arch: Triton's JIT on this device (its own driver and
+    target), given CUDA tensors of the recorded dtypes and the recorded constexprs, compiles with the build's hash and
+    to the shipped SASS."""
+    _same_triton_as_the_build()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    from prime_kernels_core import jit_runtime, jit_target, manifest
+
+    from pk_example_router import kernels
+
+    folder = manifest.package_dir("pk_example_router")
+    record = manifest.read_build_record(folder)["kernels"][KERNEL]
+    capability = torch.cuda.get_device_capability()
+    here = [e for e in record["shipped"] if manifest.arch_runs_on(e["arch"], capability)]
+    assert here, f"nothing shipped runs on sm_{capability[0]}{capability[1]}"
+    table = manifest.load(folder)["kernels"][KERNEL]
+    for entry in here:
+        fn = getattr(kernels, entry["function"])
+        args = [torch.empty(64, dtype=getattr(torch, {v: k for k, v in jit_runtime.TORCH_TO_TRITON.items()}[kind[1:]]),
+                            device="cuda") if kind.startswith("*") else SCALARS[kind] for _, kind in entry["params"]]
+        compiled = fn.warmup(*args, grid=(1,), **entry["constexprs"], **table["launch"][entry["function"]])
+        shipped = (folder / entry["file"]).read_bytes()
+        assert compiled.hash == entry["triton_hash"], f"{entry['file']}: the JIT compiled other inputs than the build"
+        assert jit_target.machine_code(compiled.asm["cubin"]) == jit_target.machine_code(shipped), (
+            f"the JIT's SASS differs from the shipped {entry['file']}")
+    print(f"{len(here)} shipped specializations for {here[0]['arch']}: the JIT's hash and SASS")
+
+
 def test_steady_state_matches_the_jit_compiled_kernel():
     """CUDA-event time of many back-to-back launches, shipped code against Triton's JIT launch of the same function:
     within 2 % (bench_moe_router.py prints the table)."""
