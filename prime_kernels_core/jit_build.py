@@ -87,9 +87,9 @@ def _refuse_specialized(fn, signature: dict) -> None:
     specialized = [p.name for p in fn.params if p.name in signature and signature[p.name][0] in "iu"
                    and signature[p.name] != "u1" and not p.do_not_specialize]
     if specialized:
-        raise AotBuildError(f"{fn.__name__}'s integer parameters {specialized} are specialized by Triton's JIT on their "
-                            "value (equal to 1, divisible by 16); shipped code is one compile per call signature, so "
-                            f"list them in @triton.jit(do_not_specialize=[...])")
+        raise AotBuildError(f"{fn.__name__}'s integer parameters {specialized} are specialized by Triton's JIT on "
+                            "their value (equal to 1, divisible by 16); shipped code is one compile per call "
+                            "signature, so list them in @triton.jit(do_not_specialize=[...])")
 
 
 def compile_function(fn, arch: str, specialization: dict, options: dict):

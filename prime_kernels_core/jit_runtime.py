@@ -171,8 +171,8 @@ def _misaligned(entry: dict, args: tuple) -> str:
     off = [entry["params"][i][0] for i in entry["aligned_at"] if args[i].data_ptr() % POINTER_ALIGNMENT]
     if not off:
         return ""
-    return (f"{', '.join(off)} is not {POINTER_ALIGNMENT}-byte aligned, and the shipped {entry['function']} is compiled "
-            "for aligned pointers as Triton's JIT is for aligned tensors")
+    return (f"{', '.join(off)} is not {POINTER_ALIGNMENT}-byte aligned, and the shipped {entry['function']} is "
+            "compiled for aligned pointers as Triton's JIT is for aligned tensors")
 
 
 def _shipped_miss(package: str, kernel: str, function: str, arg_names: list, args: tuple, constexprs: dict,

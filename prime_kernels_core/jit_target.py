@@ -7,7 +7,8 @@ says ``do_not_specialize``, the constexprs, the options: ``num_warps``, ``num_st
 compiles it, without launching. Only the device is replaced: a driver that reports ``GPUTarget("cuda", capability, 32)``
 (what Triton's CUDA driver reports for such a device) and a new device identity for every call, so the function's
 in-memory kernel cache (kept per device) never answers: each call compiles, or reads Triton's on-disk cache, as a new
-process's first launch does, and two calls compared in one process are two compiles. The build ships what this returns, and the tests compare it with a call's.
+process's first launch does, and two calls compared in one process are two compiles. The build ships what this
+returns, and the tests compare it with a call's.
 """
 from __future__ import annotations
 
