@@ -1,11 +1,13 @@
 """Ahead-of-time code for JIT kernels, compiled while the wheel is built, without a GPU.
 
-For each arch a Triton kernel lists and each specialization its manifest names, the build runs Triton's own compiler
-(``triton.compile`` on an ``ASTSource``, for ``GPUTarget("cuda", capability, 32)``) with the signature, constexprs,
-alignment attributes and launch options Triton's JIT would use for such a call on such a device, and ships the cubin
-in the package (``_aot/<kernel>/``). The build record lists every shipped cubin with what a launcher needs (kernel
-name, runtime parameters and their types, trailing scratch pointers, warps, shared memory) and, per arch, why one was
-not shipped. jit_runtime.launch runs them with torch's static launcher: nothing is compiled at run time.
+For each arch a Triton kernel lists and each specialization its manifest names, the build has Triton's JIT itself
+compile a call of that specialization (16-byte aligned tensors of its dtypes, its scalars, constexprs and launch
+options) for ``GPUTarget("cuda", capability, 32)`` (jit_target: the JIT's warmup with the device replaced), so the
+shipped code is what the JIT compiles for such a call on such a device, by construction, and ships the cubin in the
+package (``_aot/<kernel>/``). The build record lists every shipped cubin with what a launcher needs (kernel name,
+runtime parameters and their types, the pointers compiled as 16-byte aligned, trailing scratch pointers, warps, shared
+memory), Triton's hash of the compile (its inputs: source, specialization, options, target, ptxas) and, per arch, why
+one was not shipped. jit_runtime.launch runs them with torch's static launcher: nothing is compiled at run time.
 
 Why this mechanism (and not Triton's cache or Triton's CompiledKernel): Triton's launcher is a C file that Triton
 compiles with the system C compiler the first time a process launches any kernel (triton/backends/nvidia/driver.py:
@@ -24,9 +26,9 @@ import re
 import sys
 from pathlib import Path
 
-from . import jit_manifest
+from . import jit_manifest, jit_target
 from .manifest import BUILD_RECORD_NAME, MANIFEST_NAME, capability_of, load
-from .jit_runtime import LAUNCHER_CHARS, SHIPPED_DIR
+from .jit_runtime import LAUNCHER_CHARS, SHIPPED_DIR, TORCH_TO_TRITON
 
 # Triton appends these pointer parameters to every CUDA kernel when its metadata has the size (torch's static
 # launcher follows the same rule); shipped code passes null, so each size must be 0.
@@ -57,27 +59,62 @@ def _unshippable(metadata, params: list, ptx: str) -> str | None:
     return None
 
 
-def compile_function(fn, arch: str, specialization: dict, options: dict):
-    """Triton's CompiledKernel of JIT function ``fn`` for ``arch`` ("9.0a"), as Triton's JIT would compile a call with
-    16-byte aligned tensors of ``specialization``'s signature on such a device."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile, make_backend
+# What stands for a runtime scalar of each Triton type in a call the build makes up: the JIT types a Python bool as
+# u1, an int by its range, a float as fp32. Integers are do_not_specialize in a shipped function (_refuse_specialized),
+# so their value changes nothing; these are neither 1 nor multiples of 16 all the same.
+SCALAR_STAND_INS = {"u1": True, "i32": 3, "i64": 2**40 + 3, "u64": 2**63 + 3, "fp32": 1.5}
 
-    major, minor = capability_of(arch)
-    target = GPUTarget("cuda", major * 10 + minor, 32)
-    backend = make_backend(target)
+
+def _stand_in(name: str, kind: str):
+    """What the build passes Triton's JIT for parameter ``name`` of Triton type ``kind``: a torch dtype for a pointer
+    (Triton's warmup makes it a 16-byte aligned tensor), a Python scalar the JIT types as ``kind``."""
+    import torch
+
+    if kind.startswith("*"):
+        dtype = {v: k for k, v in TORCH_TO_TRITON.items()}.get(kind[1:])
+        if dtype is None:
+            raise AotBuildError(f"{name} is a {kind}: no torch dtype gives Triton that element type")
+        return getattr(torch, dtype)
+    if kind not in SCALAR_STAND_INS:
+        raise AotBuildError(f"{name} is a {kind}: Triton's JIT types a Python scalar as one of "
+                            f"{sorted(SCALAR_STAND_INS)} only, so no call has this signature")
+    return SCALAR_STAND_INS[kind]
+
+
+def _refuse_specialized(fn, signature: dict) -> None:
+    """A shipped function's integers must be do_not_specialize: the JIT compiles one variant per value class of a
+    specialized integer (equal to 1, divisible by 16, other), where shipped code has one per call signature."""
+    specialized = [p.name for p in fn.params if p.name in signature and signature[p.name][0] in "iu"
+                   and signature[p.name] != "u1" and not p.do_not_specialize]
+    if specialized:
+        raise AotBuildError(f"{fn.__name__}'s integer parameters {specialized} are specialized by Triton's JIT on "
+                            "their value (equal to 1, divisible by 16); shipped code is one compile per call "
+                            "signature, so list them in @triton.jit(do_not_specialize=[...])")
+
+
+def compile_function(fn, arch: str, specialization: dict, options: dict):
+    """Triton's CompiledKernel of JIT function ``fn`` for ``arch`` ("9.0a"), compiled by Triton's JIT itself for a call
+    of ``specialization`` (16-byte aligned tensors of its dtypes, its scalars and constexprs) with ``options``: what a
+    launch of such a call on such a device compiles (jit_target)."""
     signature, constexprs = specialization["signature"], specialization["constexprs"]
     unknown = set(signature) ^ (set(fn.arg_names) - set(constexprs))
     if unknown:
         raise AotBuildError(f"{fn.__name__}'s parameters are {fn.arg_names}; the specialization gives types and "
                             f"constexprs that do not cover them exactly (off: {sorted(unknown)})")
-    position = {name: (i,) for i, name in enumerate(fn.arg_names)}
-    attrs = {position[n]: backend.parse_attr("D") for n, kind in signature.items() if kind.startswith("*")}
-    attrs.update({position[n]: backend.parse_attr("") for n in constexprs})
-    source = ASTSource(fn, {n: signature.get(n, "constexpr") for n in fn.arg_names},
-                       {position[n]: v for n, v in constexprs.items()}, attrs)
-    parsed = backend.parse_options({**options, "debug": False})
-    return compile(source, target=target, options=parsed.__dict__)
+    _refuse_specialized(fn, signature)
+    args = [_stand_in(n, signature[n]) for n in fn.arg_names if n not in constexprs]
+    compiled = jit_target.compiled_by_the_jit(fn, arch, tuple(args), {**constexprs, **options})
+    typed = {n: compiled.src.signature[n] for n in signature}
+    if typed != signature:
+        raise AotBuildError(f"Triton's JIT types {fn.__name__}'s parameters {typed}, the specialization says "
+                            f"{signature}")
+    return compiled
+
+
+def aligned_parameters(fn, compiled) -> list[str]:
+    """The pointer parameters ``compiled`` assumes 16-byte aligned (Triton's ``tt.divisibility 16`` attribute)."""
+    return [name for i, name in enumerate(fn.arg_names)
+            if ["tt.divisibility", 16] in [list(a) for a in compiled.src.attrs.get((i,), [])]]
 
 
 def _file_name(kernel: str, function: str, arch: str, specialization: dict) -> str:
@@ -99,6 +136,7 @@ def ship_function(package_out: Path, kernel: str, fn, arch: str, specialization:
         "function": fn.__name__, "arch": arch, "params": params, "constexprs": specialization["constexprs"],
         "file": file, "name": compiled.metadata.name, "num_warps": compiled.metadata.num_warps,
         "shared": compiled.metadata.shared, "scratch": sum(hasattr(compiled.metadata, s) for s in SCRATCH_SIZES),
+        "aligned": aligned_parameters(fn, compiled), "triton_hash": compiled.hash,
     }
 
 

@@ -36,7 +36,7 @@ SPECIALIZATION_KEYS = {"function", "signature", "dtypes", "constexprs"}
 CLAUSE = re.compile(r"\s*(>=|<=|==|!=|>|<)\s*(\d+(?:\.\d+)*)\s*")
 REQUIREMENT = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(.*)")
 # A Triton parameter type: a pointer to an element type, or a scalar (what triton.compile's signature takes).
-TRITON_TYPE = re.compile(r"\*?(i1|i8|i16|i32|i64|u8|u16|u32|u64|fp8e4nv|fp8e5|fp16|bf16|fp32|fp64)")
+TRITON_TYPE = re.compile(r"\*?(i1|u1|i8|i16|i32|i64|u8|u16|u32|u64|fp8e4nv|fp8e5|fp16|bf16|fp32|fp64)")
 DTYPE_SLOT = "{dtype}"
 ARCH_SPELLING = re.compile(r"(\d+)\.(\d+)(a?)")
 # Triton compiles capability 9.0 and newer for the arch-specific target (sm_90a, sm_100a): what archs must spell.

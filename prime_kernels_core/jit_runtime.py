@@ -27,8 +27,13 @@ from . import manifest
 SHIPPED_ENV = "PRIME_KERNELS_AOT"
 # Where the build puts shipped code inside the package (one file per function, specialization and arch).
 SHIPPED_DIR = "_aot"
-# Shipped code is compiled for 16-byte aligned pointers, as Triton's JIT specializes for them (tt.divisibility 16).
+# Triton's JIT specializes a pointer on 16-byte alignment (tt.divisibility 16): shipped code compiled so (the record's
+# "aligned" parameters) serves only calls whose tensors are.
 POINTER_ALIGNMENT = 16
+# The element type Triton's JIT gives a tensor of each torch dtype (by the dtype's name in torch).
+TORCH_TO_TRITON = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64", "int8": "i8",
+                   "int16": "i16", "int32": "i32", "int64": "i64", "uint8": "u8", "bool": "u1",
+                   "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5"}
 # The argument type characters of torch's static launcher (torch/csrc/inductor/static_launcher/cuda.cpp) for each
 # scalar Triton type it passes bit-exactly; every pointer is "O" (a tensor, or None for a null pointer). It writes a
 # 16-bit float scalar as a float, so a function taking one is not shipped (jit_build refuses it).
@@ -68,17 +73,22 @@ def triton_type(value) -> str | None:
     import torch
 
     if isinstance(value, torch.Tensor):
-        name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
-                torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
-                torch.bool: "i1"}.get(value.dtype)
+        name = _element_types().get(value.dtype)
         return f"*{name}" if name else None
     if isinstance(value, bool):
-        return "i1"
+        return "u1"
     if isinstance(value, int):
         return "i32" if -2**31 <= value < 2**31 else ("i64" if -2**63 <= value < 2**63 else "u64")
     if isinstance(value, float):
         return "fp32"
     return None
+
+
+@lru_cache(maxsize=None)
+def _element_types() -> dict:
+    import torch
+
+    return {getattr(torch, name): kind for name, kind in TORCH_TO_TRITON.items() if hasattr(torch, name)}
 
 
 def _key(function: str, params: list, constexprs: dict) -> tuple:
@@ -93,8 +103,9 @@ def _shipped_index(package: str, kernel: str) -> dict:
     entry = record.get("kernels", {}).get(kernel, {}) if isinstance(record, dict) else {}
     index: dict = {}
     for shipped in entry.get("shipped", []) if isinstance(entry, dict) else []:
+        names = [name for name, _ in shipped["params"]]
         shipped = dict(shipped, arg_types=launcher_arg_types(shipped["params"], shipped["scratch"]),
-                       path=str(folder / shipped["file"]))
+                       path=str(folder / shipped["file"]), aligned_at=[names.index(n) for n in shipped["aligned"]])
         index.setdefault(_key(shipped["function"], shipped["params"], shipped["constexprs"]), []).append(shipped)
     return index
 
@@ -132,13 +143,12 @@ def traced(args: tuple) -> bool:
     return torch.compiler.is_compiling() or any(isinstance(a, torch.Tensor) and type(a) not in plain for a in args)
 
 
-def _shipped_miss(package: str, kernel: str, function: str, arg_names: list, args: tuple, constexprs: dict,
-                  device) -> tuple[dict | None, str]:
-    """(the shipped entry serving this call, "") or (None, why none does)."""
+def _shipped_entry(package: str, kernel: str, function: str, arg_names: list, args: tuple, constexprs: dict,
+                   device) -> tuple[dict | None, str]:
+    """(the shipped entry compiled for this call's specialization and device, "") or (None, why none is): what the
+    arguments' types, the constexprs and the device decide, the same for every call that shares them."""
     import torch
 
-    if not shipped_code_enabled():
-        return None, f"{SHIPPED_ENV}=0 turns shipped code off"
     if not hasattr(torch._C, "_StaticCudaLauncher"):
         return None, f"torch {torch.__version__} has no static CUDA launcher (torch._C._StaticCudaLauncher) to load shipped code"
     names = [n for n in arg_names if n not in constexprs]
@@ -152,11 +162,27 @@ def _shipped_miss(package: str, kernel: str, function: str, arg_names: list, arg
     if entry is None:
         archs = ", ".join(sorted(e["arch"] for e in candidates))
         return None, f"no shipped {function} runs on sm_{capability[0]}{capability[1]} (shipped for {archs})"
-    misaligned = [n for n, a in zip(names, args) if isinstance(a, torch.Tensor) and a.data_ptr() % POINTER_ALIGNMENT]
-    if misaligned:
-        return None, (f"{', '.join(misaligned)} is not {POINTER_ALIGNMENT}-byte aligned, and the shipped "
-                      f"{function} is compiled for aligned pointers as Triton's JIT is")
     return entry, ""
+
+
+def _misaligned(entry: dict, args: tuple) -> str:
+    """Why this call's tensors break the alignment ``entry`` was compiled for ("" when they keep it): the address is
+    the one thing of the specialization that changes from call to call."""
+    off = [entry["params"][i][0] for i in entry["aligned_at"] if args[i].data_ptr() % POINTER_ALIGNMENT]
+    if not off:
+        return ""
+    return (f"{', '.join(off)} is not {POINTER_ALIGNMENT}-byte aligned, and the shipped {entry['function']} is "
+            "compiled for aligned pointers as Triton's JIT is for aligned tensors")
+
+
+def _shipped_miss(package: str, kernel: str, function: str, arg_names: list, args: tuple, constexprs: dict,
+                  device) -> tuple[dict | None, str]:
+    """(the shipped entry serving this call, "") or (None, why none does)."""
+    if not shipped_code_enabled():
+        return None, f"{SHIPPED_ENV}=0 turns shipped code off"
+    entry, why = _shipped_entry(package, kernel, function, arg_names, args, constexprs, device)
+    why = why or _misaligned(entry, args)
+    return (None, why) if why else (entry, "")
 
 
 def _device_index(device) -> int:
@@ -168,6 +194,25 @@ def _device_index(device) -> int:
 def _load_shipped(entry: dict, device) -> tuple[int | None, str]:
     """(the CUfunction, "") or (None, why the driver would not load the shipped cubin)."""
     return _loaded(entry["path"], entry["name"], entry["shared"], _device_index(device))
+
+
+# {(package, kernel, function, device index, argument types, constexprs): (entry, CUfunction, "") or (None, None, why)}:
+# what serves a call is decided once per specialization and device, so a launch costs a dict lookup, the alignment
+# check and the launch itself (a training step launches the same specialization thousands of times).
+_plans: dict[tuple, tuple] = {}
+
+
+def _plan(package: str, kernel: str, fn, args: tuple, constexprs: dict, device) -> tuple:
+    key = (package, kernel, fn.fn.__name__, _device_index(device), tuple(map(triton_type, args)),
+           tuple(constexprs.items()))
+    plan = _plans.get(key)
+    if plan is None:
+        entry, why = _shipped_entry(package, kernel, fn.fn.__name__, fn.arg_names, args, constexprs, device)
+        function = None
+        if entry is not None:
+            function, why = _load_shipped(entry, device)
+        plan = _plans[key] = (entry if function is not None else None, function, why)
+    return plan
 
 
 def _run_shipped(entry: dict, function: int, grid: tuple, args: tuple, device) -> None:
@@ -182,7 +227,7 @@ def _run_shipped(entry: dict, function: int, grid: tuple, args: tuple, device) -
     torch._C._StaticCudaLauncher._launch_kernel(
         function, grid[0], grid[1], grid[2], entry["num_warps"], entry["shared"],
         entry["arg_types"], (*args, *[None] * entry["scratch"]),
-        torch.cuda.current_stream(index).cuda_stream)
+        torch._C._cuda_getCurrentRawStream(index))  # the current stream's handle, as Inductor's launches take it
 
 
 def launch(kernel: str, fn, grid: tuple, args: tuple, constexprs: dict) -> None:
@@ -197,12 +242,13 @@ def launch(kernel: str, fn, grid: tuple, args: tuple, constexprs: dict) -> None:
         return
     device = next((a.device for a in args if hasattr(a, "device")), None)
     if device is not None and device.type == "cuda":
-        entry, why = _shipped_miss(package, kernel, name, fn.arg_names, args, constexprs, device)
-        function = None
-        if entry is not None:
-            function, why = _load_shipped(entry, device)
-        if function is not None:
-            _run_shipped(entry, function, grid, args, device)
-            return
+        if shipped_code_enabled():
+            entry, function, why = _plan(package, kernel, fn, args, constexprs, device)
+            why = why or _misaligned(entry, args)
+            if not why:
+                _run_shipped(entry, function, grid, args, device)
+                return
+        else:
+            why = f"{SHIPPED_ENV}=0 turns shipped code off"
         _fell_back(kernel, why)
     fn[grid](*args, **constexprs, **options)

@@ -262,13 +262,23 @@ def test_dtypes_expand_each_specialization():
 def test_triton_types_as_the_jit_gives_them():
     assert jit_runtime.triton_type(torch.zeros(2, dtype=torch.bfloat16)) == "*bf16"
     assert jit_runtime.triton_type(torch.zeros(2, dtype=torch.int64)) == "*i64"
-    assert [jit_runtime.triton_type(v) for v in (7, 2**31, True, 0.5)] == ["i32", "i64", "i1", "fp32"]
+    assert [jit_runtime.triton_type(v) for v in (7, 2**31, True, 0.5)] == ["i32", "i64", "u1", "fp32"]
+
+
+def test_triton_types_are_the_ones_tritons_jit_derives():
+    """Every dtype and scalar range the runtime types, against Triton's own typing of a call's argument."""
+    pytest.importorskip("triton")
+    from triton.runtime.jit import mangle_type
+
+    values = [torch.zeros(2, dtype=getattr(torch, name)) for name in jit_runtime.TORCH_TO_TRITON if hasattr(torch, name)]
+    values += [7, -2**31, 2**31, -2**63, 2**63, True, 0.5]
+    assert [jit_runtime.triton_type(v) for v in values] == [mangle_type(v) for v in values]
     assert jit_runtime.launcher_arg_types([["x", "*bf16"], ["n", "i32"], ["s", "fp32"]], 2) == "OifOO"
 
 
 SHIPPED = [{"function": "scale", "arch": arch, "params": [["x", "*fp32"], ["n", "i32"]], "constexprs": {"B": 128},
             "file": f"_aot/router/scale-{arch}.cubin", "name": "scale", "num_warps": 4, "shared": 0, "scratch": 2,
-            "arg_types": "OiOO", "path": f"/nonexistent/scale-{arch}.cubin"}
+            "arg_types": "OiOO", "path": f"/nonexistent/scale-{arch}.cubin", "aligned": ["x"], "aligned_at": [0]}
            for arch in ("8.0", "9.0a")]
 
 
@@ -297,7 +307,17 @@ def test_why_nothing_shipped_serves_a_call(shipped):
     assert shipped((x, 64), constexprs={"B": 64})[1].startswith("no shipped scale for this call's specialization")
     assert shipped((x, 64), capability=(12, 0))[1] == "no shipped scale runs on sm_120 (shipped for 8.0, 9.0a)"
     assert shipped((x[1:], 63))[1] == (
-        "x is not 16-byte aligned, and the shipped scale is compiled for aligned pointers as Triton's JIT is")
+        "x is not 16-byte aligned, and the shipped scale is compiled for aligned pointers as Triton's JIT is for "
+        "aligned tensors")
+
+
+def test_a_pointer_compiled_without_alignment_takes_any_address(shipped, monkeypatch):
+    """A function whose pointer is do_not_specialize_on_alignment was compiled without the assumption (the record's
+    aligned list leaves it out): a misaligned tensor is served."""
+    unaligned = [dict(e, aligned=[], aligned_at=[]) for e in SHIPPED]
+    index = {jit_runtime._key("scale", SHIPPED[0]["params"], {"B": 128}): unaligned}
+    monkeypatch.setattr(jit_runtime, "_shipped_index", lambda package, kernel: index)
+    assert shipped((torch.zeros(64)[1:], 63)) == (unaligned[1], "")
 
 
 def test_shipped_code_turned_off(shipped, monkeypatch):
@@ -312,8 +332,14 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["n"])
+@triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["out"])
 def scale(x, out, n, factor, BLOCK: tl.constexpr):
+    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out + lanes, tl.load(x + lanes, mask=lanes < n) * factor, mask=lanes < n)
+
+
+@triton.jit
+def scale_specialized(x, out, n, factor, BLOCK: tl.constexpr):
     lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(out + lanes, tl.load(x + lanes, mask=lanes < n) * factor, mask=lanes < n)
 '''
@@ -331,9 +357,39 @@ def test_one_function_compiled_for_a_named_target_without_a_gpu(tmp_path, monkey
     entry = jit_build.ship_function(tmp_path / "out", "k", scale, "8.0", specialization, {"num_warps": 4})
     assert entry["params"] == [["x", "*fp32"], ["out", "*fp32"], ["n", "i32"], ["factor", "fp32"]]
     assert entry["name"] == "scale" and entry["num_warps"] == 4 and entry["scratch"] == 2
+    assert entry["aligned"] == ["x"]  # out is do_not_specialize_on_alignment: compiled for any address, as the JIT does
     assert (tmp_path / "out" / entry["file"]).read_bytes()[:4] == b"\x7fELF"
     with pytest.raises(jit_build.AotBuildError, match="do not cover them exactly"):
         jit_build.compile_function(scale, "8.0", {"signature": {"x": "*fp32"}, "constexprs": {}}, {})
+    with pytest.raises(jit_build.AotBuildError, match="factor is a fp64: Triton's JIT types a Python scalar as"):
+        jit_build.compile_function(scale, "8.0", dict(specialization, signature=dict(
+            specialization["signature"], factor="fp64")), {})
+    monkeypatch.setitem(jit_build.SCALAR_STAND_INS, "i32", 2**40)  # a Triton that typed this stand-in otherwise
+    with pytest.raises(jit_build.AotBuildError, match="Triton's JIT types scale's parameters .*'n': 'i64'"):
+        jit_build.compile_function(scale, "8.0", specialization, {})
+
+
+def test_the_build_compiles_what_the_jit_compiles_for_a_call(tmp_path, monkeypatch):
+    """The build's compile of a specialization and Triton's JIT given a call of it (CPU tensors at their addresses)
+    for the same target, each from an empty cache: the same hash (compile inputs) and the same cubin bytes (one
+    source path here); an integer the JIT specializes on its value is refused at build, naming it."""
+    (tmp_path / "aot_functions2.py").write_text(FUNCTIONS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from aot_functions2 import scale, scale_specialized
+
+    from prime_kernels_core import jit_target
+
+    specialization = {"function": "scale", "signature": {"x": "*fp32", "out": "*fp32", "n": "i32", "factor": "fp32"},
+                      "constexprs": {"BLOCK": 256}}
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "build-cache"))
+    built = jit_build.compile_function(scale, "9.0a", specialization, {"num_warps": 4})
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "jit-cache"))
+    x = torch.randn(1000)
+    called = jit_target.compiled_by_the_jit(scale, "9.0a", (x, torch.empty(1000)[1:], 999, 0.5),
+                                            {"BLOCK": 256, "num_warps": 4})
+    assert called.hash == built.hash and called.asm["cubin"] == built.asm["cubin"]
+    with pytest.raises(jit_build.AotBuildError, match=r"integer parameters \['n'\] are specialized"):
+        jit_build.compile_function(scale_specialized, "9.0a", specialization, {"num_warps": 4})
 
 
 def test_a_plugin_is_compiled_or_jit_not_both():

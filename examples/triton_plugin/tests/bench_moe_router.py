@@ -1,12 +1,15 @@
 """Steady state of moe_router on the GPU: the shipped code (torch's static launcher) against Triton's JIT launch of the
 same function, per function and shipped specialization, and the op against the PyTorch path it replaces. CUDA-event
-time of ITERATIONS back-to-back calls (host launch cost included, as a training step pays it), median of rounds.
+time of ITERATIONS back-to-back calls (host launch cost included, as a training step pays it), median of rounds, and
+beside it the host's own time per call (perf_counter over the same calls, before the synchronize): where that is the
+larger, the GPU waits on the launch path and the CUDA-event time measures Python, not the kernel.
 
     python examples/triton_plugin/tests/bench_moe_router.py [--rounds 5] [--json OUT]
 """
 import argparse
 import json
 import statistics
+import time
 
 import torch
 
@@ -22,18 +25,21 @@ CONFIGS = {
 
 
 def _time_ms(fn, rounds):
+    """(GPU ms per call, host ms per call): medians over rounds of ITERATIONS back-to-back calls."""
     fn()
     torch.cuda.synchronize()
-    times = []
+    times, host = [], []
     for _ in range(rounds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        began = time.perf_counter()
         for _ in range(ITERATIONS):
             fn()
+        host.append((time.perf_counter() - began) * 1e3 / ITERATIONS)
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / ITERATIONS)
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(host)
 
 
 def _launches(config, dtype):
@@ -70,15 +76,17 @@ def compare(rounds=5):
             launches, logits, bias = _launches(config, dtype)
             for function, (shipped, jit) in launches.items():
                 before = jit_runtime.fallbacks()
+                (shipped_ms, shipped_host_ms), (jit_ms, jit_host_ms) = _time_ms(shipped, rounds), _time_ms(jit, rounds)
                 rows.append({"config": name, "dtype": str(dtype), "tokens": TOKENS, "function": function,
-                             "shipped_ms": _time_ms(shipped, rounds), "jit_ms": _time_ms(jit, rounds)})
+                             "shipped_ms": shipped_ms, "jit_ms": jit_ms, "shipped_host_ms": shipped_host_ms,
+                             "jit_host_ms": jit_host_ms})
                 assert jit_runtime.fallbacks() == before, f"{function} fell back: {jit_runtime.fallbacks()}"
             options = dict(top_k=config["top_k"], n_groups=config["n_groups"], topk_groups=config["topk_groups"],
                            score="sigmoid" if config["sigmoid"] else "softmax", scale=2.5)
             flags = (config["n_groups"], config["topk_groups"], config["top_k"], config["sigmoid"], True, 2.5)
             rows.append({"config": name, "dtype": str(dtype), "tokens": TOKENS, "function": "op forward",
-                         "shipped_ms": _time_ms(lambda: ops.moe_route(logits, bias, **options), rounds),
-                         "pytorch_ms": _time_ms(lambda: ops.route_reference(logits, bias, *flags), rounds)})
+                         "shipped_ms": _time_ms(lambda: ops.moe_route(logits, bias, **options), rounds)[0],
+                         "pytorch_ms": _time_ms(lambda: ops.route_reference(logits, bias, *flags), rounds)[0]})
     return rows
 
 
@@ -91,7 +99,8 @@ def main():
     print(f"moe_router on {torch.cuda.get_device_name()}, {TOKENS} tokens, ms per call (median of {args.rounds} rounds "
           f"of {ITERATIONS}):")
     for row in rows:
-        other = f"jit {row['jit_ms']:.4f} ({row['shipped_ms'] / row['jit_ms']:.3f}x)" if "jit_ms" in row else \
+        other = f"jit {row['jit_ms']:.4f} ({row['shipped_ms'] / row['jit_ms']:.3f}x); host per call shipped " \
+            f"{row['shipped_host_ms']:.4f} jit {row['jit_host_ms']:.4f}" if "jit_ms" in row else \
             f"pytorch {row['pytorch_ms']:.4f} ({row['pytorch_ms'] / row['shipped_ms']:.2f}x slower)"
         print(f"  {row['config']:12} {row['dtype']:15} {row['function']:15} shipped {row['shipped_ms']:.4f}  {other}")
     if args.json:

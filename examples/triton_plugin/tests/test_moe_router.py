@@ -122,6 +122,42 @@ def test_wheel_ships_code_for_every_listed_arch():
             assert cubin[:4] == b"\x7fELF", f"{entry['file']} is not a cubin (ELF)"
 
 
+@pytest.mark.parametrize("function", ["route", "route_backward"])
+def test_shipped_cubin_is_what_the_jit_compiles_for_the_ops_call(tmp_path, monkeypatch, function):
+    """The shipped code against Triton's JIT on a real call, without a GPU: the op's own launch arguments (CPU tensors
+    at their addresses, its ints and constexprs, the manifest's options) given to Triton's JIT for the 9.0a target
+    (jit_target) compile with the hash the build recorded and to the shipped cubin's machine code, instruction for
+    instruction. Bytes are not compared: the debug line table names kernels.py's path, the build's source tree in the
+    shipped cubin and the installed package in the JIT's."""
+    pytest.importorskip("triton")
+    from prime_kernels_core import jit_runtime, jit_target
+
+    from pk_example_router import ops as router_ops
+
+    launched = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(router_ops, "_pytorch_on_cpu", lambda tensor: False)
+    monkeypatch.setattr(jit_runtime, "launch", lambda *call: launched.append(call))
+    logits, bias = _inputs(16, CONFIGS["deepseek-v3"], torch.bfloat16)
+    if function == "route":
+        router_ops.route(logits, bias, 8, 4, 8, True, True, 2.5)
+    else:
+        experts = torch.stack([torch.randperm(256)[:8] for _ in range(16)])
+        router_ops.route_backward(logits, experts, torch.randn(16, 8), True, True, 2.5)
+    kernel, fn, grid, args, constexprs = launched[0]
+    entry, why = jit_runtime._shipped_entry("pk_example_router", KERNEL, fn.fn.__name__, fn.arg_names, args,
+                                            constexprs, torch.device("cuda", 0))
+    assert entry is not None, why
+    assert entry["arch"] == "9.0a"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))  # a fresh compile, not the build's from a cache
+    compiled = jit_target.compiled_by_the_jit(fn, "9.0a", args, {**constexprs, **jit_runtime._options(
+        "pk_example_router", KERNEL, fn.fn.__name__)})
+    assert compiled.hash == entry["triton_hash"], "the JIT compiled other inputs than the build (source, " \
+        "specialization, options, target or ptxas)"
+    shipped = (manifest.package_dir("pk_example_router") / entry["file"]).read_bytes()
+    assert jit_target.machine_code(compiled.asm["cubin"]) == jit_target.machine_code(shipped)
+
+
 def test_shape_contract(ops):
     assert ops.unsupported_shape_reason(256) is None and ops.unsupported_shape_reason(1) is None
     with pytest.raises(prime_kernels.UnsupportedShapeError, match="at most 1024 experts"):
