@@ -99,6 +99,14 @@ def bench_shape(ops, reference, name, T, E, k, dim, hidden, activation, layout_a
         layout.gate_up if gated else "stacked", layout.transposed), False)
     swiglu_leaves = [t.requires_grad_() for t in (swiglu_args[0], swiglu_args[1], swiglu_args[2], swiglu_args[5])]
     swiglu = timed(lambda: ops.moe(*swiglu_args, **swiglu_kw), swiglu_leaves, go, timing)
+    del swiglu_args, swiglu_kw, swiglu_leaves
+    free()
+    # and in the stacked (E, 2 hidden, dim) layout, K-major B tiles: what reading this layout in place costs
+    default_args, default_kw = problem(ops, T, E, k, dim, hidden, "swiglu", ops.ExpertLayout("stacked"), False)
+    default_leaves = [t.requires_grad_() for t in (default_args[0], default_args[1], default_args[2], default_args[5])]
+    swiglu_default = timed(lambda: ops.moe(*default_args, **default_kw), default_leaves, go, timing)
+    del default_args, default_kw, default_leaves
+    free()
     flops = forward_flops(T * k, dim, hidden, gated)
     swiglu_flops = forward_flops(T * k, dim, hidden, True)
     row = {"shape": name, "T": T, "E": E, "top_k": k, "dim": dim, "hidden": hidden, "activation": activation,
@@ -107,7 +115,10 @@ def bench_shape(ops, reference, name, T, E, k, dim, hidden, activation, layout_a
            "fwd_bwd_turns_ms": turns, "speedup_fwd_bwd": turns["grouped_mm"] / turns["ours"],
            "swiglu_same_shape": {"fwd_ms": swiglu[0], "fwd_bwd_ms": swiglu[1], "bwd_ms": swiglu[2],
                                  "peak_gib": swiglu[3] / 2**30,
-                                 "fwd_bwd_tflops": 3 * swiglu_flops / swiglu[1] / 1e9}}
+                                 "fwd_bwd_tflops": 3 * swiglu_flops / swiglu[1] / 1e9},
+           "swiglu_stacked_layout": {"fwd_ms": swiglu_default[0], "fwd_bwd_ms": swiglu_default[1],
+                                     "bwd_ms": swiglu_default[2], "peak_gib": swiglu_default[3] / 2**30,
+                                     "fwd_bwd_tflops": 3 * swiglu_flops / swiglu_default[1] / 1e9}}
     for path, (fwd, both, bwd, peak) in results.items():
         row[path] = {"fwd_ms": fwd, "fwd_bwd_ms": both, "bwd_ms": bwd, "peak_gib": peak / 2**30,
                      "fwd_tflops": flops / fwd / 1e9, "fwd_bwd_tflops": 3 * flops / both / 1e9}
@@ -115,7 +126,7 @@ def bench_shape(ops, reference, name, T, E, k, dim, hidden, activation, layout_a
     print(f"{name:16s} {activation:7s} {row['layout']:22s} fwd+bwd ours {turns['ours']:7.3f} ms vs grouped-mm "
           f"{turns['grouped_mm']:7.3f} ms: x{row['speedup_fwd_bwd']:.2f} (floor {row['floor_fwd_bwd_ms']:.3f} ms; "
           f"{row['ours']['fwd_bwd_tflops']:.0f} TFLOP/s, SwiGLU same shape {row['swiglu_same_shape']['fwd_bwd_tflops']:.0f}: "
-          f"x{row['tflops_vs_swiglu']:.3f}) | fwd ours {row['ours']['fwd_ms']:.3f} grouped-mm "
+          f"x{row['tflops_vs_swiglu']:.3f}; stacked layout {row['swiglu_stacked_layout']['fwd_bwd_tflops']:.0f}) | fwd ours {row['ours']['fwd_ms']:.3f} grouped-mm "
           f"{row['grouped_mm']['fwd_ms']:.3f} | sorted {row['ours_sorted']['fwd_bwd_ms']:.3f} vs moe on the same rows "
           f"{row['ours_top1_same_rows']['fwd_bwd_ms']:.3f} ms | peak GiB ours {row['ours']['peak_gib']:.2f} "
           f"grouped-mm {row['grouped_mm']['peak_gib']:.2f}")

@@ -144,13 +144,16 @@ def transformers_moe_rows(data: dict) -> list[dict]:
 
 def moe_families_rows(data: dict) -> list[dict]:
     """bench_moe_families.py: each family's forward+backward against prime-rl's grouped-mm formulation of it (the
-    turns both ran in), and against ours with SwiGLU at the same shape (TFLOP/s, the note)."""
+    turns both ran in), and against ours with SwiGLU at the same shape, in the family's layout and in the stacked one
+    (TFLOP/s, the note)."""
     rows = []
     ceiling = data.get("ceiling_tflops")
     for s in data.get("families", []):
         turns = s["fwd_bwd_turns_ms"]
         note = f"ours {s['ours']['fwd_bwd_tflops']:.0f} TFLOP/s, SwiGLU same shape " \
                f"{s['swiglu_same_shape']['fwd_bwd_tflops']:.0f}"
+        if "swiglu_stacked_layout" in s:
+            note += f", SwiGLU stacked layout {s['swiglu_stacked_layout']['fwd_bwd_tflops']:.0f}"
         rows.append(_row(f"flash_moe `moe` {s['activation']} ({s['layout']}{', biases' if s['biases'] else ''}) "
                          f"forward+backward, {s['shape']}", turns["ours"], "prime-rl's grouped-mm formulation",
                          turns["grouped_mm"], s["floor_fwd_bwd_ms"], _tflops(ceiling), note))
