@@ -69,11 +69,13 @@ for T, dim, hidden, E, k in [(1, 64, 64, 2, 1), (37, 320, 192, 5, 2), (130, 256,
     if not torch.allclose(out.cpu().float(), want, rtol=3e-2, atol=3e-2):
         sys.exit(f"fused_moe_bf16 mismatch for {(T, dim, hidden, E, k)}")
 # the families: each activation's gate/up and dH epilogues, the biases, relu2's whole-tile gate/up (partial and several
-# column tiles), gate and up interleaved (strided TMA rows) and transposed; forward and every gradient against the CPU
+# column tiles), gate and up interleaved (strided TMA rows; dx as one GEMM over the pairs) and each weight form read in
+# place (transposed: N-major gate/up and down B tiles, K-major dH and dX; gpt-oss's transposed pairs); forward and
+# every gradient against the CPU. The last shape routes enough slots per expert for the persistent gate/up kernels.
 FAMILIES = [("gpt_oss", ops.GPT_OSS_LAYOUT, True), ("gpt_oss", ops.ExpertLayout("stacked"), True),
-            ("swiglu", ops.ExpertLayout("interleaved"), False), ("relu2", ops.ExpertLayout("stacked"), True),
-            ("relu2", ops.ExpertLayout("stacked", transposed=True), False)]
-for T, dim, hidden, E, k in [(37, 320, 192, 5, 2), (130, 256, 512, 8, 3), (3072, 2048, 256, 4, 2)]:
+            ("swiglu", ops.ExpertLayout("interleaved"), False), ("swiglu", ops.ExpertLayout("stacked", True), False),
+            ("relu2", ops.ExpertLayout("stacked"), True), ("relu2", ops.ExpertLayout("stacked", transposed=True), False)]
+for T, dim, hidden, E, k in [(37, 320, 192, 5, 2), (130, 256, 512, 8, 3), (1100, 512, 256, 2, 1)]:
     for activation, layout, biases in FAMILIES:
         gated = activation != "relu2"
         out_rows = (2 if gated else 1) * hidden
