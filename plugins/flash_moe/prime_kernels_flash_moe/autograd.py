@@ -141,7 +141,7 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, b1, b2, ids, tw, align, needs
     order = torch.sort(key, stable=True).indices
     counts = torch.zeros(E * n + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
     group_ends = torch.cumsum(counts[:E * n], 0).to(torch.int32)
-    offs = group_ends[n - 1::n]  # each expert's end: its adapters' groups are adjacent
+    offs = group_ends[n - 1::n].contiguous()  # each expert's end: its adapters' groups are adjacent
     ok = valid[order]
     tok = order // top_k
 
