@@ -19,9 +19,13 @@ Surface (compatible with the original Blackwell flash_moe, namespace ``prime_moe
   quantized with one exponent per 128 of K; its weight cache: see ``moe``; ``clear_mxfp8_weight_cache()`` empties
   it).
 
+- LoRA adapters on the experts: ``moe(..., lora=MoeLora(...))`` (several adapters per call; unfused for now: see
+  ``moe``), ``load_adapter`` / ``export_adapter`` / ``stack_adapters`` (prime-rl's, PEFT's and vLLM's per-expert
+  naming).
+
 The ``torch.ops.flash_moe`` ops are forward-only: a backward through ``moe_forward``, ``moe_forward_mxfp8``,
-``moe_gate_up``, ``moe_grad_gate_up``, ``moe_grad_x``, ``swiglu_backward`` or ``quantize_mxfp8`` raises; ``moe`` is the
-differentiable entry point.
+``moe_gate_up``, ``moe_grad_gate_up``, ``moe_grad_x``, ``swiglu_backward``, ``quantize_mxfp8`` or the ``moe_lora_*``
+ops raises; ``moe`` is the differentiable entry point.
 
 Tuning keywords of the original: ``block_m`` must equal BLOCK_M (the compiled tile; checked); ``bpc`` is honoured by
 ``moe_align`` (experts padded to block_m * bpc) and ignored by the GEMM (blocks are independent); ``block_n``,

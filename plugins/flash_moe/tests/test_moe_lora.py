@@ -13,7 +13,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from prime_kernels_core.testing import assert_error_ratio, kernel_module
 from prime_kernels_flash_moe import reference
 from prime_kernels_flash_moe.layouts import ExpertLayout, join_pairs
-from prime_kernels_flash_moe.lora_io import stack_adapters
 
 KERNEL = "flash_moe"
 ops = kernel_module(KERNEL, "prime_kernels_flash_moe.ops")
@@ -351,7 +350,7 @@ def test_cpu_lora_naming_round_trip(prefix):
     assert loaded.scaling == 1.25 and loaded.n_adapters() == 1
     for name, original in zip(ADAPTERS, lora.adapters()):
         assert torch.equal(getattr(loaded, name)[0], original[1]), name
-    stacked = stack_adapters([loaded, ops.MoeLora(0.5, **{n: getattr(lora, n)[2:] for n in ADAPTERS})])
+    stacked = ops.stack_adapters([loaded, ops.MoeLora(0.5, **{n: getattr(lora, n)[2:] for n in ADAPTERS})])
     assert stacked.n_adapters() == 2 and torch.equal(stacked.a_gate[1], lora.a_gate[2])
 
 
@@ -375,7 +374,7 @@ def test_cpu_lora_naming_errors_and_rank_padding():
     with pytest.raises(ValueError, match="no key"):
         ops.load_adapter({}, 2, 1.0)
     small, large = make_lora(1, 2, 64, 64, 8, seed=3), make_lora(1, 2, 64, 64, 16, seed=4)
-    both = stack_adapters([small, large], adapter_ids=torch.tensor([0, 1, 1]))
+    both = ops.stack_adapters([small, large], adapter_ids=torch.tensor([0, 1, 1]))
     assert both.a_gate.shape == (2, 2, 16, 64) and torch.count_nonzero(both.a_gate[0, :, 8:]) == 0
     # zero padding adds nothing: the padded adapter computes what the rank-8 one does
     t, _ = make_problem(3, 64, 64, 2, 1, ("swiglu", "separate", False, ""), seed=5)
