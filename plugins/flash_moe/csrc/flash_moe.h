@@ -566,7 +566,7 @@ inline Lora check_lora(const char* op, const at::Tensor& x, const at::Tensor& sc
               ", n_adapters=", l.n);
   l.scaling = scaling;
   l.gate = check_lora_pair(op, "a_gate", "b_gate", a_gate, b_gate, l.n, E, dim, hidden, x, x_name);
-  TORCH_CHECK(gated || !a_up.has_value(), op, ": a_up and b_up must be None for activation 'relu2' (no up "
+  TORCH_CHECK(gated || !a_up.has_value(), op, ": a_up and b_up must be None without w3 (activation 'relu2': no up "
               "projection), got a tensor");
   l.up = check_lora_pair(op, "a_up", "b_up", a_up, b_up, l.n, E, dim, hidden, x, x_name);
   l.down = check_lora_pair(op, "a_down", "b_down", a_down, b_down, l.n, E, hidden, dim, x, x_name);

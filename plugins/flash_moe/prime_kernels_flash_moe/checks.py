@@ -416,8 +416,8 @@ def check_lora(op, x, scaling, E, dim, hidden, gated, a_gate, b_gate, a_up, b_up
     require(E * n <= INT32_MAX, f"{op}: E * n_adapters (the aligned groups) must fit in int32, got E={E}, "
                                 f"n_adapters={n}")
     r_gate = check_lora_pair(op, "a_gate", "b_gate", a_gate, b_gate, n, E, dim, hidden, x, x_name, constants)
-    require(gated or a_up is None, f"{op}: a_up and b_up must be None for activation 'relu2' (no up projection), got "
-                                   f"a tensor")
+    require(gated or a_up is None, f"{op}: a_up and b_up must be None without w3 (activation 'relu2': no up "
+                                   f"projection), got a tensor")
     r_up = check_lora_pair(op, "a_up", "b_up", a_up, b_up, n, E, dim, hidden, x, x_name, constants)
     r_down = check_lora_pair(op, "a_down", "b_down", a_down, b_down, n, E, hidden, dim, x, x_name, constants)
     return n, r_gate, r_up, r_down

@@ -317,7 +317,7 @@ def test_cpu_lora_argument_errors(case):
 def test_cpu_lora_relu2_refuses_up_adapters():
     t, layout = make_problem(16, 64, 64, 3, 2, ("relu2", "stacked", False, ""), seed=14)
     lora = make_lora(1, 3, 64, 64, 8)
-    with pytest.raises(RuntimeError, match="a_up and b_up must be None for activation 'relu2'"):
+    with pytest.raises(RuntimeError, match=r"a_up and b_up must be None without w3 \(activation 'relu2'"):
         ops.moe(t["x"], t["w1"], t["w2"], None, t["ids"], t["tw"], activation="relu2", lora=lora)
 
 
