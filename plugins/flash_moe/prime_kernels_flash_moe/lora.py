@@ -86,7 +86,8 @@ def check_moe_lora(lora, x, E: int, dim: int, hidden: int, gated: bool) -> torch
         return scaling
     if ids.dtype not in (torch.int32, torch.int64) or ids.shape != x.shape[:-1]:
         raise RuntimeError(f"moe: lora.adapter_ids must be int32 or int64 with x's leading dimensions "
-                           f"{tuple(x.shape[:-1])} (one adapter per token), got {ids.dtype} of shape {tuple(ids.shape)}")
+                           f"{tuple(x.shape[:-1])} (one adapter per token), got {ids.dtype} of shape "
+                           f"{tuple(ids.shape)}")
     if ids.device != x.device:
         raise RuntimeError(f"moe: lora.adapter_ids must be on x's device {x.device}, got {ids.device}")
     if not torch.compiler.is_compiling() and ids.numel():  # a value check reads the device (eager only)

@@ -70,8 +70,9 @@ def _stack_experts(per_expert, prefix, proj_name, matrix, num_local_experts, exp
     experts = range(expert_start, expert_start + num_local_experts)
     missing = [e for e in experts if e not in per_expert]
     if missing:
-        raise ValueError(f"load_adapter: {proj_name} has an adapter but no {_key(prefix, missing[0], proj_name, matrix)}"
-                         f" ({len(missing)} of its {num_local_experts} local experts missing)")
+        key = _key(prefix, missing[0], proj_name, matrix)
+        raise ValueError(f"load_adapter: {proj_name} has an adapter but no {key} ({len(missing)} of its "
+                         f"{num_local_experts} local experts missing)")
     shapes = {tuple(per_expert[e].shape) for e in experts}
     if len(shapes) != 1 or len(next(iter(shapes))) != 2:
         raise ValueError(f"load_adapter: {proj_name}'s lora_{matrix} weights must be 2-D of one shape across experts, "

@@ -74,7 +74,8 @@ def run_all(t, layout, activation, lora, trainable, expert_start=0, call=None):
     ours_fn = call or (lambda x, w1, w2, w3, ids, tw, start, **k: ops.moe(x, w1, w2, w3, ids, tw, expert_start=start,
                                                                            **k))
     results = []
-    for fn, dtype in ((ours_fn, None), (reference.moe_lora_grouped_mm, None), (reference.moe_per_expert, torch.float64)):
+    paths = ((ours_fn, None), (reference.moe_lora_grouped_mm, None), (reference.moe_per_expert, torch.float64))
+    for fn, dtype in paths:
         ls, lr = leaves(dtype)
         out = run(fn, ls, lr)
         named = {**ls, **dict(zip(ADAPTERS, lr.adapters()))}
