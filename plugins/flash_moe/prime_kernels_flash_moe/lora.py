@@ -21,7 +21,7 @@ PROJECTIONS = ("gate", "up", "down")
 ADAPTER_INPUTS = ("a_gate", "b_gate", "a_up", "b_up", "a_down", "b_down")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: == on tensors is elementwise
 class MoeLora:
     """LoRA adapters for moe() / moe_sorted(): n_adapters adapters over the local experts, any of gate, up, down.
 
