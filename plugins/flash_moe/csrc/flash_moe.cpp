@@ -546,6 +546,252 @@ at::Tensor moe_grad_weight_cpu(const at::Tensor& rows, const at::Tensor& source,
   return fp32 ? out : out.to(at::kBFloat16);
 }
 
+
+// ------------------------------------------------------------------------------------------------------------------
+// LoRA adapters (flash_moe.h, "LoRA adapters on the experts"): the unfused composition, in device-generic ATen calls,
+// so one implementation serves the CPU and, registered for CUDA as well, moe()'s unfused path there until the fused
+// kernels exist (docs/notes/flash_moe.md, "LoRA adapters"). Per aligned block of group v = e * n + a: expert e's base
+// GEMMs in fp32 as the base ops compute them, plus per adapted projection the rank-r rows u = s_a (rows A[a, e]^T)
+// rounded to bf16 (the operand the fused kernels will append to the GEMM's K) and u B[a, e]^T in fp32.
+
+struct LoraBlock {
+  int64_t expert, adapter;
+  at::Tensor slots;  // the block's routed slots in order (int64, on the operands' device)
+  int64_t row;       // its first compact row (the routed slots in aligned order, padding dropped)
+};
+
+// The aligned blocks of the E * n groups, read on the host (the unfused path synchronizes), their values checked as
+// for_each_block checks them.
+std::vector<LoraBlock> lora_blocks(const char* op, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                                   const at::Tensor& num_tokens_post_padded, int64_t slots, int64_t E, int64_t n,
+                                   int64_t block_m, const at::Device& device) {
+  const auto sorted_c = sorted_token_ids.to(at::kCPU).contiguous();
+  const auto eids_c = expert_ids.to(at::kCPU).contiguous();
+  const int64_t ntp = num_tokens_post_padded.to(at::kCPU).item<int32_t>();
+  TORCH_CHECK(ntp >= 0 && ntp <= sorted_token_ids.numel() && ntp % block_m == 0, op,
+              ": num_tokens_post_padded must be a multiple of block_m=", block_m, " in [0, ",
+              sorted_token_ids.numel(), "] (len(sorted_token_ids)), got ", ntp);
+  const int32_t* sp = sorted_c.const_data_ptr<int32_t>();
+  const int32_t* ep = eids_c.const_data_ptr<int32_t>();
+  std::vector<LoraBlock> blocks;
+  std::vector<int64_t> slot_list;
+  int64_t row = 0;
+  for (int64_t b = 0; b < ntp / block_m; ++b) {
+    const int64_t v = ep[b];
+    TORCH_CHECK(v >= -1 && v < E * n, op, ": expert_ids must be in [-1, E * n_adapters=", E * n,
+                ") (aligned groups expert * n_adapters + adapter), got ", v, " for block ", b);
+    if (v < 0) continue;
+    slot_list.clear();
+    for (int64_t r = 0; r < block_m; ++r) {
+      const int64_t slot = sp[b * block_m + r];
+      TORCH_CHECK(slot >= -1 && slot < slots, op, ": sorted_token_ids must be in [-1, M * top_k=", slots, "), got ",
+                  slot, " at position ", b * block_m + r);
+      if (slot >= 0) slot_list.push_back(slot);
+    }
+    if (slot_list.empty()) continue;
+    const int64_t count = static_cast<int64_t>(slot_list.size());
+    TORCH_CHECK(row + count <= slots, op, ": sorted_token_ids routes more than M * top_k=", slots, " slots");
+    blocks.push_back({v / n, v % n, at::tensor(slot_list, at::TensorOptions().dtype(at::kLong)).to(device), row});
+    row += count;
+  }
+  return blocks;
+}
+
+at::Tensor f32(const at::Tensor& t) { return t.to(at::kFloat); }
+
+// u = s_a rows A[a, e]^T, rounded to bf16 (fp32 values), or undefined when the projection has no adapter.
+at::Tensor lora_shrink(const Lora& l, const LoraPair& p, const LoraBlock& b, const at::Tensor& rows) {
+  if (!p.present()) return {};
+  return round_bf16(rows.mm(f32(p.a[b.adapter][b.expert]).t()) * l.scaling[b.adapter]);
+}
+
+// rows (dL/d of a projection's output) -> s_a rows B[a, e], rounded to bf16: the shrink of the backward's K-extension.
+at::Tensor lora_shrink_grad(const Lora& l, const LoraPair& p, const LoraBlock& b, const at::Tensor& rows) {
+  if (!p.present()) return {};
+  return round_bf16(rows.mm(f32(p.b[b.adapter][b.expert])) * l.scaling[b.adapter]);
+}
+
+// t + u B[a, e]^T: the adapter's term of a projection (t itself without an adapter).
+at::Tensor lora_expand(const at::Tensor& t, const LoraPair& p, const LoraBlock& b, const at::Tensor& u) {
+  return p.present() ? t + u.mm(f32(p.b[b.adapter][b.expert]).t()) : t;
+}
+
+// The rank-r rows of the adapted projections side by side (rows x the sum of their ranks; zero columns when none).
+at::Tensor side_by_side(std::vector<at::Tensor> parts, int64_t rows, const at::TensorOptions& options) {
+  std::vector<at::Tensor> present;
+  for (auto& t : parts)
+    if (t.defined()) present.push_back(t.narrow(0, 0, rows));
+  return present.empty() ? at::empty({rows, 0}, options) : at::cat(present, 1);
+}
+
+// The block's x rows in fp32, zero-padded to block_m rows (slot_outputs_cpu's rule: a row's result does not depend
+// on how many slots share its block).
+at::Tensor block_x_rows(const at::Tensor& x, const LoraBlock& b, int64_t top_k, int64_t block_m) {
+  return at::constant_pad_nd(f32(x.index_select(0, at::floor_divide(b.slots, top_k))),
+                             {0, 0, 0, block_m - b.slots.numel()});
+}
+
+// A block's fp32 pre-activations with the gate/up adapters and their rank-r rows [u_gate | u_up].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_gate_up_rows(const Experts& w, const Lora& l, const LoraBlock& b,
+                                                                 const at::Tensor& xb) {
+  auto [g, u] = gate_up_rows(w, b.expert, xb);
+  const auto u_gate = lora_shrink(l, l.gate, b, xb), u_up = lora_shrink(l, l.up, b, xb);
+  g = lora_expand(g, l.gate, b, u_gate);
+  if (u.defined()) u = lora_expand(u, l.up, b, u_up);
+  return {g, u, side_by_side({u_gate, u_up}, xb.size(0), xb.options())};
+}
+
+// moe_lora_gate_up's and moe_lora_forward's [g | u] (no rows unless `keep_gate_up`) and [u_gate | u_up] of the routed
+// slots in aligned order (compact, zero rows past them): both bf16.
+std::pair<at::Tensor, at::Tensor> lora_gate_up_outputs(const at::Tensor& x, const MoeShape& s, const Lora& l,
+                                                       bool gated, bool keep_gate_up) {
+  const int64_t slots = s.M * s.top_k;
+  return {at::zeros({keep_gate_up ? slots : 0, (gated ? 2 : 1) * s.hidden}, x.options()),
+          at::zeros({slots, l.gate.rank + l.up.rank}, x.options())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_lora_forward_impl(
+    const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& w3, const at::Tensor& w2,
+    const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
+    const at::Tensor& topk_weights, int64_t top_k, int64_t block_m, bool /*deterministic: always k order here*/,
+    bool save_gate_up, int64_t num_experts, const at::Tensor& scaling, const std::optional<at::Tensor>& a_gate,
+    const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& a_up,
+    const std::optional<at::Tensor>& b_up, const std::optional<at::Tensor>& a_down,
+    const std::optional<at::Tensor>& b_down, c10::string_view activation, double alpha, double limit,
+    const std::optional<at::Tensor>& bias_gate, const std::optional<at::Tensor>& bias_up,
+    const std::optional<at::Tensor>& b2) {
+  const char* op = "moe_lora_forward";
+  MoeShape s;
+  const Experts w = check_experts(op, x, w1, w3, &w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                                  &topk_weights, top_k, block_m, num_experts,
+                                  parse_activation(op, activation, alpha, limit), bias_gate, bias_up, b2, s);
+  const Lora l = check_lora(op, x, scaling, s.E, s.dim, s.hidden, w.act.gated(), a_gate, b_gate, a_up, b_up, a_down,
+                            b_down);
+  const int64_t slots = s.M * s.top_k;
+  auto y = at::zeros({slots, s.dim}, x.options().dtype(at::kFloat));
+  auto routed = at::zeros({slots}, x.options().dtype(at::kBool));
+  auto [gate_up, lora_rows] = lora_gate_up_outputs(x, s, l, w.act.gated(), save_gate_up);
+  for (const auto& b : lora_blocks(op, sorted_token_ids, expert_ids, num_tokens_post_padded, slots, s.E, l.n, block_m,
+                                   x.device())) {
+    const int64_t n = b.slots.numel();
+    const auto [g, u, u_gate_up] = lora_gate_up_rows(w, l, b, block_x_rows(x, b, s.top_k, block_m));
+    const auto h = round_bf16(activate(w.act, g, u));
+    const auto base = plus(h.mm(f32(w2[b.expert]).t()), bias_row(w.b2, b.expert));
+    y.index_copy_(0, b.slots, lora_expand(base, l.down, b, lora_shrink(l, l.down, b, h)).narrow(0, 0, n));
+    routed.index_fill_(0, b.slots, true);
+    if (save_gate_up) gate_up.narrow(0, b.row, n).copy_((u.defined() ? at::cat({g, u}, 1) : g).narrow(0, 0, n));
+    lora_rows.narrow(0, b.row, n).copy_(u_gate_up.narrow(0, 0, n));
+  }
+  const auto weights = at::where(routed.view({s.M, s.top_k}), topk_weights, at::zeros({}, topk_weights.options()));
+  return {combine_in_k_order(y, weights, s), gate_up, lora_rows};
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_lora_gate_up_impl(
+    const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& w3, const at::Tensor& sorted_token_ids,
+    const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded, int64_t top_k, int64_t block_m,
+    const at::Tensor& scaling, const std::optional<at::Tensor>& a_gate, const std::optional<at::Tensor>& b_gate,
+    const std::optional<at::Tensor>& a_up, const std::optional<at::Tensor>& b_up, int64_t num_experts,
+    const std::optional<at::Tensor>& bias_gate, const std::optional<at::Tensor>& bias_up) {
+  const char* op = "moe_lora_gate_up";
+  MoeShape s;
+  const Experts w = check_gate_up_experts(op, x, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
+                                          block_m, num_experts, bias_gate, bias_up, s);
+  const Lora l = check_lora(op, x, scaling, s.E, s.dim, s.hidden, w.act.gated(), a_gate, b_gate, a_up, b_up,
+                            std::nullopt, std::nullopt);
+  auto [gate_up, lora_rows] = lora_gate_up_outputs(x, s, l, w.act.gated(), true);
+  for (const auto& b : lora_blocks(op, sorted_token_ids, expert_ids, num_tokens_post_padded, s.M * s.top_k, s.E, l.n,
+                                   block_m, x.device())) {
+    const int64_t n = b.slots.numel();
+    const auto [g, u, u_gate_up] = lora_gate_up_rows(w, l, b, block_x_rows(x, b, s.top_k, block_m));
+    gate_up.narrow(0, b.row, n).copy_((u.defined() ? at::cat({g, u}, 1) : g).narrow(0, 0, n));
+    lora_rows.narrow(0, b.row, n).copy_(u_gate_up.narrow(0, 0, n));
+  }
+  return {gate_up, lora_rows};
+}
+
+// dH with the down adapter: grad_h = grad_out_t W2[e] + v A_down[a, e] with v = s_a grad_out_t B_down[a, e] (the
+// backward's K-extension), then moe_grad_gate_up's epilogue; lora_rows = [v | p u_down] with u_down = s_a h A_down^T
+// (h rounded to bf16, as the forward's down GEMM read it): the rows of the down adapter's gradients.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_lora_grad_gate_up_impl(
+    const at::Tensor& grad_out, const at::Tensor& w2, const at::Tensor& gate_up, const at::Tensor& sorted_token_ids,
+    const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights,
+    int64_t top_k, int64_t block_m, const at::Tensor& scaling, const std::optional<at::Tensor>& a_down,
+    const std::optional<at::Tensor>& b_down, int64_t num_experts, c10::string_view activation, double alpha,
+    double limit) {
+  const char* op = "moe_lora_grad_gate_up";
+  const ActivationSpec act = parse_activation(op, activation, alpha, limit);
+  MoeShape s = check_grad_gate_up_args(op, grad_out, w2, gate_up, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                                       topk_weights, top_k, block_m, act.gated());
+  set_global_experts(op, num_experts, s);
+  const Lora l = check_lora(op, grad_out, scaling, s.E, s.dim, s.hidden, act.gated(), std::nullopt, std::nullopt,
+                            std::nullopt, std::nullopt, a_down, b_down, "grad_out");
+  const int64_t slots = s.M * s.top_k;
+  auto grad_gate_up = at::zeros({slots, (act.gated() ? 2 : 1) * s.hidden}, grad_out.options());
+  auto weighted_h = at::zeros({slots, s.hidden}, grad_out.options());
+  auto grad_weights = at::zeros({slots}, topk_weights.options());
+  auto lora_rows = at::zeros({slots, 2 * l.down.rank}, grad_out.options());
+  const auto flat_weights = topk_weights.reshape({slots});
+  for (const auto& b : lora_blocks(op, sorted_token_ids, expert_ids, num_tokens_post_padded, slots, s.E, l.n, block_m,
+                                   grad_out.device())) {
+    const int64_t n = b.slots.numel();
+    const auto go = f32(grad_out.index_select(0, at::floor_divide(b.slots, s.top_k)));
+    const auto v = lora_shrink_grad(l, l.down, b, go);
+    auto gh = go.mm(f32(w2[b.expert]));
+    if (v.defined()) gh = gh + v.mm(f32(l.down.a[b.adapter][b.expert]));
+    const auto gu = f32(gate_up.narrow(0, b.row, n));
+    const auto g = gu.narrow(1, 0, s.hidden);
+    const auto u = act.gated() ? gu.narrow(1, s.hidden, s.hidden) : at::Tensor();
+    const auto pw = flat_weights.index_select(0, b.slots).unsqueeze(1);
+    const auto h = activate(act, g, u);
+    const auto [dg, du] = activate_backward(act, g, u, gh * pw);
+    grad_gate_up.narrow(0, b.row, n).copy_(act.gated() ? at::cat({dg, du}, 1) : dg);
+    weighted_h.narrow(0, b.row, n).copy_(h * pw);
+    grad_weights.index_copy_(0, b.slots, (gh * h).sum(1));
+    if (v.defined())
+      lora_rows.narrow(0, b.row, n).copy_(at::cat({v, lora_shrink(l, l.down, b, round_bf16(h)) * pw}, 1));
+  }
+  return {grad_gate_up, weighted_h, grad_weights.view({s.M, s.top_k}), lora_rows};
+}
+
+// dX with the gate/up adapters: per slot dg W1[e] + du W3[e] + w_gate A_gate[a, e] + w_up A_up[a, e] with
+// w = s_a dg B[a, e] (the K-extension), summed over a token's slots in k order in fp32; lora_rows = [w_gate | w_up]
+// (the rows of the gate/up A gradients).
+std::tuple<at::Tensor, at::Tensor> moe_lora_grad_x_impl(
+    const at::Tensor& grad_gate, const std::optional<at::Tensor>& grad_up, const at::Tensor& w1,
+    const std::optional<at::Tensor>& w3, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+    const at::Tensor& num_tokens_post_padded, int64_t top_k, int64_t block_m, bool /*deterministic: k order here*/,
+    const at::Tensor& scaling, const std::optional<at::Tensor>& a_gate, const std::optional<at::Tensor>& b_gate,
+    const std::optional<at::Tensor>& a_up, const std::optional<at::Tensor>& b_up, int64_t num_experts) {
+  const char* op = "moe_lora_grad_x";
+  check_grad_x_halves(op, grad_up, w3);
+  MoeShape s = check_grad_x_args(op, grad_gate, grad_up.value_or(grad_gate), w1, w3.value_or(w1), sorted_token_ids,
+                                 expert_ids, num_tokens_post_padded, top_k, block_m);
+  set_global_experts(op, num_experts, s);
+  const Lora l = check_lora(op, grad_gate, scaling, s.E, s.dim, s.hidden, w3.has_value(), a_gate, b_gate, a_up, b_up,
+                            std::nullopt, std::nullopt, "grad_gate");
+  const int64_t slots = s.M * s.top_k;
+  auto per_slot = at::zeros({slots, s.dim}, grad_gate.options().dtype(at::kFloat));
+  auto lora_rows = at::zeros({slots, l.gate.rank + l.up.rank}, grad_gate.options());
+  for (const auto& b : lora_blocks(op, sorted_token_ids, expert_ids, num_tokens_post_padded, slots, s.E, l.n, block_m,
+                                   grad_gate.device())) {
+    const int64_t n = b.slots.numel();
+    const auto dg = f32(grad_gate.narrow(0, b.row, n));
+    const auto w_gate = lora_shrink_grad(l, l.gate, b, dg);
+    auto dx = dg.mm(f32(w1[b.expert]));
+    if (w_gate.defined()) dx += w_gate.mm(f32(l.gate.a[b.adapter][b.expert]));
+    at::Tensor w_up;
+    if (w3.has_value()) {
+      const auto du = f32(grad_up->narrow(0, b.row, n));
+      w_up = lora_shrink_grad(l, l.up, b, du);
+      dx += du.mm(f32((*w3)[b.expert]));
+      if (w_up.defined()) dx += w_up.mm(f32(l.up.a[b.adapter][b.expert]));
+    }
+    per_slot.index_copy_(0, b.slots, dx);
+    lora_rows.narrow(0, b.row, n).copy_(side_by_side({w_gate, w_up}, n, dg.options()));
+  }
+  return {per_slot.view({s.M, s.top_k, s.dim}).sum(1).to(at::kBFloat16), lora_rows};
+}
+
 }  // namespace
 }  // namespace flash_moe
 
@@ -581,6 +827,25 @@ TORCH_LIBRARY(flash_moe, m) {
   m.def("moe_forward_mxfp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tensor w2, Tensor w2_scales, "
         "Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, "
         "int block_m, bool deterministic) -> Tensor");
+  m.def("moe_lora_forward(Tensor x, Tensor w1, Tensor? w3, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids, "
+        "Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, int block_m, bool deterministic, "
+        "bool save_gate_up, int num_experts, Tensor scaling, Tensor? a_gate, Tensor? b_gate, Tensor? a_up, "
+        "Tensor? b_up, Tensor? a_down, Tensor? b_down, str activation=\"swiglu\", float alpha=0., float limit=0., "
+        "Tensor? b_gate_bias=None, Tensor? b_up_bias=None, Tensor? b2=None) -> "
+        "(Tensor out, Tensor gate_up, Tensor lora_rows)");
+  m.def("moe_lora_gate_up(Tensor x, Tensor w1, Tensor? w3, Tensor sorted_token_ids, Tensor expert_ids, "
+        "Tensor num_tokens_post_padded, int top_k, int block_m, Tensor scaling, Tensor? a_gate, Tensor? b_gate, "
+        "Tensor? a_up, Tensor? b_up, int num_experts=-1, Tensor? b_gate_bias=None, Tensor? b_up_bias=None) -> "
+        "(Tensor gate_up, Tensor lora_rows)");
+  m.def("moe_lora_grad_gate_up(Tensor grad_out, Tensor w2, Tensor gate_up, Tensor sorted_token_ids, "
+        "Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, int block_m, "
+        "Tensor scaling, Tensor? a_down, Tensor? b_down, int num_experts=-1, str activation=\"swiglu\", "
+        "float alpha=0., float limit=0.) -> "
+        "(Tensor grad_gate_up, Tensor weighted_h, Tensor grad_topk_weights, Tensor lora_rows)");
+  m.def("moe_lora_grad_x(Tensor grad_gate, Tensor? grad_up, Tensor w1, Tensor? w3, Tensor sorted_token_ids, "
+        "Tensor expert_ids, Tensor num_tokens_post_padded, int top_k, int block_m, bool deterministic, "
+        "Tensor scaling, Tensor? a_gate, Tensor? b_gate, Tensor? a_up, Tensor? b_up, int num_experts=-1) -> "
+        "(Tensor grad_x, Tensor lora_rows)");
 }
 
 TORCH_LIBRARY_IMPL(flash_moe, CPU, m) {
@@ -596,4 +861,18 @@ TORCH_LIBRARY_IMPL(flash_moe, CPU, m) {
   m.impl("share_exponents_mxfp8", &flash_moe::share_exponents_mxfp8_cpu);
   m.impl("fused_moe_mxfp8", &flash_moe::fused_moe_mxfp8_cpu);
   m.impl("moe_forward_mxfp8", &flash_moe::moe_forward_mxfp8_cpu);
+  m.impl("moe_lora_forward", &flash_moe::moe_lora_forward_impl);
+  m.impl("moe_lora_gate_up", &flash_moe::moe_lora_gate_up_impl);
+  m.impl("moe_lora_grad_gate_up", &flash_moe::moe_lora_grad_gate_up_impl);
+  m.impl("moe_lora_grad_x", &flash_moe::moe_lora_grad_x_impl);
+}
+
+// The LoRA ops' unfused composition (device-generic ATen calls) is also their CUDA implementation until the fused
+// kernels exist (docs/notes/flash_moe.md, "LoRA adapters"): correct there, not fast (a host read of the alignment and
+// small GEMMs per aligned block). The lead's CUDA sources register the other ops' CUDA kernels.
+TORCH_LIBRARY_IMPL(flash_moe, CUDA, m) {
+  m.impl("moe_lora_forward", &flash_moe::moe_lora_forward_impl);
+  m.impl("moe_lora_gate_up", &flash_moe::moe_lora_gate_up_impl);
+  m.impl("moe_lora_grad_gate_up", &flash_moe::moe_lora_grad_gate_up_impl);
+  m.impl("moe_lora_grad_x", &flash_moe::moe_lora_grad_x_impl);
 }

@@ -28,6 +28,9 @@
 #ifndef FLASH_MOE_MAX_EXPERTS
 #error "FLASH_MOE_MAX_EXPERTS must come from kernel.toml ([flash_moe.constants])"
 #endif
+#ifndef FLASH_MOE_LORA_RANK_ALIGN
+#error "FLASH_MOE_LORA_RANK_ALIGN must come from kernel.toml ([flash_moe.constants])"
+#endif
 
 namespace flash_moe {
 
@@ -38,6 +41,7 @@ constexpr int64_t kMaxExperts = FLASH_MOE_MAX_EXPERTS;
 constexpr int64_t kMxScaleBlock = FLASH_MOE_MXFP8_SCALE_BLOCK;
 constexpr int64_t kMxAlign = FLASH_MOE_MXFP8_ALIGN;
 constexpr int64_t kInt32Max = (int64_t{1} << 31) - 1;
+constexpr int64_t kLoraRankAlign = FLASH_MOE_LORA_RANK_ALIGN;
 static_assert(kMxAlign % kMxScaleBlock == 0 && kMxAlign % kDimAlign == 0 && kMxAlign % kHiddenAlign == 0,
               "MXFP8_ALIGN must be a multiple of MXFP8_SCALE_BLOCK, DIM_ALIGN and HIDDEN_ALIGN");
 
@@ -500,6 +504,73 @@ inline int64_t check_swiglu_backward_args(const at::Tensor& gate_up, const at::T
                 ", got ", t->device());
   }
   return hidden;
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// LoRA adapters on the experts (the moe_lora_* ops). n adapters, each with one low-rank pair per adapted projection:
+// A (n, E, r, in), B (n, E, out, r), bf16, and a per-adapter scaling (n,) float32. The routed slots are aligned over
+// E * n groups, expert-major: group v = e * n + adapter (one adapter's rows of one expert per aligned block, an
+// expert's adapters adjacent), so expert_ids holds group ids in [-1, E * n).
+struct LoraPair {
+  at::Tensor a, b;  // undefined: the projection has no adapter
+  int64_t rank = 0;
+  bool present() const { return a.defined(); }
+};
+struct Lora {
+  int64_t n;
+  at::Tensor scaling;
+  LoraPair gate, up, down;
+};
+
+// One projection's pair: both given or both None, A (n, E, r, in) and B (n, E, out, r) bfloat16 with one rank r, a
+// multiple of LORA_RANK_ALIGN, on x's device.
+inline LoraPair check_lora_pair(const char* op, const char* a_name, const char* b_name,
+                                const std::optional<at::Tensor>& a, const std::optional<at::Tensor>& b, int64_t n,
+                                int64_t E, int64_t in, int64_t out, const at::Tensor& x, const char* x_name) {
+  TORCH_CHECK(a.has_value() == b.has_value(), op, ": ", a_name, " and ", b_name,
+              " must both be tensors (the projection has an adapter) or both None, got ", a_name, " ",
+              a.has_value() ? "a tensor" : "None", " and ", b_name, " ", b.has_value() ? "a tensor" : "None");
+  if (!a.has_value()) return {};
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{a_name, &*a}, {b_name, &*b}}) {
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16, op, ": ", name, " must be bfloat16 (the weights' dtype), got ",
+                t->scalar_type());
+    TORCH_CHECK(t->device() == x.device(), op, ": ", name, " must be on ", x_name, "'s device ", x.device(), ", got ",
+                t->device());
+  }
+  TORCH_CHECK(a->dim() == 4 && a->size(0) == n && a->size(1) == E && a->size(3) == in, op, ": ", a_name,
+              " must have shape (n_adapters, E, r, in) = (", n, ", ", E, ", r, ", in, "), got ", a->sizes());
+  const int64_t r = a->size(2);
+  TORCH_CHECK(r >= 1 && r % kLoraRankAlign == 0, op, ": ", a_name, "'s rank (third dimension) must be a positive "
+              "multiple of LORA_RANK_ALIGN=", kLoraRankAlign, ", got ", r);
+  TORCH_CHECK(b->dim() == 4 && b->size(0) == n && b->size(1) == E && b->size(2) == out && b->size(3) == r, op, ": ",
+              b_name, " must have shape (n_adapters, E, out, r) = (", n, ", ", E, ", ", out, ", ", r, ") (r: ", a_name,
+              "'s rank), got ", b->sizes());
+  return {*a, *b, r};
+}
+
+// The adapters of the projections an op reads (gate/up: dim -> hidden; down: hidden -> dim), on the device of its first
+// operand (x_name); the alignment's groups (expert_ids' range) are then E * n.
+inline Lora check_lora(const char* op, const at::Tensor& x, const at::Tensor& scaling, int64_t E, int64_t dim,
+                       int64_t hidden, bool gated, const std::optional<at::Tensor>& a_gate,
+                       const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& a_up,
+                       const std::optional<at::Tensor>& b_up, const std::optional<at::Tensor>& a_down,
+                       const std::optional<at::Tensor>& b_down, const char* x_name = "x") {
+  TORCH_CHECK(scaling.scalar_type() == at::kFloat && scaling.dim() == 1 && scaling.size(0) >= 1, op,
+              ": scaling must be a 1-D float32 tensor of one factor per adapter, got ", scaling.scalar_type(),
+              " of shape ", scaling.sizes());
+  TORCH_CHECK(scaling.device() == x.device(), op, ": scaling must be on ", x_name, "'s device ", x.device(), ", got ",
+              scaling.device());
+  Lora l;
+  l.n = scaling.size(0);
+  TORCH_CHECK(E * l.n <= kInt32Max, op, ": E * n_adapters (the aligned groups) must fit in int32, got E=", E,
+              ", n_adapters=", l.n);
+  l.scaling = scaling;
+  l.gate = check_lora_pair(op, "a_gate", "b_gate", a_gate, b_gate, l.n, E, dim, hidden, x, x_name);
+  TORCH_CHECK(gated || !a_up.has_value(), op, ": a_up and b_up must be None without w3 (activation 'relu2': no up "
+              "projection), got a tensor");
+  l.up = check_lora_pair(op, "a_up", "b_up", a_up, b_up, l.n, E, dim, hidden, x, x_name);
+  l.down = check_lora_pair(op, "a_down", "b_down", a_down, b_down, l.n, E, hidden, dim, x, x_name);
+  return l;
 }
 
 }  // namespace flash_moe

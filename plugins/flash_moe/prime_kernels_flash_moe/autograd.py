@@ -7,6 +7,7 @@ import torch
 from . import _C  # noqa: F401
 from .contract import BLOCK_M, CONSTANTS, MXFP8_ALIGN
 from .layouts import ExpertLayout, Family, expert_views, join_pairs, split_pairs
+from .lora import ADAPTER_INPUTS, LoraOperands, adapter_grads
 from .mxfp8 import dequantize_mxfp8, quantize_mxfp8, unpack_scales_blocked
 
 
@@ -45,28 +46,40 @@ def gate_and_up(w1, w3):
     return w1[:, :hidden], w1[:, hidden:]
 
 
-# The gradients _closed_form_backward computes, in the order of MoE.forward's tensor inputs.
-GRAD_INPUTS = ("x", "w1", "w2", "w3", "b1", "b2", "topk_ids", "topk_weights")
+# The gradients _closed_form_backward computes, in the order of MoE.forward's tensor inputs (the LoRA scaling is not
+# differentiated).
+GRAD_INPUTS = ("x", "w1", "w2", "w3", "b1", "b2", "topk_ids", "topk_weights", "lora_scaling", *ADAPTER_INPUTS)
 
 
 class MoE(torch.autograd.Function):
     """moe() in bf16 through the fused ops. The family travels as plain values (activation, alpha, limit, gate_up,
-    transposed), which torch.compile traces as constants."""
+    transposed), which torch.compile traces as constants. With LoRA adapters (``lora_scaling`` a tensor), topk_ids are
+    the slots' (expert, adapter) groups (lora.group_ids: expert_start 0, num_experts E * n_adapters) and the
+    moe_lora_* ops run in place of the base ones."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, w3, b1, b2, topk_ids, topk_weights, activation, alpha, limit, gate_up_form, transposed,
-                expert_start, num_experts, global_experts, deterministic, recompute_gate_up):
+    def forward(ctx, x, w1, w2, w3, b1, b2, topk_ids, topk_weights, lora_scaling, a_gate, b_gate, a_up, b_up, a_down,
+                b_down, activation, alpha, limit, gate_up_form, transposed, expert_start, num_experts, global_experts,
+                deterministic, recompute_gate_up):
         family = Family(activation, alpha, limit, ExpertLayout(gate_up_form, transposed))
         top_k = topk_ids.shape[1]
         tw = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
-        gate, up, w2v, b_gate, b_up = expert_views(w1, w2, w3, b1, family)
-        align = torch.ops.flash_moe.moe_align(topk_ids, num_experts, BLOCK_M, 1, expert_start, gate.shape[0],
+        gate, up, w2v, b_gate_bias, b_up_bias = expert_views(w1, w2, w3, b1, family)
+        groups = num_experts - expert_start if lora_scaling is not None else gate.shape[0]
+        align = torch.ops.flash_moe.moe_align(topk_ids, num_experts, BLOCK_M, 1, expert_start, groups,
                                               CONSTANTS["CLUSTER_BLOCKS"])
         save = not recompute_gate_up and any(ctx.needs_input_grad[:len(GRAD_INPUTS)])
-        out, gate_up = torch.ops.flash_moe.moe_forward(x, gate, up, w2v, *align, tw, top_k, BLOCK_M, deterministic,
-                                                       save, global_experts, activation, alpha, limit, b_gate, b_up,
-                                                       b2)
-        ctx.save_for_backward(x, w1, w2, w3, b1, b2, topk_ids, tw, *align, gate_up, topk_weights)
+        lora_rows = None
+        if lora_scaling is None:
+            out, gate_up = torch.ops.flash_moe.moe_forward(x, gate, up, w2v, *align, tw, top_k, BLOCK_M, deterministic,
+                                                           save, global_experts, activation, alpha, limit, b_gate_bias,
+                                                           b_up_bias, b2)
+        else:
+            out, gate_up, lora_rows = torch.ops.flash_moe.moe_lora_forward(
+                x, gate, up, w2v, *align, tw, top_k, BLOCK_M, deterministic, save, global_experts, lora_scaling,
+                a_gate, b_gate, a_up, b_up, a_down, b_down, activation, alpha, limit, b_gate_bias, b_up_bias, b2)
+        ctx.save_for_backward(x, w1, w2, w3, b1, b2, topk_ids, tw, *align, gate_up, topk_weights, lora_scaling, a_gate,
+                              b_gate, a_up, b_up, a_down, b_down, lora_rows if save else None)
         ctx.family = family
         ctx.saved_gate_up = save
         ctx.deterministic = deterministic
@@ -77,18 +90,20 @@ class MoE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, w1, w2, w3, b1, b2, ids, tw, *align, gate_up, topk_weights = ctx.saved_tensors
+        x, w1, w2, w3, b1, b2, ids, tw, *align, gate_up, topk_weights, scaling = ctx.saved_tensors[:14]
+        adapters, lora_rows = ctx.saved_tensors[14:20], ctx.saved_tensors[20]
+        lora = None if scaling is None else LoraOperands(scaling, *adapters, lora_rows)
         needs = dict(zip(GRAD_INPUTS, ctx.needs_input_grad))
         with torch.no_grad():
             grads = _closed_form_backward(grad_out, x, w1, w2, w3, b1, b2, ids, tw, align, needs, ctx.family,
                                           ctx.expert_start, ctx.global_experts, ctx.tw_dtype, ctx.deterministic,
-                                          gate_up if ctx.saved_gate_up else None)
-        anchors = (grad_out, x, w1, w2, w3, b1, b2, topk_weights)
+                                          gate_up if ctx.saved_gate_up else None, lora)
+        anchors = (grad_out, x, w1, w2, w3, b1, b2, topk_weights, *adapters)
         return (*_first_order_only(grads, anchors), *[None] * 10)
 
 
 def _closed_form_backward(grad_out, x, w1, w2, w3, b1, b2, ids, tw, align, needs, family, expert_start,
-                          global_experts, tw_dtype, deterministic, gate_up=None):
+                          global_experts, tw_dtype, deterministic, gate_up=None, lora: LoraOperands | None = None):
     """The gradients of MoE.forward's tensor inputs (GRAD_INPUTS; None for topk_ids), each in its input's layout,
     for those ``needs`` names. ``global_experts``: the expert count the launch rules spread the routed slots over
     (the ops' num_experts).
@@ -107,6 +122,10 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, b1, b2, ids, tw, align, needs
     Biases: db1 = per-expert sums of dg | du (a grouped GEMM against ones: fp32 accumulation, deterministic);
     db2[e] = sum of p grad_out_t over e's slots, and each slot's dL/dp gains grad_out_t . b2[e], both from dense
     (tokens x experts) products.
+    LoRA (``lora``; ``ids`` are then (expert, adapter) groups, lora.py): the moe_lora_* ops in place of moe_gate_up,
+    moe_grad_gate_up and moe_grad_x (their adapter terms in grad_h and dx, and the rank-r rows of the adapters'
+    gradients, which lora.adapter_grads forms per group); the rows sorted by group keep each expert's rows together,
+    so the base weight gradients (when needed: frozen base weights cost no GEMM) run per expert as without adapters.
     """
     gate, up, w2v, b_gate, b_up = expert_views(w1, w2, w3, b1, family)
     layout = family.layout
@@ -114,26 +133,37 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, b1, b2, ids, tw, align, needs
     top_k = ids.shape[1]
     E, hidden = gate.shape[0], gate.shape[1]
     S = T * top_k
-    # slots sorted by local expert, stable (moe_align's order, which moe_gate_up's rows follow); unrouted slots last
+    n = 1 if lora is None else lora.n  # groups per expert: its adapters
+    # slots sorted by local group, stable (moe_align's order, which moe_gate_up's rows follow); unrouted slots last
     local = ids.reshape(-1).long() - expert_start
-    valid = (ids.reshape(-1) >= 0) & (local >= 0) & (local < E)
-    key = torch.where(valid, local, torch.full_like(local, E))
+    valid = (ids.reshape(-1) >= 0) & (local >= 0) & (local < E * n)
+    key = torch.where(valid, local, torch.full_like(local, E * n))
     order = torch.sort(key, stable=True).indices
-    counts = torch.zeros(E + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
-    offs = torch.cumsum(counts[:E], 0).to(torch.int32)
+    counts = torch.zeros(E * n + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
+    group_ends = torch.cumsum(counts[:E * n], 0).to(torch.int32)
+    offs = group_ends[n - 1::n].contiguous()  # each expert's end: its adapters' groups are adjacent
     ok = valid[order]
     tok = order // top_k
 
-    if gate_up is None:
-        gate_up = torch.ops.flash_moe.moe_gate_up(x, gate, up, *align, top_k, BLOCK_M, global_experts, b_gate, b_up)
     grads = dict.fromkeys(GRAD_INPUTS)
     go = grad_out.to(x.dtype)
+    if gate_up is None and lora is None:
+        gate_up = torch.ops.flash_moe.moe_gate_up(x, gate, up, *align, top_k, BLOCK_M, global_experts, b_gate, b_up)
+    elif gate_up is None:  # the forward kept g | u and [u_gate | u_up] together, or neither
+        gate_up, lora.gate_up_rows = torch.ops.flash_moe.moe_lora_gate_up(
+            x, gate, up, *align, top_k, BLOCK_M, lora.scaling, lora.a_gate, lora.b_gate, lora.a_up, lora.b_up,
+            global_experts, b_gate, b_up)
     need_gate_up_rows = needs["x"] or needs["w1"] or needs["w3"] or needs["b1"] or needs["topk_weights"]
-    grad_gate_up = grad_gate = grad_up = None
-    if need_gate_up_rows or family.activation != "swiglu":
+    grad_gate_up = grad_gate = grad_up = down_rows = None
+    if lora is not None:
+        grad_gate_up, weighted_h, grad_p, down_rows = torch.ops.flash_moe.moe_lora_grad_gate_up(
+            go, w2v, gate_up, *align, tw, top_k, BLOCK_M, lora.scaling, lora.a_down, lora.b_down, global_experts,
+            family.activation, family.alpha, family.limit)
+    elif need_gate_up_rows or family.activation != "swiglu":
         grad_gate_up, weighted_h, grad_p = torch.ops.flash_moe.moe_grad_gate_up(
             go, w2v, gate_up, *align, tw, top_k, BLOCK_M, global_experts, family.activation, family.alpha,
             family.limit)
+    if grad_gate_up is not None:
         if family.gated and layout.gate_up == "interleaved":
             # dg | du interleaved column by column as w1 interleaves gate and up: dx is then one GEMM over w1 whole
             # (moe_grad_x reads the pairs in place), and db1 and dW1 come out in w1's order (an S x 2 hidden copy
@@ -144,21 +174,36 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, b1, b2, ids, tw, align, needs
             grad_gate, grad_up = grad_gate_up.split(hidden, 1) if family.gated else (grad_gate_up, None)  # views
         if needs["topk_weights"]:
             if b2 is not None:  # y = h W2^T + b2: dL/dp gains grad_out_t . b2[e]
-                bias_dot = (go.float() @ b2.float().t()).gather(1, local.clamp(0, E - 1).view(T, top_k))
+                expert = torch.div(local, n, rounding_mode="floor").clamp(0, E - 1)
+                bias_dot = (go.float() @ b2.float().t()).gather(1, expert.view(T, top_k))
                 grad_p = grad_p + torch.where(valid.view(T, top_k), bias_dot, 0)
             grads["topk_weights"] = grad_p.to(tw_dtype)
     else:  # w2's gradient alone takes only p h, which swiglu_backward computes without reading grad_h
         _, _, weighted_h, _ = torch.ops.flash_moe.swiglu_backward(gate_up, go.new_zeros(S, hidden),
                                                                   tw.reshape(-1)[order], ok)
     del gate_up
-    if needs["x"]:
+    x_rows = None
+    if lora is None and needs["x"]:
         grads["x"] = torch.ops.flash_moe.moe_grad_x(grad_gate, grad_up, gate, up, *align, top_k, BLOCK_M,
                                                     deterministic, global_experts)
+    elif lora is not None and (needs["x"] or needs["a_gate"] or needs["a_up"]):
+        grads["x"], x_rows = torch.ops.flash_moe.moe_lora_grad_x(
+            grad_gate, grad_up, gate, up, *align, top_k, BLOCK_M, deterministic, lora.scaling, lora.a_gate,
+            lora.b_gate, lora.a_up, lora.b_up, global_experts)
+    if lora is not None:
+        row_token = torch.where(ok, tok, -1).to(torch.int32)
+        own_row = torch.where(ok, torch.arange(S, device=x.device), -1).to(torch.int32)
+        grads.update(adapter_grads(lora, needs, x, go, grad_gate, grad_up, weighted_h, down_rows, x_rows,
+                                   lora.gate_up_rows, row_token, own_row, group_ends))
+        del x_rows, down_rows
+        if not needs["x"]:
+            grads["x"] = None
     if needs["b1"]:
         grads["b1"] = _bias_grad(grad_gate_up, offs)
     if needs["b2"]:
+        expert_key = torch.where(valid, torch.div(local, n, rounding_mode="floor"), E)
         routed = torch.zeros(T, E + 1, dtype=torch.float32, device=x.device).scatter_add_(
-            1, key.view(T, top_k), torch.where(valid, tw.reshape(-1), 0).view(T, top_k))
+            1, expert_key.view(T, top_k), torch.where(valid, tw.reshape(-1), 0).view(T, top_k))
         grads["b2"] = (routed[:, :E].t() @ go.float()).to(b2.dtype)
     # the weight gradients: per expert, its rows of dg / du / p h against x / grad_out gathered by token; dW1 and dW3
     # of a w1 holding both in one GEMM over moe_grad_gate_up's [dg | du] (S x 2 hidden, as it comes: no concatenation)
@@ -241,8 +286,8 @@ class MoEMxfp8(torch.autograd.Function):
         w1, w3 = gate_and_up(w, None) if w3_in is not None else (w, None)  # as the caller's: apart, or stacked
         w2 = dequantize_mxfp8(w2q, unpack_scales_blocked(w2s), dtype=dt)
         family = Family("swiglu", 0.0, 0.0, ExpertLayout("separate" if w3_in is not None else "stacked"))
-        needs = dict(zip(("x", "w1", "w2", "w3", "topk_ids", "topk_weights"), ctx.needs_input_grad),
-                     b1=False, b2=False)
+        needs = dict.fromkeys(GRAD_INPUTS, False) | dict(zip(("x", "w1", "w2", "w3", "topk_ids", "topk_weights"),
+                                                             ctx.needs_input_grad))
         with torch.no_grad():
             grads = _closed_form_backward(grad_out, x, w1, w2, w3, None, None, ids, tw, align, needs, family,
                                           ctx.expert_start, ctx.global_experts, ctx.tw_dtype, ctx.deterministic)

@@ -381,3 +381,43 @@ def check_grad_weight_args(rows, source, row_token, expert_ends):
     for name, t in (("source", source), ("row_token", row_token), ("expert_ends", expert_ends)):
         require(t.device == rows.device, f"{op}: {name} must be on rows' device {rows.device}, got {t.device}")
     return S, N, T, K, E
+
+
+def check_lora_pair(op, a_name, b_name, a, b, n, E, n_in, n_out, x, x_name, constants):
+    """check_lora_pair: returns the rank (0 when the projection has no adapter)."""
+    require((a is None) == (b is None),
+            f"{op}: {a_name} and {b_name} must both be tensors (the projection has an adapter) or both None, got "
+            f"{a_name} {'None' if a is None else 'a tensor'} and {b_name} {'None' if b is None else 'a tensor'}")
+    if a is None:
+        return 0
+    for name, t in ((a_name, a), (b_name, b)):
+        require(t.dtype == torch.bfloat16, f"{op}: {name} must be bfloat16 (the weights' dtype), got {_name(t.dtype)}")
+        require(t.device == x.device, f"{op}: {name} must be on {x_name}'s device {x.device}, got {t.device}")
+    require(a.dim() == 4 and a.shape[0] == n and a.shape[1] == E and a.shape[3] == n_in,
+            f"{op}: {a_name} must have shape (n_adapters, E, r, in) = ({n}, {E}, r, {n_in}), got {_shape(a)}")
+    r = a.shape[2]
+    align = constants["LORA_RANK_ALIGN"]
+    require(r >= 1 and r % align == 0, f"{op}: {a_name}'s rank (third dimension) must be a positive multiple of "
+                                        f"LORA_RANK_ALIGN={align}, got {r}")
+    require(b.dim() == 4 and b.shape[0] == n and b.shape[1] == E and b.shape[2] == n_out and b.shape[3] == r,
+            f"{op}: {b_name} must have shape (n_adapters, E, out, r) = ({n}, {E}, {n_out}, {r}) (r: {a_name}'s rank), "
+            f"got {_shape(b)}")
+    return r
+
+
+def check_lora(op, x, scaling, E, dim, hidden, gated, a_gate, b_gate, a_up, b_up, a_down, b_down, constants,
+               x_name="x"):
+    """check_lora: returns (n_adapters, gate rank, up rank, down rank)."""
+    require(scaling.dtype == torch.float32 and scaling.dim() == 1 and scaling.shape[0] >= 1,
+            f"{op}: scaling must be a 1-D float32 tensor of one factor per adapter, got {_name(scaling.dtype)} of "
+            f"shape {_shape(scaling)}")
+    require(scaling.device == x.device, f"{op}: scaling must be on {x_name}'s device {x.device}, got {scaling.device}")
+    n = scaling.shape[0]
+    require(E * n <= INT32_MAX, f"{op}: E * n_adapters (the aligned groups) must fit in int32, got E={E}, "
+                                f"n_adapters={n}")
+    r_gate = check_lora_pair(op, "a_gate", "b_gate", a_gate, b_gate, n, E, dim, hidden, x, x_name, constants)
+    require(gated or a_up is None, f"{op}: a_up and b_up must be None without w3 (activation 'relu2': no up "
+                                   f"projection), got a tensor")
+    r_up = check_lora_pair(op, "a_up", "b_up", a_up, b_up, n, E, dim, hidden, x, x_name, constants)
+    r_down = check_lora_pair(op, "a_down", "b_down", a_down, b_down, n, E, hidden, dim, x, x_name, constants)
+    return n, r_gate, r_up, r_down

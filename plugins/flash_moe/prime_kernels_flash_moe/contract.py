@@ -19,17 +19,42 @@ MAX_EXPERTS: int = CONSTANTS["MAX_EXPERTS"]
 MXFP8_ALIGN: int = CONSTANTS["MXFP8_ALIGN"]
 
 
-def unsupported_shape_reason(dim: int, hidden_dim: int, *, mxfp8: bool = False, split: bool = True) -> str | None:
+def unsupported_shape_reason(dim: int, hidden_dim: int, *, mxfp8: bool = False, split: bool = True,
+                             lora_rank: int | None = None, n_adapters: int = 1,
+                             num_local_experts: int = 1) -> str | None:
     """None when the kernels handle model dim ``dim`` and expert hidden size ``hidden_dim``, else why not.
 
     bf16: the GEMMs run over whole BLOCK_K tiles along K: dim (gate/up) and hidden_dim (down) must be multiples of
     DIM_ALIGN / HIDDEN_ALIGN (64). mxfp8: both must be multiples of MXFP8_ALIGN = 128 (4 scale blocks of 32: one
     128-byte e4m3 pipeline stage, and the group of pack_scales_blocked's layout). ``split`` is accepted for
     compatibility (this plugin always runs the split pair of kernels). The ops' own checks use the same words.
+    LoRA adapters (``lora_rank`` given: moe(lora=...)): bf16 only, the rank a positive multiple of LORA_RANK_ALIGN
+    (8), and num_local_experts * n_adapters (expert, adapter) groups at most MAX_EXPERTS (the alignment's limit).
+    Adapters run unfused on every device for now (moe()'s docstring).
     """
     del split
     checks.require_int("unsupported_shape_reason", dim=dim, hidden_dim=hidden_dim)
-    return checks.contract_reason(dim, hidden_dim, CONSTANTS, mxfp8)
+    reason = checks.contract_reason(dim, hidden_dim, CONSTANTS, mxfp8)
+    if reason is not None or lora_rank is None:
+        return reason
+    checks.require_int("unsupported_shape_reason", lora_rank=lora_rank, n_adapters=n_adapters,
+                       num_local_experts=num_local_experts)
+    return _lora_reason(lora_rank, n_adapters, num_local_experts, mxfp8)
+
+
+def _lora_reason(rank: int, n_adapters: int, num_local_experts: int, mxfp8: bool) -> str | None:
+    align = CONSTANTS["LORA_RANK_ALIGN"]
+    if mxfp8:
+        return "flash_moe runs LoRA adapters on the bf16 path only, got mxfp8=True"
+    if rank < 1 or rank % align:
+        return f"flash_moe needs the LoRA rank to be a positive multiple of {align}, got {rank}"
+    if n_adapters < 1 or num_local_experts < 1:
+        return (f"flash_moe needs at least one adapter and one local expert, got n_adapters={n_adapters}, "
+                f"num_local_experts={num_local_experts}")
+    if n_adapters * num_local_experts > MAX_EXPERTS:
+        return (f"flash_moe needs num_local_experts * n_adapters (the (expert, adapter) groups) to be at most "
+                f"{MAX_EXPERTS}, got {num_local_experts} * {n_adapters} = {num_local_experts * n_adapters}")
+    return None
 
 
 def max_padded(num_slots, num_local_experts: int, block_m: int = BLOCK_M, bpc: int = 1, block_align: int = 1):

@@ -118,6 +118,65 @@ def _(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids, num
     return x.new_empty(x.shape, dtype=torch.bfloat16)
 
 
+@torch.library.register_fake("flash_moe::moe_lora_forward")
+def _(x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k, block_m,
+      deterministic, save_gate_up, num_experts, scaling, a_gate, b_gate, a_up, b_up, a_down, b_down,
+      activation="swiglu", alpha=0.0, limit=0.0, b_gate_bias=None, b_up_bias=None, b2=None):
+    op = "moe_lora_forward"
+    gated = checks.parse_activation(op, activation, alpha, limit)
+    M, dim, hidden, E = checks.check_experts(op, x, w1, w3, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                                             topk_weights, top_k, block_m, num_experts, gated, b_gate_bias, b_up_bias,
+                                             b2, CONSTANTS)
+    _, r_gate, r_up, _ = checks.check_lora(op, x, scaling, E, dim, hidden, gated, a_gate, b_gate, a_up, b_up, a_down,
+                                           b_down, CONSTANTS)
+    rows = M * top_k
+    return (x.new_empty(x.shape), x.new_empty(rows if save_gate_up else 0, (2 if gated else 1) * hidden),
+            x.new_empty(rows, r_gate + r_up))
+
+
+@torch.library.register_fake("flash_moe::moe_lora_gate_up")
+def _(x, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_m, scaling, a_gate, b_gate, a_up,
+      b_up, num_experts=-1, b_gate_bias=None, b_up_bias=None):
+    op = "moe_lora_gate_up"
+    gated = w3 is not None  # the activation itself does not enter g | u
+    M, dim, hidden, E = checks.check_experts(op, x, w1, w3, None, sorted_token_ids, expert_ids,
+                                             num_tokens_post_padded, None, top_k, block_m, num_experts, gated,
+                                             b_gate_bias, b_up_bias, None, CONSTANTS)
+    _, r_gate, r_up, _ = checks.check_lora(op, x, scaling, E, dim, hidden, gated, a_gate, b_gate, a_up, b_up, None,
+                                           None, CONSTANTS)
+    return x.new_empty((M * top_k, (2 if gated else 1) * hidden)), x.new_empty((M * top_k, r_gate + r_up))
+
+
+@torch.library.register_fake("flash_moe::moe_lora_grad_gate_up")
+def _(grad_out, w2, gate_up, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k, block_m,
+      scaling, a_down, b_down, num_experts=-1, activation="swiglu", alpha=0.0, limit=0.0):
+    op = "moe_lora_grad_gate_up"
+    gated = checks.parse_activation(op, activation, alpha, limit)
+    M, dim, hidden, E = checks.check_grad_gate_up_args(op, grad_out, w2, gate_up, sorted_token_ids, expert_ids,
+                                                       num_tokens_post_padded, topk_weights, top_k, block_m,
+                                                       CONSTANTS, gated)
+    checks.check_global_experts(op, num_experts, E)
+    _, _, _, r_down = checks.check_lora(op, grad_out, scaling, E, dim, hidden, gated, None, None, None, None, a_down,
+                                        b_down, CONSTANTS, "grad_out")
+    rows = M * top_k
+    return (grad_out.new_empty((rows, (2 if gated else 1) * hidden)), grad_out.new_empty((rows, hidden)),
+            topk_weights.new_empty((M, top_k)), grad_out.new_empty((rows, 2 * r_down)))
+
+
+@torch.library.register_fake("flash_moe::moe_lora_grad_x")
+def _(grad_gate, grad_up, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_m,
+      deterministic, scaling, a_gate, b_gate, a_up, b_up, num_experts=-1):
+    op = "moe_lora_grad_x"
+    checks.check_grad_x_halves(op, grad_up, w3)
+    M, dim, hidden, E = checks.check_grad_x_args(op, grad_gate, grad_gate if grad_up is None else grad_up, w1,
+                                                 w1 if w3 is None else w3, sorted_token_ids, expert_ids,
+                                                 num_tokens_post_padded, top_k, block_m, CONSTANTS)
+    checks.check_global_experts(op, num_experts, E)
+    _, r_gate, r_up, _ = checks.check_lora(op, grad_gate, scaling, E, dim, hidden, w3 is not None, a_gate, b_gate,
+                                           a_up, b_up, None, None, CONSTANTS, "grad_gate")
+    return grad_gate.new_empty((M, dim)), grad_gate.new_empty((M * top_k, r_gate + r_up))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The functional ops are forward-only. Without an autograd formula PyTorch differentiates through whatever ATen ops the
 # CPU implementation records (a wrong gradient after a warning), so their backward raises instead. fused_moe_bf16 and
@@ -132,7 +191,11 @@ def _forward_only(op_name: str, use_instead: str) -> None:
 for _op_name in ("moe_forward", "moe_forward_mxfp8"):
     _forward_only(_op_name, "for gradients call prime_kernels_flash_moe.ops.moe (the same forward, with a closed-form "
                             "backward)")
-for _op_name in ("moe_gate_up", "swiglu_backward", "moe_grad_gate_up", "moe_grad_x"):
+for _op_name in ("moe_lora_forward",):
+    _forward_only(_op_name, "for gradients call prime_kernels_flash_moe.ops.moe with lora= (the same forward, with a "
+                            "closed-form backward)")
+for _op_name in ("moe_gate_up", "swiglu_backward", "moe_grad_gate_up", "moe_grad_x", "moe_lora_gate_up",
+                 "moe_lora_grad_gate_up", "moe_lora_grad_x"):
     _forward_only(_op_name, "it is a piece of prime_kernels_flash_moe.ops.moe's closed-form backward, which is "
                             "first-order only (no double backward)")
 _forward_only("quantize_mxfp8", "rounding to mxfp8 has none; prime_kernels_flash_moe.ops.moe(mxfp8=True) passes "

@@ -19,9 +19,13 @@ Surface (compatible with the original Blackwell flash_moe, namespace ``prime_moe
   quantized with one exponent per 128 of K; its weight cache: see ``moe``; ``clear_mxfp8_weight_cache()`` empties
   it).
 
+- LoRA adapters on the experts: ``moe(..., lora=MoeLora(...))`` (several adapters per call; unfused for now: see
+  ``moe``), ``load_adapter`` / ``export_adapter`` / ``stack_adapters`` (prime-rl's, PEFT's and vLLM's per-expert
+  naming).
+
 The ``torch.ops.flash_moe`` ops are forward-only: a backward through ``moe_forward``, ``moe_forward_mxfp8``,
-``moe_gate_up``, ``moe_grad_gate_up``, ``moe_grad_x``, ``swiglu_backward`` or ``quantize_mxfp8`` raises; ``moe`` is the
-differentiable entry point.
+``moe_gate_up``, ``moe_grad_gate_up``, ``moe_grad_x``, ``swiglu_backward``, ``quantize_mxfp8`` or the ``moe_lora_*``
+ops raises; ``moe`` is the differentiable entry point.
 
 Tuning keywords of the original: ``block_m`` must equal BLOCK_M (the compiled tile; checked); ``bpc`` is honoured by
 ``moe_align`` (experts padded to block_m * bpc) and ignored by the GEMM (blocks are independent); ``block_n``,
@@ -45,14 +49,17 @@ from .autograd import MoE, MoEMxfp8, gate_and_up
 from .checks import INT32_MAX
 from .contract import (BLOCK_M, CONSTANTS, DIM_ALIGN, HIDDEN_ALIGN, MAX_EXPERTS, MXFP8_ALIGN,
                        MXFP8_SCALE_BLOCK, check_moe_operands, max_padded, unsupported_shape_reason)
-from .layouts import GPT_OSS_ALPHA, GPT_OSS_LAYOUT, GPT_OSS_LIMIT, ExpertLayout, make_family
+from .layouts import GPT_OSS_ALPHA, GPT_OSS_LAYOUT, GPT_OSS_LIMIT, ExpertLayout, expert_views, make_family
+from .lora import MoeLora, check_expert_ids, check_moe_lora, group_ids
+from .lora_io import export_adapter, load_adapter, stack_adapters
 from .mxfp8 import (cached_quantized_weights, clear_mxfp8_weight_cache, dequantize_mxfp8,
                     fused_moe_mxfp8, pack_scales_blocked, quantize_mxfp8, share_exponents_mxfp8,
                     unpack_scales_blocked)
 
 __all__ = ["BLOCK_M", "CONSTANTS", "DIM_ALIGN", "HIDDEN_ALIGN", "MAX_EXPERTS", "MXFP8_ALIGN", "MXFP8_SCALE_BLOCK",
            "clear_mxfp8_weight_cache", "dequantize_mxfp8", "fused_moe_bf16", "fused_moe_mxfp8",
-           "max_padded", "moe", "moe_align", "moe_sorted", "ExpertLayout", "GPT_OSS_LAYOUT",
+           "max_padded", "moe", "moe_align", "moe_sorted", "ExpertLayout", "GPT_OSS_LAYOUT", "MoeLora",
+           "export_adapter", "load_adapter", "stack_adapters",
            "GPT_OSS_ALPHA", "GPT_OSS_LIMIT", "pack_scales_blocked", "quantize_mxfp8", "share_exponents_mxfp8",
            "unpack_scales_blocked", "unsupported_shape_reason"]
 
@@ -107,7 +114,8 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | 
         topk_weights: torch.Tensor, *, activation: str = "swiglu", alpha: float = GPT_OSS_ALPHA,
         limit: float = GPT_OSS_LIMIT, b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
         layout: ExpertLayout | None = None, expert_start: int = 0, deterministic: bool = False,
-        num_experts: int | None = None, mxfp8: bool = False, recompute_gate_up: bool = False) -> torch.Tensor:
+        num_experts: int | None = None, mxfp8: bool = False, recompute_gate_up: bool = False,
+        lora: MoeLora | None = None) -> torch.Tensor:
     """MoE experts: sum_k topk_weights[t, k] * (act(x W1[e]^T + b1[e], x W3[e]^T) W2[e]^T + b2[e]), differentiable.
 
     Families (layouts.py has the table of shapes): ``activation`` "swiglu" (silu(g) u), "gpt_oss" (gpt-oss's clamped
@@ -164,6 +172,17 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | 
     ``torch.autograd._unsafe_preserve_version_counter``: call ``clear_mxfp8_weight_cache()`` after such writes.
     Inference tensors (no version counter) and traced calls (torch.compile: quantized inside the graph) quantize the
     weights on every call.
+
+    ``lora`` (a ``MoeLora``, lora.py): LoRA adapters on gate, up and down, several adapters in one call (each token's
+    adapter from ``lora.adapter_ids``), every family and layout, bf16 path only: each adapted projection is
+    z W^T + s_a (z A^T) B^T, gate / up before the activation, down before b2 and the routing weight (prime-rl's
+    definition). Gradients for every adapter tensor that requires grad (fp32 accumulation, written in the adapter's
+    dtype), x, topk_weights and the biases; the base weights' gradient GEMMs run only for base weights that require
+    grad. The slots are aligned per (expert, adapter) group (E_local * n_adapters at most MAX_EXPERTS) and run the
+    moe_lora_* ops: **unfused** on every device for now (per aligned block: the base GEMMs plus two rank-r GEMMs per
+    adapted projection, in fp32, the rank-r rows rounded to bf16; on CUDA the same ATen composition, correct but not
+    fast: it reads the alignment on the host). The fused kernels are planned (docs/notes/flash_moe.md, "LoRA
+    adapters"). Adapters in prime-rl's / vLLM's per-expert naming: ``load_adapter`` / ``export_adapter``.
     """
     family = make_family(activation, alpha, limit, layout, w3)
     check_moe_operands(x, w1, w2, w3, b1, b2, topk_ids, topk_weights, family)
@@ -176,6 +195,8 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | 
             raise ValueError(f"moe: num_experts must be in [1, {INT32_MAX}] (expert ids are int32 in the kernels), "
                              f"got {num_experts}")
     lead = x.shape[:-1]
+    if lora is not None and mxfp8:
+        raise RuntimeError("moe(mxfp8=True): LoRA adapters run on the bf16 path only (lora= with mxfp8=False)")
     top_k = topk_ids.shape[-1]
     E = w1.shape[0]
     _check_local_experts(E, expert_start, num_experts)
@@ -199,9 +220,19 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | 
         out = MoEMxfp8.apply(x2, w1, w2, w3, ids, tw, wq, ws, w2q, w2s, expert_start, num_experts, global_experts,
                              deterministic)
     else:
+        lora_inputs = (None,) * 7
+        if lora is not None:
+            gate = expert_views(w1, w2, w3, b1, family)[0]
+            scaling = check_moe_lora(lora, x, E, x.shape[-1], gate.shape[1], family.gated)
+            check_expert_ids(ids, num_experts)
+            adapter_ids = None if lora.adapter_ids is None else lora.adapter_ids.reshape(-1)
+            n = scaling.shape[0]
+            ids = group_ids(ids, adapter_ids, E, n, expert_start, num_experts)
+            expert_start, num_experts = 0, E * n  # the alignment's (expert, adapter) groups
+            lora_inputs = (scaling, *lora.adapters())
         # grad mode read here: inside Function.forward it is always off, and needs_input_grad stays True under
         # no_grad / inference_mode, where a stored g | u would never be used
-        out = MoE.apply(x2, w1, w2, w3, b1, b2, ids, tw, family.activation, family.alpha, family.limit,
+        out = MoE.apply(x2, w1, w2, w3, b1, b2, ids, tw, *lora_inputs, family.activation, family.alpha, family.limit,
                         family.layout.gate_up, family.layout.transposed, expert_start, num_experts, global_experts,
                         deterministic or top_k >= CONSTANTS["SLOT_COMBINE_MIN_TOP_K"],
                         recompute_gate_up or not torch.is_grad_enabled())
@@ -227,8 +258,8 @@ def moe_sorted(x_sorted: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: t
     the runs' total are padding and come back zero. Returns (M, dim): each row's expert output, in the input's order,
     times ``row_weights`` (M,) float when given (the routing scores, fused into the combine). No host sync: the rows'
     experts come from a device-side search. Keywords as moe()'s (activation, alpha, limit, b1, b2, layout,
-    deterministic, recompute_gate_up, mxfp8); forward and backward run the same kernels as moe() (the gather reads
-    rows in order)."""
+    deterministic, recompute_gate_up, mxfp8, lora: its adapter_ids then (M,), one per row); forward and backward run
+    the same kernels as moe() (the gather reads rows in order)."""
     checks.require_tensors("moe_sorted", x_sorted=x_sorted, w1=w1, num_tokens_per_expert=num_tokens_per_expert,
                            **{"row_weights?": row_weights})
     for key in ("expert_start", "num_experts"):

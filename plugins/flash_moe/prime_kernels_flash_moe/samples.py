@@ -59,6 +59,7 @@ def op_samples(kernel, device):
         *grad_gate_up_samples(ops, x, w1, w2, w3, tw, (sorted_ids, eids, ntpp), 2),
         *grad_gate_up_samples(ops, x1, w11, w21, w31, tw1, (s1, e1, n1), 1),
         *family_samples(ops, x, w1, w2, w3, tw, (sorted_ids, eids, ntpp)),
+        *lora_samples(ops, x, w1, w2, w3, ids, tw),
         *swiglu_backward_samples(device),
         *grad_weight_samples(device),
         *mxfp8_samples(ops, device),
@@ -102,6 +103,56 @@ def family_samples(ops, x, w1, w2, w3, tw, align):
             ("moe_grad_gate_up", (grad_out, w2, gate_up, *align, tw, 2, ops.BLOCK_M), gpt_oss),
             ("moe_grad_gate_up", (grad_out, w2, gate_only, *align, tw, 2, ops.BLOCK_M), relu2),
             ("moe_grad_x", (dg, None, w1, None, *align, 2, ops.BLOCK_M, True), {})]
+
+
+def adapters(device, n, E, dim, hidden, ranks=(8, 16, 8), seed=11, gated=True):
+    """A MoeLora's six adapter tensors (bf16; the up pair None when not gated) and its (n,) scaling."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"gate": (dim, hidden, ranks[0]), "up": (dim, hidden, ranks[1]), "down": (hidden, dim, ranks[2])}
+    out = []
+    for projection, (n_in, n_out, r) in shapes.items():
+        if projection == "up" and not gated:
+            out += [None, None]
+            continue
+        out.append((torch.randn(n, E, r, n_in, generator=g) / n_in**0.5).to(torch.bfloat16).to(device))
+        out.append((torch.randn(n, E, n_out, r, generator=g) / r**0.5).to(torch.bfloat16).to(device))
+    return out, torch.linspace(0.5, 2.0, n).to(device)
+
+
+def lora_samples(ops, x, w1, w2, w3, ids, tw):
+    """The LoRA ops on two adapters (the slots aligned by (expert, adapter) group), one adapter on gate and down only,
+    relu2 (no up adapter), and the backward ops from their rows."""
+    from .lora import group_ids
+
+    E, hidden, dim = w1.shape
+    (a_g, b_g, a_u, b_u, a_d, b_d), scaling = adapters(x.device, 2, E, dim, hidden)
+    adapter_ids = torch.arange(x.shape[0], device=x.device) % 2
+    groups = group_ids(ids, adapter_ids, E, 2, 0, E)
+    align = ops.moe_align(groups, 2 * E)
+    one = scaling[:1]
+    align1 = ops.moe_align(ids, E)
+    pairs1 = (a_g[:1], b_g[:1], None, None, a_d[:1], b_d[:1])
+    gate_up, rows = torch.ops.flash_moe.moe_lora_gate_up(x, w1, w3, *align, 2, ops.BLOCK_M, scaling, a_g, b_g, a_u,
+                                                         b_u)
+    grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(12)).to(x.dtype).to(x.device)
+    dgu = torch.ops.flash_moe.moe_lora_grad_gate_up(grad_out, w2, gate_up, *align, tw, 2, ops.BLOCK_M, scaling, a_d,
+                                                    b_d)[0]
+    dg, du = dgu.split(hidden, 1)
+    relu2 = {"activation": "relu2"}
+    return [
+        ("moe_lora_forward", (x, w1, w3, w2, *align, tw, 2, ops.BLOCK_M, False, True, -1, scaling, a_g, b_g, a_u, b_u,
+                              a_d, b_d), {}),
+        ("moe_lora_forward", (x, w1, w3, w2, *align1, tw, 2, ops.BLOCK_M, True, False, 4 * E, one, *pairs1), {}),
+        ("moe_lora_forward", (x, w1, None, w2, *align, tw, 2, ops.BLOCK_M, False, True, -1, scaling, a_g, b_g, None,
+                              None, a_d, b_d), relu2),
+        ("moe_lora_gate_up", (x, w1, w3, *align, 2, ops.BLOCK_M, scaling, a_g, b_g, a_u, b_u), {}),
+        ("moe_lora_gate_up", (x, w1, None, *align1, 2, ops.BLOCK_M, one, None, None, None, None), {}),
+        ("moe_lora_grad_gate_up", (grad_out, w2, gate_up, *align, tw, 2, ops.BLOCK_M, scaling, a_d, b_d), {}),
+        ("moe_lora_grad_gate_up", (grad_out, w2, gate_up[:, :hidden], *align, tw, 2, ops.BLOCK_M, scaling, None,
+                                   None), relu2),
+        ("moe_lora_grad_x", (dg, du, w1, w3, *align, 2, ops.BLOCK_M, False, scaling, a_g, b_g, a_u, b_u), {}),
+        ("moe_lora_grad_x", (dg, None, w1, None, *align, 2, ops.BLOCK_M, True, scaling, a_g, b_g, None, None), {}),
+    ]
 
 
 def grad_weight_samples(device, rows=21, tokens=9, width=64):
@@ -180,6 +231,15 @@ def surface_samples(kernel, device):
         counts = torch.tensor([2, 0, 2], device=x.device)
         return ops.moe_sorted(x, w1, w2, w3, counts, row_weights=tw[:, 0])
 
+    frozen_base = problem(device, requires_grad=True, seed=10)
+    for weight in frozen_base[1:4]:
+        weight.requires_grad_(False)
+    E, hidden, dim = frozen_base[1].shape
+    lora_tensors, lora_scaling = adapters(device, 2, E, dim, hidden, seed=13)
+    adapter_ids = torch.arange(frozen_base[0].shape[0], device=device) % 2
+
+    def with_lora(x, w1, w2, w3, ids, tw):  # two adapters, tokens alternating, frozen base weights
+        return ops.moe(x, w1, w2, w3, ids, tw, lora=ops.MoeLora(lora_scaling, *lora_tensors, adapter_ids=adapter_ids))
     grad = problem(device, requires_grad=True, seed=2)
     not_gated = problem(device, requires_grad=True, seed=8)
     not_gated[3].requires_grad_(False)  # relu2 reads no w3
@@ -192,4 +252,5 @@ def surface_samples(kernel, device):
         (gpt_oss, problem(device, requires_grad=True, seed=7), {}),
         (relu2, not_gated, {}),
         (presorted, problem(device, requires_grad=True, seed=9), {}),
+        (with_lora, frozen_base, {}),
     ]

@@ -84,6 +84,42 @@ def cpu_targets() -> dict:
                                                                bpc=1, split=True)),
         "flash_moe::moe_forward_mxfp8": (f.moe_forward_mxfp8, dict(**mx, **align, topk_weights=tw, top_k=TOP_K,
                                                                    block_m=ops.BLOCK_M, deterministic=False)),
+        **lora_targets(ops, x, w1, w2, w3, ids, tw, g),
+    }
+
+
+def lora_targets(ops, x, w1, w2, w3, ids, tw, g, n=2, r=8) -> dict:
+    """moe with two adapters, and the LoRA ops on the (expert, adapter) alignment."""
+    import torch
+
+    from prime_kernels_flash_moe.lora import group_ids
+
+    def pair(n_in, n_out):
+        return ((torch.randn(n, E, r, n_in, generator=g) / n_in**0.5).to(torch.bfloat16),
+                (torch.randn(n, E, n_out, r, generator=g) / r**0.5).to(torch.bfloat16))
+
+    (a_gate, b_gate), (a_up, b_up), (a_down, b_down) = pair(DIM, HIDDEN), pair(DIM, HIDDEN), pair(HIDDEN, DIM)
+    gate, up, down = dict(a_gate=a_gate, b_gate=b_gate), dict(a_up=a_up, b_up=b_up), dict(a_down=a_down, b_down=b_down)
+    scaling, adapter_ids = torch.tensor([0.5, 2.0]), torch.arange(M) % n
+    s, e, c = ops.moe_align(group_ids(ids, adapter_ids, E, n, 0, E), E * n)
+    align = dict(sorted_token_ids=s, expert_ids=e, num_tokens_post_padded=c)
+    f = torch.ops.flash_moe
+    gate_up = f.moe_lora_gate_up(x, w1, w3, s, e, c, TOP_K, ops.BLOCK_M, scaling, a_gate, b_gate, a_up, b_up)[0]
+    grad = torch.randn(M * TOP_K, HIDDEN, generator=g).to(torch.bfloat16)
+    lora = ops.MoeLora(scaling, a_gate, b_gate, a_up, b_up, a_down, b_down, adapter_ids=adapter_ids)
+    return {
+        "moe(lora)": (ops.moe, dict(x=x, w1=w1, w2=w2, w3=w3, topk_ids=ids, topk_weights=tw, lora=lora)),
+        "flash_moe::moe_lora_forward": (f.moe_lora_forward, dict(
+            x=x, w1=w1, w3=w3, w2=w2, **align, topk_weights=tw, top_k=TOP_K, block_m=ops.BLOCK_M,
+            deterministic=False, save_gate_up=True, num_experts=-1, scaling=scaling, **gate, **up, **down)),
+        "flash_moe::moe_lora_gate_up": (f.moe_lora_gate_up, dict(
+            x=x, w1=w1, w3=w3, **align, top_k=TOP_K, block_m=ops.BLOCK_M, scaling=scaling, **gate, **up)),
+        "flash_moe::moe_lora_grad_gate_up": (f.moe_lora_grad_gate_up, dict(
+            grad_out=x, w2=w2, gate_up=gate_up, **align, topk_weights=tw, top_k=TOP_K, block_m=ops.BLOCK_M,
+            scaling=scaling, **down)),
+        "flash_moe::moe_lora_grad_x": (f.moe_lora_grad_x, dict(
+            grad_gate=grad, grad_up=grad, w1=w1, w3=w3, **align, top_k=TOP_K, block_m=ops.BLOCK_M,
+            deterministic=True, scaling=scaling, **gate, **up)),
     }
 
 

@@ -55,6 +55,33 @@ def raw_op_calls():
         ("share_exponents_mxfp8", f.share_exponents_mxfp8, [q, s]),
         ("fused_moe_mxfp8", f.fused_moe_mxfp8, [*mx, *align, tw, out, TOP_K, ops.BLOCK_M, 64, 4, 4, 1, True]),
         ("moe_forward_mxfp8", f.moe_forward_mxfp8, [*mx, *align, tw, TOP_K, ops.BLOCK_M, False]),
+        *lora_op_calls(x, w1, w2, w3, ids, tw),
+    ]
+
+
+def lora_op_calls(x, w1, w2, w3, ids, tw, n=2, r=8):
+    """(name, op, args) of the LoRA ops: n adapters, tokens alternating, slots aligned by (expert, adapter) group."""
+    from prime_kernels_flash_moe.lora import group_ids
+
+    g = torch.Generator().manual_seed(5)
+    pair = lambda n_in, n_out: [(torch.randn(n, E, r, n_in, generator=g) / n_in**0.5).to(torch.bfloat16),
+                                (torch.randn(n, E, n_out, r, generator=g) / r**0.5).to(torch.bfloat16)]
+    gate, up, down = pair(DIM, HIDDEN), pair(DIM, HIDDEN), pair(HIDDEN, DIM)
+    scaling = torch.tensor([0.5, 2.0])
+    align = list(ops.moe_align(group_ids(ids, torch.arange(M) % n, E, n, 0, E), E * n))
+    f = torch.ops.flash_moe
+    gate_up = f.moe_lora_gate_up(x, w1, w3, *align, TOP_K, ops.BLOCK_M, scaling, *gate, *up)[0]
+    grad_out = torch.randn(M, DIM, generator=g).to(torch.bfloat16)
+    dg, du = f.moe_lora_grad_gate_up(grad_out, w2, gate_up, *align, tw, TOP_K, ops.BLOCK_M, scaling, *down)[0].split(
+        HIDDEN, 1)
+    return [
+        ("moe_lora_forward", f.moe_lora_forward,
+         [x, w1, w3, w2, *align, tw, TOP_K, ops.BLOCK_M, False, True, -1, scaling, *gate, *up, *down]),
+        ("moe_lora_gate_up", f.moe_lora_gate_up, [x, w1, w3, *align, TOP_K, ops.BLOCK_M, scaling, *gate, *up]),
+        ("moe_lora_grad_gate_up", f.moe_lora_grad_gate_up,
+         [grad_out, w2, gate_up, *align, tw, TOP_K, ops.BLOCK_M, scaling, *down]),
+        ("moe_lora_grad_x", f.moe_lora_grad_x,
+         [dg, du, w1, w3, *align, TOP_K, ops.BLOCK_M, False, scaling, *gate, *up]),
     ]
 
 
@@ -131,6 +158,14 @@ def fake_agrees_with_op(op, args):
     ("share_exponents_mxfp8", lambda a: a.__setitem__(1, a[1][:, :2])),  # scales shape
     ("fused_moe_mxfp8", lambda a: a.__setitem__(1, a[1][:, :2])),  # x_scales shape
     ("moe_forward_mxfp8", lambda a: a.__setitem__(3, a[3].view(torch.uint8)[..., :2])),  # w_scales shape
+    ("moe_lora_forward", lambda a: a.__setitem__(15, a[15][..., :4])),  # b_gate rank differs from a_gate's
+    ("moe_lora_forward", lambda a: a.__setitem__(13, a[13].double())),  # scaling dtype
+    ("moe_lora_forward", lambda a: a.__setitem__(19, None)),  # a_down without b_down
+    ("moe_lora_gate_up", lambda a: a.__setitem__(9, a[9][:, :, :4])),  # a_gate rank not a multiple of 8
+    ("moe_lora_gate_up", lambda a: a.__setitem__(8, a[8][:1])),  # scaling: one adapter for two
+    ("moe_lora_grad_gate_up", lambda a: a.__setitem__(10, a[10].float())),  # a_down dtype
+    ("moe_lora_grad_x", lambda a: a.__setitem__(12, a[12][:, :3])),  # b_gate experts
+    ("moe_lora_grad_x", lambda a: a.__setitem__(5, a[5][:-1])),  # expert_ids length
 ])
 def test_fake_raises_what_the_op_raises(name, change):
     op, args = next((op, list(args)) for n, op, args in raw_op_calls() if n == name)

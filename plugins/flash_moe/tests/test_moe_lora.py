@@ -1,0 +1,398 @@
+"""flash_moe with LoRA adapters (moe(lora=MoeLora(...)), issue 58): every output and gradient against a float64
+reference on the same bf16 inputs (reference.moe_per_expert with the adapters), at most 1.5x the error of prime-rl's
+unfused formulation (reference.moe_lora_grouped_mm: base grouped GEMMs plus x A^T, then (.) B^T, scaled, per
+adapter); several adapters in one call, every family and layout, expert parallelism, moe_sorted, the frozen base's
+skipped weight-gradient GEMMs, compile, argument errors, and the per-expert naming helpers. CPU tests run everywhere
+(``-s`` prints the ratios); the ``@pytest.mark.gpu`` test runs the same checks on CUDA (the unfused path there)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from prime_kernels_core.testing import assert_error_ratio, kernel_module
+from prime_kernels_flash_moe import reference
+from prime_kernels_flash_moe.layouts import ExpertLayout, join_pairs
+
+KERNEL = "flash_moe"
+ops = kernel_module(KERNEL, "prime_kernels_flash_moe.ops")
+MAX_RATIO = 1.5
+cpu = pytest.mark.kernel(KERNEL, device="cpu")
+gpu = [pytest.mark.gpu, pytest.mark.kernel(KERNEL)]
+ADAPTERS = ("a_gate", "b_gate", "a_up", "b_up", "a_down", "b_down")
+BASE = ("w1", "w2", "w3")
+
+
+def make_problem(T, dim, hidden, E, top_k, family, seed=0, num_global=None, device="cpu"):
+    """dict(x, w1, w2, w3, b1, b2, ids, tw) in the family's (activation, gate_up form, transposed, biases) layout,
+    and the ExpertLayout."""
+    activation, form, transposed, biases = family
+    g = torch.Generator().manual_seed(seed)
+    gated = activation != "relu2"
+    gate, up = (torch.randn(E, hidden, dim, generator=g) / dim**0.5 for _ in range(2))
+    w2 = torch.randn(E, dim, hidden, generator=g) / hidden**0.5
+    w1, w3 = (gate, None) if not gated else (gate, up) if form == "separate" else (join_pairs(gate, up, 1, form), None)
+    if transposed:
+        w1, w2, w3 = (None if w is None else w.transpose(1, 2).contiguous() for w in (w1, w2, w3))
+    t = dict(x=torch.randn(T, dim, generator=g), w1=w1, w2=w2, w3=w3,
+             b1=0.5 * torch.randn(E, (2 if gated else 1) * hidden, generator=g) if "b1" in biases else None,
+             b2=0.5 * torch.randn(E, dim, generator=g) if "b2" in biases else None)
+    t = {k: None if v is None else v.to(torch.bfloat16).to(device) for k, v in t.items()}
+    t["ids"] = torch.stack([torch.randperm(num_global or E, generator=g)[:top_k] for _ in range(T)]).to(torch.int32)
+    t["tw"] = torch.rand(T, top_k, generator=g).softmax(-1)
+    t["ids"], t["tw"] = t["ids"].to(device), t["tw"].to(device)
+    return t, ExpertLayout(form if gated else "stacked", transposed)
+
+
+def make_lora(n, E, dim, hidden, rank, gated=True, seed=1, zero_b=False, device="cpu", adapter_ids=None):
+    """n adapters on every projection (A ~ 1/sqrt(in), B ~ 1/sqrt(r): terms as large as the base's), scalings
+    0.5 ... 2.0."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for proj, n_in, n_out in (("gate", dim, hidden), ("up", dim, hidden), ("down", hidden, dim)):
+        if proj == "up" and not gated:
+            continue
+        tensors[f"a_{proj}"] = torch.randn(n, E, rank, n_in, generator=g) / n_in**0.5
+        tensors[f"b_{proj}"] = torch.randn(n, E, n_out, rank, generator=g) / rank**0.5 * (0 if zero_b else 1)
+    tensors = {k: v.to(torch.bfloat16).to(device) for k, v in tensors.items()}
+    return ops.MoeLora(torch.linspace(0.5, 2.0, n).to(device), **tensors, adapter_ids=adapter_ids)
+
+
+def run_all(t, layout, activation, lora, trainable, expert_start=0, call=None):
+    """(ours, prime-rl's, float64) outputs and the gradients of ``trainable`` (names of t and of the adapters)."""
+    def leaves(dtype=None):
+        ls = {k: None if v is None else v.detach().to(dtype or v.dtype).requires_grad_(k in trainable)
+              for k, v in t.items() if k != "ids"}
+        pairs = {k: None if v is None else v.detach().to(dtype or v.dtype).requires_grad_(k in trainable)
+                 for k, v in zip(ADAPTERS, lora.adapters())}
+        return ls, ops.MoeLora(lora.scaling, **pairs, adapter_ids=lora.adapter_ids)
+
+    def run(fn, ls, lr):
+        return fn(ls["x"], ls["w1"], ls["w2"], ls["w3"], t["ids"], ls["tw"], expert_start, activation=activation,
+                  b1=ls["b1"], b2=ls["b2"], layout=layout, lora=lr)
+
+    ours_fn = call or (lambda x, w1, w2, w3, ids, tw, start, **k: ops.moe(x, w1, w2, w3, ids, tw, expert_start=start,
+                                                                           **k))
+    results = []
+    paths = ((ours_fn, None), (reference.moe_lora_grouped_mm, None), (reference.moe_per_expert, torch.float64))
+    for fn, dtype in paths:
+        ls, lr = leaves(dtype)
+        out = run(fn, ls, lr)
+        named = {**ls, **dict(zip(ADAPTERS, lr.adapters()))}
+        names = [n for n in trainable if named.get(n) is not None]
+        go = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).to(out.device)
+        grads = torch.autograd.grad(out, [named[n] for n in names], go.to(out.dtype)) if names else ()
+        results.append((out, dict(zip(names, grads))))
+    return results
+
+
+def check(label, results, inputs):
+    (ours, ours_g), (base, base_g), (ref, ref_g) = results
+    assert ours.dtype == torch.bfloat16
+    assert_error_ratio(f"{label} forward", ours, base, ref, MAX_RATIO)
+    for name, r in ref_g.items():
+        a = ours_g[name]
+        assert a.dtype == inputs[name].dtype and a.shape == inputs[name].shape, name
+        if r.norm() == 0:
+            assert a.abs().max() == 0, f"{label} grad {name} should be zero"
+            continue
+        assert_error_ratio(f"{label} grad {name}", a, base_g[name], r, MAX_RATIO)
+
+
+def inputs_of(t, lora):
+    return {**{k: v for k, v in t.items() if v is not None}, **{k: v for k, v in zip(ADAPTERS, lora.adapters())
+                                                                 if v is not None}}
+
+
+# (n_adapters, rank, family): 1, 2 and 4 adapters, ranks 8 / 16 / 64, each activation, each layout, biases
+CASES = [
+    (1, 8, ("swiglu", "separate", False, "")),
+    (2, 16, ("swiglu", "stacked", False, "b1")),
+    (4, 64, ("swiglu", "separate", False, "")),
+    (2, 16, ("swiglu", "interleaved", True, "b2")),
+    (2, 16, ("gpt_oss", "interleaved", True, "b1 b2")),
+    (4, 8, ("gpt_oss", "stacked", False, "")),
+    (2, 8, ("relu2", "stacked", True, "b1 b2")),
+    (1, 64, ("relu2", "stacked", False, "")),
+]
+
+
+def case_id(case):
+    n, r, f = case
+    return f"n{n}-r{r}-{f[0]}-{f[1]}{'-T' if f[2] else ''}{'-' + f[3].replace(' ', '') if f[3] else ''}"
+
+
+@cpu
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_cpu_lora_numerics(case):
+    """Frozen base weights (the LoRA setting): x, topk_weights, the biases and every A and B."""
+    n, rank, family = case
+    t, layout = make_problem(256, 128, 128, 4, 2, family, seed=11)
+    adapter_ids = torch.randint(0, n, (256,), generator=torch.Generator().manual_seed(3))
+    lora = make_lora(n, 4, 128, 128, rank, family[0] != "relu2", adapter_ids=adapter_ids)
+    trainable = ("x", "tw", "b1", "b2", *ADAPTERS)
+    check(f"cpu {case_id(case)}", run_all(t, layout, family[0], lora, trainable), inputs_of(t, lora))
+
+
+@cpu
+def test_cpu_lora_trainable_base_and_recompute():
+    """Base weights trained too (their gradients through the same backward), and recompute_gate_up gives the same
+    gradients bitwise (moe_lora_gate_up recomputes g | u and the rank-r rows exactly)."""
+    family = ("swiglu", "stacked", False, "b1 b2")
+    t, layout = make_problem(192, 128, 128, 4, 2, family, seed=5)
+    lora = make_lora(2, 4, 128, 128, 16, adapter_ids=torch.arange(192) % 2)
+    trainable = ("x", "tw", "w1", "w2", "b1", "b2", *ADAPTERS)
+    saved = run_all(t, layout, "swiglu", lora, trainable)
+    check("cpu trainable base", saved, inputs_of(t, lora))
+    recompute = run_all(t, layout, "swiglu", lora, trainable,
+                        call=lambda *a, **k: ops.moe(*a[:6], expert_start=a[6], recompute_gate_up=True, **k))
+    assert torch.equal(saved[0][0], recompute[0][0])
+    for name, grad in saved[0][1].items():
+        assert torch.equal(grad, recompute[0][1][name]), name
+
+
+@cpu
+@pytest.mark.parametrize("n", [1, 3])
+def test_cpu_lora_zero_b_is_the_base_bitwise(n):
+    """Fresh adapters (B = 0, PEFT's initialisation): the output is the base call's, bitwise; the B gradients are
+    not zero (training starts)."""
+    family = ("gpt_oss", "interleaved", True, "b1 b2")
+    t, layout = make_problem(200, 128, 128, 4, 2, family, seed=2)
+    lora = make_lora(n, 4, 128, 128, 16, zero_b=True, adapter_ids=torch.arange(200) % n)
+    for name in ("b_gate", "b_up", "b_down"):
+        getattr(lora, name).requires_grad_(True)
+    kw = dict(activation="gpt_oss", b1=t["b1"], b2=t["b2"], layout=layout)
+    base = ops.moe(t["x"], t["w1"], t["w2"], t["w3"], t["ids"], t["tw"], **kw)
+    ours = ops.moe(t["x"], t["w1"], t["w2"], t["w3"], t["ids"], t["tw"], lora=lora, **kw)
+    assert torch.equal(ours, base)
+    grads = torch.autograd.grad(ours.float().square().sum(), [lora.b_gate, lora.b_up, lora.b_down])
+    assert all(g.abs().sum() > 0 and g.isfinite().all() for g in grads)
+
+
+@cpu
+def test_cpu_lora_adapter_without_tokens():
+    """Adapter 1 of 3 gets no token: its gradients are exactly zero, the others within the rule."""
+    family = ("swiglu", "separate", False, "")
+    t, layout = make_problem(160, 128, 128, 4, 2, family, seed=4)
+    lora = make_lora(3, 4, 128, 128, 8, adapter_ids=torch.where(torch.arange(160) % 2 == 0, 0, 2))
+    results = run_all(t, layout, "swiglu", lora, ("x", "tw", *ADAPTERS))
+    check("cpu adapter without tokens", results, inputs_of(t, lora))
+    for name in ADAPTERS:
+        assert torch.count_nonzero(results[0][1][name][1]) == 0, name
+        assert torch.count_nonzero(results[0][1][name][0]) > 0, name
+
+
+@cpu
+@pytest.mark.parametrize("unrouted", [-1, 8], ids=["minus-one", "num-experts"])
+def test_cpu_lora_expert_parallel(unrouted):
+    """Local experts [4, 8) of 8, some slots unrouted (-1, or transformers' id == num_experts)."""
+    family = ("relu2", "stacked", False, "b1 b2")
+    t, layout = make_problem(256, 128, 128, 4, 3, family, seed=6, num_global=8)
+    t["ids"] = t["ids"].clone()
+    t["ids"][::5, 0] = unrouted
+    lora = make_lora(2, 4, 128, 128, 16, gated=False, adapter_ids=torch.arange(256) % 2)
+    results = run_all(t, layout, "relu2", lora, ("x", "tw", "b1", "b2", *ADAPTERS), expert_start=4,
+                      call=lambda *a, **k: ops.moe(*a[:6], expert_start=a[6], num_experts=8, **k))
+    check(f"cpu EP unrouted={unrouted}", results, inputs_of(t, lora))
+
+
+@cpu
+def test_cpu_lora_moe_sorted():
+    """moe_sorted with one adapter per row: as moe() with each row's expert and weight."""
+    family = ("swiglu", "stacked", False, "b1")
+    t, layout = make_problem(240, 128, 128, 4, 1, family, seed=8)
+    counts = torch.tensor([70, 0, 90, 60])  # 220 counted rows, 20 of padding
+    expert = torch.repeat_interleave(torch.arange(4), counts)
+    t["ids"] = torch.cat([expert, torch.full((20,), -1)]).to(torch.int32).unsqueeze(1)
+    lora = make_lora(2, 4, 128, 128, 16, adapter_ids=torch.arange(240) % 2)
+
+    def sorted_call(x, w1, w2, w3, ids, tw, start, **k):
+        return ops.moe_sorted(x, w1, w2, w3, counts, row_weights=tw[:, 0], **k)
+
+    results = run_all(t, layout, "swiglu", lora, ("x", "tw", "b1", *ADAPTERS), call=sorted_call)
+    check("cpu moe_sorted", results, inputs_of(t, lora))
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.calls.append((str(func.overloadpacket), out))
+        return out
+
+
+@cpu
+@pytest.mark.parametrize("trainable_base", [False, True], ids=["frozen-base", "trainable-base"])
+def test_cpu_lora_frozen_base_skips_weight_gradients(trainable_base):
+    """The backward runs one weight-gradient GEMM per adapter tensor (shaped like it) and, only when the base weights
+    require grad, one per base weight; no other GEMM of base-weight size."""
+    family = ("swiglu", "separate", False, "")
+    t, layout = make_problem(64, 128, 128, 4, 2, family, seed=9)
+    lora = make_lora(2, 4, 128, 128, 16, adapter_ids=torch.arange(64) % 2)
+    weights = [t[k].requires_grad_(trainable_base) for k in BASE]
+    adapters = [a.requires_grad_() for a in lora.adapters()]
+    out = ops.moe(t["x"], *weights, t["ids"], t["tw"], lora=lora)
+    with OpCounter() as counter:
+        out.float().square().sum().backward()
+    grad_weight = [o for name, o in counter.calls if name == "flash_moe.moe_grad_weight"]
+    base_sized = [o for name, o in counter.calls if name in ("aten._grouped_mm", "aten.bmm")]
+    assert len(grad_weight) == 6 + (3 if trainable_base else 0)
+    assert not base_sized
+    adapter_groups = {(8, *a.shape[2:]) for a in adapters}  # (E * n_adapters, ...) per (expert, adapter) group
+    shapes = sorted(tuple(o.shape) for o in grad_weight)
+    assert sum(s in adapter_groups for s in shapes) == 6, shapes
+    assert all(w.grad is not None for w in weights) == trainable_base
+    assert all(a.grad is not None and a.grad.dtype == torch.bfloat16 for a in adapters)
+
+
+@cpu
+def test_cpu_lora_compile_fullgraph():
+    """torch.compile(fullgraph=True): output and every gradient as eager, bitwise (the same ops)."""
+    family = ("gpt_oss", "interleaved", True, "b1 b2")
+    t, layout = make_problem(48, 64, 64, 3, 2, family, seed=12)
+    lora = make_lora(2, 3, 64, 64, 8, adapter_ids=torch.arange(48) % 2)
+
+    def fn(x, tw, adapter_ids, *adapters):
+        return ops.moe(x, t["w1"], t["w2"], None, t["ids"], tw, activation="gpt_oss", b1=t["b1"], b2=t["b2"],
+                       layout=layout, lora=ops.MoeLora(lora.scaling, *adapters, adapter_ids=adapter_ids))
+
+    results = []
+    for run in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        torch._dynamo.reset()
+        leaves = [t["x"].clone().requires_grad_(), t["tw"].clone().requires_grad_()]
+        adapters = [a.clone().requires_grad_() for a in lora.adapters()]
+        out = run(*leaves, lora.adapter_ids, *adapters)
+        results.append((out, torch.autograd.grad(out.float().square().sum(), leaves + adapters)))
+    assert torch.equal(results[0][0], results[1][0])
+    for eager, compiled in zip(results[0][1], results[1][1]):
+        assert torch.equal(eager, compiled)
+
+
+def bad_lora(change):
+    """A valid 2-adapter problem with one change applied: (t, lora, kwargs)."""
+    t, layout = make_problem(16, 64, 64, 3, 2, ("swiglu", "separate", False, ""), seed=13)
+    lora = make_lora(2, 3, 64, 64, 8, adapter_ids=torch.arange(16) % 2)
+    fields = dict(zip(ADAPTERS, lora.adapters()), scaling=lora.scaling, adapter_ids=lora.adapter_ids)
+    kwargs = {}
+    change(fields, kwargs)
+    return t, ops.MoeLora(**fields), kwargs
+
+
+BAD = [
+    (lambda f, k: f.update(b_gate=f["b_gate"][..., :4].contiguous()), "b_gate must have shape (n_adapters, E, out, r)"),
+    (lambda f, k: f.update(a_up=f["a_up"][:, :, :4].contiguous(), b_up=f["b_up"][..., :4].contiguous()),
+     "a_up's rank (third dimension) must be a positive multiple of LORA_RANK_ALIGN=8, got 4"),
+    (lambda f, k: f.update(a_down=f["a_down"].float()), "a_down must be bfloat16"),
+    (lambda f, k: f.update(b_down=None), "a_down and b_down must both be tensors"),
+    (lambda f, k: f.update(a_gate=f["a_gate"][:, :2].contiguous()),
+     "a_gate must have shape (n_adapters, E, r, in) = (2, 3, r, 64)"),
+    (lambda f, k: f.update(a_gate=f["a_gate"][..., :32].contiguous()), "a_gate must have shape"),
+    (lambda f, k: f.update(scaling=torch.ones(3)), "a_gate must have shape (n_adapters, E, r, in) = (3, 3"),
+    (lambda f, k: f.update(scaling=torch.ones(2, 1)), "lora.scaling must be a 1-D float tensor"),
+    (lambda f, k: f.update(scaling="2"), "lora.scaling must be a float"),
+    (lambda f, k: f.update(adapter_ids=torch.full((16,), 2)), "lora.adapter_ids must be in [0, n_adapters=2)"),
+    (lambda f, k: f.update(adapter_ids=torch.full((16,), -1)), "lora.adapter_ids must be in [0, n_adapters=2)"),
+    (lambda f, k: f.update(adapter_ids=torch.zeros(15, dtype=torch.long)), "lora.adapter_ids must be int32 or int64"),
+    (lambda f, k: f.update(adapter_ids=torch.zeros(16)), "lora.adapter_ids must be int32 or int64"),
+    (lambda f, k: f.update(a_gate=[1]), "lora.a_gate must be a torch.Tensor"),
+    (lambda f, k: k.update(mxfp8=True), "LoRA adapters run on the bf16 path only"),
+    (lambda f, k: f.update(scaling=torch.ones(400), **{n: None for n in ADAPTERS}),
+     "E_local * n_adapters = 3 * 400 = 1200 (expert, adapter) groups, at most MAX_EXPERTS=1024"),
+]
+
+
+@cpu
+@pytest.mark.parametrize("case", range(len(BAD)))
+def test_cpu_lora_argument_errors(case):
+    change, message = BAD[case]
+    t, lora, kwargs = bad_lora(change)
+    with pytest.raises((RuntimeError, ValueError, TypeError)) as info:
+        ops.moe(t["x"], t["w1"], t["w2"], t["w3"], t["ids"], t["tw"], lora=lora, **kwargs)
+    assert message in str(info.value), str(info.value)
+
+
+@cpu
+def test_cpu_lora_relu2_refuses_up_adapters():
+    t, layout = make_problem(16, 64, 64, 3, 2, ("relu2", "stacked", False, ""), seed=14)
+    lora = make_lora(1, 3, 64, 64, 8)
+    with pytest.raises(RuntimeError, match=r"a_up and b_up must be None without w3 \(activation 'relu2'"):
+        ops.moe(t["x"], t["w1"], t["w2"], None, t["ids"], t["tw"], activation="relu2", lora=lora)
+
+
+@cpu
+def test_cpu_lora_expert_ids_still_checked():
+    t, _ = make_problem(16, 64, 64, 3, 2, ("swiglu", "separate", False, ""), seed=15)
+    t["ids"][3, 1] = 7
+    with pytest.raises(ValueError, match=r"topk_ids must be in \[-1, num_experts=3\)"):
+        ops.moe(t["x"], t["w1"], t["w2"], t["w3"], t["ids"], t["tw"], lora=make_lora(1, 3, 64, 64, 8))
+
+
+@cpu
+def test_cpu_lora_shape_contract():
+    assert ops.unsupported_shape_reason(2048, 768, lora_rank=16, n_adapters=4, num_local_experts=128) is None
+    assert "multiple of 8, got 12" in ops.unsupported_shape_reason(2048, 768, lora_rank=12)
+    assert "at most 1024, got 128 * 16 = 2048" in ops.unsupported_shape_reason(2048, 768, lora_rank=16,
+                                                                               n_adapters=16, num_local_experts=128)
+    assert "bf16 path only" in ops.unsupported_shape_reason(2048, 768, lora_rank=16, mxfp8=True)
+    assert "multiple of 64" in ops.unsupported_shape_reason(2000, 768, lora_rank=16)
+
+
+@cpu
+@pytest.mark.parametrize("prefix", ["", "base_model.model.model.layers.3.mlp.experts"])
+def test_cpu_lora_naming_round_trip(prefix):
+    """export_adapter -> load_adapter gives the adapter back exactly, keys in prime-rl's (no prefix) and PEFT / vLLM's
+    (the experts module's path) per-expert naming, global expert indices under expert parallelism."""
+    lora = make_lora(3, 4, 64, 128, 8)
+    state = export_adapter_checked(lora, 1, prefix, expert_start=4)
+    loaded = ops.load_adapter({**state, "other.weight": torch.ones(1)}, 4, 1.25, prefix, expert_start=4)
+    assert loaded.scaling == 1.25 and loaded.n_adapters() == 1
+    for name, original in zip(ADAPTERS, lora.adapters()):
+        assert torch.equal(getattr(loaded, name)[0], original[1]), name
+    stacked = ops.stack_adapters([loaded, ops.MoeLora(0.5, **{n: getattr(lora, n)[2:] for n in ADAPTERS})])
+    assert stacked.n_adapters() == 2 and torch.equal(stacked.a_gate[1], lora.a_gate[2])
+
+
+def export_adapter_checked(lora, adapter, prefix, expert_start):
+    state = ops.export_adapter(lora, adapter, prefix, expert_start=expert_start)
+    head = f"{prefix}." if prefix else ""
+    assert len(state) == 4 * 3 * 2
+    assert state[f"{head}5.gate_proj.lora_A.weight"].shape == (8, 64)  # (r, in)
+    assert state[f"{head}7.down_proj.lora_B.weight"].shape == (64, 8)  # (out, r)
+    assert torch.equal(state[f"{head}6.up_proj.lora_B.weight"], lora.b_up[adapter, 2])
+    return state
+
+
+@cpu
+def test_cpu_lora_naming_errors_and_rank_padding():
+    lora = make_lora(1, 2, 64, 64, 8)
+    state = ops.export_adapter(lora)
+    del state["1.up_proj.lora_B.weight"]
+    with pytest.raises(ValueError, match=r"up_proj has an adapter but no 1\.up_proj\.lora_B\.weight"):
+        ops.load_adapter(state, 2, 1.0)
+    with pytest.raises(ValueError, match="no key"):
+        ops.load_adapter({}, 2, 1.0)
+    small, large = make_lora(1, 2, 64, 64, 8, seed=3), make_lora(1, 2, 64, 64, 16, seed=4)
+    both = ops.stack_adapters([small, large], adapter_ids=torch.tensor([0, 1, 1]))
+    assert both.a_gate.shape == (2, 2, 16, 64) and torch.count_nonzero(both.a_gate[0, :, 8:]) == 0
+    # zero padding adds nothing: the padded adapter computes what the rank-8 one does
+    t, _ = make_problem(3, 64, 64, 2, 1, ("swiglu", "separate", False, ""), seed=5)
+    t["ids"] = torch.zeros(3, 1, dtype=torch.int32)
+    args = (t["x"][:1], t["w1"], t["w2"], t["w3"], t["ids"][:1], t["tw"][:1])
+    padded = ops.MoeLora(both.scaling[:1], **{n: getattr(both, n)[:1] for n in ADAPTERS})
+    torch.testing.assert_close(ops.moe(*args, lora=padded), ops.moe(*args, lora=small))
+
+
+@pytest.mark.parametrize("case", [CASES[2], CASES[4]], ids=case_id)
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+def test_gpu_lora_numerics(case):
+    """The same rule on CUDA, where moe(lora=...) runs the unfused composition (ATen on the GPU)."""
+    n, rank, family = case
+    t, layout = make_problem(1024, 256, 256, 8, 2, family, seed=11, device="cuda")
+    adapter_ids = torch.randint(0, n, (1024,), generator=torch.Generator().manual_seed(3)).cuda()
+    lora = make_lora(n, 8, 256, 256, rank, family[0] != "relu2", device="cuda", adapter_ids=adapter_ids)
+    check(f"gpu {case_id(case)}", run_all(t, layout, family[0], lora, ("x", "tw", "b1", "b2", *ADAPTERS)),
+          inputs_of(t, lora))
