@@ -44,7 +44,10 @@ inline void mm_out(Tensor& out, const Tensor& a, const Tensor& b, std::optional<
   }
 }
 
-using GemmExFn = decltype(&cublasGemmEx);
+// The C symbol's signature (cublas_api.h also declares a C++ overload taking a cudaDataType_t compute type).
+using GemmExFn = cublasStatus_t (*)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int, const void*,
+                                    const void*, cudaDataType, int, const void*, cudaDataType, int, const void*, void*,
+                                    cudaDataType, int, cublasComputeType_t, cublasGemmAlgo_t);
 
 // cublasGemmEx of the libcublas that torch loaded (same CUDA major as this build: the registry's gate), or null.
 inline GemmExFn loaded_gemm_ex() {
