@@ -296,23 +296,19 @@ if phase stable; then
   record stable "install $(ls "$wheels" | tr '\n' ' ')" "$r"
   # The site comes first on sys.path: the registry and the imports take its copies of these distributions.
   # --require: the ported kernels must be available here (a gpu test of an unavailable kernel would only skip).
-  PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} "$py" -m prime_kernels --require fused_logp residual_rmsnorm \
+  PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} "$py" -m prime_kernels --require fused_logp linear_logp residual_rmsnorm \
     > "$out/stable-status.txt" 2>&1
-  record stable "status: fused_logp and residual_rmsnorm available from $site" "exit $?"
+  record stable "status: fused_logp, linear_logp and residual_rmsnorm available from $site" "exit $?"
   cat "$out/stable-status.txt"
   PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} "$py" -c 'import prime_kernels_fused_logp.ops as f, pk_example_rmsnorm.ops as e
 print("stable modules:", f._C_stable.__file__, e._C_stable.__file__)' 2>&1 | tee -a "$out/stable-status.txt"
   # shellcheck disable=SC2206
-  # Not test_fused_logp_robustness.py: it imports linear_ops at collection, whose exact _C loads under one torch only.
-  suites=(${STABLE_SUITES:-examples/third_party_plugin/tests plugins/fused_logp/tests/test_fused_logp.py
-          plugins/fused_logp/tests/test_fused_logp_fuzz.py plugins/fused_logp/tests/test_logp_batch_invariance.py})
-  # linear_logp stays exact-ABI (its _C in the wheel is bound to the torch that built it): -k leaves out its tests and
-  # those that call it (the cuBLAS premise, vocab-parallel, the fuzz sweep of every fused_logp function).
-  PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} timeout 420 "$py" -m pytest -m gpu \
-    -k "not linear and not cublas and not vocab_parallel and not every_bad_input" "${suites[@]}" -q \
+  suites=(${STABLE_SUITES:-examples/third_party_plugin/tests plugins/fused_logp/tests})
+  PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} timeout 420 "$py" -m pytest -m gpu "${suites[@]}" -q \
     -p no:cacheprovider -rs --junitxml="$out/stable-tests.xml" > "$out/stable-tests.log" 2>&1
   record stable "gpu tests (${suites[*]})" "exit $?; $(tail -n 1 "$out/stable-tests.log")"
-  for script in examples/third_party_plugin/tests/sanitize_residual_rmsnorm.py plugins/fused_logp/tests/sanitize_fused_logp.py; do
+  for script in examples/third_party_plugin/tests/sanitize_residual_rmsnorm.py plugins/fused_logp/tests/sanitize_fused_logp.py \
+      plugins/fused_logp/tests/sanitize_linear_logp.py; do
     for tool in memcheck racecheck synccheck; do
       name="stable-$(basename "$script" .py)-$tool"
       PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} sanitizer stable "$name" "$tool" "$script" "$out/$name.log" &

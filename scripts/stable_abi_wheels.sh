@@ -2,9 +2,8 @@
 # The stable-ABI wheels of the ported plugins, built once on this machine for the GPU harness's stable phase
 # (scripts/gpu_check.sh OUT stable: installs them under the device's own torch, whatever its release >= the floor):
 #   bash scripts/stable_abi_wheels.sh [DIR]       (default .stable_wheels, ignored by git: carry it to the device)
-# The example plugin, and fused_logp with only its stable-ABI kernel's CUDA compiled (PRIME_KERNELS=fused_logp; the
-# exact-ABI linear_logp keeps its CPU code, bound to this torch). CUDA for PRIME_KERNELS_ARCH (default the H200's:
-# lib/wheels.sh's DEVICE_ARCH).
+# The example plugin and fused_logp (both its kernels, fused_logp and linear_logp). CUDA for PRIME_KERNELS_ARCH (default
+# the H200's: lib/wheels.sh's DEVICE_ARCH).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/wheels.sh
@@ -21,7 +20,7 @@ build() {  # PLUGIN_DIR [VAR=VALUE ...]: one wheel into $out, compiler output in
   echo "[stable_abi_wheels] $plugin: $(( $(date +%s) - start )) s" >&2
 }
 build examples/third_party_plugin
-build plugins/fused_logp PRIME_KERNELS=fused_logp
+build plugins/fused_logp
 # Each wheel must carry a stable-ABI kernel and the abi3 tag (one wheel for every CPython 3 from 3.10).
 "$py" - "$out" <<'PY'
 import json, sys, zipfile

@@ -320,18 +320,20 @@ def test_the_installed_example_runs_under_this_torch():
         ops.residual_rmsnorm(x, residual[:, :4], weight, 1e-6)  # the exact-ABI build's words, nothing prefixed
 
 
-# ---------------------------------------------------------------- a plugin with both modules (fused_logp)
+# ---------------------------------------------------------------- one namespace from two kernels (fused_logp)
 
 @pytest.mark.parametrize("first,then", [("linear_ops", "fused_logp"), ("ops", "linear_logp")])
-def test_a_plugins_other_module_is_not_a_foreign_namespace(first, then):
-    """fused_logp's _C_stable and linear_logp's _C share the namespace fused_logp: whichever was imported first, the
-    other kernel stays available (rule 3 counts only what another distribution registered)."""
+def test_a_plugins_other_kernel_is_not_a_foreign_namespace(first, then):
+    """fused_logp's two kernels register the namespace fused_logp from two sources of its _C_stable
+    (STABLE_TORCH_LIBRARY in fused_logp.cpp, STABLE_TORCH_LIBRARY_FRAGMENT in linear_logp.cpp): whichever kernel's module
+    was imported first, the other kernel stays available (rule 3 counts only what another distribution registered)."""
     try:
         spec = prime_kernels.spec("fused_logp")
     except prime_kernels.KernelUnavailableError:
         pytest.skip("prime-kernels-fused-logp is not installed")
     if spec.extension != "prime_kernels_fused_logp._C_stable":
         pytest.skip(f"this fused_logp build is not the stable-ABI one ({spec.extension})")
+    assert prime_kernels.spec("linear_logp").extension == spec.extension  # one module, one floor
     code = (f"import prime_kernels, prime_kernels_fused_logp.{first}\n"
             f"print(repr(prime_kernels.unavailable_reason({then!r}, 'cpu')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

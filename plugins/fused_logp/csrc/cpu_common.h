@@ -1,6 +1,6 @@
-// CPU helpers shared by fused_logp.cpp (LibTorch stable ABI) and linear_logp.cpp (exact ABI): templates over the
-// tensor type, so that neither build sees the other's headers. fused_logp.cpp also words its CUDA path's temperature
-// error with fail_bad_token_temperature.
+// Helpers shared by fused_logp.cpp and linear_logp.cpp (both on the LibTorch stable ABI) and their CUDA files: templates
+// over the tensor type and plain C++, so that they need no tensor header of their own. fused_logp.cpp also words its
+// CUDA path's temperature error with fail_bad_token_temperature.
 #pragma once
 
 #include <torch/headeronly/core/ScalarType.h>
@@ -14,6 +14,19 @@
 
 namespace fused_logp_cpu {
 
+// c10::isFloatingType: the types a gradient (or linear_logp's bias) may come in.
+inline bool is_floating(torch::headeronly::ScalarType t) {
+  using torch::headeronly::ScalarType;
+  switch (t) {
+    case ScalarType::Double: case ScalarType::Float: case ScalarType::Half: case ScalarType::BFloat16:
+    case ScalarType::Float8_e5m2: case ScalarType::Float8_e4m3fn: case ScalarType::Float8_e5m2fnuz:
+    case ScalarType::Float8_e4m3fnuz: case ScalarType::Float8_e8m0fnu: case ScalarType::Float4_e2m1fn_x2:
+      return true;
+    default:
+      return false;
+  }
+}
+
 // labels: contiguous int64 or int32 (the callers' argument checks).
 template <typename Tensor>
 int64_t label_at(const Tensor& labels, int64_t i) {
@@ -22,7 +35,7 @@ int64_t label_at(const Tensor& labels, int64_t i) {
              : static_cast<int64_t>(labels.template const_data_ptr<int32_t>()[i]);
 }
 
-// The message's parts streamed as TORCH_CHECK would (neither build's check macro is visible in the other's).
+// The message's parts streamed as TORCH_CHECK would (this header includes no torch check macro).
 template <typename... Parts>
 [[noreturn]] void fail(const Parts&... parts) {
   std::ostringstream message;

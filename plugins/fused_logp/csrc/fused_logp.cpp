@@ -68,17 +68,7 @@ using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
 namespace pks = prime_kernels::stable;
 
-// c10::isFloatingType: the types a gradient may come in.
-bool is_floating(ScalarType t) {
-  switch (t) {
-    case ScalarType::Double: case ScalarType::Float: case ScalarType::Half: case ScalarType::BFloat16:
-    case ScalarType::Float8_e5m2: case ScalarType::Float8_e4m3fn: case ScalarType::Float8_e5m2fnuz:
-    case ScalarType::Float8_e4m3fnuz: case ScalarType::Float8_e8m0fnu: case ScalarType::Float4_e2m1fn_x2:
-      return true;
-    default:
-      return false;
-  }
-}
+using fused_logp_cpu::is_floating;
 
 // Checks shared by the CPU and CUDA forward. Returns nothing; every failure names the argument, expected and found.
 void check_forward_args(const Tensor& logits, const Tensor& labels, double temperature,

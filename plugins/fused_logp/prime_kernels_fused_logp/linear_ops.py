@@ -12,7 +12,7 @@ import torch
 
 from prime_kernels_core.contracts import UnsupportedShapeError
 
-from . import _C  # noqa: F401  (registers the ops)
+from . import _C_stable  # noqa: F401  (registers the ops: STABLE_TORCH_LIBRARY_FRAGMENT in csrc/linear_logp.cpp)
 from . import checks, reference
 from . import ops  # noqa: F401  (registers fused_logp::logp_entropy's autograd, which the chunked fallback runs through)
 from .inputs import check_linear_transform, flatten_linear

@@ -2,8 +2,8 @@
 // keep the exact-ABI build's behaviour: argument checks whose messages read word for word as TORCH_CHECK's (torch's
 // STD_TORCH_CHECK prefixes the function, file and line), tensors' shapes and devices printed as c10 prints them,
 // at::opmath_type (which headeronly lacks), ATen's no-op shortcuts of contiguous() and to(dtype) (the stable ops always
-// go through the dispatcher), and the current CUDA stream. Header-only on the stable C shim: nothing here binds the
-// module to one torch.
+// go through the dispatcher), the current CUDA stream and the SM count. Header-only on the stable C shim: nothing here
+// binds the module to one torch.
 #pragma once
 
 #include <torch/csrc/stable/ops.h>
@@ -140,6 +140,8 @@ template <typename... Args>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/macros.h>
 
+#include <atomic>
+
 namespace prime_kernels::stable {
 
 // The stream torch runs its work on for device ``index`` (c10::cuda::getCurrentCUDAStream), through the C shim.
@@ -147,6 +149,19 @@ inline cudaStream_t current_cuda_stream(int32_t index) {
   void* stream = nullptr;
   TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(index, &stream));
   return static_cast<cudaStream_t>(stream);
+}
+
+// The SM count of device ``index`` (at::cuda::getCurrentDeviceProperties()->multiProcessorCount), asked of the runtime
+// once per device (ATen caches its device properties likewise).
+inline int multiprocessor_count(int32_t index) {
+  constexpr int32_t kMaxDevices = 64;
+  static std::atomic<int> counts[kMaxDevices];  // 0: not asked yet
+  const int cached = index < kMaxDevices ? counts[index].load(std::memory_order_relaxed) : 0;
+  if (cached > 0) return cached;
+  int sms = 0;
+  STD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, index));
+  if (index < kMaxDevices) counts[index].store(sms, std::memory_order_relaxed);
+  return sms;
 }
 
 }  // namespace prime_kernels::stable

@@ -35,7 +35,6 @@
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
-#include <atomic>
 #include <optional>
 #include <type_traits>
 
@@ -912,21 +911,9 @@ void dispatch_label(ScalarType st, F&& f) {
 // batch-invariant forward always takes the large-N choice, one block per row: the same kernel where rows fill the GPU,
 // and measured no slower at N = 1024 and 5 (V = 151936, H200; the splits from V alone it replaced cost 1.19x at
 // 16384 x 151936). (The backward's elements do not depend on it: any split count gives the same gradient.)
-// The current device's SM count, asked of the driver once per device (ATen caches its device properties likewise).
-int multiprocessor_count(int device) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> counts[kMaxDevices];  // 0: not asked yet
-  const int cached = device < kMaxDevices ? counts[device].load(std::memory_order_relaxed) : 0;
-  if (cached > 0) return cached;
-  int sms = 0;
-  STD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  if (device < kMaxDevices) counts[device].store(sms, std::memory_order_relaxed);
-  return sms;
-}
-
 int choose_splits(int64_t N, int64_t V, bool batch_invariant, int device) {
   if (batch_invariant) return 1;
-  const int sms = multiprocessor_count(device);
+  const int sms = pks::multiprocessor_count(device);
   const int64_t target = 2LL * sms * (2048 / kThreads);
   if (N >= target) return 1;
   int64_t s = (target + N - 1) / N;

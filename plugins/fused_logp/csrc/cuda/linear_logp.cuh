@@ -13,8 +13,8 @@
 // the epilogue, and its derivative multiplied into dZ there.
 #pragma once
 
-#include <c10/cuda/CUDAException.h>
-#include <c10/util/Exception.h>
+#include <prime_kernels/stable.h>
+#include <torch/csrc/stable/macros.h>
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -468,11 +468,11 @@ void launch(const CUtensorMap& tm_h, const CUtensorMap& tm_w, const Params& p, c
   auto kernel = linear_logp_kernel<T, kBackward, kSoftcap>;
   const bool configured =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES) == cudaSuccess;
-  TORCH_CHECK(configured, "linear_logp: cannot reserve ", SMEM_BYTES, " bytes of shared memory for the ",
-              kBackward ? "backward" : "forward", " kernel");
+  PK_CHECK(configured, "linear_logp: cannot reserve ", SMEM_BYTES, " bytes of shared memory for the ",
+           kBackward ? "backward" : "forward", " kernel");
   // CTA pairs (the kernel pairs CTA b with b ^ 1); the grid rounded up to whole pairs
   const int64_t grid = (static_cast<int64_t>(p.token_tiles) * p.splits + kPairCtas - 1) / kPairCtas * kPairCtas;
-  C10_CUDA_CHECK(launch_in_clusters(kernel, static_cast<unsigned>(grid), NUM_THREADS, SMEM_BYTES, stream, kPairCtas,
+  STD_CUDA_CHECK(launch_in_clusters(kernel, static_cast<unsigned>(grid), NUM_THREADS, SMEM_BYTES, stream, kPairCtas,
                                     tm_h, tm_w, p));
 }
 

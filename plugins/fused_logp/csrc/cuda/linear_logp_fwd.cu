@@ -1,9 +1,11 @@
 // linear_logp forward on CUDA (sm_90a): the fused GEMM + online logsumexp/entropy kernel (linear_logp.cuh,
 // BWD = false) over (token tile x vocab split), then linear_logp_combine merging the per-split partials.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
+// Host code on the LibTorch stable ABI, as csrc/linear_logp.cpp.
+#include <prime_kernels/stable.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/macros.h>
+#include <torch/csrc/stable/ops.h>
 
 #include <optional>
 #include <tuple>
@@ -12,10 +14,10 @@
 #include "linear_logp.cuh"
 
 namespace linear_logp_detail {
-void check_forward_args(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
-                        double temperature, const std::optional<at::Tensor>& token_temperature,
-                        const std::optional<at::Tensor>& bias);
-void check_cuda_contract(const at::Tensor& hidden, const at::Tensor& weight);
+using torch::stable::Tensor;
+void check_forward_args(const Tensor& hidden, const Tensor& weight, const Tensor& labels, double temperature,
+                        const std::optional<Tensor>& token_temperature, const std::optional<Tensor>& bias);
+void check_cuda_contract(const Tensor& hidden, const Tensor& weight);
 }  // namespace linear_logp_detail
 
 namespace linear_logp {
@@ -55,37 +57,42 @@ __global__ void linear_logp_combine(Params p, int N, float* logp, float* entropy
 
 namespace {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_cuda(
-    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels_in, double temperature,
-    const std::optional<at::Tensor>& token_temperature, const std::optional<at::Tensor>& bias, int64_t ignore_index,
+using linear_logp_detail::Tensor;
+using torch::headeronly::ScalarType;
+namespace pks = prime_kernels::stable;
+
+std::tuple<Tensor, Tensor, Tensor> linear_logp_entropy_cuda(
+    const Tensor& hidden, const Tensor& weight, const Tensor& labels_in, double temperature,
+    const std::optional<Tensor>& token_temperature, const std::optional<Tensor>& bias, int64_t ignore_index,
     bool return_entropy, bool batch_invariant, std::optional<double> softcap, double logit_scale) {
   using namespace linear_logp;
   linear_logp_detail::check_forward_args(hidden, weight, labels_in, temperature, token_temperature, bias);
   fused_logp_cpu::check_logit_transform("linear_logp", softcap, logit_scale);
   fused_logp_cpu::check_effective_temperature("linear_logp", temperature, softcap, logit_scale);
   linear_logp_detail::check_cuda_contract(hidden, weight);
-  const c10::cuda::CUDAGuard guard(hidden.device());
+  PK_CHECK(hidden.is_cuda(), "linear_logp: CUDA implementation got hidden on ", pks::device(hidden));
+  const int device = hidden.get_device_index();
+  const torch::stable::accelerator::DeviceGuard guard(device);
   const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0);
-  const auto f32 = hidden.options().dtype(at::kFloat);
-  at::Tensor logp = at::empty({N}, f32);
-  at::Tensor entropy = at::empty({return_entropy ? N : 0}, f32);
-  at::Tensor stats = at::empty({N, 2}, hidden.options().dtype(at::kDouble));
+  Tensor logp = pks::empty(hidden, {N}, ScalarType::Float);
+  Tensor entropy = pks::empty(hidden, {return_entropy ? N : 0}, ScalarType::Float);
+  Tensor stats = pks::empty(hidden, {N, 2}, ScalarType::Double);
   if (N == 0) return {logp, entropy, stats};
 
-  const at::Tensor labels = labels_in.to(at::kLong).contiguous();
-  std::optional<at::Tensor> tt, b32;
-  if (token_temperature.has_value()) tt = token_temperature->contiguous();
-  if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
+  const Tensor labels = pks::contiguous(pks::to(labels_in, ScalarType::Long));
+  std::optional<Tensor> tt, b32;
+  if (token_temperature.has_value()) tt = pks::contiguous(*token_temperature);
+  if (bias.has_value()) b32 = pks::contiguous(pks::to(*bias, ScalarType::Float));
 
-  const bool bf16 = hidden.scalar_type() == at::kBFloat16;
+  const bool bf16 = hidden.scalar_type() == ScalarType::BFloat16;
   CUtensorMap tm_h, tm_w;
-  TORCH_CHECK(make_tmap(&tm_h, hidden.data_ptr(), bf16, N, H, hidden.stride(0), BN) == 0,
-              "linear_logp: cuTensorMapEncodeTiled failed for hidden");
+  PK_CHECK(make_tmap(&tm_h, hidden.data_ptr(), bf16, N, H, hidden.stride(0), BN) == 0,
+           "linear_logp: cuTensorMapEncodeTiled failed for hidden");
   // weight boxes of half a vocab tile: a pair of CTAs loads one half each for both (linear_logp.cuh)
-  TORCH_CHECK(make_tmap(&tm_w, weight.data_ptr(), bf16, V, H, weight.stride(0), BV / 2) == 0,
-              "linear_logp: cuTensorMapEncodeTiled failed for weight");
+  PK_CHECK(make_tmap(&tm_w, weight.data_ptr(), bf16, V, H, weight.stride(0), BV / 2) == 0,
+           "linear_logp: cuTensorMapEncodeTiled failed for weight");
 
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int sms = pks::multiprocessor_count(device);
   Params p{};
   p.n_rows = static_cast<int>(N);
   p.row0 = 0;
@@ -100,28 +107,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logp_entropy_cuda(
                                       : choose_tiles_per_split(p.token_tiles, p.vt_end, sms, LINEAR_LOGP_MAX_SPLITS);
   p.splits = ceil_div(p.vt_end, p.tiles_per_split);
   p.group = LINEAR_LOGP_GROUP_TOKEN_TILES;
-  p.labels = labels.data_ptr<int64_t>();
-  p.token_temperature = tt ? tt->data_ptr<float>() : nullptr;
-  p.bias = b32 ? b32->data_ptr<float>() : nullptr;
+  p.labels = labels.const_data_ptr<int64_t>();
+  p.token_temperature = tt ? tt->const_data_ptr<float>() : nullptr;
+  p.bias = b32 ? b32->const_data_ptr<float>() : nullptr;
   set_transform(p, temperature, softcap, logit_scale);
   p.ignore_index = ignore_index;
   // workspace: 3 partials per (split, row) + the label logit per row
-  at::Tensor ws = at::empty({(3 * static_cast<int64_t>(p.splits) + 1) * N}, f32);
-  float* w = ws.data_ptr<float>();
+  Tensor ws = pks::empty(hidden, {(3 * static_cast<int64_t>(p.splits) + 1) * N}, ScalarType::Float);
+  float* w = ws.mutable_data_ptr<float>();
   p.part_m = w;
   p.part_s = w + p.splits * N;
   p.part_u = w + 2 * p.splits * N;
   p.zy = w + 3 * p.splits * N;
 
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = pks::current_cuda_stream(device);
   launch_for<false>(bf16, softcap.has_value(), tm_h, tm_w, p, stream);
-  linear_logp_combine<<<ceil_div(N, 256), 256, 0, stream>>>(p, static_cast<int>(N), logp.data_ptr<float>(),
-                                                            return_entropy ? entropy.data_ptr<float>() : nullptr,
-                                                            stats.data_ptr<double>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  linear_logp_combine<<<ceil_div(N, 256), 256, 0, stream>>>(p, static_cast<int>(N), logp.mutable_data_ptr<float>(),
+                                                            return_entropy ? entropy.mutable_data_ptr<float>() : nullptr,
+                                                            stats.mutable_data_ptr<double>());
+  STD_CUDA_KERNEL_LAUNCH_CHECK();
   return {logp, entropy, stats};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fused_logp, CUDA, m) { m.impl("linear_logp_entropy", &linear_logp_entropy_cuda); }
+STABLE_TORCH_LIBRARY_IMPL(fused_logp, CUDA, m) { m.impl("linear_logp_entropy", TORCH_BOX(&linear_logp_entropy_cuda)); }
