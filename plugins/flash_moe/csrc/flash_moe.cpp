@@ -94,25 +94,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_align_cpu(const at::Tensor& t
   return {sorted, eids, ntpp};
 }
 
-// Calls fn(expert, slots) for each aligned block of a local expert, with the block's routed slots in order
-// (the values of sorted_token_ids that are not -1), after checking the alignment tensors' values.
-void for_each_block(const char* op, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
-                    const at::Tensor& num_tokens_post_padded, const MoeShape& s, int64_t block_m,
-                    const std::function<void(int64_t, const std::vector<int64_t>&)>& fn) {
-  const int64_t slots = s.M * s.top_k;
-  const int64_t ntp = num_tokens_post_padded.item<int32_t>();
+// Calls fn(group, slots) for each aligned block of a group in [0, groups) (`groups_name`: the range's name in errors),
+// with the block's routed slots in order (the values of sorted_token_ids that are not -1), after checking the
+// alignment tensors' values; read on the host (device tensors are copied: a sync).
+void for_each_group_block(const char* op, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                          const at::Tensor& num_tokens_post_padded, int64_t slots, int64_t groups,
+                          const char* groups_name, int64_t block_m,
+                          const std::function<void(int64_t, const std::vector<int64_t>&)>& fn) {
+  const int64_t ntp = num_tokens_post_padded.to(at::kCPU).item<int32_t>();
   TORCH_CHECK(ntp >= 0 && ntp <= sorted_token_ids.numel() && ntp % block_m == 0, op,
               ": num_tokens_post_padded must be a multiple of block_m=", block_m, " in [0, ",
               sorted_token_ids.numel(), "] (len(sorted_token_ids)), got ", ntp);
-  const auto sorted_c = sorted_token_ids.contiguous();
-  const auto eids_c = expert_ids.contiguous();
+  const auto sorted_c = sorted_token_ids.to(at::kCPU).contiguous();
+  const auto eids_c = expert_ids.to(at::kCPU).contiguous();
   const int32_t* sp = sorted_c.const_data_ptr<int32_t>();
   const int32_t* ep = eids_c.const_data_ptr<int32_t>();
   std::vector<int64_t> slot_list;
   for (int64_t b = 0; b < ntp / block_m; ++b) {
-    const int64_t e = ep[b];
-    TORCH_CHECK(e >= -1 && e < s.E, op, ": expert_ids must be in [-1, E=", s.E, "), got ", e, " for block ", b);
-    if (e < 0) continue;
+    const int64_t g = ep[b];
+    TORCH_CHECK(g >= -1 && g < groups, op, ": expert_ids must be in [-1, ", groups_name, "=", groups, "), got ", g,
+                " for block ", b);
+    if (g < 0) continue;
     slot_list.clear();
     for (int64_t r = 0; r < block_m; ++r) {
       const int64_t slot = sp[b * block_m + r];
@@ -120,8 +122,16 @@ void for_each_block(const char* op, const at::Tensor& sorted_token_ids, const at
                   slot, " at position ", b * block_m + r);
       if (slot >= 0) slot_list.push_back(slot);
     }
-    if (!slot_list.empty()) fn(e, slot_list);
+    if (!slot_list.empty()) fn(g, slot_list);
   }
+}
+
+// for_each_group_block over the local experts.
+void for_each_block(const char* op, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                    const at::Tensor& num_tokens_post_padded, const MoeShape& s, int64_t block_m,
+                    const std::function<void(int64_t, const std::vector<int64_t>&)>& fn) {
+  for_each_group_block(op, sorted_token_ids, expert_ids, num_tokens_post_padded, s.M * s.top_k, s.E, "E", block_m,
+                       fn);
 }
 
 // h from the pre-activations g, u (fp32; u undefined when not gated): flash_moe.h's Activation.
@@ -560,40 +570,23 @@ struct LoraBlock {
   int64_t row;       // its first compact row (the routed slots in aligned order, padding dropped)
 };
 
-// The aligned blocks of the E * n groups, read on the host (the unfused path synchronizes), their values checked as
-// for_each_block checks them.
+// The aligned blocks of the E * n groups (for_each_group_block: read on the host, the unfused path synchronizes).
 std::vector<LoraBlock> lora_blocks(const char* op, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                                    const at::Tensor& num_tokens_post_padded, int64_t slots, int64_t E, int64_t n,
                                    int64_t block_m, const at::Device& device) {
-  const auto sorted_c = sorted_token_ids.to(at::kCPU).contiguous();
-  const auto eids_c = expert_ids.to(at::kCPU).contiguous();
-  const int64_t ntp = num_tokens_post_padded.to(at::kCPU).item<int32_t>();
-  TORCH_CHECK(ntp >= 0 && ntp <= sorted_token_ids.numel() && ntp % block_m == 0, op,
-              ": num_tokens_post_padded must be a multiple of block_m=", block_m, " in [0, ",
-              sorted_token_ids.numel(), "] (len(sorted_token_ids)), got ", ntp);
-  const int32_t* sp = sorted_c.const_data_ptr<int32_t>();
-  const int32_t* ep = eids_c.const_data_ptr<int32_t>();
   std::vector<LoraBlock> blocks;
-  std::vector<int64_t> slot_list;
   int64_t row = 0;
-  for (int64_t b = 0; b < ntp / block_m; ++b) {
-    const int64_t v = ep[b];
-    TORCH_CHECK(v >= -1 && v < E * n, op, ": expert_ids must be in [-1, E * n_adapters=", E * n,
-                ") (aligned groups expert * n_adapters + adapter), got ", v, " for block ", b);
-    if (v < 0) continue;
-    slot_list.clear();
-    for (int64_t r = 0; r < block_m; ++r) {
-      const int64_t slot = sp[b * block_m + r];
-      TORCH_CHECK(slot >= -1 && slot < slots, op, ": sorted_token_ids must be in [-1, M * top_k=", slots, "), got ",
-                  slot, " at position ", b * block_m + r);
-      if (slot >= 0) slot_list.push_back(slot);
-    }
-    if (slot_list.empty()) continue;
-    const int64_t count = static_cast<int64_t>(slot_list.size());
-    TORCH_CHECK(row + count <= slots, op, ": sorted_token_ids routes more than M * top_k=", slots, " slots");
-    blocks.push_back({v / n, v % n, at::tensor(slot_list, at::TensorOptions().dtype(at::kLong)).to(device), row});
-    row += count;
-  }
+  for_each_group_block(op, sorted_token_ids, expert_ids, num_tokens_post_padded, slots, E * n,
+                       "E * n_adapters", block_m,
+                       [&](int64_t v, const std::vector<int64_t>& slot_list) {
+                         const int64_t count = static_cast<int64_t>(slot_list.size());
+                         TORCH_CHECK(row + count <= slots, op, ": sorted_token_ids routes more than M * top_k=", slots,
+                                     " slots");
+                         blocks.push_back({v / n, v % n,
+                                           at::tensor(slot_list, at::TensorOptions().dtype(at::kLong)).to(device),
+                                           row});
+                         row += count;
+                       });
   return blocks;
 }
 
