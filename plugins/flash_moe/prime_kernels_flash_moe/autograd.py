@@ -144,6 +144,7 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, b1, b2, ids, tw, align, needs
     offs = group_ends[n - 1::n].contiguous()  # each expert's end: its adapters' groups are adjacent
     ok = valid[order]
     tok = order // top_k
+    row_token = torch.where(ok, tok, -1).to(torch.int32)  # moe_grad_weight's gather rows: each sorted slot's token
 
     grads = dict.fromkeys(GRAD_INPUTS)
     go = grad_out.to(x.dtype)
@@ -191,7 +192,6 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, b1, b2, ids, tw, align, needs
             grad_gate, grad_up, gate, up, *align, top_k, BLOCK_M, deterministic, lora.scaling, lora.a_gate,
             lora.b_gate, lora.a_up, lora.b_up, global_experts)
     if lora is not None:
-        row_token = torch.where(ok, tok, -1).to(torch.int32)
         own_row = torch.where(ok, torch.arange(S, device=x.device), -1).to(torch.int32)
         grads.update(adapter_grads(lora, needs, x, go, grad_gate, grad_up, weighted_h, down_rows, x_rows,
                                    lora.gate_up_rows, row_token, own_row, group_ends))
@@ -215,7 +215,6 @@ def _closed_form_backward(grad_out, x, w1, w2, w3, b1, b2, ids, tw, align, needs
     # transposed weights (E, in, out): the product in source-major order, (E, K, N), is the weight's own layout
     w2_major, gate_up_major = not layout.transposed, layout.transposed
     if _fused_weight_grads(hidden):  # moe_grad_weight: the gathers inside, no S x dim copy of x or grad_out
-        row_token = torch.where(ok, tok, -1).to(torch.int32)
         if needs["w2"]:
             grads["w2"] = torch.ops.flash_moe.moe_grad_weight(weighted_h, go, row_token, offs, w2_major)
         del weighted_h  # S x hidden: freed before the dW1 / dW3 outputs are allocated
