@@ -73,6 +73,29 @@ def flash_moe_rows(data: dict) -> list[dict]:
                                        ("forward+backward", 3, "ours_fwd_bwd_ms", "fwd_bwd_ms")):
             rows.append(_row(f"flash_moe `moe` bf16 {what}, {s['shape']}", s[ours], "SonicMoE", s[peer],
                              mult * flops / (s["ceiling_tflops"] * 1e12) * 1e3, _tflops(s["ceiling_tflops"])))
+    for s in data.get("liger", []):
+        rows += _liger_moe_rows(s, ceiling)
+    return rows
+
+
+LIGER_MOE_PEERS = {"liger-triton": "Liger Triton fused MoE", "liger-cute": "liger-cute-kernels MoE"}
+
+
+def _liger_moe_rows(s: dict, ceiling: float) -> list[dict]:
+    """bench_flash_moe.py --liger: one shape's forward and forward+backward against each Liger MoE that ran there
+    (its first call's autotuning in the note)."""
+    if "error" in s or "ours_fwd_bwd_ms" not in s:
+        return []
+    flops = s["ours_fwd_bwd_tflops"] * 1e9 * s["ours_fwd_bwd_ms"] / 3  # forward FLOPs, from ours' rate
+    shape = s["shape"] if s["T"] == 16384 else f"{s['shape']} T = {s['T']}"
+    rows = []
+    for label, name in LIGER_MOE_PEERS.items():
+        if f"{label}_fwd_bwd_ms" not in s:
+            continue
+        first = f"first forward+backward {s[f'{label}_first_fwd_s'] + s[f'{label}_first_bwd_s']:.1f} s"
+        for what, mult, key in (("forward", 1, "fwd_ms"), ("forward+backward", 3, "fwd_bwd_ms")):
+            rows.append(_row(f"flash_moe `moe` bf16 {what}, {shape}", s[f"ours_{key}"], name, s[f"{label}_{key}"],
+                             mult * flops / (ceiling * 1e12) * 1e3, _tflops(ceiling), first))
     return rows
 
 

@@ -72,6 +72,18 @@ def test_flash_moe_rows(rows):
     assert not any(case.endswith("deepseek-v3") and peer == "SonicMoE" for case, peer in rows)  # its run failed
 
 
+def test_liger_moe_rows(rows):
+    fb = rows[("flash_moe `moe` bf16 forward+backward, qwen3-30b-a3b", "Liger Triton fused MoE")]
+    # floor: ours' forward+backward FLOPs (500 TFLOP/s x 8 ms) at the run's 700 TFLOP/s
+    assert (fb["ours"], fb["peer_time"], fb["ratio"], fb["floor"]) == (
+        "8.000 ms", "10.000 ms (first forward+backward 120.5 s)", "1.25×", "5.714 ms")
+    assert fb["gpu"] == "NVIDIA H100 80GB HBM3"
+    fwd = rows[("flash_moe `moe` bf16 forward, qwen3-30b-a3b T = 1024", "Liger Triton fused MoE")]
+    assert (fwd["ratio"], fwd["floor"]) == ("1.20×", "1.905 ms")
+    assert not any(case.endswith("deepseek-v3") and peer.startswith("Liger") for case, peer in rows)  # it failed
+    assert not any(peer == "liger-cute-kernels MoE" for _, peer in rows)  # it did not run
+
+
 def test_vocab_parallel_and_transformers_rows(rows):
     vp = rows[("vocabulary-parallel `linear_logp_entropy` forward+backward, 2 GPUs, N 8192, H 4096, V 151936",
                "the 1-GPU op on the full vocabulary")]
