@@ -1,4 +1,4 @@
-"""Ahead-of-time code for JIT kernels, compiled while the wheel is built, without a GPU.
+"""Ahead-of-time code for JIT kernels, compiled while the wheel is built, without a GPU (CuTe DSL kernels: cute_build).
 
 For each arch a Triton kernel lists and each specialization its manifest names, the build has Triton's JIT itself
 compile a call of that specialization (16-byte aligned tensors of its dtypes, its scalars, constexprs and launch
@@ -181,18 +181,23 @@ def _refuse_other_languages(package: str, kernels: dict) -> None:
     if compiled:
         raise AotBuildError(f"{package}: kernels {compiled} are compiled (C++/CUDA) and the others JIT; the build kit "
                             "builds a plugin of one kind: put them in two plugins")
-    for name, table in kernels.items():
-        if table["language"] != "triton" and table.get("archs"):
-            raise AotBuildError(f"{package}: {name} is a {table['language']} kernel with archs; the build kit compiles "
-                                "ahead of time for Triton only, so a CuTe DSL kernel lists no archs and runs JIT")
 
 
-def build_record(package_out: Path, kernels: dict, required: bool) -> dict:
-    """Compile every kernel's shipped code into ``package_out``; the record of what was shipped and what was not."""
+def _ship(root: Path, package_out: Path, name: str, table: dict) -> dict:
+    if table["language"] == "cute-dsl":
+        from . import cute_build
+
+        return cute_build.ship_kernel(root, package_out, name, table)
+    return ship_kernel(package_out, name, table)
+
+
+def build_record(root: Path, package_out: Path, kernels: dict, required: bool) -> dict:
+    """Compile every kernel's shipped code into ``package_out`` (its JIT functions imported from the source tree at
+    ``root``); the record of what was shipped and what was not."""
     import torch
 
     record = {"torch": torch.__version__, "python": platform.python_version(), "jit": True,
-              "kernels": {name: ship_kernel(package_out, name, table) for name, table in kernels.items()}}
+              "kernels": {name: _ship(root, package_out, name, table) for name, table in kernels.items()}}
     for name, kernel in record["kernels"].items():
         shipped = ", ".join(kernel["archs"]) or "no arch"
         left = "; ".join(f"not {a}: {why}" for a, why in kernel["not_built"].items())
@@ -217,7 +222,7 @@ def setup_jit_plugin(root: Path, package_dir: Path, required: bool, **setup_kwar
             package_out = Path(self.build_lib) / package_dir.name
             sys.path.insert(0, str(root))  # the build imports the kernel's JIT functions from the source tree
             try:
-                record = build_record(package_out, manifest["kernels"], required)
+                record = build_record(root, package_out, manifest["kernels"], required)
             finally:
                 sys.path.remove(str(root))
             (package_out / BUILD_RECORD_NAME).write_text(json.dumps(record, indent=2))
@@ -233,8 +238,9 @@ def setup_jit_plugin(root: Path, package_dir: Path, required: bool, **setup_kwar
 
 def check_jit_wheel(names: list[str], read, package: str, kernels: dict, record: dict) -> list[str]:
     """Every way a JIT plugin's wheel differs from a release wheel of its manifest (``names`` its members, ``read(name)``
-    their bytes): each kernel shipped for every arch it lists, one cubin per arch and specialization, each in the wheel
-    and machine code, nothing else beside the Python surface, the manifest and the record."""
+    their bytes): each kernel shipped for every arch it lists, one file (a cubin, or a CuTe DSL object) per arch and
+    specialization, each in the wheel and machine code, nothing else beside the Python surface, the manifest and the
+    record."""
     problems = []
     shipped_files = set()
     for name, table in kernels.items():
@@ -254,9 +260,9 @@ def check_jit_wheel(names: list[str], read, package: str, kernels: dict, record:
             if file not in names:
                 problems.append(f"{file} is in the build record but not in the wheel")
             elif read(file)[:4] != b"\x7fELF":
-                problems.append(f"{file} is not a cubin (no ELF header)")
+                problems.append(f"{file} is not machine code (no ELF header: a cubin, or a CuTe DSL object)")
     surface = {f"{package}/{MANIFEST_NAME}", f"{package}/{BUILD_RECORD_NAME}"}
     problems += [f"{n} is not part of a JIT plugin's surface (its .py files, {MANIFEST_NAME}, {BUILD_RECORD_NAME}, "
-                 "the shipped cubins of its record)" for n in names
+                 "the shipped code of its record)" for n in names
                  if not (".dist-info/" in n or n.endswith(".py") or n in surface or n in shipped_files)]
     return problems

@@ -50,7 +50,7 @@ def _cpu_reason(spec) -> str | None:
 
 
 def _capability_reason(spec, target) -> str | None:
-    if interpreting():
+    if spec.jit["language"] == "triton" and interpreting():
         return (f"{INTERPRET_ENV}=1 is set: Triton runs every kernel of this process through its interpreter on the "
                 f"CPU, never on a GPU; unset it to run {spec.name} on CUDA")
     rule = spec.jit["capability"]
@@ -93,6 +93,23 @@ def shipped_archs(spec) -> list[str]:
     return list(kernel.get("archs", [])) if kernel else []
 
 
+def _shipped_release_reason(spec) -> str | None:
+    """For a CuTe DSL kernel: why its shipped objects do not serve the installed DSL (they serve the release that
+    compiled them, cute_runtime), from metadata and the build record only."""
+    kernel = kernel_record(spec)
+    if spec.jit["language"] != "cute-dsl" or not kernel or not kernel["shipped"]:
+        return None
+    library, _ = jit_manifest.requirement(spec.jit)
+    try:
+        installed = importlib.metadata.version(library)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    built = kernel.get("library_version")
+    if installed != built:
+        return f"its shipped code was compiled by {library} {built} and {library} {installed} is installed"
+    return None
+
+
 def note(spec, target) -> str | None:
     """For a kernel that can run on ``target``: a sentence when its first call there will compile (no shipped code for
     the device, shipped code turned off, or a call that already fell back in this process), else None."""
@@ -103,6 +120,9 @@ def note(spec, target) -> str | None:
         return f"{spec.name} compiled with {spec.jit['language']} at run time in this process: " + "; ".join(fallbacks)
     if not jit_runtime.shipped_code_enabled():
         return f"{jit_runtime.SHIPPED_ENV}=0 turns shipped code off: {spec.name} compiles on its first call"
+    stale = _shipped_release_reason(spec)
+    if stale:
+        return f"{spec.name} compiles on its first call: {stale}"
     device = "sm_{}{}".format(*target.capability)
     archs = shipped_archs(spec)
     if not any(arch_runs_on(a, tuple(target.capability)) for a in archs):

@@ -17,14 +17,22 @@ A JIT kernel's table holds the keys every kernel has (description, namespace, op
 - ``launch.<function>``: per function, the launch options both the build and a JIT fallback use (``num_warps``,
   ``num_stages``);
 - ``specializations``: an array of tables, each one function compiled ahead of time: ``function``, ``signature``
-  (every non-constexpr parameter's Triton type, ``"*bf16"``, ``"i32"``, ``"fp32"``; ``{dtype}`` stands for each entry of
-  ``dtypes``) and ``constexprs`` (every constexpr parameter's value).
+  (every non-constexpr parameter's type: for Triton ``"*bf16"``, ``"i32"``, ``"fp32"``; for the CuTe DSL a tensor
+  ``"BFloat16[tokens, N]"``, a scalar ``"Float32"`` or ``"stream"``, cute_signature; ``{dtype}`` stands for each entry of
+  ``dtypes``), ``constexprs`` (every constexpr parameter's value; a list of values stands for one specialization per
+  value) and, for the CuTe DSL, ``align`` (the byte alignment every tensor's base pointer is compiled for).
+
+A CuTe DSL kernel has no ``launch`` table (its launch configuration is its code's, or a constexpr) and no
+``"interpreter"`` CPU path; its archs are spelled as passed to ``--gpu-arch`` (``"8.0"`` is sm_80, ``"9.0a"`` sm_90a).
 
 This module never imports the library: it reads strings.
 """
 from __future__ import annotations
 
+import itertools
 import re
+
+from . import cute_signature
 
 LANGUAGES = ("triton", "cute-dsl")
 # The distribution whose installed version each language's ``requires`` names.
@@ -33,6 +41,7 @@ CPU_PATHS = ("interpreter", "pytorch")
 JIT_KEYS = {"language", "requires", "capability", "cpu", "functions", "launch", "specializations"}
 LAUNCH_OPTIONS = {"num_warps", "num_stages"}
 SPECIALIZATION_KEYS = {"function", "signature", "dtypes", "constexprs"}
+CUTE_SPECIALIZATION_KEYS = SPECIALIZATION_KEYS | {"align"}
 CLAUSE = re.compile(r"\s*(>=|<=|==|!=|>|<)\s*(\d+(?:\.\d+)*)\s*")
 REQUIREMENT = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(.*)")
 # A Triton parameter type: a pointer to an element type, or a scalar (what triton.compile's signature takes).
@@ -119,8 +128,9 @@ def _check_capability(where: str, table: dict) -> None:
 
 def _check_cpu(where: str, table: dict) -> None:
     paths = table.get("cpu", [])
-    if not isinstance(paths, list) or not all(p in CPU_PATHS for p in paths) or len(set(paths)) != len(paths):
-        raise JitManifestError(f"{where}: cpu lists how the ops run on the CPU, each once, from {list(CPU_PATHS)}, "
+    allowed = CPU_PATHS if table["language"] == "triton" else ("pytorch",)  # the CuTe DSL has no interpreter
+    if not isinstance(paths, list) or not all(p in allowed for p in paths) or len(set(paths)) != len(paths):
+        raise JitManifestError(f"{where}: cpu lists how the ops run on the CPU, each once, from {list(allowed)}, "
                                f"found {paths!r}")
 
 
@@ -133,8 +143,8 @@ def _check_archs(where: str, table: dict) -> None:
             raise JitManifestError(f"{where}: archs are spelled MAJOR.MINOR (\"8.0\") or MAJOR.MINORa (\"9.0a\"), "
                                    f"found {arch!r}")
         major = int(found[1])
-        wants_a = table["language"] == "triton" and major >= TRITON_FIRST_ARCH_SPECIFIC
-        if bool(found[3]) != wants_a:
+        wants_a = major >= TRITON_FIRST_ARCH_SPECIFIC
+        if table["language"] == "triton" and bool(found[3]) != wants_a:
             spelled = f"{found[1]}.{found[2]}{'a' if wants_a else ''}"
             raise JitManifestError(f"{where}: Triton compiles {found[1]}.{found[2]} for sm_{found[1]}{found[2]}"
                                    f"{'a' if wants_a else ''}, so archs spells it \"{spelled}\", found {arch!r}")
@@ -154,37 +164,75 @@ def _check_launch(where: str, table: dict) -> None:
                                    f"found {options!r}")
 
 
-def _check_signature(where: str, signature) -> None:
+def _check_signature(where: str, language: str, entry: dict) -> None:
+    signature = entry.get("signature")
     if not isinstance(signature, dict) or not signature:
-        raise JitManifestError(f"{where}: signature maps each non-constexpr parameter to its Triton type, found "
+        raise JitManifestError(f"{where}: signature maps each non-constexpr parameter to its type, found "
                                f"{signature!r}")
+    if language == "cute-dsl":
+        try:
+            cute_signature.check(signature, _first_values(entry.get("constexprs", {})), entry.get("dtypes", []))
+        except cute_signature.CuteSignatureError as exc:
+            raise JitManifestError(f"{where}: {exc}") from None
+        return
     for name, kind in signature.items():
         if not isinstance(kind, str) or not TRITON_TYPE.fullmatch(kind.replace(DTYPE_SLOT, "fp32")):
             raise JitManifestError(f"{where}: signature.{name} must be a Triton type such as \"*bf16\", \"i32\" or "
                                    f"\"*{DTYPE_SLOT}\", found {kind!r}")
 
 
+def _is_constexpr_value(value) -> bool:
+    return isinstance(value, (bool, int, float))
+
+
+def _first_values(constexprs: dict) -> dict:
+    """Each constexpr's value, the first of a list (what a signature's static modes are checked against)."""
+    return {k: v[0] if isinstance(v, list) and v else v for k, v in constexprs.items()} \
+        if isinstance(constexprs, dict) else {}
+
+
+def _check_constexprs(where: str, constexprs) -> None:
+    good = isinstance(constexprs, dict) and all(
+        _is_constexpr_value(v) or (isinstance(v, list) and v and all(_is_constexpr_value(x) for x in v))
+        for v in constexprs.values())
+    if not good:
+        raise JitManifestError(f"{where}: constexprs maps each constexpr parameter to a number or boolean, or to a "
+                               f"list of them (one specialization per value), found {constexprs!r}")
+
+
+def _check_dtypes(where: str, language: str, entry: dict) -> None:
+    dtypes = entry.get("dtypes", [])
+    if language == "cute-dsl":  # cute_signature checked the element types and where {dtype} may stand
+        if dtypes and not any(DTYPE_SLOT in kind for kind in entry["signature"].values()):
+            raise JitManifestError(f"{where}: dtypes lists the element types that {DTYPE_SLOT} in signature stands "
+                                   f"for, and no signature entry uses {DTYPE_SLOT}")
+        return
+    slotted = any(DTYPE_SLOT in kind for kind in entry["signature"].values())
+    if slotted != bool(dtypes) or not all(isinstance(d, str) and TRITON_TYPE.fullmatch(d) for d in dtypes):
+        raise JitManifestError(f"{where}: dtypes lists the Triton types that {DTYPE_SLOT} in signature stands for "
+                               f"(and only a signature using {DTYPE_SLOT} has them), found {dtypes!r}")
+
+
 def _check_specializations(where: str, table: dict) -> None:
     specializations = table.get("specializations", [])
+    language = table["language"]
+    keys = CUTE_SPECIALIZATION_KEYS if language == "cute-dsl" else SPECIALIZATION_KEYS
     if not isinstance(specializations, list):
         raise JitManifestError(f"{where}: specializations is an array of tables ([[kernel.specializations]])")
     for i, entry in enumerate(specializations):
         here = f"{where}: specializations[{i}]"
-        if not isinstance(entry, dict) or set(entry) - SPECIALIZATION_KEYS or not isinstance(entry.get("function"), str):
-            raise JitManifestError(f"{here} needs a function name and only the keys {sorted(SPECIALIZATION_KEYS)}, "
-                                   f"found {entry!r}")
-        if entry["function"] not in table.get("launch", {}):
+        if not isinstance(entry, dict) or set(entry) - keys or not isinstance(entry.get("function"), str):
+            raise JitManifestError(f"{here} needs a function name and only the keys {sorted(keys)}, found {entry!r}")
+        if language == "triton" and entry["function"] not in table.get("launch", {}):
             raise JitManifestError(f"{here}: function {entry['function']!r} has no launch.{entry['function']} options")
-        _check_signature(here, entry.get("signature"))
-        slotted = any(DTYPE_SLOT in kind for kind in entry["signature"].values())
-        dtypes = entry.get("dtypes", [])
-        if slotted != bool(dtypes) or not all(isinstance(d, str) and TRITON_TYPE.fullmatch(d) for d in dtypes):
-            raise JitManifestError(f"{here}: dtypes lists the Triton types that {DTYPE_SLOT} in signature stands for "
-                                   f"(and only a signature using {DTYPE_SLOT} has them), found {dtypes!r}")
-        constexprs = entry.get("constexprs", {})
-        if not isinstance(constexprs, dict) or not all(isinstance(v, (bool, int, float)) for v in constexprs.values()):
-            raise JitManifestError(f"{here}: constexprs maps each constexpr parameter to a number or boolean, found "
-                                   f"{constexprs!r}")
+        _check_constexprs(here, entry.get("constexprs", {}))
+        _check_signature(here, language, entry)
+        _check_dtypes(here, language, entry)
+        align = entry.get("align")
+        if align is not None and (isinstance(align, bool) or not isinstance(align, int) or align < 1
+                                  or align & (align - 1)):
+            raise JitManifestError(f"{here}: align is the byte alignment every tensor is compiled for, a power of "
+                                   f"two, found {align!r}")
 
 
 def check(where: str, table: dict) -> None:
@@ -204,19 +252,32 @@ def check(where: str, table: dict) -> None:
     if table.get("archs") and not table.get("functions"):
         raise JitManifestError(f"{where}: archs asks for ahead-of-time code, so functions must name the module of the "
                                "kernel's JIT functions")
+    if table["language"] != "triton" and table.get("launch"):
+        raise JitManifestError(f"{where}: launch holds Triton's launch options; a {table['language']} kernel's launch "
+                               "configuration is in its code (or a constexpr)")
     _check_launch(where, table)
     _check_specializations(where, table)
 
 
+def _constexpr_choices(constexprs: dict) -> list[dict]:
+    """``{"A": 1, "B": [False, True]}`` -> ``[{"A": 1, "B": False}, {"A": 1, "B": True}]``."""
+    names = list(constexprs)
+    values = [v if isinstance(v, list) else [v] for v in constexprs.values()]
+    return [dict(zip(names, chosen)) for chosen in itertools.product(*values)]
+
+
 def expanded(specialization: dict) -> list[dict]:
-    """One {"function", "signature", "constexprs"} per dtype of a specialization (itself when it has no dtypes)."""
+    """One {"function", "signature", "constexprs"} (and "align" where given) per dtype and constexpr value of a
+    specialization (itself when it has no dtypes and no constexpr lists)."""
     signature = specialization["signature"]
     dtypes = specialization.get("dtypes") or [None]
+    align = {"align": specialization["align"]} if "align" in specialization else {}
     return [{
         "function": specialization["function"],
         "signature": {k: v.replace(DTYPE_SLOT, d) if d else v for k, v in signature.items()},
-        "constexprs": dict(specialization.get("constexprs", {})),
-    } for d in dtypes]
+        "constexprs": constexprs,
+        **align,
+    } for d in dtypes for constexprs in _constexpr_choices(specialization.get("constexprs", {}))]
 
 
 def declared(table: dict) -> dict:

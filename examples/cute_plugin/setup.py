@@ -1,0 +1,3 @@
+from prime_kernels_core.build import setup_plugin
+
+setup_plugin()
