@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 
 from . import cute_signature, jit_manifest, jit_runtime, manifest
 
 LIBRARY = jit_manifest.LIBRARY_OF["cute-dsl"]
+TERMINAL_COLOURS = re.compile(r"\x1b\[[0-9;]*m")  # the DSL's error messages are coloured for a terminal
 
 
 @lru_cache(maxsize=None)
@@ -168,7 +170,7 @@ def shipped_function(package: str, kernel: str, specialization: dict, capability
     try:
         return getattr(_module(entry["path"]), entry["prefix"]), ""
     except Exception as exc:  # an object this DSL cannot load falls back to the JIT, with the DSL's words
-        words = " ".join(str(exc).split())[:300]
+        words = " ".join(TERMINAL_COLOURS.sub("", str(exc)).split())[:300]
         return None, f"{LIBRARY} did not load the shipped {Path(entry['path']).name}: {type(exc).__name__}: {words}"
 
 

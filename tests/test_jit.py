@@ -395,8 +395,8 @@ def test_the_build_compiles_what_the_jit_compiles_for_a_call(tmp_path, monkeypat
 def test_a_plugin_is_compiled_or_jit_not_both():
     with pytest.raises(jit_build.AotBuildError, match=r"kernels \['c'\] are compiled \(C\+\+/CUDA\) and the others JIT"):
         jit_build._refuse_other_languages("pkg", {"c": {"sources": {}}, "j": {"language": "triton"}})
-    with pytest.raises(jit_build.AotBuildError, match="compiles ahead of time for Triton only"):
-        jit_build._refuse_other_languages("pkg", {"j": {"language": "cute-dsl", "archs": ["9.0a"]}})
+    jit_build._refuse_other_languages("pkg", {"j": {"language": "cute-dsl", "archs": ["9.0a"]},
+                                              "t": {"language": "triton", "archs": ["9.0a"]}})  # both ship code
 
 
 def test_a_jit_wheel_is_checked_from_its_own_files():
@@ -413,11 +413,12 @@ def test_a_jit_wheel_is_checked_from_its_own_files():
     assert check(files, record) == []
     assert check([*files, "pkg/notes.txt"], record) == [
         "pkg/notes.txt is not part of a JIT plugin's surface (its .py files, kernel.toml, _build_record.json, the "
-        "shipped cubins of its record)"]
+        "shipped code of its record)"]
     assert check([n for n in files if "9.0a-1" not in n], record) == [
         "pkg/_aot/k/f-9.0a-1.cubin is in the build record but not in the wheel"]
     files["pkg/_aot/k/f-8.0-0.cubin"] = b"PTX"
-    assert check(files, record) == ["pkg/_aot/k/f-8.0-0.cubin is not a cubin (no ELF header)"]
+    assert check(files, record) == ["pkg/_aot/k/f-8.0-0.cubin is not machine code (no ELF header: a cubin, or a CuTe "
+                                    "DSL object)"]
     files["pkg/_aot/k/f-8.0-0.cubin"] = b"\x7fELF"
     partial = {"jit": True, "kernels": {"k": {"archs": ["8.0"], "not_built": {"9.0a": "Triton failed"},
                                               "shipped": [entry("8.0", 0)]}}}
