@@ -159,7 +159,8 @@ def shipped_function(package: str, kernel: str, specialization: dict, capability
     function = specialization["function"]
     candidates = _shipped_index(package, kernel).get(_key(specialization))
     if not candidates:
-        return None, f"no shipped {function} for this call's specialization ({_describe_specialization(specialization)})"
+        described = _describe_specialization(specialization)
+        return None, f"no shipped {function} for this call's specialization ({described})"
     entry = _best_for(candidates, capability)
     if entry is None:
         archs = ", ".join(sorted(e["arch"] for e in candidates))

@@ -54,7 +54,8 @@ def parse(kind: str, constexprs: dict) -> dict:
             raise CuteSignatureError(f"a tensor's modes are names or integers, found {name!r} in {kind!r}")
         static = int(name) if name.isdigit() else constexprs.get(name)
         if static is not None and (isinstance(static, bool) or not isinstance(static, int) or static < 1):
-            raise CuteSignatureError(f"mode {name} of {kind!r} is the constexpr {name} = {static!r}, which is no extent")
+            raise CuteSignatureError(f"mode {name} of {kind!r} is the constexpr {name} = {static!r}, which is no "
+                                     "extent")
         modes.append([name, static])
     return {"tensor": found[1], "modes": modes}
 

@@ -18,8 +18,8 @@ A JIT kernel's table holds the keys every kernel has (description, namespace, op
   ``num_stages``);
 - ``specializations``: an array of tables, each one function compiled ahead of time: ``function``, ``signature``
   (every non-constexpr parameter's type: for Triton ``"*bf16"``, ``"i32"``, ``"fp32"``; for the CuTe DSL a tensor
-  ``"BFloat16[tokens, N]"``, a scalar ``"Float32"`` or ``"stream"``, cute_signature; ``{dtype}`` stands for each entry of
-  ``dtypes``), ``constexprs`` (every constexpr parameter's value; a list of values stands for one specialization per
+  ``"BFloat16[tokens, N]"``, a scalar ``"Float32"`` or ``"stream"``, cute_signature; ``{dtype}`` stands for each entry
+  of ``dtypes``), ``constexprs`` (every constexpr parameter's value; a list of values stands for one specialization per
   value) and, for the CuTe DSL, ``align`` (the byte alignment every tensor's base pointer is compiled for).
 
 A CuTe DSL kernel has no ``launch`` table (its launch configuration is its code's, or a constexpr) and no

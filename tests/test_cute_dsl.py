@@ -63,7 +63,8 @@ def _spec(**change):
     (dict(specializations=[_spec(dtypes=[])]), "signature.x uses {dtype}, and the specialization lists no dtypes"),
     (dict(specializations=[_spec(dtypes=["bf16"])]), "dtypes lists the element types {dtype} stands for"),
     (dict(specializations=[_spec(signature={"x": "Float32[rows]"})]), "no signature entry uses {dtype}"),
-    (dict(specializations=[_spec(align=12)]), "align is the byte alignment every tensor is compiled for, a power of two"),
+    (dict(specializations=[_spec(align=12)]), "align is the byte alignment every tensor is compiled for, a power of "
+                                              "two"),
     (dict(specializations=[_spec(constexprs={"N": []})]), "constexprs maps each constexpr parameter to a number or "
                                                           "boolean, or to a list of them"),
     (dict(specializations=[_spec(num_warps=4)]), "needs a function name and only the keys"),

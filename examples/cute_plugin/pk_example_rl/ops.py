@@ -38,7 +38,8 @@ def check_args(logp, old_logp, advantages, eps_low, eps_high, dual_clip) -> None
     for name, other in (("old_logp", old_logp), ("advantages", advantages)):
         _require(other.shape == logp.shape, f"{op}: {name} must have logp's shape {list(logp.shape)}, got "
                                             f"{list(other.shape)}")
-        _require(other.device == logp.device, f"{op}: {name} must be on logp's device {logp.device}, got {other.device}")
+        _require(other.device == logp.device,
+                 f"{op}: {name} must be on logp's device {logp.device}, got {other.device}")
     _require(0 <= eps_low < 1, f"{op}: eps_low must be in [0, 1), got {eps_low}")
     _require(0 <= eps_high < float("inf"), f"{op}: eps_high must be finite and non-negative, got {eps_high}")
     _require(dual_clip is None or 1 < dual_clip < float("inf"), f"{op}: dual_clip must be None or a finite value "
