@@ -9,7 +9,8 @@ DEVICE_ARCH=9.0a
 
 kit_hash() {  # [CORE_ROOT]: the tree whose core builds the plugin (default .)
   (cd "${1:-.}" && cat prime_kernels_core/build.py prime_kernels_core/manifest.py prime_kernels_core/jit_manifest.py \
-     prime_kernels_core/jit_build.py prime_kernels_core/csrc/* \
+     prime_kernels_core/jit_build.py prime_kernels_core/cute_build.py prime_kernels_core/cute_compile.py \
+     prime_kernels_core/cute_signature.py prime_kernels_core/csrc/* \
      prime_kernels_core/include/prime_kernels/*) | sha1sum | cut -c1-12
 }
 plugin_hash() {  # PLUGIN_DIR KIT_HASH
