@@ -166,6 +166,29 @@ def test_every_shipped_object_loads_in_a_fresh_process_without_compilers():
     assert done.stdout.split().count("CudaDialectJitCompiledFunction") == len(objects), done.stdout
 
 
+@needs_dsl
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the GPU tests run the object")
+def test_a_shipped_objects_arguments_as_the_runtime_assembles_them_reach_cuda(monkeypatch):
+    """Without a GPU, the furthest a call goes: the runtime's plan for a shipped bf16 object (from_dlpack views, the
+    scalars, the stream inserted where the signature says) is accepted by the DSL's argument checks and fails in CUDA
+    (no driver); one argument short, the DSL names the missing one."""
+    from prime_kernels_core import cute_runtime
+
+    folder, _, record = _record()
+    entry = next(e for e in record["shipped"] if e["arch"] == "9.0a" and e["signature"]["logp"] == "BFloat16[tokens]")
+    specialization = {k: entry[k] for k in ("function", "signature", "constexprs", "align")}
+    plan = cute_runtime.Plan(getattr(cute_runtime._module(str(folder / entry["file"])), entry["prefix"]),
+                             specialization, shipped=True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0}))
+    logp, old, advantages = inputs((1000,), torch.bfloat16)
+    args = (logp, old, advantages, torch.empty(1000), torch.empty(1000), 0.8, 1.2, 3.0)
+    with pytest.raises(Exception) as raised:
+        plan.run(args, torch.device("cpu"))
+    assert type(raised.value).__name__ == "DSLCudaRuntimeError", raised.value
+    with pytest.raises(Exception, match="Missing required arguments"):
+        plan.run(args[:-1], torch.device("cpu"))
+
+
 @pytest.mark.parametrize("capability, arch", [((9, 0), "9.0a"), ((8, 6), "8.0"), ((8, 9), "8.0"), ((10, 0), "10.0a"),
                                               ((12, 0), "12.0a")])
 def test_a_shipped_call_finds_its_object(monkeypatch, capability, arch):
