@@ -189,6 +189,47 @@ def test_a_shipped_objects_arguments_as_the_runtime_assembles_them_reach_cuda(mo
         plan.run(args[:-1], torch.device("cpu"))
 
 
+@needs_dsl
+def test_plans_for_a_shipped_and_an_unshipped_call(monkeypatch):
+    """The runtime's plans on a pretend sm_90 device (no GPU here: its capability and context stubbed): a bf16 call
+    gets the shipped 9.0a object, loaded; a float16 call (not shipped) is compiled by cute.compile with the manifest's
+    layout and the reason is recorded once, for status; the next float16 call reuses that plan."""
+    from contextlib import nullcontext
+
+    from prime_kernels_core import cute_runtime, jit_runtime
+
+    from pk_example_rl import kernels
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "device", lambda index: nullcontext())
+    monkeypatch.setattr(cute_runtime, "_plans", {})
+    monkeypatch.setattr(jit_runtime, "_fallbacks", {})
+    device = torch.device("cuda", 0)
+    constexprs = dict(THREADS=256, DUAL_CLIP=False)
+
+    def plan(dtype, offset=0):
+        logp, old, advantages = (t[offset:] for t in inputs((1000 + offset,), dtype))
+        args = (logp, old, advantages, torch.empty(1000), torch.empty(1000), 0.8, 1.2, 0.0)
+        return cute_runtime.plan(KERNEL, kernels.ppo_loss_forward, args, constexprs, device)
+
+    shipped = plan(torch.bfloat16)
+    assert shipped.shipped and shipped.specialization["signature"]["logp"] == "BFloat16[tokens]"
+    assert jit_runtime.fallbacks() == {}
+    with pytest.warns(RuntimeWarning, match="compiling it now"):
+        compiled = plan(torch.float16)
+    assert not compiled.shipped and type(compiled.compiled).__name__ == "CudaDialectJitCompiledFunction"
+    assert compiled.specialization == {**shipped.specialization, "signature": {
+        **shipped.specialization["signature"], "logp": "Float16[tokens]", "old_logp": "Float16[tokens]"}}
+    assert jit_runtime.fallbacks() == {KERNEL: [
+        "no shipped ppo_loss_forward for this call's specialization (logp Float16[tokens], old_logp Float16[tokens], "
+        "advantages Float32[tokens], loss Float32[tokens], slope Float32[tokens], low Float32, high Float32, "
+        "dual_clip Float32, DUAL_CLIP=False, THREADS=256, aligned to 16 bytes)"]}
+    assert plan(torch.float16) is compiled
+    with pytest.warns(RuntimeWarning, match="a tensor of this call is not 16-byte aligned"):
+        misaligned = plan(torch.bfloat16, offset=1)
+    assert not misaligned.shipped and "align" not in misaligned.specialization
+
+
 @pytest.mark.parametrize("capability, arch", [((9, 0), "9.0a"), ((8, 6), "8.0"), ((8, 9), "8.0"), ((10, 0), "10.0a"),
                                               ((12, 0), "12.0a")])
 def test_a_shipped_call_finds_its_object(monkeypatch, capability, arch):
