@@ -179,7 +179,11 @@ class Plan:
     """How calls of one specialization on one device run: the compiled function and where its arguments go."""
 
     def __init__(self, compiled, specialization: dict, shipped: bool):
+        import cuda.bindings.driver as cuda
+        from cutlass.cute.runtime import from_dlpack
+
         self.compiled, self.specialization, self.shipped = compiled, specialization, shipped
+        self.from_dlpack, self.stream_type = from_dlpack, cuda.CUstream  # looked up once, not per call
         signature = specialization["signature"]
         self.stream_at = next((i for i, k in enumerate(signature.values()) if k == cute_signature.STREAM), None)
         self.align = specialization.get("align")
@@ -192,7 +196,6 @@ class Plan:
 
     def run(self, args: tuple, device) -> None:
         import torch
-        from cutlass.cute.runtime import from_dlpack
 
         views = []
         for name, value in zip(self.names, args):
@@ -200,16 +203,14 @@ class Plan:
                 if not value.is_contiguous():
                     raise ValueError(f"{self.specialization['function']}: {name} must be contiguous (the compiled "
                                      f"code assumes a compact row-major layout), got strides {value.stride()}")
-                value = from_dlpack(value, assumed_align=self.align)
+                value = self.from_dlpack(value, assumed_align=self.align)
             views.append(value)
         for i, mode, extent in self.static:
             if args[i].shape[mode] != extent:
                 raise ValueError(f"{self.specialization['function']}: {self.names[i]}'s mode {mode} is compiled for "
                                  f"{extent}, got {args[i].shape[mode]}")
         if self.stream_at is not None:
-            import cuda.bindings.driver as cuda
-
-            views.insert(self.stream_at, cuda.CUstream(torch.cuda.current_stream(device).cuda_stream))
+            views.insert(self.stream_at, self.stream_type(torch.cuda.current_stream(device).cuda_stream))
         self.compiled(*views)  # the constexprs are compiled in
 
 
