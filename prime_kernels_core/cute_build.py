@@ -6,7 +6,7 @@ every specialization its manifest names with ``cute.compile(fn, *fakes, **conste
 file per arch and specialization, holding the host launch code and the cubin, under ``_aot/<kernel>/`` in the package.
 At run time cute_runtime loads it with ``cute.runtime.load_module``: no compiler. The build record lists each object
 with its function, arch, signature, constexprs and alignment, and the kernel's nvidia-cutlass-dsl release and object
-file format version.
+file format version and the CUDA flavour of its libraries (cu12 or cu13, cute_compile.library_flavor).
 
 Why one child per arch: the DSL reads ``CUTE_DSL_ARCH`` once, and without a GPU defaults to sm_100; ``--gpu-arch``
 alone compiles for another arch but ``export_to_c`` then fails to link the host code (measured with 4.8.1: sm_80,
@@ -55,7 +55,8 @@ def _child(request: dict) -> dict:
     module = importlib.import_module(request["functions"])
     shipped = [_export(Path(request["out"]), request["kernel"], module, request["arch"], s)
                for s in request["specializations"]]
-    return {"shipped": shipped, "object_file_version": _object_file_version}
+    return {"shipped": shipped, "object_file_version": _object_file_version,
+            "library_flavor": cute_compile.library_flavor()}
 
 
 def _compile_arch(root: Path, package_out: Path, name: str, table: dict, arch: str) -> dict:
@@ -91,6 +92,7 @@ def ship_kernel(root: Path, package_out: Path, name: str, table: dict) -> dict:
             continue
         entry["archs"].append(arch)
         entry["object_file_version"] = compiled["object_file_version"]
+        entry["library_flavor"] = compiled["library_flavor"]
         entry["shipped"] += compiled["shipped"]
     return entry
 

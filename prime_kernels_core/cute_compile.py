@@ -5,6 +5,8 @@ build would have shipped for that call. Imports the DSL: called by the build's p
 from __future__ import annotations
 
 import inspect
+import re
+import sys
 
 from . import cute_signature
 
@@ -12,6 +14,17 @@ from . import cute_signature
 def gpu_arch(arch: str) -> str:
     """``"9.0a"`` -> ``"sm_90a"``, as ``--gpu-arch`` and ``CUTE_DSL_ARCH`` spell it."""
     return "sm_" + arch.replace(".", "")
+
+
+def library_flavor() -> str | None:
+    """The CUDA toolkit flavour of the DSL's libraries this process runs ("cu12", "cu13"): the DSL installs one per
+    libs wheel and loads the newest the driver supports (without a driver, the newest installed), so the same release
+    may compile with, and link objects against, either. Read from the module it loaded; None when it cannot tell."""
+    import cutlass  # noqa: F401  loads the flavour
+
+    loaded = sys.modules.get("cutlass._mlir._mlir_libs._cutlass_ir")
+    found = re.search(r"\.(cu\d+)\.", getattr(loaded, "__file__", "") or "")
+    return found[1] if found else None
 
 
 def parameters(fn) -> list[str]:

@@ -11,8 +11,8 @@ rank, the constexprs, whether the tensors keep the manifest's alignment) and dev
 - the call's specialization is the manifest's for those types, or (not listed) the function's first one with the
   call's element types and constexprs, so a JIT fallback compiles what the build would have shipped for it;
 - shipped code serves it when the build record has an object for that specialization whose arch runs on the device,
-  compiled by the installed nvidia-cutlass-dsl release (the objects link against that release's runtime libraries,
-  whose ABI between releases is not promised), and ``cute.runtime.load_module`` loads it (once per object and
+  compiled by the installed nvidia-cutlass-dsl release with the CUDA flavour of libraries this process runs (the
+  objects link against those runtime libraries, whose ABI between releases and flavours is not promised), and ``cute.runtime.load_module`` loads it (once per object and
   process: the DSL links it in-process, no compiler);
 - otherwise ``cute.compile`` on the device, saying why once (a warning, and ``jit_runtime.fallbacks()``, which status
   notes show).
@@ -119,8 +119,12 @@ def _shipped_index(package: str, kernel: str) -> dict:
 
 
 def _library_reason(package: str, kernel: str) -> str:
-    """Why the installed DSL cannot run this kernel's shipped objects ("" when it can)."""
-    built = _record(package, kernel).get("library_version")
+    """Why this process's DSL cannot run this kernel's shipped objects ("" when it can): another release, or the same
+    release running its libraries of another CUDA flavour (an object links against the libraries it was built with)."""
+    from . import cute_compile
+
+    record = _record(package, kernel)
+    built = record.get("library_version")
     try:
         installed = importlib.metadata.version(LIBRARY)
     except importlib.metadata.PackageNotFoundError:
@@ -128,6 +132,10 @@ def _library_reason(package: str, kernel: str) -> str:
     if built != installed:
         return (f"the shipped code was compiled by {LIBRARY} {built} and {LIBRARY} {installed} is installed "
                 "(an object links against its own release's runtime libraries)")
+    flavor = cute_compile.library_flavor()
+    if record.get("library_flavor") != flavor:
+        return (f"the shipped code was compiled by {LIBRARY} {built} with its {record.get('library_flavor')} "
+                f"libraries and this process runs its {flavor} libraries")
     return ""
 
 

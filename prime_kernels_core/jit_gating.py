@@ -94,8 +94,8 @@ def shipped_archs(spec) -> list[str]:
 
 
 def _shipped_release_reason(spec) -> str | None:
-    """For a CuTe DSL kernel: why its shipped objects do not serve the installed DSL (they serve the release that
-    compiled them, cute_runtime), from metadata and the build record only."""
+    """For a CuTe DSL kernel: why its shipped objects do not serve the installed DSL (they serve the release and the
+    libraries' CUDA flavour that compiled them, cute_runtime), from metadata and the build record only."""
     kernel = kernel_record(spec)
     if spec.jit["language"] != "cute-dsl" or not kernel or not kernel["shipped"]:
         return None
@@ -107,6 +107,11 @@ def _shipped_release_reason(spec) -> str | None:
     built = kernel.get("library_version")
     if installed != built:
         return f"its shipped code was compiled by {library} {built} and {library} {installed} is installed"
+    flavor = kernel.get("library_flavor")
+    try:
+        importlib.metadata.version(f"{library}-libs-{flavor}")
+    except importlib.metadata.PackageNotFoundError:
+        return f"its shipped code was compiled with {library}'s {flavor} libraries, which are not installed"
     return None
 
 

@@ -12,7 +12,8 @@ import textwrap
 import pytest
 import torch
 
-from prime_kernels_core import cute_runtime, cute_signature, jit_gating, jit_manifest, jit_runtime, manifest, registry
+from prime_kernels_core import (cute_compile, cute_runtime, cute_signature, jit_gating, jit_manifest, jit_runtime,
+                                manifest, registry)
 
 DSL = "nvidia-cutlass-dsl"
 needs_dsl = pytest.mark.skipif(importlib.util.find_spec("cutlass") is None,
@@ -108,7 +109,8 @@ def installed(monkeypatch, tmp_path):
     shipped = [dict(s, arch=arch, file=f"_aot/k/f-{arch}-{i}.o", prefix="f")
                for arch in ("8.0", "9.0a") for i, s in enumerate(jit_manifest.expanded(GOOD["specializations"][0]))]
     record = {"jit": True, "kernels": {"k": {"language": "cute-dsl", "archs": ["8.0", "9.0a"], "not_built": {},
-                                             "shipped": shipped, "library_version": "4.8.1"}}}
+                                             "shipped": shipped, "library_version": "4.8.1",
+                                             "library_flavor": "cu13"}}}
     (folder / "_build_record.json").write_text(json.dumps(record))
     monkeypatch.setattr(manifest, "package_dir", lambda package: folder)
     for cached in (cute_runtime._table, cute_runtime._specializations, cute_runtime._record,
@@ -117,6 +119,7 @@ def installed(monkeypatch, tmp_path):
     real = importlib.metadata.version
     monkeypatch.setattr(cute_runtime.importlib.metadata, "version",
                         lambda name: "4.8.1" if name == DSL else real(name))
+    monkeypatch.setattr(cute_compile, "library_flavor", lambda: "cu13")
     yield folder
     for cached in (cute_runtime._table, cute_runtime._specializations, cute_runtime._record,
                    cute_runtime._shipped_index, cute_runtime._template_align, manifest.load):
@@ -180,6 +183,15 @@ def test_objects_of_another_dsl_release_are_not_loaded(installed, monkeypatch):
                                         "(an object links against its own release's runtime libraries)")
 
 
+def test_objects_built_with_libraries_of_another_cuda_flavour_are_not_loaded(installed, monkeypatch):
+    """The DSL loads the newest libraries the driver supports: the same release may run its cu12 libraries where the
+    objects were linked against cu13's."""
+    monkeypatch.setattr(cute_compile, "library_flavor", lambda: "cu12")
+    function, why = cute_runtime.shipped_function("pkcute", "k", _specialization(), (9, 0))
+    assert function is None and why == (f"the shipped code was compiled by {DSL} 4.8.1 with its cu13 libraries and "
+                                        "this process runs its cu12 libraries")
+
+
 def test_shipped_code_turned_off(installed, monkeypatch):
     monkeypatch.setenv(jit_runtime.SHIPPED_ENV, "0")
     assert cute_runtime.shipped_function("pkcute", "k", _specialization(), (9, 0)) == (
@@ -200,7 +212,8 @@ def test_an_object_the_dsl_does_not_load_is_a_reason(installed):
 class _Spec:
     name = "k"
     jit = {"language": "cute-dsl", "requires": f"{DSL} >= 4.8, < 4.9", "capability": ">= 8.0", "cpu": ["pytorch"]}
-    build = {"kernels": {"k": {"archs": ["9.0a"], "shipped": [{"arch": "9.0a"}], "library_version": "4.8.1"}}}
+    build = {"kernels": {"k": {"archs": ["9.0a"], "shipped": [{"arch": "9.0a"}], "library_version": "4.8.1",
+                               "library_flavor": "cu13"}}}
 
 
 def test_status_notes_objects_of_another_dsl_release(monkeypatch):
@@ -210,6 +223,16 @@ def test_status_notes_objects_of_another_dsl_release(monkeypatch):
                                                 f"4.8.1 and {DSL} 4.8.2 is installed")
     monkeypatch.setattr(jit_gating.importlib.metadata, "version", lambda name: "4.8.1")
     assert jit_gating.note(_Spec(), target) is None
+
+    def without_cu13(name):
+        if name.endswith("-libs-cu13"):
+            raise importlib.metadata.PackageNotFoundError(name)
+        return "4.8.1"
+
+    monkeypatch.setattr(jit_gating.importlib.metadata, "version", without_cu13)
+    assert jit_gating.note(_Spec(), target) == (f"k compiles on its first call: its shipped code was compiled with "
+                                                f"{DSL}'s cu13 libraries, which are not installed")
+    monkeypatch.setattr(jit_gating.importlib.metadata, "version", lambda name: "4.8.1")
     assert jit_gating.note(_Spec(), registry.Target("cuda", 0, (8, 9))).startswith("k compiles on its first call on "
                                                                                     "sm_89")
 
@@ -261,6 +284,7 @@ def test_one_function_is_shipped_for_a_named_arch_and_loads_in_a_fresh_process(t
     entry = cute_build.ship_kernel(tmp_path, out, "scale", table)
     assert entry["archs"] == ["9.0a"] and not entry["not_built"], entry["not_built"]
     assert entry["library_version"] == importlib.metadata.version(DSL) and entry["object_file_version"]
+    assert entry["library_flavor"] == cute_compile.library_flavor()  # this process's DSL, as the child's
     (shipped,) = entry["shipped"]
     assert shipped["signature"]["x"] == "BFloat16[n]" and shipped["arch"] == "9.0a"
     assert sorted(p.name for p in (out / "_aot" / "scale").iterdir()) == [shipped["file"].split("/")[-1]]
