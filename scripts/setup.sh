@@ -28,9 +28,10 @@ fi
 pip_install torch==$torch_pin pluggy "tomli; python_version < '3.11'" pytest ninja build wheel "setuptools>=64" numpy
 # Test dependency: flash_moe's transformers integration is tested against this release (its tests skip without it).
 pip_install transformers==5.24.0
-# Build and test dependency: the CuTe DSL example compiles its shipped objects with this release (the GPU image's;
-# shipped objects serve the release that compiled them) and its tests load them; ~260 MB, seconds to install.
-pip_install nvidia-cutlass-dsl==4.8.1
+# Build and test dependency: the CuTe DSL example compiles its shipped objects with this release and its cu13 libraries
+# (the GPU image's: shipped objects serve the release and flavour that compiled them; the meta package brings cu12's
+# too, and the DSL loads the newest) and its tests load them; ~190 MB download, ~490 MB installed, ~10 s.
+pip_install "nvidia-cutlass-dsl[cu13]==4.8.1"
 # --no-build-isolation everywhere: an isolated build would pull another torch and produce a wheel that fails at import.
 pip_install --no-build-isolation --no-deps --force-reinstall .
 
