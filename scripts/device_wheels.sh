@@ -37,6 +37,7 @@ if ! "$venv/bin/python" -c "$has_torch" 2>/dev/null; then
 fi
 py=$venv/bin/python
 "$py" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps --force-reinstall .  # the build kit
+"$py" -m pip install -q --disable-pip-version-check "$CUTE_DSL_REQUIREMENT"  # the CuTe plugins' shipped objects
 # A variant differs from the tree in one or two of flash_moe's seven translation units (70-90 s each here): through
 # ccache the others are cache hits (cand-dw-trim2's wheel in 147 s instead of 269 s). Each plugin builds in its own temp
 # folder: paths under it are hashed relative to it (CCACHE_BASEDIR).

@@ -28,15 +28,15 @@ fi
 pip_install torch==$torch_pin pluggy "tomli; python_version < '3.11'" pytest ninja build wheel "setuptools>=64" numpy
 # Test dependency: flash_moe's transformers integration is tested against this release (its tests skip without it).
 pip_install transformers==5.24.0
-# Build and test dependency: the CuTe DSL example compiles its shipped objects with this release and its cu13 libraries
-# (the GPU image's: shipped objects serve the release and flavour that compiled them; the meta package brings cu12's
-# too, and the DSL loads the newest) and its tests load them; ~190 MB download, ~490 MB installed, ~10 s.
-pip_install "nvidia-cutlass-dsl[cu13]==4.8.1"
+# shellcheck source=lib/wheels.sh
+. scripts/lib/wheels.sh
+# Build and test dependency: the CuTe DSL example compiles its shipped objects with it (lib/wheels.sh: the GPU image's
+# release and cu13 libraries; the meta package brings cu12's too, and the DSL loads the newest) and its tests load
+# them; ~190 MB download, ~490 MB installed, ~10 s.
+pip_install "$CUTE_DSL_REQUIREMENT"
 # --no-build-isolation everywhere: an isolated build would pull another torch and produce a wheel that fails at import.
 pip_install --no-build-isolation --no-deps --force-reinstall .
 
-# shellcheck source=lib/wheels.sh
-. scripts/lib/wheels.sh
 kit=$(kit_hash)
 wheel_dir() { echo "$wheelhouse/$(basename "$1")-$(plugin_hash "$1" "$kit")"; }  # named by the plugin's content hash
 plugins=() to_build=()

@@ -6,6 +6,9 @@
 
 # The H200's build arch, for wheels built on a machine without it (PRIME_KERNELS_ARCH=native gives it there).
 DEVICE_ARCH=9.0a
+# The CuTe DSL the CuTe plugins are built with, here and for the device: the GPU image's release and CUDA flavour
+# (shipped objects serve only those; built so, they are byte-identical to the image's own build).
+CUTE_DSL_REQUIREMENT="nvidia-cutlass-dsl[cu13]==4.8.1"
 
 kit_hash() {  # [CORE_ROOT]: the tree whose core builds the plugin (default .)
   (cd "${1:-.}" && cat prime_kernels_core/build.py prime_kernels_core/manifest.py prime_kernels_core/jit_manifest.py \
