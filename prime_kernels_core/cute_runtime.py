@@ -277,4 +277,9 @@ def call(kernel: str, fn, args: tuple, constexprs: dict) -> None:
     import torch
 
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
-    plan(kernel, fn, args, constexprs, device).run(args, device)
+    found = plan(kernel, fn, args, constexprs, device)
+    if device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device.index):  # the DSL launches on the current device, the tensors' must be it
+            found.run(args, device)
+        return
+    found.run(args, device)
