@@ -184,7 +184,9 @@ def shipped_function(package: str, kernel: str, specialization: dict, capability
 
 
 class Plan:
-    """How calls of one specialization on one device run: the compiled function and where its arguments go."""
+    """How calls of one specialization on one device run: the compiled function and where its arguments go. Each plan
+    has a compiled-function object of its own (``getattr`` on a loaded module makes a new one; a fallback compiles
+    one): the DSL binds it to the device current at its first call, which call() makes the tensors' device."""
 
     def __init__(self, compiled, specialization: dict, shipped: bool):
         import cuda.bindings.driver as cuda
