@@ -10,7 +10,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 from prime_kernels_core import (cute_compile, cute_runtime, cute_signature, jit_gating, jit_manifest, jit_runtime,
                                 manifest, registry)
