@@ -12,8 +12,8 @@ rank, the constexprs, whether the tensors keep the manifest's alignment) and dev
   call's element types and constexprs, so a JIT fallback compiles what the build would have shipped for it;
 - shipped code serves it when the build record has an object for that specialization whose arch runs on the device,
   compiled by the installed nvidia-cutlass-dsl release with the CUDA flavour of libraries this process runs (the
-  objects link against those runtime libraries, whose ABI between releases and flavours is not promised), and ``cute.runtime.load_module`` loads it (once per object and
-  process: the DSL links it in-process, no compiler);
+  objects link against those runtime libraries, whose ABI between releases and flavours is not promised), and
+  ``cute.runtime.load_module`` loads it (once per object and process: the DSL links it in-process, no compiler);
 - otherwise ``cute.compile`` on the device, saying why once (a warning, and ``jit_runtime.fallbacks()``, which status
   notes show).
 
@@ -85,11 +85,16 @@ def specialization_for(package: str, kernel: str, function: str, described: tupl
     signature = dict(template["signature"])
     for name, found in zip(names, described):
         parsed = cute_signature.parse(signature[name], {**template["constexprs"], **constexprs})
-        if "tensor" in parsed:
-            if not isinstance(found, tuple) or found[1] != len(parsed["modes"]):
-                raise ValueError(f"{function}: {name} must be a {len(parsed['modes'])}-D tensor "
-                                 f"({signature[name]}), got {found}")
-            signature[name] = signature[name].replace(parsed["tensor"], found[0], 1)
+        if "tensor" not in parsed:
+            if isinstance(found, tuple):
+                raise ValueError(f"{function}: {name} must be a {signature[name]} scalar, got a tensor")
+            continue
+        if not isinstance(found, tuple) or found[1] != len(parsed["modes"]):
+            raise ValueError(f"{function}: {name} must be a {len(parsed['modes'])}-D tensor ({signature[name]}), "
+                             f"got {found}")
+        if found[0] not in cute_signature.ELEMENT_BYTES:
+            raise ValueError(f"{function}: {name}'s dtype {found[0]} has no CuTe DSL element type")
+        signature[name] = signature[name].replace(parsed["tensor"], found[0], 1)
     call = {"function": function, "signature": signature, "constexprs": dict(constexprs)}
     if aligned and "align" in template:
         call["align"] = template["align"]

@@ -147,9 +147,13 @@ def test_an_unlisted_call_gets_the_functions_layout_with_its_own_types(installed
     assert "align" not in _specialization(aligned=False)
 
 
-def test_a_call_of_the_wrong_rank_is_refused_by_name(installed):
+def test_a_call_of_the_wrong_kind_is_refused_by_name(installed):
     with pytest.raises(ValueError, match=r"f: x must be a 2-D tensor \(BFloat16\[rows, N\]\), got \('BFloat16', 1\)"):
         _specialization((("BFloat16", 1), ("Float32", 1), "float"))
+    with pytest.raises(ValueError, match="f: eps must be a Float32 scalar, got a tensor"):
+        _specialization((("BFloat16", 2), ("Float32", 1), ("Float32", 0)))
+    with pytest.raises(ValueError, match="f: x's dtype torch.complex64 has no CuTe DSL element type"):
+        _specialization((("torch.complex64", 2), ("Float32", 1), "float"))
 
 
 @pytest.mark.parametrize("capability, arch", [((9, 0), "9.0a"), ((8, 0), "8.0"), ((8, 9), "8.0")])
