@@ -8,11 +8,16 @@ What a trainer writes as five elementwise ops and an autograd graph is one op he
 loss and its slope d loss / d logp (the backward multiplies the incoming gradient by it). On CUDA the slope and loss
 come from kernels.py's CuTe DSL function, run from the object the wheel ships for the device
 (prime_kernels_core.cute_runtime), else compiled on first use; on the CPU from the PyTorch code below (the same
-formulas). Reach it through ``prime_kernels.load("ppo_loss")`` to get a reason instead of an error when it cannot run.
+formulas). Reach it through ``prime_kernels.load("ppo_loss")`` to get a reason instead of an error when it cannot run
+(this module imports the DSL, which the registry checks is installed; discovery never imports this module).
 """
 from __future__ import annotations
 
 import torch
+
+from prime_kernels_core import cute_runtime
+
+from . import kernels
 
 KERNEL = "ppo_loss"
 LOGP_DTYPES = (torch.float32, torch.bfloat16)
@@ -64,10 +69,6 @@ def ppo_loss_reference(logp, old_logp, advantages, eps_low, eps_high, dual_clip,
 
 
 def _cuda_forward(logp, old_logp, advantages, eps_low, eps_high, dual_clip):
-    from prime_kernels_core import cute_runtime
-
-    from . import kernels
-
     loss = torch.empty(logp.shape, dtype=torch.float32, device=logp.device)
     slope = torch.empty_like(loss)
     if logp.numel():

@@ -1,5 +1,5 @@
-"""Entry-point hooks (group ``prime_kernels``): declared from kernel.toml; samples import the ops module only when the
-conformance kit asks, and the ops module imports the CuTe DSL only on a CUDA call, so discovery never imports it."""
+"""Entry-point hooks (group ``prime_kernels``): declared from kernel.toml; samples import the ops module (and so the
+CuTe DSL) only when the conformance kit asks, so discovery never imports it."""
 from prime_kernels_core import hookimpl, manifest
 
 KERNEL = "ppo_loss"
