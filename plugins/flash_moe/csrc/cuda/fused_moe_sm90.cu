@@ -32,6 +32,11 @@
 // column by column in one transposed tensor (gpt-oss) are read as 256 consecutive columns, 128 (gate, up) pairs, whose
 // two values land in the same thread (kInOutPairs: the gate/up epilogue pairs them); dX then runs over the one
 // interleaved tensor, K = 2 hidden, against dg | du interleaved the same way.
+// LoRA adapters (moe_lora_forward / moe_lora_gate_up; expert_ids then hold (expert, adapter) groups v = e n + a): the
+// shrink modes compute each block's rank-r rows u = s_a z A[a, e]^T (z: x rows gathered, or the intermediate's rows),
+// rounded once to bf16, into a padded-row buffer; the gate/up and down modes with LORA_EXTENSION added read them after
+// their base K tiles as more K tiles, `[z | u] [W | B]^T`: A = the block's u rows by TMA, B = B[a, e]'s rows of the
+// column tile by TMA (K-major whatever the base weights' form), so the epilogues see base + adapter sums unchanged.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -105,24 +110,35 @@ constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + 2
 // DH_SWIGLU: the backward's grad_h = grad_out W2 with the SwiGLU derivative in the epilogue (kernel 3 above).
 // DX_ATOMIC, DX_SLOTS: the backward's dx (kernel 4 above).
 // *_PERSISTENT: the gate/up modes' persistent twins (the host picks one per call: gate_up_persistent).
+// LORA_SHRINK_X: the LoRA shrink u = s_a x [A_gate; A_up]^T of the gathered x rows (gate and up adapters in the two
+// halves of the B tile); LORA_SHRINK_H: u = s_a h A_down^T of the intermediate's rows. Both persistent, one column tile.
 enum Mode : int {
   GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2, GATE_UP_SAVE = 3, GATE_UP_AND_SAVE = 4, DH_SWIGLU = 5, DX_ATOMIC = 6,
-  DX_SLOTS = 7, GATE_UP_PERSISTENT = 8, GATE_UP_SAVE_PERSISTENT = 9, GATE_UP_AND_SAVE_PERSISTENT = 10
+  DX_SLOTS = 7, GATE_UP_PERSISTENT = 8, GATE_UP_SAVE_PERSISTENT = 9, GATE_UP_AND_SAVE_PERSISTENT = 10,
+  LORA_SHRINK_X = 11, LORA_SHRINK_H = 12
 };
+// Added to a persistent gate/up or a down mode: blocks of (expert, adapter) groups, and the adapters' K extension
+// (Params::ext_tiles K tiles after the base ones, possibly none). A flag rather than more modes: the base modes'
+// instantiations stay what they were.
+enum ModeFlag : int { LORA_EXTENSION = 16 };
 constexpr int persistent_twin(int mode) {
   return mode == GATE_UP ? GATE_UP_PERSISTENT : mode == GATE_UP_SAVE ? GATE_UP_SAVE_PERSISTENT
                                               : mode == GATE_UP_AND_SAVE ? GATE_UP_AND_SAVE_PERSISTENT : mode;
 }
-// What the kernel computes: a twin's base mode (the twins differ in their launch only).
-constexpr int base_mode(int mode) {
+constexpr bool lora_extension(int mode) { return (mode & LORA_EXTENSION) != 0; }
+// What the kernel computes: a twin's base mode (the twins differ in their launch only), without the LoRA flag.
+constexpr int base_mode(int flagged) {
+  const int mode = flagged & ~LORA_EXTENSION;
   return mode == GATE_UP_PERSISTENT ? GATE_UP : mode == GATE_UP_SAVE_PERSISTENT ? GATE_UP_SAVE
                                               : mode == GATE_UP_AND_SAVE_PERSISTENT ? GATE_UP_AND_SAVE : mode;
 }
 // The GEMMs that run persistent (one CTA per SM walking claimed tiles; see moe_gemm_kernel); the gate/up GEMMs' base
 // modes run one CTA per tile in CTA pairs.
-constexpr bool persistent_mode(int mode) {
+constexpr bool persistent_mode(int flagged) {
+  const int mode = flagged & ~LORA_EXTENSION;
   return mode == DOWN_ATOMIC || mode == DOWN_SLOTS || mode == DX_ATOMIC || mode == DX_SLOTS || mode == DH_SWIGLU ||
-         mode == GATE_UP_PERSISTENT || mode == GATE_UP_SAVE_PERSISTENT || mode == GATE_UP_AND_SAVE_PERSISTENT;
+         mode == GATE_UP_PERSISTENT || mode == GATE_UP_SAVE_PERSISTENT || mode == GATE_UP_AND_SAVE_PERSISTENT ||
+         mode == LORA_SHRINK_X || mode == LORA_SHRINK_H;
 }
 // How the weights lie (the host reads it off the strides of the ops' (E, out, in) views): kOutIn, each expert's
 // (out, in) rows K-contiguous for the forward (today's form); kInOut, transposed (E, in, out); kInOutPairs, transposed
@@ -179,6 +195,28 @@ struct Params {
   const __nv_bfloat16* b_up;
   const __nv_bfloat16* b2;
   float alpha, limit;
+  // LoRA (the shrink modes and those with LORA_EXTENSION): expert_ids hold groups v = e lora_n + a (num_experts: E
+  // lora_n), adapter a of local expert e is group ag = a lora_experts + e of the adapter tensors' 2-D views, whose
+  // rows of one group are lora_group_rows[i] (the rank for A, out for B) of map i.
+  int lora_n;
+  int lora_experts;
+  int lora_group_rows[2];
+  // The shrinks: tm_b0 / tm_b1 map the 2-D views of the two B-tile halves' A adapters (n E r, in) (boxes of B_BOX_ROWS
+  // rows: rows past the rank are never stored); u = s_a acc of the first lora_rank[0] columns of half 0 and
+  // lora_rank[1] of half 1, side by side, goes to row `padded row` of u_out [blocks BM, ld_u] and, where u_compact
+  // is set, to the compact row (dst_rows) of u_compact [slots, ld_u].
+  const float* lora_scaling;  // (n,)
+  int lora_rank[2];
+  __nv_bfloat16* u_out;
+  __nv_bfloat16* u_compact;
+  int64_t ld_u;
+  // The K extension: ext_tiles[i] K tiles of BK from tm_ua[i] (the u rows, box BM x BK at the block's first padded
+  // row; columns past the rank read as zeros) and tm_ub[i] (B's 2-D view (n E out, r), boxes B_BOX_ROWS x BK, its
+  // rows of the column tile; columns past the rank zeros): gated gate/up tiles (halves) take i = 0 into the gate
+  // half and i = 1 into the up half (m64n128k16 each), every other tile i = 0 alone over all its columns.
+  CUtensorMap tm_ua[2];
+  CUtensorMap tm_ub[2];
+  int ext_tiles[2];
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -249,6 +287,29 @@ __device__ __forceinline__ float activation_grad_row(const Params& p, const floa
   }
   return dot;
 }
+
+// The shrinks' epilogue for accumulator row h of a consumer thread (padded row `row`): u = s acc, rounded once to
+// bf16, of columns [0, lora_rank[0]) of the gate half and [0, lora_rank[1]) of the up half, side by side, to u_out's
+// row and (u_compact) the row's compact row. Ranks are multiples of 8: whole bf16 pairs, 4-byte aligned.
+__device__ __forceinline__ void store_lora_rows(const Params& p, const float* acc, int h, int quad, int row, float s) {
+  __nv_bfloat16* const padded = p.u_out + static_cast<int64_t>(row) * p.ld_u;
+  const int compact = p.u_compact != nullptr ? p.dst_rows[row] : -1;  // -1: padding
+  __nv_bfloat16* const dense = compact >= 0 && compact < p.dst_limit
+                                   ? p.u_compact + static_cast<int64_t>(compact) * p.ld_u : nullptr;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int rank = p.lora_rank[half], first = half ? p.lora_rank[0] : 0;
+#pragma unroll
+    for (int j = 0; j < BN_GU / 8; ++j) {
+      const int col = 8 * j + 2 * quad;
+      if (col >= rank) break;
+      const int i = 4 * (j + half * BN_GU / 8) + 2 * h;
+      const uint32_t bits = bf16x2_bits(s * acc[i], s * acc[i + 1]);
+      *reinterpret_cast<uint32_t*>(padded + first + col) = bits;
+      if (dense != nullptr) *reinterpret_cast<uint32_t*>(dense + first + col) = bits;
+    }
+  }
+}
 #endif
 
 // CTA or tile number -> (aligned block, column tile) in the launch's order (Params::raster_runs).
@@ -273,10 +334,19 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   constexpr bool kGateUp = kMode == GATE_UP || kMode == GATE_UP_SAVE || kMode == GATE_UP_AND_SAVE;
   static_assert(WEIGHTS != kInOutPairs || (kGateUp && ACT != kActRelu2), "column pairs: the gated gate/up GEMMs only");
   constexpr bool kPairs = WEIGHTS == kInOutPairs;
-  // B tile: BN_GU gate rows (or columns) + the same BN_GU up ones
-  constexpr bool kHalves = kGateUp && ACT != kActRelu2 && !kPairs;
+  constexpr bool kShrink = kMode == LORA_SHRINK_X || kMode == LORA_SHRINK_H;
+  // the LoRA K extension after the base K tiles (LORA_EXTENSION)
+  constexpr bool kExtension = lora_extension(MODE);
+  static_assert(!kExtension || (persistent_mode(MODE) && (kGateUp || kMode == DOWN_ATOMIC || kMode == DOWN_SLOTS)),
+                "the LoRA extension: persistent gate/up and down GEMMs");
+  static_assert(!kShrink || WEIGHTS == kOutIn, "the shrinks read the adapters' A, (out, in) in every layout");
+  // expert_ids hold (expert, adapter) groups
+  constexpr bool kGroups = kExtension || kShrink;
+  // B tile: BN_GU gate rows (or columns) + the same BN_GU up ones; the shrinks: the gate and up adapters' A rows
+  constexpr bool kHalves = (kGateUp && ACT != kActRelu2 && !kPairs) || kShrink;
   constexpr bool kDh = kMode == DH_SWIGLU;
-  constexpr bool kGather = kGateUp || kDh;  // A rows gathered from a [tokens, dim] tensor, K = dim
+  // A rows gathered from a [tokens, dim] tensor, K = dim
+  constexpr bool kGather = kGateUp || kDh || kMode == LORA_SHRINK_X;
   constexpr bool kDx = kMode == DX_ATOMIC || kMode == DX_SLOTS;
   // B read N-major (wgmma's transposed B): where the weights' out dimension is the contiguous one for this GEMM's N
   constexpr bool kMajorN = (kDh || kDx) != (WEIGHTS != kOutIn);
@@ -297,6 +367,10 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   const int live = kPersistent ? (ntpp <= 0 ? 0 : min(p.blocks, (ntpp - 1) / BM + 1)) : p.blocks;
   const uint32_t tiles = static_cast<uint32_t>(live) * p.n_tiles;
   if (blockIdx.x >= tiles) return;  // also the CTAs that round the grid up to whole clusters
+  // K tiles per tile: the base ones, then the LoRA extension's
+  const int k_total = kExtension ? p.k_tiles + p.ext_tiles[0] + p.ext_tiles[1] : p.k_tiles;
+  // a block's group id -> its expert (the base weights' index)
+  auto expert_of = [&](int group) { return kGroups ? group / p.lora_n : group; };
   // One CTA per tile: the cluster's other CTA (blockIdx.x ^ 1), when it runs the same expert's same column tile, loads
   // half of each weight tile for both (TMA multicast), halving the weight traffic from L2 (where DeepSeek-V3's
   // kernels were bound: 96% L2 throughput). Both CTAs reach the same decision; a CTA that left never pairs.
@@ -346,7 +420,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   // allowed).
   auto release = [&](int s, int j) {
     mbar_arrive(empty_bar(s));
-    if (paired && j < p.k_tiles - STAGES) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
+    if (paired && j < k_total - STAGES) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
   };
 
   const int warpgroup = threadIdx.x / 128;
@@ -404,7 +478,9 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       int64_t row_off[BM / 16];
 #pragma unroll
       for (int r = 0; r < BM / 16; ++r) row_off[r] = a_rows[buf * BM + r0 + 16 * r];
-      const int expert = __ldg(p.expert_ids + block);
+      const int group = __ldg(p.expert_ids + block), expert = expert_of(group);
+      // the adapter tensors' group of (adapter, expert)
+      const int adapter_group = kGroups ? (group - expert * p.lora_n) * p.lora_experts + expert : 0;
 
       // N-major B: the expert's first weight row (the k tile adds its rows); else its first row of this column tile
       const int b_row = expert * p.b_rows_per_expert + (kMajorN ? 0 : n_tile * (kHalves ? BN_GU : BN_DOWN));
@@ -433,12 +509,16 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         if (!kMajorN && threadIdx.x == 0) {  // the B tile: two TMA boxes (halves: gate rows, then the same up rows)
           mbar_expect_tx(full_bar(stage), B_BYTES);  // paired: half from this CTA's copy, half from the peer's
           const CUtensorMap* box1 = kHalves ? &p.tm_b1 : map;
-          const int row1 = kHalves ? b_row : b_row + B_BOX_ROWS;
+          int row0 = b_row, row1 = kHalves ? b_row : b_row + B_BOX_ROWS;
+          if constexpr (kShrink) {  // the two halves' adapters' rows of the group
+            row0 = adapter_group * p.lora_group_rows[0];
+            row1 = adapter_group * p.lora_group_rows[1];
+          }
           if (paired) {
             tma_load_2d_multicast(st + A_BYTES + rank * (B_BYTES / 2), rank ? box1 : map, full_bar(stage), kofs,
-                                  rank ? row1 : b_row, kPairMask);
+                                  rank ? row1 : row0, kPairMask);
           } else {
-            tma_load_2d(st + A_BYTES, map, full_bar(stage), kofs, b_row);
+            tma_load_2d(st + A_BYTES, map, full_bar(stage), kofs, row0);
             tma_load_2d(st + A_BYTES + B_BYTES / 2, box1, full_bar(stage), kofs, row1);
           }
         }
@@ -449,7 +529,27 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         }
         cp_async_mbar_arrive_noinc(full_bar(stage));  // fires when this thread's copies of the stage have landed
       }
-      ks = (ks + p.k_tiles) % (2 * STAGES);
+      if constexpr (kExtension) {
+        // The LoRA K tiles: the block's u rows and B[a, e]'s rows of the column tile, both by TMA (thread 0); the
+        // other threads' arrivals complete the stage's count (they copy nothing)
+        int x = 0;
+        for (int i = 0; i < 2; ++i) {
+          const int b_ext = adapter_group * p.lora_group_rows[i] + n_tile * (kHalves ? BN_GU : BN_DOWN);
+          for (int c = 0; c < p.ext_tiles[i]; ++c, ++x) {
+            const int stage = acquire_stage<STAGES>(bars, ks + p.k_tiles + x);
+            const uint32_t st = base + stage * STAGE_BYTES;
+            if (threadIdx.x == 0) {
+              mbar_expect_tx(full_bar(stage), A_BYTES + (kHalves ? B_BYTES / 2 : B_BYTES));
+              tma_load_2d(st, &p.tm_ua[i], full_bar(stage), c * BK, block * BM);
+              tma_load_2d(st + A_BYTES, &p.tm_ub[i], full_bar(stage), c * BK, b_ext);
+              if (!kHalves) tma_load_2d(st + A_BYTES + B_BYTES / 2, &p.tm_ub[i], full_bar(stage), c * BK,
+                                        b_ext + B_BOX_ROWS);
+            }
+            cp_async_mbar_arrive_noinc(full_bar(stage));
+          }
+        }
+      }
+      ks = (ks + k_total) % (2 * STAGES);
     }
     drain_cp_async();
     return;
@@ -473,7 +573,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     // get the tensor cores (DeepSeek-V3: 256 ± 16 slots per expert, so about half the experts end in a block of <= 64
     // routed rows). The skip sits outside the mainloop: a `continue` inside it made ptxas serialise the wgmmas.
     if (__all_sync(0xffffffffu, slot_of[wg * 64 + lane] < 0 && slot_of[wg * 64 + 32 + lane] < 0)) {
-      for (int kt = 0; kt < p.k_tiles; ++kt) {
+      for (int kt = 0; kt < k_total; ++kt) {
         mbar_wait(full_bar(ring.stage), ring.phase);
         if (lane == 0) release(ring.stage, kt);
         ring.advance();
@@ -507,16 +607,47 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         prev = ring.stage;
         ring.advance();
       }
+      if constexpr (kExtension) {
+        // The LoRA K tiles (TMA-written: no proxy fence), K-major: the gate half's, then the up half's (halves), or
+        // the whole tile's
+        for (int x = 0; x < p.ext_tiles[0] + p.ext_tiles[1]; ++x) {
+          mbar_wait(full_bar(ring.stage), ring.phase);
+          const uint32_t st = base + ring.stage * STAGE_BYTES;
+          const uint64_t da = smem_desc(st + a_off), db = smem_desc(st + A_BYTES);
+          fence_acc(acc);
+          wgmma_fence();
+          if constexpr (kHalves) {  // each half's registers named at compile time (a runtime pointer would spill acc)
+            if (x < p.ext_tiles[0]) {
+#pragma unroll
+              for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n128k16_bf16(acc, da + 2 * kk, db + 2 * kk);
+            } else {
+#pragma unroll
+              for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n128k16_bf16(acc + 64, da + 2 * kk, db + 2 * kk);
+            }
+          } else {
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk, 1);
+          }
+          wgmma_commit();
+          fence_acc(acc);
+          wgmma_wait<1>();
+          fence_acc(acc);
+          if (lane == 0) release(prev, p.k_tiles + x - 1);
+          prev = ring.stage;
+          ring.advance();
+        }
+      }
       wgmma_wait<0>();
       fence_acc(acc);
-      if (lane == 0) release(prev, p.k_tiles - 1);  // the ring's next turn (persistent: the next tile) may refill it
+      if (lane == 0) release(prev, k_total - 1);  // the ring's next turn (persistent: the next tile) may refill it
       // ------------------------------- epilogue -------------------------------
       // the tile's output columns n0 + 8 j + 2 quad + e: of each half (gate, up) with halves, else of the whole tile;
       // kPairs: n0 + 4 j + quad, gate and up alike
       constexpr bool kGated = kHalves || kPairs;
       constexpr int kCols = kGated ? BN_GU : BN;
       const int n0 = n_tile * kCols;
-      const int64_t bias_row = static_cast<int64_t>(__ldg(p.expert_ids + block)) * p.n_total + n0;
+      const int group = __ldg(p.expert_ids + block);
+      const int64_t bias_row = static_cast<int64_t>(expert_of(group)) * p.n_total + n0;
       const __nv_bfloat16* const bias_gate = p.b_gate != nullptr ? p.b_gate + bias_row : nullptr;
       const __nv_bfloat16* const bias_up = p.b_up != nullptr ? p.b_up + bias_row : nullptr;
       // the pre-activations with their biases: gate (or relu2's only) and up
@@ -553,6 +684,9 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
             if constexpr (kGated) store_cols(dst + p.n_total, [&](int j, int e) { return pre_up(h, j, e); });
           }
         }
+        if constexpr (kShrink) {
+          store_lora_rows(p, acc, h, quad, block * BM + lr, __ldg(p.lora_scaling + group % p.lora_n));
+        }
         if constexpr (kDh) {
           const int slot = slot_of[lr];
           const int row = slot >= 0 ? p.dst_rows[block * BM + lr] : -1;
@@ -563,7 +697,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
           dot += __shfl_xor_sync(0xffffffffu, dot, 2);
           if (routed && quad == 0) p.dot_partials[static_cast<int64_t>(n_tile) * p.num_slots + slot] = dot;
         }
-        if constexpr (!kGather) {
+        if constexpr (!kGather && !kShrink) {
           const int slot = slot_of[lr];
           if (slot < 0) continue;
           if constexpr (kDx) {  // dx: unweighted (dg and du carry the slot weight)
@@ -1134,6 +1268,272 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cuda(
           gate_up};
 }
 
+// ------------------------------------------------------------------------------------------------------------------
+// LoRA adapters, fused (moe_lora_forward, moe_lora_gate_up; the CPU ops in flash_moe.cpp define the numerics). Per
+// adapted GEMM: a shrink kernel (LORA_SHRINK_X over the gathered x rows, LORA_SHRINK_H over the intermediate's rows)
+// writes u = s_a z A[a, e]^T, rounded once to bf16, into a padded-row buffer (blocks BM rows, zeroed: rows of
+// all-padding warpgroups stay zero, TMA reads whole blocks), then the base GEMM with LORA_EXTENSION reads it as more
+// K tiles against B[a, e]. The backward's dH and dX stay on the unfused composition (flash_moe.cpp).
+
+// The alignment's shape over the (expert, adapter) groups: the kernels' expert-id range and the launch rules' routed
+// slots per (group) run.
+MoeShape group_shape(const MoeShape& s, int64_t n) {
+  MoeShape g = s;
+  g.E = s.E * n;
+  g.global_experts = s.global_experts * n;
+  return g;
+}
+
+// An adapter tensor (n, E, rows, cols) as the kernels read it: contiguous (kept alive in `keep`), on the GPU.
+at::Tensor adapter_operand(const char* op, const char* name, const at::Tensor& t, std::vector<at::Tensor>& keep) {
+  keep.push_back(t.contiguous());
+  sm90::check_cuda_operand(op, name, keep.back());
+  return keep.back();
+}
+
+// A map over an adapter tensor's 2-D view (n E rows, cols): boxes of B_BOX_ROWS rows x BK columns, the columns past
+// `cols` (the rank of a B, or past an A's `in`) read as zeros.
+void adapter_map(const char* op, const char* name, CUtensorMap* map, const at::Tensor& t) {
+  const int rc = prime_kernels::make_tmap_2d(map, t.const_data_ptr(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                                             t.size(0) * t.size(1) * t.size(2), t.size(3), t.size(3),
+                                             sm90::B_BOX_ROWS, sm90::BK);
+  TORCH_CHECK(rc == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for ", name, " (CUresult ", rc, ")");
+}
+
+// A map over columns [first, first + rank) of the padded-row buffer u [blocks BM, ld]: boxes of one block's BM rows x
+// BK columns, the columns past the rank zeros.
+void u_rows_map(const char* op, CUtensorMap* map, const at::Tensor& u, int64_t first, int64_t rank) {
+  const int rc = prime_kernels::make_tmap_2d(map, static_cast<const __nv_bfloat16*>(u.const_data_ptr()) + first,
+                                             CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, u.size(0), rank, u.size(1), sm90::BM,
+                                             sm90::BK);
+  TORCH_CHECK(rc == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for the LoRA rank-r rows (CUresult ", rc, ")");
+}
+
+int64_t k_tiles_of(int64_t rank) { return (rank + sm90::BK - 1) / sm90::BK; }
+
+// The launch parameters every LoRA kernel shares: the groups and the scaling (kept alive in `keep`).
+void lora_params(sm90::Params& p, const Lora& l, const MoeShape& s, std::vector<at::Tensor>& keep) {
+  keep.push_back(l.scaling.contiguous());
+  p.lora_n = static_cast<int>(l.n);
+  p.lora_experts = static_cast<int>(s.E);
+  p.lora_scaling = keep.back().const_data_ptr<float>();
+  p.ext_tiles[0] = p.ext_tiles[1] = 0;
+}
+
+// The shrink kernel over the launch's A rows (`p`: a gate/up or down GEMM's parameters, copied) against the A
+// adapters `a0` (columns [0, r0) of u) and `a1` (r1 more; undefined: none): u [blocks BM, r0 + r1] (zeroed) and, with
+// `compact` defined, its routed rows in compact order there too.
+template <int MODE>
+at::Tensor lora_shrink(const char* op, sm90::Params p, const at::Tensor& a0, const at::Tensor& a1,
+                       const at::Tensor& compact, const at::Tensor& sorted, const MoeShape& g, cudaStream_t stream) {
+  const int64_t r0 = a0.size(2), r1 = a1.defined() ? a1.size(2) : 0;
+  auto u = at::zeros({g.blocks * sm90::BM, r0 + r1}, a0.options());
+  adapter_map(op, "a LoRA A", &p.tm_b0, a0);
+  adapter_map(op, "a LoRA A", &p.tm_b1, a1.defined() ? a1 : a0);  // read, never stored, without a second adapter
+  p.lora_group_rows[0] = static_cast<int>(r0);
+  p.lora_group_rows[1] = static_cast<int>(a1.defined() ? r1 : r0);
+  p.lora_rank[0] = static_cast<int>(r0);
+  p.lora_rank[1] = static_cast<int>(r1);
+  p.u_out = reinterpret_cast<__nv_bfloat16*>(u.mutable_data_ptr());
+  p.u_compact = compact.defined() ? reinterpret_cast<__nv_bfloat16*>(compact.mutable_data_ptr()) : nullptr;
+  p.ld_u = r0 + r1;
+  p.b_gate = p.b_up = p.b2 = nullptr;
+  const auto tile_counter = at::zeros({1}, sorted.options().dtype(at::kInt));
+  p.tile_counter = tile_counter.mutable_data_ptr<int>();
+  sm90::launch<MODE>(p, 1, g, stream);
+  return u;
+}
+
+// One K extension of `p` (i: 0, or 1 for the up half of a gated tile): u's columns [first, first + rank) against B
+// (n, E, out, rank).
+void extension(const char* op, sm90::Params& p, int i, const at::Tensor& u, int64_t first, const at::Tensor& b) {
+  u_rows_map(op, &p.tm_ua[i], u, first, b.size(3));
+  adapter_map(op, "a LoRA B", &p.tm_ub[i], b);
+  p.lora_group_rows[i] = static_cast<int>(b.size(2));
+  p.ext_tiles[i] = static_cast<int>(k_tiles_of(b.size(3)));
+}
+
+// B_gate and B_up as one (n, E, 2 hidden, r_gate + r_up) tensor whose rows alternate gate, up (gpt-oss's column
+// pairs, one extension over all the pairs' columns): gate row j = [B_gate[j] | 0], up row j = [0 | B_up[j]].
+at::Tensor paired_adapter_b(const Lora& l, int64_t E, int64_t hidden, const at::TensorOptions& options) {
+  const int64_t rg = l.gate.rank, ru = l.up.rank;
+  auto b = at::zeros({l.n, E, hidden, 2, rg + ru}, options);
+  if (l.gate.present()) b.select(3, 0).narrow(3, 0, rg).copy_(l.gate.b);
+  if (l.up.present()) b.select(3, 1).narrow(3, rg, ru).copy_(l.up.b);
+  return b.view({l.n, E, 2 * hidden, rg + ru});
+}
+
+// The gate/up GEMM with the gate and up adapters, in MODE's persistent twin with LORA_EXTENSION (`p`, `form`:
+// gate_up_params'; the compact rows computed): the shrink writes [u_gate | u_up] of the routed rows into `lora_rows`
+// (compact, rows past them zeroed), then the GEMM reads u as its K extension.
+template <int MODE, int ACT>
+void lora_gate_up(const char* op, sm90::Params& p, int form, const Lora& l, const MoeShape& s, const MoeShape& g,
+                  const CompactRows& rows, at::Tensor& lora_rows, std::vector<at::Tensor>& keep,
+                  cudaStream_t stream) {
+  const int64_t rg = l.gate.rank, ru = l.up.rank;
+  lora_rows = at::empty({s.M * s.top_k, rg + ru}, keep[0].options());
+  if (rg + ru > 0) zero_rows_past(lora_rows, rows.count);
+  if (s.blocks == 0 || s.M == 0) return;
+  lora_params(p, l, s, keep);
+  if (rg + ru > 0) {
+    const at::Tensor a0 = adapter_operand(op, "a_gate", l.gate.present() ? l.gate.a : l.up.a, keep);
+    const at::Tensor a1 = l.gate.present() && l.up.present() ? adapter_operand(op, "a_up", l.up.a, keep)
+                                                               : at::Tensor();
+    keep.push_back(lora_shrink<sm90::LORA_SHRINK_X>(op, p, a0, a1, lora_rows, keep[3], g, stream));
+    const at::Tensor& u = keep.back();
+    if (form == sm90::kInOutPairs) {
+      keep.push_back(paired_adapter_b(l, s.E, s.hidden, u.options()));
+      extension(op, p, 0, u, 0, keep.back());
+    } else {
+      if (l.gate.present()) extension(op, p, 0, u, 0, adapter_operand(op, "b_gate", l.gate.b, keep));
+      if (l.up.present()) extension(op, p, 1, u, rg, adapter_operand(op, "b_up", l.up.b, keep));
+    }
+  }
+  const int n_tiles = gate_up_tiles(s, ACT != sm90::kActRelu2);
+  const auto tile_counter = at::zeros({1}, keep[3].options().dtype(at::kInt));
+  p.tile_counter = tile_counter.mutable_data_ptr<int>();
+  with_weight_form(form, [&](auto f) {
+    constexpr int kForm = decltype(f)::value;
+    if constexpr (kForm == sm90::kInOutPairs && ACT == sm90::kActRelu2) {
+      TORCH_CHECK(false, "flash_moe: relu2 has no gate/up pairs");  // gate_up_params never pairs a relu2 weight
+    } else {
+      sm90::launch<sm90::persistent_twin(MODE) | sm90::LORA_EXTENSION, ACT, kForm>(p, n_tiles, g, stream);
+    }
+  });
+}
+
+// The compact g | u rows a gate/up GEMM keeps (p.saved), their rows past the routed ones zeroed.
+at::Tensor saved_rows(sm90::Params& p, const CompactRows& rows, const MoeShape& s, bool gated,
+                      const at::TensorOptions& options) {
+  const int64_t width = (gated ? 2 : 1) * s.hidden;
+  auto saved = at::empty({s.M * s.top_k, width}, options);
+  zero_rows_past(saved, rows.count);
+  p.saved = reinterpret_cast<__nv_bfloat16*>(saved.mutable_data_ptr());
+  p.ld_saved = width;
+  return saved;
+}
+
+// run() with the adapters: the gate/up GEMM (lora_gate_up), then the down shrink over h and the down GEMM with its
+// extension; `lora_rows`: [u_gate | u_up] of the routed slots, compact.
+template <int ACT>
+void run_lora(const char* op, const at::Tensor& x, const Experts& w, const at::Tensor& w2_in, const Lora& l,
+              const at::Tensor& sorted, const at::Tensor& eids, const at::Tensor& ntpp,
+              const at::Tensor& topk_weights, const MoeShape& s, int mode, at::Tensor& result, at::Tensor* gate_up,
+              at::Tensor& lora_rows) {
+  const MoeShape g = group_shape(s, l.n);
+  std::vector<at::Tensor> keep;
+  int form;
+  sm90::Params p = gate_up_params(op, x, w.gate, w.up, sorted, eids, ntpp, g, w, keep, form);
+  at::Tensor w2;
+  const int down_form = w2_form(w2_in, w2);
+  sm90::check_cuda_operand(op, "w2", w2);
+  const auto tw = topk_weights.contiguous();
+  result = mode == sm90::DOWN_ATOMIC ? at::zeros({s.M, s.dim}, x.options().dtype(at::kFloat))
+                                     : at::empty({s.M * s.top_k, s.dim}, x.options());
+  const CompactRows rows = compact_rows(p, keep[3], keep[4], ntpp, g);
+  if (gate_up != nullptr) *gate_up = saved_rows(p, rows, s, w.act.gated(), x.options());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  auto inter = at::empty({s.blocks * sm90::BM, s.hidden}, x.options());
+  p.inter = reinterpret_cast<__nv_bfloat16*>(inter.mutable_data_ptr());
+  p.ld_inter = s.hidden;
+  if (gate_up != nullptr) {
+    lora_gate_up<sm90::GATE_UP_AND_SAVE, ACT>(op, p, form, l, s, g, rows, lora_rows, keep, stream);
+  } else {
+    lora_gate_up<sm90::GATE_UP, ACT>(op, p, form, l, s, g, rows, lora_rows, keep, stream);
+  }
+  if (s.blocks == 0 || s.M == 0) return;
+  // down + its adapter + b2 + combine
+  p.b_gate = p.b_up = nullptr;
+  p.b2 = bias_pointer(op, "b2", w.b2, keep);
+  p.a = reinterpret_cast<const __nv_bfloat16*>(inter.const_data_ptr());
+  p.lda = s.hidden;
+  expert_map(op, "w2", &p.tm_b0, w2, down_form, down_form == sm90::kInOut, p.b_rows_per_expert);
+  p.n_total = static_cast<int>(s.dim);
+  p.k_tiles = static_cast<int>(s.hidden / sm90::BK);
+  p.ld_out = s.dim;
+  p.ext_tiles[0] = p.ext_tiles[1] = 0;
+  if (l.down.present()) {
+    const at::Tensor a_down = adapter_operand(op, "a_down", l.down.a, keep);
+    const at::Tensor u = lora_shrink<sm90::LORA_SHRINK_H>(op, p, a_down, at::Tensor(), at::Tensor(), keep[3], g,
+                                                          stream);
+    keep.push_back(u);
+    extension(op, p, 0, u, 0, adapter_operand(op, "b_down", l.down.b, keep));
+  }
+  const int n_tiles = static_cast<int>((s.dim + sm90::BN_DOWN - 1) / sm90::BN_DOWN);
+  const auto tile_counter = at::zeros({1}, keep[3].options().dtype(at::kInt));
+  p.tile_counter = tile_counter.mutable_data_ptr<int>();
+  with_weight_form(down_form, [&](auto f) {
+    constexpr int kForm = decltype(f)::value;
+    if constexpr (kForm != sm90::kInOutPairs) {  // w2_form: never pairs
+      if (mode == sm90::DOWN_ATOMIC) {
+        p.topk_weights = tw.const_data_ptr<float>();
+        p.acc32 = result.mutable_data_ptr<float>();
+        sm90::launch<sm90::DOWN_ATOMIC | sm90::LORA_EXTENSION, sm90::kActSwiGLU, kForm>(p, n_tiles, g, stream);
+      } else {
+        p.yslots = reinterpret_cast<__nv_bfloat16*>(result.mutable_data_ptr());
+        sm90::launch<sm90::DOWN_SLOTS | sm90::LORA_EXTENSION, sm90::kActSwiGLU, kForm>(p, n_tiles, g, stream);
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_lora_forward_cuda(
+    const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& w3, const at::Tensor& w2,
+    const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
+    const at::Tensor& topk_weights, int64_t top_k, int64_t block_m, bool deterministic, bool save_gate_up,
+    int64_t num_experts, const at::Tensor& scaling, const std::optional<at::Tensor>& a_gate,
+    const std::optional<at::Tensor>& b_gate, const std::optional<at::Tensor>& a_up,
+    const std::optional<at::Tensor>& b_up, const std::optional<at::Tensor>& a_down,
+    const std::optional<at::Tensor>& b_down, c10::string_view activation, double alpha, double limit,
+    const std::optional<at::Tensor>& bias_gate, const std::optional<at::Tensor>& bias_up,
+    const std::optional<at::Tensor>& b2) {
+  const char* op = "moe_lora_forward";
+  const ActivationSpec act = parse_activation(op, activation, alpha, limit);
+  MoeShape s;
+  const Experts w = check_experts(op, x, w1, w3, &w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                                  &topk_weights, top_k, block_m, num_experts, act, bias_gate, bias_up, b2, s);
+  const Lora l = check_lora(op, x, scaling, s.E, s.dim, s.hidden, act.gated(), a_gate, b_gate, a_up, b_up, a_down,
+                            b_down);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor result, lora_rows, gate_up = at::empty({0, (act.gated() ? 2 : 1) * s.hidden}, x.options());
+  with_activation(act, [&](auto a) {
+    run_lora<decltype(a)::value>(op, x, w, w2, l, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights,
+                                 s, deterministic ? sm90::DOWN_SLOTS : sm90::DOWN_ATOMIC, result,
+                                 save_gate_up ? &gate_up : nullptr, lora_rows);
+  });
+  return {deterministic ? combine_in_k_order_cuda(result, topk_weights, sorted_token_ids, expert_ids,
+                                                 num_tokens_post_padded, group_shape(s, l.n))
+                        : result.to(at::kBFloat16),
+          gate_up, lora_rows};
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_lora_gate_up_cuda(
+    const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& w3, const at::Tensor& sorted_token_ids,
+    const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded, int64_t top_k, int64_t block_m,
+    const at::Tensor& scaling, const std::optional<at::Tensor>& a_gate, const std::optional<at::Tensor>& b_gate,
+    const std::optional<at::Tensor>& a_up, const std::optional<at::Tensor>& b_up, int64_t num_experts,
+    const std::optional<at::Tensor>& bias_gate, const std::optional<at::Tensor>& bias_up) {
+  const char* op = "moe_lora_gate_up";
+  MoeShape s;
+  const Experts w = check_gate_up_experts(op, x, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
+                                          block_m, num_experts, bias_gate, bias_up, s);
+  const Lora l = check_lora(op, x, scaling, s.E, s.dim, s.hidden, w.act.gated(), a_gate, b_gate, a_up, b_up,
+                            std::nullopt, std::nullopt);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const MoeShape g = group_shape(s, l.n);
+  std::vector<at::Tensor> keep;
+  int form;
+  sm90::Params p = gate_up_params(op, x, w.gate, w.up, sorted_token_ids, expert_ids, num_tokens_post_padded, g, w,
+                                  keep, form);
+  const CompactRows rows = compact_rows(p, keep[3], keep[4], num_tokens_post_padded, g);
+  at::Tensor gate_up = saved_rows(p, rows, s, w.act.gated(), x.options()), lora_rows;
+  with_activation(w.act, [&](auto a) {
+    lora_gate_up<sm90::GATE_UP_SAVE, decltype(a)::value>(op, p, form, l, s, g, rows, lora_rows, keep,
+                                                         c10::cuda::getCurrentCUDAStream());
+  });
+  return {gate_up, lora_rows};
+}
+
 }  // namespace
 }  // namespace flash_moe
 
@@ -1143,4 +1543,6 @@ TORCH_LIBRARY_IMPL(flash_moe, CUDA, m) {
   m.impl("moe_gate_up", &flash_moe::moe_gate_up_cuda);
   m.impl("moe_grad_gate_up", &flash_moe::moe_grad_gate_up_cuda);
   m.impl("moe_grad_x", &flash_moe::moe_grad_x_cuda);
+  m.impl("moe_lora_forward", &flash_moe::moe_lora_forward_cuda);
+  m.impl("moe_lora_gate_up", &flash_moe::moe_lora_gate_up_cuda);
 }
