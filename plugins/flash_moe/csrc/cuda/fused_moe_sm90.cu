@@ -210,13 +210,17 @@ struct Params {
   __nv_bfloat16* u_out;
   __nv_bfloat16* u_compact;
   int64_t ld_u;
-  // The K extension: ext_tiles[i] K tiles of BK from tm_ua[i] (the u rows, box BM x BK at the block's first padded
-  // row; columns past the rank read as zeros) and tm_ub[i] (B's 2-D view (n E out, r), boxes B_BOX_ROWS x BK, its
-  // rows of the column tile; columns past the rank zeros): gated gate/up tiles (halves) take i = 0 into the gate
-  // half and i = 1 into the up half (m64n128k16 each), every other tile i = 0 alone over all its columns.
-  CUtensorMap tm_ua[2];
+  // The K extension: ext_tiles K tiles of BK, A from tm_ua (the block's BM u rows [u_0 | u_1], K-major; columns past
+  // them read as zeros), the B tile's two halves from tm_ub[i] (B's 2-D view (n E out, r), K-major: group rows
+  // lora_group_rows[i], boxes B_BOX_ROWS x BK) at column k + ext_shift[i]: a gated gate/up tile's gate half reads
+  // B_gate at shift 0 and its up half B_up at shift -r_gate (the zeros left of column 0 line B_up's columns up with
+  // u_up's in A: each half multiplies its own adapter's u, one m64n256k16 per k16 as in the base K tiles); a half
+  // without an adapter reads at a shift past every column (all zeros); every other tile reads one B's 2 B_BOX_ROWS
+  // consecutive rows through both halves.
+  CUtensorMap tm_ua;
   CUtensorMap tm_ub[2];
-  int ext_tiles[2];
+  int ext_shift[2];
+  int ext_tiles;
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -368,7 +372,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   const uint32_t tiles = static_cast<uint32_t>(live) * p.n_tiles;
   if (blockIdx.x >= tiles) return;  // also the CTAs that round the grid up to whole clusters
   // K tiles per tile: the base ones, then the LoRA extension's
-  const int k_total = kExtension ? p.k_tiles + p.ext_tiles[0] + p.ext_tiles[1] : p.k_tiles;
+  const int k_total = kExtension ? p.k_tiles + p.ext_tiles : p.k_tiles;
   // a block's group id -> its expert (the base weights' index)
   auto expert_of = [&](int group) { return kGroups ? group / p.lora_n : group; };
   // One CTA per tile: the cluster's other CTA (blockIdx.x ^ 1), when it runs the same expert's same column tile, loads
@@ -530,23 +534,23 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         cp_async_mbar_arrive_noinc(full_bar(stage));  // fires when this thread's copies of the stage have landed
       }
       if constexpr (kExtension) {
-        // The LoRA K tiles: the block's u rows and B[a, e]'s rows of the column tile, both by TMA (thread 0); the
-        // other threads' arrivals complete the stage's count (they copy nothing)
-        int x = 0;
-        for (int i = 0; i < 2; ++i) {
-          const int b_ext = adapter_group * p.lora_group_rows[i] + n_tile * (kHalves ? BN_GU : BN_DOWN);
-          for (int c = 0; c < p.ext_tiles[i]; ++c, ++x) {
-            const int stage = acquire_stage<STAGES>(bars, ks + p.k_tiles + x);
-            const uint32_t st = base + stage * STAGE_BYTES;
-            if (threadIdx.x == 0) {
-              mbar_expect_tx(full_bar(stage), A_BYTES + (kHalves ? B_BYTES / 2 : B_BYTES));
-              tma_load_2d(st, &p.tm_ua[i], full_bar(stage), c * BK, block * BM);
-              tma_load_2d(st + A_BYTES, &p.tm_ub[i], full_bar(stage), c * BK, b_ext);
-              if (!kHalves) tma_load_2d(st + A_BYTES + B_BYTES / 2, &p.tm_ub[i], full_bar(stage), c * BK,
-                                        b_ext + B_BOX_ROWS);
+        // The LoRA K tiles: the block's u rows and the B rows of the column tile, all by TMA (thread 0); the other
+        // threads' arrivals complete the stage's count (they copy nothing)
+        for (int c = 0; c < p.ext_tiles; ++c) {
+          const int stage = acquire_stage<STAGES>(bars, ks + p.k_tiles + c);
+          const uint32_t st = base + stage * STAGE_BYTES;
+          if (threadIdx.x == 0) {
+            mbar_expect_tx(full_bar(stage), A_BYTES + B_BYTES);
+            tma_load_2d(st, &p.tm_ua, full_bar(stage), c * BK, block * BM);
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+              const int row = adapter_group * p.lora_group_rows[i] + (kHalves ? n_tile * BN_GU
+                                                                               : n_tile * BN + i * B_BOX_ROWS);
+              tma_load_2d(st + A_BYTES + i * (B_BYTES / 2), &p.tm_ub[i], full_bar(stage), c * BK + p.ext_shift[i],
+                          row);
             }
-            cp_async_mbar_arrive_noinc(full_bar(stage));
           }
+          cp_async_mbar_arrive_noinc(full_bar(stage));
         }
       }
       ks = (ks + k_total) % (2 * STAGES);
@@ -608,26 +612,15 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         ring.advance();
       }
       if constexpr (kExtension) {
-        // The LoRA K tiles (TMA-written: no proxy fence), K-major: the gate half's, then the up half's (halves), or
-        // the whole tile's
-        for (int x = 0; x < p.ext_tiles[0] + p.ext_tiles[1]; ++x) {
+        // The LoRA K tiles (TMA-written: no proxy fence), K-major whatever the base weights' form
+        for (int x = 0; x < p.ext_tiles; ++x) {
           mbar_wait(full_bar(ring.stage), ring.phase);
           const uint32_t st = base + ring.stage * STAGE_BYTES;
           const uint64_t da = smem_desc(st + a_off), db = smem_desc(st + A_BYTES);
           fence_acc(acc);
           wgmma_fence();
-          if constexpr (kHalves) {  // each half's registers named at compile time (a runtime pointer would spill acc)
-            if (x < p.ext_tiles[0]) {
 #pragma unroll
-              for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n128k16_bf16(acc, da + 2 * kk, db + 2 * kk);
-            } else {
-#pragma unroll
-              for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n128k16_bf16(acc + 64, da + 2 * kk, db + 2 * kk);
-            }
-          } else {
-#pragma unroll
-            for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk, 1);
-          }
+          for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk, 1);
           wgmma_commit();
           fence_acc(acc);
           wgmma_wait<1>();
@@ -1300,16 +1293,25 @@ void adapter_map(const char* op, const char* name, CUtensorMap* map, const at::T
   TORCH_CHECK(rc == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for ", name, " (CUresult ", rc, ")");
 }
 
-// A map over columns [first, first + rank) of the padded-row buffer u [blocks BM, ld]: boxes of one block's BM rows x
-// BK columns, the columns past the rank zeros.
-void u_rows_map(const char* op, CUtensorMap* map, const at::Tensor& u, int64_t first, int64_t rank) {
-  const int rc = prime_kernels::make_tmap_2d(map, static_cast<const __nv_bfloat16*>(u.const_data_ptr()) + first,
-                                             CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, u.size(0), rank, u.size(1), sm90::BM,
-                                             sm90::BK);
+// The K extension's A: a map over the padded-row buffer u [blocks BM, r]: boxes of one block's BM rows x BK columns,
+// the columns past r zeros; its K tiles.
+void extension_rows(const char* op, sm90::Params& p, const at::Tensor& u) {
+  const int rc = prime_kernels::make_tmap_2d(&p.tm_ua, u.const_data_ptr(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                                             u.size(0), u.size(1), u.size(1), sm90::BM, sm90::BK);
   TORCH_CHECK(rc == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for the LoRA rank-r rows (CUresult ", rc, ")");
+  p.ext_tiles = static_cast<int>((u.size(1) + sm90::BK - 1) / sm90::BK);
 }
 
-int64_t k_tiles_of(int64_t rank) { return (rank + sm90::BK - 1) / sm90::BK; }
+// A B-tile half's columns shifted past any rank: all zeros (a gated tile's half without an adapter).
+constexpr int kAbsentShift = 1 << 20;
+
+// Half i of the K extension's B tile: B (n, E, out, r) read from column k + shift; both halves the same B (its two
+// B_BOX_ROWS row boxes) for a tile that is not split into gate and up.
+void extension_b(const char* op, sm90::Params& p, int i, const at::Tensor& b, int shift) {
+  adapter_map(op, "a LoRA B", &p.tm_ub[i], b);
+  p.lora_group_rows[i] = static_cast<int>(b.size(2));
+  p.ext_shift[i] = shift;
+}
 
 // The launch parameters every LoRA kernel shares: the groups and the scaling (kept alive in `keep`).
 void lora_params(sm90::Params& p, const Lora& l, const MoeShape& s, std::vector<at::Tensor>& keep) {
@@ -1317,7 +1319,7 @@ void lora_params(sm90::Params& p, const Lora& l, const MoeShape& s, std::vector<
   p.lora_n = static_cast<int>(l.n);
   p.lora_experts = static_cast<int>(s.E);
   p.lora_scaling = keep.back().const_data_ptr<float>();
-  p.ext_tiles[0] = p.ext_tiles[1] = 0;
+  p.ext_tiles = 0;
 }
 
 // The shrink kernel over the launch's A rows (`p`: a gate/up or down GEMM's parameters, copied) against the A
@@ -1342,15 +1344,6 @@ at::Tensor lora_shrink(const char* op, sm90::Params p, const at::Tensor& a0, con
   p.tile_counter = tile_counter.mutable_data_ptr<int>();
   sm90::launch<MODE>(p, 1, g, stream);
   return u;
-}
-
-// One K extension of `p` (i: 0, or 1 for the up half of a gated tile): u's columns [first, first + rank) against B
-// (n, E, out, rank).
-void extension(const char* op, sm90::Params& p, int i, const at::Tensor& u, int64_t first, const at::Tensor& b) {
-  u_rows_map(op, &p.tm_ua[i], u, first, b.size(3));
-  adapter_map(op, "a LoRA B", &p.tm_ub[i], b);
-  p.lora_group_rows[i] = static_cast<int>(b.size(2));
-  p.ext_tiles[i] = static_cast<int>(k_tiles_of(b.size(3)));
 }
 
 // B_gate and B_up as one (n, E, 2 hidden, r_gate + r_up) tensor whose rows alternate gate, up (gpt-oss's column
@@ -1380,13 +1373,18 @@ void lora_gate_up(const char* op, sm90::Params& p, int form, const Lora& l, cons
     const at::Tensor a1 = l.gate.present() && l.up.present() ? adapter_operand(op, "a_up", l.up.a, keep)
                                                                : at::Tensor();
     keep.push_back(lora_shrink<sm90::LORA_SHRINK_X>(op, p, a0, a1, lora_rows, keep[3], g, stream));
-    const at::Tensor& u = keep.back();
-    if (form == sm90::kInOutPairs) {
-      keep.push_back(paired_adapter_b(l, s.E, s.hidden, u.options()));
-      extension(op, p, 0, u, 0, keep.back());
-    } else {
-      if (l.gate.present()) extension(op, p, 0, u, 0, adapter_operand(op, "b_gate", l.gate.b, keep));
-      if (l.up.present()) extension(op, p, 1, u, rg, adapter_operand(op, "b_up", l.up.b, keep));
+    extension_rows(op, p, keep.back());
+    if (form == sm90::kInOutPairs) {  // one B over the pairs' columns
+      keep.push_back(paired_adapter_b(l, s.E, s.hidden, keep.back().options()));
+      for (int i = 0; i < 2; ++i) extension_b(op, p, i, keep.back(), 0);
+    } else if (ACT == sm90::kActRelu2) {  // gate alone, 2 B_BOX_ROWS rows of it
+      const at::Tensor b = adapter_operand(op, "b_gate", l.gate.b, keep);
+      for (int i = 0; i < 2; ++i) extension_b(op, p, i, b, 0);
+    } else {  // the gate half: B_gate against u_gate; the up half: B_up against u_up, r_gate columns on
+      const at::Tensor bg = l.gate.present() ? adapter_operand(op, "b_gate", l.gate.b, keep) : at::Tensor();
+      const at::Tensor bu = l.up.present() ? adapter_operand(op, "b_up", l.up.b, keep) : at::Tensor();
+      extension_b(op, p, 0, bg.defined() ? bg : bu, bg.defined() ? 0 : kAbsentShift);
+      extension_b(op, p, 1, bu.defined() ? bu : bg, bu.defined() ? -static_cast<int>(rg) : kAbsentShift);
     }
   }
   const int n_tiles = gate_up_tiles(s, ACT != sm90::kActRelu2);
@@ -1451,13 +1449,13 @@ void run_lora(const char* op, const at::Tensor& x, const Experts& w, const at::T
   p.n_total = static_cast<int>(s.dim);
   p.k_tiles = static_cast<int>(s.hidden / sm90::BK);
   p.ld_out = s.dim;
-  p.ext_tiles[0] = p.ext_tiles[1] = 0;
+  p.ext_tiles = 0;
   if (l.down.present()) {
     const at::Tensor a_down = adapter_operand(op, "a_down", l.down.a, keep);
-    const at::Tensor u = lora_shrink<sm90::LORA_SHRINK_H>(op, p, a_down, at::Tensor(), at::Tensor(), keep[3], g,
-                                                          stream);
-    keep.push_back(u);
-    extension(op, p, 0, u, 0, adapter_operand(op, "b_down", l.down.b, keep));
+    keep.push_back(lora_shrink<sm90::LORA_SHRINK_H>(op, p, a_down, at::Tensor(), at::Tensor(), keep[3], g, stream));
+    extension_rows(op, p, keep.back());
+    const at::Tensor b = adapter_operand(op, "b_down", l.down.b, keep);
+    for (int i = 0; i < 2; ++i) extension_b(op, p, i, b, 0);
   }
   const int n_tiles = static_cast<int>((s.dim + sm90::BN_DOWN - 1) / sm90::BN_DOWN);
   const auto tile_counter = at::zeros({1}, keep[3].options().dtype(at::kInt));
