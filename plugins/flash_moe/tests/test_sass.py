@@ -1,7 +1,8 @@
 """Static checks of the installed flash_moe's sm_90a SASS (CPU: cuobjdump reads the compiled kernels, no GPU needed):
 each bf16 GEMM kernel instantiation moe_gemm_kernel<MODE, ACT, WEIGHTS> reads its B tiles in the majorness its mode and
-weight form call for, keeps its accumulators in registers, and exists for every form the host can pick. The mode and
-form numbers are read from the kernel source, the one place they are defined."""
+weight form call for, keeps its accumulators in registers, and exists for every form the host can pick; the LoRA
+instantiations (the shrink modes, the modes with the LORA_EXTENSION flag) run at the base ones' register count without
+stack. The mode and form numbers are read from the kernel source, the one place they are defined."""
 from __future__ import annotations
 
 import importlib.util
@@ -27,6 +28,10 @@ def _modes():
     return _enum("fused_moe_sm90.cu", "enum Mode")
 
 
+def _lora_flag():
+    return _enum("fused_moe_sm90.cu", "enum ModeFlag")["LORA_EXTENSION"]
+
+
 def _forms():
     return _enum("fused_moe_sm90.cu", "enum WeightForm")
 
@@ -35,18 +40,20 @@ def _activations():
     return _enum("sm90_common.cuh", "enum")
 
 
-@pytest.fixture(scope="module")
-def kernels() -> dict[tuple[int, int, int], str]:
-    """(MODE, ACT, WEIGHTS) -> the SASS of that instantiation, from the installed extension's sm_90a cubin."""
+def _cuobjdump(*args: str) -> str:
+    """cuobjdump's output for the installed extension's sm_90a code (skips where there is none to read)."""
     tool = release._cuobjdump()
     if tool is None:
         pytest.skip("no cuobjdump found (triton's, the CUDA toolkit's or the PATH's)")
     spec = importlib.util.find_spec("prime_kernels_flash_moe._C")
     if spec is None or spec.origin is None:
         pytest.skip("prime_kernels_flash_moe._C is not installed")
-    sass = subprocess.run([tool, "-sass", "-arch", "sm_90a", spec.origin], capture_output=True, text=True).stdout
+    return subprocess.run([tool, *args, "-arch", "sm_90a", spec.origin], capture_output=True, text=True).stdout
+
+
+def _per_kernel(listing: str, separator: str) -> dict[tuple[int, int, int], str]:
     found = {}
-    for function in re.split(r"\n\s*Function : ", sass)[1:]:
+    for function in re.split(separator, listing)[1:]:
         match = KERNEL.search(function.split("\n", 1)[0])
         if match:
             found[tuple(int(g) for g in match.groups())] = function
@@ -55,17 +62,33 @@ def kernels() -> dict[tuple[int, int, int], str]:
     return found
 
 
+@pytest.fixture(scope="module")
+def kernels() -> dict[tuple[int, int, int], str]:
+    """(MODE, ACT, WEIGHTS) -> the SASS of that instantiation, from the installed extension's sm_90a cubin."""
+    return _per_kernel(_cuobjdump("-sass"), r"\n\s*Function : ")
+
+
+@pytest.fixture(scope="module")
+def resources() -> dict[tuple[int, int, int], dict[str, int]]:
+    """(MODE, ACT, WEIGHTS) -> cuobjdump -res-usage's REG, STACK, LOCAL of that instantiation."""
+    usage = _per_kernel(_cuobjdump("-res-usage"), r"\n\s*Function ")
+    return {k: {name: int(v) for name, v in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text)} for k, text in usage.items()}
+
+
 def test_b_tiles_flip_majorness_with_transposed_weights(kernels):
-    modes, forms = _modes(), _forms()
+    """The base K tiles' B follows the weights' form; the LoRA extension's B (the adapters, (out, r) in every layout)
+    is K-major."""
+    modes, forms, flag = _modes(), _forms(), _lora_flag()
     backward = {modes["DH_SWIGLU"], modes["DX_ATOMIC"], modes["DX_SLOTS"]}
     for (mode, act, weights), sass in kernels.items():
         wgmmas = re.findall(r"HGMMA\.64x256x16\.F32\.BF16[^;]*", sass)
         assert wgmmas, f"moe_gemm_kernel<{mode}, {act}, {weights}> has no m64n256k16 bf16 wgmma"
-        n_major = (mode in backward) != (weights != forms["kOutIn"])
+        n_major = (mode & ~flag in backward) != (weights != forms["kOutIn"])
+        expected = {n_major, False} if mode & flag else {n_major}
         transposed_b = {".tnspB" in w for w in wgmmas}
-        assert transposed_b == {n_major}, (
-            f"moe_gemm_kernel<{mode}, {act}, {weights}>: expected every wgmma with B "
-            f"{'N-major (.tnspB)' if n_major else 'K-major'}, found {sorted(transposed_b)}")
+        assert transposed_b == expected, (
+            f"moe_gemm_kernel<{mode}, {act}, {weights}>: expected wgmmas with B "
+            f"{sorted('N-major (.tnspB)' if n else 'K-major' for n in expected)}, found {sorted(transposed_b)}")
 
 
 def test_accumulators_stay_in_registers(kernels):
@@ -90,3 +113,31 @@ def test_every_weight_form_the_host_picks_is_compiled(kernels):
                  for w in (forms["kOutIn"], forms["kInOut"])}
     missing = expected - kernels.keys()
     assert not missing, f"instantiations missing from the sm_90a code: {sorted(missing)}"
+
+
+def test_every_lora_kernel_the_host_picks_is_compiled(kernels):
+    """moe_lora_forward / moe_lora_gate_up: the shrinks, every gate/up mode's persistent twin with the extension for
+    every activation and form, and both down modes with it for both of w2's forms."""
+    modes, forms, acts, flag = _modes(), _forms(), _activations(), _lora_flag()
+    gated_acts = tuple(v for k, v in acts.items() if k != "kActRelu2")
+    twins = [modes[m] | flag for m in ("GATE_UP_PERSISTENT", "GATE_UP_SAVE_PERSISTENT", "GATE_UP_AND_SAVE_PERSISTENT")]
+    expected = {(m, a, w) for m in twins for a in acts.values() for w in (forms["kOutIn"], forms["kInOut"])}
+    expected |= {(m, a, forms["kInOutPairs"]) for m in twins for a in gated_acts}
+    expected |= {(modes[m] | flag, acts["kActSwiGLU"], w) for m in ("DOWN_ATOMIC", "DOWN_SLOTS")
+                 for w in (forms["kOutIn"], forms["kInOut"])}
+    expected |= {(modes[m], acts["kActSwiGLU"], forms["kOutIn"]) for m in ("LORA_SHRINK_X", "LORA_SHRINK_H")}
+    missing = expected - kernels.keys()
+    assert not missing, f"LoRA instantiations missing from the sm_90a code: {sorted(missing)}"
+
+
+def test_lora_kernels_keep_the_base_registers(resources):
+    """The LoRA instantiations use the registers the base GEMMs do (all of them: one CTA of 384 threads per SM) and
+    no stack or local memory."""
+    modes, flag = _modes(), _lora_flag()
+    lora = {k for k in resources if k[0] & flag or k[0] in (modes["LORA_SHRINK_X"], modes["LORA_SHRINK_H"])}
+    assert lora, "no LoRA instantiation in the sm_90a code"
+    base_regs = {r["REG"] for k, r in resources.items() if k not in lora}
+    assert len(base_regs) == 1, f"the base GEMMs use different register counts: {sorted(base_regs)}"
+    for key in sorted(lora):
+        r = resources[key]
+        assert r["REG"] in base_regs and r["STACK"] == 0 and r["LOCAL"] == 0, f"moe_gemm_kernel<{key}>: {r}"
