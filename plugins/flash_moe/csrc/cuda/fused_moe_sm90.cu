@@ -126,6 +126,7 @@ constexpr int persistent_twin(int mode) {
                                               : mode == GATE_UP_AND_SAVE ? GATE_UP_AND_SAVE_PERSISTENT : mode;
 }
 constexpr bool lora_extension(int mode) { return (mode & LORA_EXTENSION) != 0; }
+constexpr int with_lora_extension(int mode) { return mode | LORA_EXTENSION; }
 // What the kernel computes: a twin's base mode (the twins differ in their launch only), without the LoRA flag.
 constexpr int base_mode(int flagged) {
   const int mode = flagged & ~LORA_EXTENSION;
@@ -1395,7 +1396,7 @@ void lora_gate_up(const char* op, sm90::Params& p, int form, const Lora& l, cons
     if constexpr (kForm == sm90::kInOutPairs && ACT == sm90::kActRelu2) {
       TORCH_CHECK(false, "flash_moe: relu2 has no gate/up pairs");  // gate_up_params never pairs a relu2 weight
     } else {
-      sm90::launch<sm90::persistent_twin(MODE) | sm90::LORA_EXTENSION, ACT, kForm>(p, n_tiles, g, stream);
+      sm90::launch<sm90::with_lora_extension(sm90::persistent_twin(MODE)), ACT, kForm>(p, n_tiles, g, stream);
     }
   });
 }
@@ -1466,10 +1467,10 @@ void run_lora(const char* op, const at::Tensor& x, const Experts& w, const at::T
       if (mode == sm90::DOWN_ATOMIC) {
         p.topk_weights = tw.const_data_ptr<float>();
         p.acc32 = result.mutable_data_ptr<float>();
-        sm90::launch<sm90::DOWN_ATOMIC | sm90::LORA_EXTENSION, sm90::kActSwiGLU, kForm>(p, n_tiles, g, stream);
+        sm90::launch<sm90::with_lora_extension(sm90::DOWN_ATOMIC), sm90::kActSwiGLU, kForm>(p, n_tiles, g, stream);
       } else {
         p.yslots = reinterpret_cast<__nv_bfloat16*>(result.mutable_data_ptr());
-        sm90::launch<sm90::DOWN_SLOTS | sm90::LORA_EXTENSION, sm90::kActSwiGLU, kForm>(p, n_tiles, g, stream);
+        sm90::launch<sm90::with_lora_extension(sm90::DOWN_SLOTS), sm90::kActSwiGLU, kForm>(p, n_tiles, g, stream);
       }
     }
   });
