@@ -3,7 +3,9 @@ reference on the same bf16 inputs (reference.moe_per_expert with the adapters), 
 unfused formulation (reference.moe_lora_grouped_mm: base grouped GEMMs plus x A^T, then (.) B^T, scaled, per
 adapter); several adapters in one call, every family and layout, expert parallelism, moe_sorted, the frozen base's
 skipped weight-gradient GEMMs, compile, argument errors, and the per-expert naming helpers. CPU tests run everywhere
-(``-s`` prints the ratios); the ``@pytest.mark.gpu`` test runs the same checks on CUDA (the unfused path there)."""
+(``-s`` prints the ratios); the ``@pytest.mark.gpu`` tests run the same checks on CUDA, where the forward is fused
+(csrc/cuda/fused_moe_sm90.cu) and the backward the unfused composition, and compare the fused forward ops with the CPU
+ops (the definition of the numerics) against float64."""
 from __future__ import annotations
 
 import pytest
@@ -44,13 +46,14 @@ def make_problem(T, dim, hidden, E, top_k, family, seed=0, num_global=None, devi
     return t, ExpertLayout(form if gated else "stacked", transposed)
 
 
-def make_lora(n, E, dim, hidden, rank, gated=True, seed=1, zero_b=False, device="cpu", adapter_ids=None):
-    """n adapters on every projection (A ~ 1/sqrt(in), B ~ 1/sqrt(r): terms as large as the base's), scalings
+def make_lora(n, E, dim, hidden, rank, gated=True, seed=1, zero_b=False, device="cpu", adapter_ids=None,
+              projections=("gate", "up", "down")):
+    """n adapters on each of ``projections`` (A ~ 1/sqrt(in), B ~ 1/sqrt(r): terms as large as the base's), scalings
     0.5 ... 2.0."""
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for proj, n_in, n_out in (("gate", dim, hidden), ("up", dim, hidden), ("down", hidden, dim)):
-        if proj == "up" and not gated:
+        if (proj == "up" and not gated) or proj not in projections:
             continue
         tensors[f"a_{proj}"] = torch.randn(n, E, rank, n_in, generator=g) / n_in**0.5
         tensors[f"b_{proj}"] = torch.randn(n, E, n_out, rank, generator=g) / rank**0.5 * (0 if zero_b else 1)
@@ -154,11 +157,15 @@ def test_cpu_lora_trainable_base_and_recompute():
 @cpu
 @pytest.mark.parametrize("n", [1, 3])
 def test_cpu_lora_zero_b_is_the_base_bitwise(n):
-    """Fresh adapters (B = 0, PEFT's initialisation): the output is the base call's, bitwise; the B gradients are
-    not zero (training starts)."""
+    zero_b_is_the_base_bitwise(n, "cpu")
+
+
+def zero_b_is_the_base_bitwise(n, device):
+    """Fresh adapters (B = 0, PEFT's initialisation): the output is the base call's, bitwise (top_k 2: the two fp32
+    atomic adds of a token on CUDA commute); the B gradients are not zero (training starts)."""
     family = ("gpt_oss", "interleaved", True, "b1 b2")
-    t, layout = make_problem(200, 128, 128, 4, 2, family, seed=2)
-    lora = make_lora(n, 4, 128, 128, 16, zero_b=True, adapter_ids=torch.arange(200) % n)
+    t, layout = make_problem(200, 128, 128, 4, 2, family, seed=2, device=device)
+    lora = make_lora(n, 4, 128, 128, 16, zero_b=True, device=device, adapter_ids=(torch.arange(200) % n).to(device))
     for name in ("b_gate", "b_up", "b_down"):
         getattr(lora, name).requires_grad_(True)
     kw = dict(activation="gpt_oss", b1=t["b1"], b2=t["b2"], layout=layout)
@@ -171,12 +178,17 @@ def test_cpu_lora_zero_b_is_the_base_bitwise(n):
 
 @cpu
 def test_cpu_lora_adapter_without_tokens():
+    adapter_without_tokens("cpu")
+
+
+def adapter_without_tokens(device):
     """Adapter 1 of 3 gets no token: its gradients are exactly zero, the others within the rule."""
     family = ("swiglu", "separate", False, "")
-    t, layout = make_problem(160, 128, 128, 4, 2, family, seed=4)
-    lora = make_lora(3, 4, 128, 128, 8, adapter_ids=torch.where(torch.arange(160) % 2 == 0, 0, 2))
+    t, layout = make_problem(160, 128, 128, 4, 2, family, seed=4, device=device)
+    lora = make_lora(3, 4, 128, 128, 8, device=device,
+                     adapter_ids=torch.where(torch.arange(160) % 2 == 0, 0, 2).to(device))
     results = run_all(t, layout, "swiglu", lora, ("x", "tw", *ADAPTERS))
-    check("cpu adapter without tokens", results, inputs_of(t, lora))
+    check(f"{device} adapter without tokens", results, inputs_of(t, lora))
     for name in ADAPTERS:
         assert torch.count_nonzero(results[0][1][name][1]) == 0, name
         assert torch.count_nonzero(results[0][1][name][0]) > 0, name
@@ -185,15 +197,19 @@ def test_cpu_lora_adapter_without_tokens():
 @cpu
 @pytest.mark.parametrize("unrouted", [-1, 8], ids=["minus-one", "num-experts"])
 def test_cpu_lora_expert_parallel(unrouted):
+    expert_parallel(unrouted, "cpu")
+
+
+def expert_parallel(unrouted, device, family=("relu2", "stacked", False, "b1 b2")):
     """Local experts [4, 8) of 8, some slots unrouted (-1, or transformers' id == num_experts)."""
-    family = ("relu2", "stacked", False, "b1 b2")
-    t, layout = make_problem(256, 128, 128, 4, 3, family, seed=6, num_global=8)
+    t, layout = make_problem(256, 128, 128, 4, 3, family, seed=6, num_global=8, device=device)
     t["ids"] = t["ids"].clone()
     t["ids"][::5, 0] = unrouted
-    lora = make_lora(2, 4, 128, 128, 16, gated=False, adapter_ids=torch.arange(256) % 2)
-    results = run_all(t, layout, "relu2", lora, ("x", "tw", "b1", "b2", *ADAPTERS), expert_start=4,
+    gated = family[0] != "relu2"
+    lora = make_lora(2, 4, 128, 128, 16, gated=gated, device=device, adapter_ids=(torch.arange(256) % 2).to(device))
+    results = run_all(t, layout, family[0], lora, ("x", "tw", "b1", "b2", *ADAPTERS), expert_start=4,
                       call=lambda *a, **k: ops.moe(*a[:6], expert_start=a[6], num_experts=8, **k))
-    check(f"cpu EP unrouted={unrouted}", results, inputs_of(t, lora))
+    check(f"{device} EP unrouted={unrouted} {family[0]}", results, inputs_of(t, lora))
 
 
 @cpu
@@ -385,14 +401,140 @@ def test_cpu_lora_naming_errors_and_rank_padding():
     torch.testing.assert_close(ops.moe(*args, lora=padded), ops.moe(*args, lora=small))
 
 
-@pytest.mark.parametrize("case", [CASES[2], CASES[4]], ids=case_id)
+# (T, dim, hidden, E, top_k): whole tiles; then partial column tiles in both GEMMs (hidden 192, dim 320), top_k 3
+GPU_SHAPES = [(1024, 256, 256, 8, 2), (600, 320, 192, 5, 3)]
+
+
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 @pytest.mark.gpu
 @pytest.mark.kernel(KERNEL)
-def test_gpu_lora_numerics(case):
-    """The same rule on CUDA, where moe(lora=...) runs the unfused composition (ATen on the GPU)."""
+def test_gpu_lora_numerics(case, shape):
+    """The same rule on CUDA: the fused forward (every family and weight form: the extension's halves, relu2's whole
+    tiles, gpt-oss's pairs; ranks 8 / 16 / 64, 1 / 2 / 4 adapters), the backward's unfused ops."""
     n, rank, family = case
-    t, layout = make_problem(1024, 256, 256, 8, 2, family, seed=11, device="cuda")
-    adapter_ids = torch.randint(0, n, (1024,), generator=torch.Generator().manual_seed(3)).cuda()
-    lora = make_lora(n, 8, 256, 256, rank, family[0] != "relu2", device="cuda", adapter_ids=adapter_ids)
-    check(f"gpu {case_id(case)}", run_all(t, layout, family[0], lora, ("x", "tw", "b1", "b2", *ADAPTERS)),
+    T, dim, hidden, E, top_k = shape
+    t, layout = make_problem(T, dim, hidden, E, top_k, family, seed=11, device="cuda")
+    adapter_ids = torch.randint(0, n, (T,), generator=torch.Generator().manual_seed(3)).cuda()
+    lora = make_lora(n, E, dim, hidden, rank, family[0] != "relu2", device="cuda", adapter_ids=adapter_ids)
+    check(f"gpu {case_id(case)} {shape}", run_all(t, layout, family[0], lora, ("x", "tw", "b1", "b2", *ADAPTERS)),
           inputs_of(t, lora))
+
+
+SUBSETS = [("gate",), ("up",), ("down",), ("gate", "down"), ("up", "down"), ("gate", "up")]
+
+
+@pytest.mark.parametrize("projections", SUBSETS, ids="-".join)
+@pytest.mark.parametrize("family", [("swiglu", "separate", False, "b1"), ("gpt_oss", "interleaved", True, "b1 b2")],
+                         ids=lambda f: f[0])
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+def test_gpu_lora_some_projections(projections, family):
+    """Adapters on some projections only: a gate/up tile's half without an adapter reads zeros (its B at a column
+    shift past every column); gpt-oss's pairs get zero rows for the absent half."""
+    t, layout = make_problem(512, 256, 192, 4, 2, family, seed=21, device="cuda")
+    lora = make_lora(2, 4, 256, 192, 16, device="cuda", projections=projections,
+                     adapter_ids=(torch.arange(512) % 2).cuda())
+    check(f"gpu {family[0]} {'+'.join(projections)}",
+          run_all(t, layout, family[0], lora, ("x", "tw", *[a for a in ADAPTERS if a[2:] in projections])),
+          inputs_of(t, lora))
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+def test_gpu_lora_zero_b_is_the_base_bitwise(n):
+    zero_b_is_the_base_bitwise(n, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+def test_gpu_lora_adapter_without_tokens():
+    adapter_without_tokens("cuda")
+
+
+@pytest.mark.parametrize("family", [("relu2", "stacked", False, "b1 b2"), ("swiglu", "stacked", True, "b2")],
+                         ids=lambda f: f[0])
+@pytest.mark.parametrize("unrouted", [-1, 8], ids=["minus-one", "num-experts"])
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+def test_gpu_lora_expert_parallel(unrouted, family):
+    expert_parallel(unrouted, "cuda", family)
+
+
+def op_arguments(t, layout, activation, lora, deterministic):
+    """moe_lora_forward's arguments as moe() forms them (the weights' views, the (expert, adapter) groups and their
+    alignment, computed on the CPU), on t's device; and the groups."""
+    family = ops.make_family(activation, ops.GPT_OSS_ALPHA, ops.GPT_OSS_LIMIT, layout, t["w3"])
+    gate, up, w2v, b_gate, b_up = ops.expert_views(t["w1"], t["w2"], t["w3"], t["b1"], family)
+    E, n, top_k = gate.shape[0], lora.n_adapters(), t["ids"].shape[1]
+    groups = ops.group_ids(t["ids"].cpu(), None if lora.adapter_ids is None else lora.adapter_ids.cpu(), E, n, 0, E)
+    align = [a.to(t["x"].device) for a in torch.ops.flash_moe.moe_align(groups, E * n, ops.BLOCK_M, 1, 0, E * n,
+                                                                          ops.CONSTANTS["CLUSTER_BLOCKS"])]
+    args = (t["x"], gate, up if family.gated else None, w2v, *align, t["tw"], top_k, ops.BLOCK_M, deterministic, True,
+            E, lora.scaling, *lora.adapters(), activation, family.alpha, family.limit, b_gate, b_up, t["b2"])
+    return args, groups
+
+
+def compact_references(args, groups, n):
+    """float64 [g | u] and [u_gate | u_up] (u = s_a x A^T, unrounded) of the routed slots in the alignment's order:
+    what moe_lora_forward's gate_up and lora_rows hold."""
+    x, gate, up, _, sorted_ids, *_ = args
+    top_k = args[8]
+    scaling, (a_gate, b_gate, a_up, b_up) = args[13].cpu(), args[14:18]
+    b_gate_bias, b_up_bias = args[23:25]
+    slots = sorted_ids.cpu()[sorted_ids.cpu() >= 0].long()
+    group = groups.reshape(-1)[slots].long()
+    d = lambda v: None if v is None else v.cpu().double()
+    x64, rows, u_rows = d(x)[slots // top_k], [], []
+    for i in range(len(slots)):
+        e, a = int(group[i]) // n, int(group[i]) % n
+        z, s = x64[i:i + 1], float(scaling[a])
+        pre, us = [], []
+        for w, bias, la, lb in ((gate, b_gate_bias, a_gate, b_gate), (up, b_up_bias, a_up, b_up)):
+            if w is None:
+                continue
+            y = z @ d(w[e]).t() + (0 if bias is None else d(bias[e]))
+            if la is not None:
+                u = s * (z @ d(la[a, e]).t())
+                y = y + u @ d(lb[a, e]).t()
+                us.append(u)
+            pre.append(y)
+        rows.append(torch.cat(pre, 1))
+        u_rows.append(torch.cat(us, 1) if us else z.new_zeros(1, 0))
+    return torch.cat(rows), torch.cat(u_rows)
+
+
+OP_CASES = [(2, 16, ("swiglu", "separate", False, "b1")), (4, 64, ("gpt_oss", "interleaved", True, "b1 b2")),
+            (1, 8, ("relu2", "stacked", True, "b2")), (2, 64, ("swiglu", "stacked", True, ""))]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "slots"])
+@pytest.mark.parametrize("case", OP_CASES, ids=case_id)
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+def test_gpu_lora_fused_ops_against_the_cpu_definition(case, deterministic):
+    """moe_lora_forward and moe_lora_gate_up on CUDA (fused) and on the CPU (the definition) on the same inputs and
+    alignment: out, g | u and the rank-r rows each within 1.5x the CPU op's error against float64; the recomputation
+    gives the forward's g | u and rank-r rows bitwise (the same kernels)."""
+    n, rank, family = case
+    t, layout = make_problem(320, 256, 192, 4, 3, family, seed=17, device="cuda")
+    lora = make_lora(n, 4, 256, 192, rank, family[0] != "relu2", device="cuda",
+                     adapter_ids=torch.randint(0, n, (320,), generator=torch.Generator().manual_seed(5)).cuda())
+    args, groups = op_arguments(t, layout, family[0], lora, deterministic)
+    cpu_args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+    ours, theirs = torch.ops.flash_moe.moe_lora_forward(*args), torch.ops.flash_moe.moe_lora_forward(*cpu_args)
+    f64 = {k: None if v is None else v.double().cpu() for k, v in t.items()}
+    f64["ids"], f64["tw"] = t["ids"].cpu(), t["tw"].double().cpu()
+    lora64 = ops.MoeLora(lora.scaling.cpu().double(), *[None if a is None else a.double().cpu() for a in
+                                                        lora.adapters()], adapter_ids=lora.adapter_ids.cpu())
+    ref_out = reference.moe_per_expert(f64["x"], f64["w1"], f64["w2"], f64["w3"], f64["ids"], f64["tw"],
+                                       activation=family[0], b1=f64["b1"], b2=f64["b2"], layout=layout, lora=lora64)
+    ref_gate_up, ref_rows = compact_references(args, groups, n)
+    label = f"gpu op {case_id(case)} deterministic={deterministic}"
+    assert_error_ratio(f"{label} out", ours[0].cpu(), theirs[0], ref_out, MAX_RATIO)
+    assert_error_ratio(f"{label} gate_up", ours[1].cpu(), theirs[1], ref_gate_up, MAX_RATIO)
+    assert_error_ratio(f"{label} lora_rows", ours[2].cpu(), theirs[2], ref_rows, MAX_RATIO)
+    gate_up_args = (*args[:3], *args[4:7], args[8], args[9], args[13], *args[14:18], args[12], *args[23:25])
+    recomputed = torch.ops.flash_moe.moe_lora_gate_up(*gate_up_args)
+    assert torch.equal(recomputed[0], ours[1]) and torch.equal(recomputed[1], ours[2])
