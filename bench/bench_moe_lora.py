@@ -2,12 +2,14 @@
 (gradients for x, the routing weights and the adapters) of prime-rl's unfused formulation
 (``reference.moe_lora_grouped_mm``: base grouped GEMMs plus two grouped GEMMs per adapted projection, one adapter per
 call), flash_moe without adapters (the frozen-base time the fused adapters must stay within 1.15x of), and
-``moe(lora=...)`` with one and with four adapters in one call; peak memory of each.
+``moe(lora=...)`` with one and with four adapters in one call; peak memory of each; and the forward alone (no grad)
+of each, where ``moe(lora=...)`` runs the fused kernels.
 
     python bench/bench_moe_lora.py [--json PATH] [--shapes NAME,NAME] [--ranks 16,64] [--quick]
 
-``moe(lora=...)`` runs the unfused moe_lora_* ops today (ATen per aligned block, the alignment read on the host): its
-rows are the starting point, timed briefly (``UNFUSED_TIMING``), not the issue's target.
+``moe(lora=...)``'s forward is fused (the rank-r shrink, then the base GEMMs with their K extended by it); its backward
+still runs the unfused moe_lora_grad_* ops (ATen per aligned block, the alignment read on the host), so its
+forward+backward rows are timed briefly (``UNFUSED_TIMING``) and are not the issue's target.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ SHAPES = [
     ("qwen3-30b-a3b", 16384, 128, 8, 2048, 768, "swiglu", ("separate", False), False),
     ("gpt-oss-20b", 16384, 32, 4, 2880, 2880, "gpt_oss", ("interleaved", True), True),
 ]
-UNFUSED_TIMING = {"warmup": 1, "rep": 1}  # do_bench still runs a few calls: each is seconds long here
+UNFUSED_TIMING = {"warmup": 1, "rep": 1}  # do_bench still runs a few calls: each backward is seconds long here
 
 
 def problem(T, E, k, dim, hidden, activation, layout, biases):
@@ -83,25 +85,32 @@ def bench_shape(ops, reference, name, T, E, k, dim, hidden, activation, layout_a
         "prime_rl_1": (lambda: reference.moe_lora_grouped_mm(*args, lora=one, **kw), leaves_of(one), timing),
         "prime_rl_4": (lambda: reference.moe_lora_grouped_mm(*args, lora=four, **kw), leaves_of(four), timing),
         "ours_no_adapters": (lambda: ops.moe(*args, **kw), base_leaves, timing),
-        "ours_1_unfused": (lambda: ops.moe(*args, lora=one, **kw), leaves_of(one), UNFUSED_TIMING),
-        "ours_4_unfused": (lambda: ops.moe(*args, lora=four, **kw), leaves_of(four), UNFUSED_TIMING),
+        "ours_1": (lambda: ops.moe(*args, lora=one, **kw), leaves_of(one), UNFUSED_TIMING),
+        "ours_4": (lambda: ops.moe(*args, lora=four, **kw), leaves_of(four), UNFUSED_TIMING),
     }
-    results = {}
+    results, forward = {}, {}
     for path, (fn, leaves, path_timing) in paths.items():
         results[path] = timed(fn, leaves, go, path_timing)
+        free()
+        with torch.no_grad():
+            forward[path] = do_bench(fn, **timing)
         free()
     turns = interleaved({"prime_rl_1": lambda: paths["prime_rl_1"][0]().backward(go),
                          "ours_no_adapters": lambda: paths["ours_no_adapters"][0]().backward(go)},
                         grad_to_none=leaves_of(one), **LONG_TIMING)
     row = {"shape": name, "T": T, "E": E, "top_k": k, "dim": dim, "hidden": hidden, "activation": activation,
            "layout": f"{layout.gate_up}{' transposed' if layout.transposed else ''}", "rank": rank,
-           "fwd_bwd_turns_ms": turns, **{p: {"fwd_bwd_ms": ms, "peak_gib": peak / 2**30}
-                                          for p, (ms, peak) in results.items()}}
+           "fwd_bwd_turns_ms": turns,
+           **{p: {"fwd_bwd_ms": ms, "fwd_no_grad_ms": forward[p], "peak_gib": peak / 2**30}
+              for p, (ms, peak) in results.items()}}
     print(f"{name:14s} r{rank:<3d} fwd+bwd (frozen base) prime-rl 1 adapter {turns['prime_rl_1']:8.3f} ms, 4 "
           f"{results['prime_rl_4'][0]:8.3f} | flash_moe no adapters {turns['ours_no_adapters']:7.3f} ms | "
-          f"moe(lora) unfused 1 {results['ours_1_unfused'][0]:9.1f} ms, 4 {results['ours_4_unfused'][0]:9.1f} | "
+          f"moe(lora) (unfused backward) 1 {results['ours_1'][0]:9.1f} ms, 4 {results['ours_4'][0]:9.1f} | "
           f"peak GiB prime-rl {results['prime_rl_1'][1] / 2**30:.2f}, no adapters "
-          f"{results['ours_no_adapters'][1] / 2**30:.2f}, unfused {results['ours_1_unfused'][1] / 2**30:.2f}")
+          f"{results['ours_no_adapters'][1] / 2**30:.2f}, moe(lora) {results['ours_1'][1] / 2**30:.2f}")
+    print(f"{'':14s} r{rank:<3d} forward (no grad) prime-rl 1 {forward['prime_rl_1']:8.3f} ms, 4 "
+          f"{forward['prime_rl_4']:8.3f} | flash_moe no adapters {forward['ours_no_adapters']:7.3f} | moe(lora) fused 1 "
+          f"{forward['ours_1']:7.3f}, 4 {forward['ours_4']:7.3f}")
     return row
 
 

@@ -20,8 +20,8 @@ Surface (compatible with the original Blackwell flash_moe, namespace ``prime_moe
   it).
 
 - LoRA adapters on the experts: ``moe(..., lora=MoeLora(...))`` (several adapters per call; the forward fused on
-  CUDA, the backward unfused for now: see ``moe``), ``load_adapter`` / ``export_adapter`` / ``stack_adapters`` (prime-rl's, PEFT's and vLLM's per-expert
-  naming).
+  CUDA, the backward unfused for now: see ``moe``), ``load_adapter`` / ``export_adapter`` / ``stack_adapters``
+  (prime-rl's, PEFT's and vLLM's per-expert naming).
 
 The ``torch.ops.flash_moe`` ops are forward-only: a backward through ``moe_forward``, ``moe_forward_mxfp8``,
 ``moe_gate_up``, ``moe_grad_gate_up``, ``moe_grad_x``, ``swiglu_backward``, ``quantize_mxfp8`` or the ``moe_lora_*``

@@ -72,7 +72,8 @@ def kernels() -> dict[tuple[int, int, int], str]:
 def resources() -> dict[tuple[int, int, int], dict[str, int]]:
     """(MODE, ACT, WEIGHTS) -> cuobjdump -res-usage's REG, STACK, LOCAL of that instantiation."""
     usage = _per_kernel(_cuobjdump("-res-usage"), r"\n\s*Function ")
-    return {k: {name: int(v) for name, v in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text)} for k, text in usage.items()}
+    return {k: {name: int(v) for name, v in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text)}
+            for k, text in usage.items()}
 
 
 def test_b_tiles_flip_majorness_with_transposed_weights(kernels):

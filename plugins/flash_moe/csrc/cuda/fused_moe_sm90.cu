@@ -111,7 +111,8 @@ constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + 2
 // DX_ATOMIC, DX_SLOTS: the backward's dx (kernel 4 above).
 // *_PERSISTENT: the gate/up modes' persistent twins (the host picks one per call: gate_up_persistent).
 // LORA_SHRINK_X: the LoRA shrink u = s_a x [A_gate; A_up]^T of the gathered x rows (gate and up adapters in the two
-// halves of the B tile); LORA_SHRINK_H: u = s_a h A_down^T of the intermediate's rows. Both persistent, one column tile.
+// halves of the B tile); LORA_SHRINK_H: u = s_a h A_down^T of the intermediate's rows. Both persistent, one column
+// tile.
 enum Mode : int {
   GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2, GATE_UP_SAVE = 3, GATE_UP_AND_SAVE = 4, DH_SWIGLU = 5, DX_ATOMIC = 6,
   DX_SLOTS = 7, GATE_UP_PERSISTENT = 8, GATE_UP_SAVE_PERSISTENT = 9, GATE_UP_AND_SAVE_PERSISTENT = 10,
