@@ -560,8 +560,8 @@ at::Tensor moe_grad_weight_cpu(const at::Tensor& rows, const at::Tensor& source,
 // ------------------------------------------------------------------------------------------------------------------
 // LoRA adapters (flash_moe.h, "LoRA adapters on the experts"): the unfused composition, in device-generic ATen calls:
 // the CPU implementation (the definition of the numerics, which the fused CUDA forward of csrc/cuda/fused_moe_sm90.cu
-// computes with the same rounding points), and, registered for CUDA as well, the backward's LoRA ops there until fused
-// kernels exist for them (docs/notes/flash_moe.md, "LoRA adapters"). Per aligned block of group v = e * n + a: expert e's base
+// computes with the same rounding points), and, registered for CUDA as well, moe_lora_grad_gate_up there until a fused
+// kernel exists for it (docs/notes/flash_moe.md, "LoRA adapters"). Per aligned block of group v = e * n + a: expert e's base
 // GEMMs in fp32 as the base ops compute them, plus per adapted projection the rank-r rows u = s_a (rows A[a, e]^T)
 // rounded to bf16 (the operand the fused kernels will append to the GEMM's K) and u B[a, e]^T in fp32.
 
@@ -861,11 +861,10 @@ TORCH_LIBRARY_IMPL(flash_moe, CPU, m) {
   m.impl("moe_lora_grad_x", &flash_moe::moe_lora_grad_x_impl);
 }
 
-// The backward's LoRA ops run their unfused composition (device-generic ATen calls) on CUDA too until fused kernels
-// exist for them (docs/notes/flash_moe.md, "LoRA adapters"): correct there, not fast (a host read of the alignment and
-// small GEMMs per aligned block). The forward's (moe_lora_forward, moe_lora_gate_up) and the other ops' CUDA kernels
-// are registered by the CUDA sources (csrc/cuda/fused_moe_sm90.cu).
+// moe_lora_grad_gate_up runs its unfused composition (device-generic ATen calls) on CUDA too until a fused kernel
+// exists for it (docs/notes/flash_moe.md, "LoRA adapters"): correct there, not fast (a host read of the alignment and
+// small GEMMs per aligned block). The other LoRA ops' and the other ops' CUDA kernels are registered by the CUDA
+// sources (csrc/cuda/fused_moe_sm90.cu).
 TORCH_LIBRARY_IMPL(flash_moe, CUDA, m) {
   m.impl("moe_lora_grad_gate_up", &flash_moe::moe_lora_grad_gate_up_impl);
-  m.impl("moe_lora_grad_x", &flash_moe::moe_lora_grad_x_impl);
 }

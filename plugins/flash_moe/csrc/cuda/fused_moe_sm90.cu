@@ -111,15 +111,16 @@ constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + 2
 // DX_ATOMIC, DX_SLOTS: the backward's dx (kernel 4 above).
 // *_PERSISTENT: the gate/up modes' persistent twins (the host picks one per call: gate_up_persistent).
 // LORA_SHRINK_X: the LoRA shrink u = s_a x [A_gate; A_up]^T of the gathered x rows (gate and up adapters in the two
-// halves of the B tile); LORA_SHRINK_H: u = s_a h A_down^T of the intermediate's rows. Both persistent, one column
-// tile.
+// halves of the B tile); LORA_SHRINK_H: u = s_a h A_down^T of the intermediate's rows; LORA_SHRINK_D (dX's):
+// w = s_a [dg B_gate | du B_up] of the compact dg, du rows (K = 2 hidden as in DX, B N-major). All persistent, one
+// column tile.
 enum Mode : int {
   GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2, GATE_UP_SAVE = 3, GATE_UP_AND_SAVE = 4, DH_SWIGLU = 5, DX_ATOMIC = 6,
   DX_SLOTS = 7, GATE_UP_PERSISTENT = 8, GATE_UP_SAVE_PERSISTENT = 9, GATE_UP_AND_SAVE_PERSISTENT = 10,
-  LORA_SHRINK_X = 11, LORA_SHRINK_H = 12
+  LORA_SHRINK_X = 11, LORA_SHRINK_H = 12, LORA_SHRINK_D = 13
 };
-// Added to a persistent gate/up or a down mode: blocks of (expert, adapter) groups, and the adapters' K extension
-// (Params::ext_tiles K tiles after the base ones, possibly none). A flag rather than more modes: the base modes'
+// Added to a persistent gate/up, a down or a dX mode: blocks of (expert, adapter) groups, and the adapters' K
+// extension (Params::ext_tiles K tiles after the base ones, possibly none). A flag rather than more modes: the base modes'
 // instantiations stay what they were.
 enum ModeFlag : int { LORA_EXTENSION = 16 };
 constexpr int persistent_twin(int mode) {
@@ -140,7 +141,7 @@ constexpr bool persistent_mode(int flagged) {
   const int mode = flagged & ~LORA_EXTENSION;
   return mode == DOWN_ATOMIC || mode == DOWN_SLOTS || mode == DX_ATOMIC || mode == DX_SLOTS || mode == DH_SWIGLU ||
          mode == GATE_UP_PERSISTENT || mode == GATE_UP_SAVE_PERSISTENT || mode == GATE_UP_AND_SAVE_PERSISTENT ||
-         mode == LORA_SHRINK_X || mode == LORA_SHRINK_H;
+         mode == LORA_SHRINK_X || mode == LORA_SHRINK_H || mode == LORA_SHRINK_D;
 }
 // How the weights lie (the host reads it off the strides of the ops' (E, out, in) views): kOutIn, each expert's
 // (out, in) rows K-contiguous for the forward (today's form); kInOut, transposed (E, in, out); kInOutPairs, transposed
@@ -212,17 +213,23 @@ struct Params {
   __nv_bfloat16* u_out;
   __nv_bfloat16* u_compact;
   int64_t ld_u;
-  // The K extension: ext_tiles K tiles of BK, A from tm_ua (the block's BM u rows [u_0 | u_1], K-major; columns past
-  // them read as zeros), the B tile's two halves from tm_ub[i] (B's 2-D view (n E out, r), K-major: group rows
-  // lora_group_rows[i], boxes B_BOX_ROWS x BK) at column k + ext_shift[i]: a gated gate/up tile's gate half reads
-  // B_gate at shift 0 and its up half B_up at shift -r_gate (the zeros left of column 0 line B_up's columns up with
-  // u_up's in A: each half multiplies its own adapter's u, one m64n256k16 per k16 as in the base K tiles); a half
-  // without an adapter reads at a shift past every column (all zeros); every other tile reads one B's 2 B_BOX_ROWS
-  // consecutive rows through both halves.
-  CUtensorMap tm_ua;
+  // The K extension, forward (gate/up, down): ext_tiles K tiles of BK, A from tm_ua[0] (the block's BM u rows
+  // [u_0 | u_1], K-major; columns past them read as zeros), the B tile's two halves from tm_ub[i] (B's 2-D view
+  // (n E out, r), K-major: group rows lora_group_rows[i], boxes B_BOX_ROWS x BK) at column k + ext_shift[i]: a gated
+  // gate/up tile's gate half reads B_gate at shift 0 and its up half B_up at shift -r_gate (the zeros left of column 0
+  // line B_up's columns up with u_up's in A: each half multiplies its own adapter's u, one m64n256k16 per k16 as in
+  // the base K tiles); a half without an adapter reads at a shift past every column (all zeros); every other tile
+  // reads one B's 2 B_BOX_ROWS consecutive rows through both halves.
+  // dX: the first ext_split tiles are the gate adapter's, the others the up adapter's (i = 0, 1): A from tm_ua[i] (w_i
+  // of the compact rows, the block's from its first compact row; columns past r_i zeros), B N-major from tm_ub[i]
+  // (A_i's 2-D view (n E r_i, dim), boxes BK rows x MN_ATOM columns; rows past r_i meet A's zero columns).
+  // LORA_SHRINK_D reads its N-major B from tm_b0 (the dg tiles) / tm_b1 (du) at column ext_shift[0] / ext_shift[1]
+  // (B_gate at 0, B_up at -r_gate: w_up lands r_gate columns on).
+  CUtensorMap tm_ua[2];
   CUtensorMap tm_ub[2];
   int ext_shift[2];
   int ext_tiles;
+  int ext_split;
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -296,9 +303,10 @@ __device__ __forceinline__ float activation_grad_row(const Params& p, const floa
 
 // The shrinks' epilogue for accumulator row h of a consumer thread (padded row `row`): u = s acc, rounded once to
 // bf16, of columns [0, lora_rank[0]) of the gate half and [0, lora_rank[1]) of the up half, side by side, to u_out's
-// row and (u_compact) the row's compact row. Ranks are multiples of 8: whole bf16 pairs, 4-byte aligned.
+// row (u_out set) and the row's compact row (u_compact set). Ranks are multiples of 8: whole bf16 pairs, 4-byte
+// aligned.
 __device__ __forceinline__ void store_lora_rows(const Params& p, const float* acc, int h, int quad, int row, float s) {
-  __nv_bfloat16* const padded = p.u_out + static_cast<int64_t>(row) * p.ld_u;
+  __nv_bfloat16* const padded = p.u_out != nullptr ? p.u_out + static_cast<int64_t>(row) * p.ld_u : nullptr;
   const int compact = p.u_compact != nullptr ? p.dst_rows[row] : -1;  // -1: padding
   __nv_bfloat16* const dense = compact >= 0 && compact < p.dst_limit
                                    ? p.u_compact + static_cast<int64_t>(compact) * p.ld_u : nullptr;
@@ -311,7 +319,7 @@ __device__ __forceinline__ void store_lora_rows(const Params& p, const float* ac
       if (col >= rank) break;
       const int i = 4 * (j + half * BN_GU / 8) + 2 * h;
       const uint32_t bits = bf16x2_bits(s * acc[i], s * acc[i + 1]);
-      *reinterpret_cast<uint32_t*>(padded + first + col) = bits;
+      if (padded != nullptr) *reinterpret_cast<uint32_t*>(padded + first + col) = bits;
       if (dense != nullptr) *reinterpret_cast<uint32_t*>(dense + first + col) = bits;
     }
   }
@@ -340,22 +348,29 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   constexpr bool kGateUp = kMode == GATE_UP || kMode == GATE_UP_SAVE || kMode == GATE_UP_AND_SAVE;
   static_assert(WEIGHTS != kInOutPairs || (kGateUp && ACT != kActRelu2), "column pairs: the gated gate/up GEMMs only");
   constexpr bool kPairs = WEIGHTS == kInOutPairs;
-  constexpr bool kShrink = kMode == LORA_SHRINK_X || kMode == LORA_SHRINK_H;
+  constexpr bool kShrink = kMode == LORA_SHRINK_X || kMode == LORA_SHRINK_H;  // into the B tile's two halves
+  constexpr bool kShrinkD = kMode == LORA_SHRINK_D;
+  constexpr bool kDx = kMode == DX_ATOMIC || kMode == DX_SLOTS;
   // the LoRA K extension after the base K tiles (LORA_EXTENSION)
   constexpr bool kExtension = lora_extension(MODE);
-  static_assert(!kExtension || (persistent_mode(MODE) && (kGateUp || kMode == DOWN_ATOMIC || kMode == DOWN_SLOTS)),
-                "the LoRA extension: persistent gate/up and down GEMMs");
-  static_assert(!kShrink || WEIGHTS == kOutIn, "the shrinks read the adapters' A, (out, in) in every layout");
+  static_assert(!kExtension || (persistent_mode(MODE) && (kGateUp || kMode == DOWN_ATOMIC || kMode == DOWN_SLOTS ||
+                                                          kDx)),
+                "the LoRA extension: persistent gate/up, down and dX GEMMs");
+  static_assert(!(kShrink || kShrinkD) || WEIGHTS == kOutIn, "the shrinks read the adapters in their own layout");
   // expert_ids hold (expert, adapter) groups
-  constexpr bool kGroups = kExtension || kShrink;
+  constexpr bool kGroups = kExtension || kShrink || kShrinkD;
+  // A's rows: compact rows of dg, then du (K = 2 hidden)
+  constexpr bool kCompactRows = kDx || kShrinkD;
   // B tile: BN_GU gate rows (or columns) + the same BN_GU up ones; the shrinks: the gate and up adapters' A rows
   constexpr bool kHalves = (kGateUp && ACT != kActRelu2 && !kPairs) || kShrink;
   constexpr bool kDh = kMode == DH_SWIGLU;
   // A rows gathered from a [tokens, dim] tensor, K = dim
   constexpr bool kGather = kGateUp || kDh || kMode == LORA_SHRINK_X;
-  constexpr bool kDx = kMode == DX_ATOMIC || kMode == DX_SLOTS;
   // B read N-major (wgmma's transposed B): where the weights' out dimension is the contiguous one for this GEMM's N
-  constexpr bool kMajorN = (kDh || kDx) != (WEIGHTS != kOutIn);
+  // (LORA_SHRINK_D: B_gate, B_up are (hidden, r), K rows)
+  constexpr bool kMajorN = ((kDh || kDx) != (WEIGHTS != kOutIn)) || kShrinkD;
+  // the extension's B: the adapters' own layout, N-major for dX (A_gate, A_up: (r, dim)), else K-major
+  constexpr bool kExtMajorN = kDx;
   // The down GEMMs run persistent: one CTA per SM, its producer filling the ring with the next tile while the
   // consumers finish the last: their K (hidden: 12 k tiles at Qwen3, 32 at DeepSeek-V3) is too short to hide a CTA's
   // launch, ring fill and epilogue. A CTA's first tile is blockIdx.x, the next ones are claimed from a counter, so the
@@ -464,7 +479,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       const int t = tile_of[buf];
       const int block = t >= 0 ? t / p.n_tiles : 0, n_tile = t >= 0 ? t % p.n_tiles : 0;
       if (t >= 0) {
-        if constexpr (kDx) {  // A's row: the slot's compact row of dg / du, -1 (zero-filled) for padding
+        if constexpr (kCompactRows) {  // A's row: the slot's compact row of dg / du, -1 (zero-filled) for padding
           const int row = block * BM + threadIdx.x;
           const int slot = routed_slot(p, row);
           const int compact = slot >= 0 ? p.dst_rows[row] : -1;
@@ -495,7 +510,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         const int stage = acquire_stage<STAGES>(bars, k);
         const uint32_t st = base + stage * STAGE_BYTES;
         // DX: the first k_half tiles read dg and w1, the others du and w3, each from its own K offset 0
-        const bool second = kDx && kt >= p.k_half;
+        const bool second = kCompactRows && kt >= p.k_half;
         const int kofs = (second ? kt - p.k_half : kt) * BK;
         const __nv_bfloat16* const a_src = second ? p.a2 : p.a;
         // the weight map of this k tile: DX's second half reads w3's
@@ -508,8 +523,13 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
             constexpr int kHalfAtoms = MN_ATOMS / 2;
             const bool up_half = kHalves && q >= kHalfAtoms;
             const int col = kHalves ? n_tile * BN_GU + (q % kHalfAtoms) * MN_ATOM : n_tile * BN + q * MN_ATOM;
-            tma_load_2d(st + A_BYTES + q * (B_BYTES / MN_ATOMS), up_half ? &p.tm_b1 : map, full_bar(stage), col,
-                        b_row + kofs);
+            if constexpr (kShrinkD) {  // the group's B_gate (dg tiles) or B_up (du tiles) rows, shifted columns
+              tma_load_2d(st + A_BYTES + q * (B_BYTES / MN_ATOMS), map, full_bar(stage),
+                          col + p.ext_shift[second ? 1 : 0], adapter_group * p.lora_group_rows[second ? 1 : 0] + kofs);
+            } else {
+              tma_load_2d(st + A_BYTES + q * (B_BYTES / MN_ATOMS), up_half ? &p.tm_b1 : map, full_bar(stage), col,
+                          b_row + kofs);
+            }
           }
         }
         if (!kMajorN && threadIdx.x == 0) {  // the B tile: two TMA boxes (halves: gate rows, then the same up rows)
@@ -538,18 +558,30 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       if constexpr (kExtension) {
         // The LoRA K tiles: the block's u rows and the B rows of the column tile, all by TMA (thread 0); the other
         // threads' arrivals complete the stage's count (they copy nothing)
+        // dX: the block's rows of w start at its first compact row (its routed rows are consecutive compact rows)
+        const int first_compact = kDx && threadIdx.x == 0 ? p.dst_rows[block * BM] : 0;
         for (int c = 0; c < p.ext_tiles; ++c) {
           const int stage = acquire_stage<STAGES>(bars, ks + p.k_tiles + c);
           const uint32_t st = base + stage * STAGE_BYTES;
           if (threadIdx.x == 0) {
             mbar_expect_tx(full_bar(stage), A_BYTES + B_BYTES);
-            tma_load_2d(st, &p.tm_ua, full_bar(stage), c * BK, block * BM);
+            if constexpr (kDx) {  // w_i's tile cc of the block; A_i's rows cc BK.. x the tile's 256 columns
+              const int i = c < p.ext_split ? 0 : 1, cc = i ? c - p.ext_split : c;
+              tma_load_2d(st, &p.tm_ua[i], full_bar(stage), cc * BK, first_compact);
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-              const int row = adapter_group * p.lora_group_rows[i] + (kHalves ? n_tile * BN_GU
-                                                                               : n_tile * BN + i * B_BOX_ROWS);
-              tma_load_2d(st + A_BYTES + i * (B_BYTES / 2), &p.tm_ub[i], full_bar(stage), c * BK + p.ext_shift[i],
-                          row);
+              for (int q = 0; q < MN_ATOMS; ++q) {
+                tma_load_2d(st + A_BYTES + q * (B_BYTES / MN_ATOMS), &p.tm_ub[i], full_bar(stage),
+                            n_tile * BN + q * MN_ATOM, adapter_group * p.lora_group_rows[i] + cc * BK);
+              }
+            } else {
+              tma_load_2d(st, &p.tm_ua[0], full_bar(stage), c * BK, block * BM);
+#pragma unroll
+              for (int i = 0; i < 2; ++i) {
+                const int row = adapter_group * p.lora_group_rows[i] + (kHalves ? n_tile * BN_GU
+                                                                                 : n_tile * BN + i * B_BOX_ROWS);
+                tma_load_2d(st + A_BYTES + i * (B_BYTES / 2), &p.tm_ub[i], full_bar(stage),
+                            c * BK + p.ext_shift[i], row);
+              }
             }
           }
           cp_async_mbar_arrive_noinc(full_bar(stage));
@@ -618,11 +650,18 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         for (int x = 0; x < p.ext_tiles; ++x) {
           mbar_wait(full_bar(ring.stage), ring.phase);
           const uint32_t st = base + ring.stage * STAGE_BYTES;
-          const uint64_t da = smem_desc(st + a_off), db = smem_desc(st + A_BYTES);
+          const uint64_t da = smem_desc(st + a_off);
+          const uint64_t db = kExtMajorN ? smem_desc_mn(st + A_BYTES, B_BYTES / MN_ATOMS) : smem_desc(st + A_BYTES);
           fence_acc(acc);
           wgmma_fence();
 #pragma unroll
-          for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk, 1);
+          for (int kk = 0; kk < BK / 16; ++kk) {
+            if constexpr (kExtMajorN) {
+              wgmma_m64n256k16_bf16_bn(acc, da + 2 * kk, db + kk * (16 * 128 >> 4), 1);
+            } else {
+              wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk, 1);
+            }
+          }
           wgmma_commit();
           fence_acc(acc);
           wgmma_wait<1>();
@@ -679,7 +718,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
             if constexpr (kGated) store_cols(dst + p.n_total, [&](int j, int e) { return pre_up(h, j, e); });
           }
         }
-        if constexpr (kShrink) {
+        if constexpr (kShrink || kShrinkD) {
           store_lora_rows(p, acc, h, quad, block * BM + lr, __ldg(p.lora_scaling + group % p.lora_n));
         }
         if constexpr (kDh) {
@@ -692,7 +731,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
           dot += __shfl_xor_sync(0xffffffffu, dot, 2);
           if (routed && quad == 0) p.dot_partials[static_cast<int64_t>(n_tile) * p.num_slots + slot] = dot;
         }
-        if constexpr (!kGather && !kShrink) {
+        if constexpr (!kGather && !kShrink && !kShrinkD) {
           const int slot = slot_of[lr];
           if (slot < 0) continue;
           if constexpr (kDx) {  // dx: unweighted (dg and du carry the slot weight)
@@ -1137,89 +1176,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda(
   return {grad_gate_up, weighted_h, partials.sum(0).view({s.M, s.top_k})};
 }
 
-at::Tensor moe_grad_x_cuda(const at::Tensor& grad_gate, const std::optional<at::Tensor>& grad_up_in,
-                           const at::Tensor& w1_in, const std::optional<at::Tensor>& w3_opt,
-                           const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
-                           const at::Tensor& num_tokens_post_padded, int64_t top_k, int64_t block_m,
-                           bool deterministic, int64_t num_experts) {
-  const char* op = "moe_grad_x";
-  check_grad_x_halves(op, grad_up_in, w3_opt);
-  // not gated (relu2): dx from dg and w1 alone, the up half's operands standing in for checks and never read
-  const bool gated = w3_opt.has_value();
-  const at::Tensor &grad_up = gated ? *grad_up_in : grad_gate, &w3_in = gated ? *w3_opt : w1_in;
-  MoeShape s = check_grad_x_args(op, grad_gate, grad_up, w1_in, w3_in, sorted_token_ids, expert_ids,
-                                 num_tokens_post_padded, top_k, block_m);
-  set_global_experts(op, num_experts, s);
-  const c10::cuda::CUDAGuard guard(grad_gate.device());
-  sm90::check_sm90(op, grad_gate);
-  // dg, du and w1, w3 each the interleaved halves of one tensor (gpt-oss's gate_up_proj): one GEMM over those, K =
-  // 2 hidden in their column order
-  const at::Tensor grad_pairs = gated ? interleaved_grads(grad_gate, grad_up) : at::Tensor();
-  const at::Tensor weight_pairs = grad_pairs.defined() ? interleaved_base(w1_in, w3_in) : at::Tensor();
-  const bool one_gemm = weight_pairs.defined() && weight_form(weight_pairs) >= 0;
-  // else read in place when their rows are whole 16-byte units at one row stride (the halves of moe_grad_gate_up's
-  // dg | du: row stride 2 hidden), else as contiguous copies
-  const bool in_place = one_gemm || (grad_gate.stride(1) == 1 && grad_up.stride(1) == 1 &&
-                                     grad_gate.stride(0) == grad_up.stride(0) && grad_gate.stride(0) % 8 == 0);
-  // one GEMM: du and w3 are never read (their views start mid-row): the pairs stand in for them
-  const auto dg = one_gemm ? grad_pairs : in_place ? grad_gate : grad_gate.contiguous();
-  const auto du = one_gemm ? grad_pairs : in_place ? grad_up : grad_up.contiguous();
-  // the weights read in place when TMA can (whole 16-byte rows, whole rows between experts), K-major when transposed
-  int form = one_gemm ? weight_form(weight_pairs) : w1_in.strides() == w3_in.strides() ? weight_form(w1_in) : -1;
-  const auto w1 = one_gemm ? weight_pairs : form < 0 ? w1_in.contiguous() : w1_in;
-  const auto w3 = one_gemm ? weight_pairs : form < 0 ? w3_in.contiguous() : w3_in;
-  if (form < 0) form = sm90::kOutIn;
-  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"grad_gate", &dg}, {"grad_up", &du},
-                         {"w1", &w1}, {"w3", &w3}}) {
-    sm90::check_cuda_operand(op, name, *t);
-  }
-  const auto sorted = sorted_token_ids.contiguous(), eids = expert_ids.contiguous();
-  // per slot: the combine reads the routed slots' rows only, all of which the kernel writes
-  at::Tensor result = deterministic ? at::empty({s.M * s.top_k, s.dim}, dg.options())
-                                    : at::zeros({s.M, s.dim}, dg.options().dtype(at::kFloat));
-  sm90::Params p{};
-  const CompactRows rows = compact_rows(p, sorted, eids, num_tokens_post_padded, s);
-  const auto tile_counter = at::zeros({1}, sorted.options().dtype(at::kInt));
-  if (s.blocks > 0 && s.M > 0) {
-    p.top_k = static_cast<int>(s.top_k);
-    p.num_experts = static_cast<int>(s.E);
-    p.num_slots = static_cast<int>(s.M * s.top_k);
-    p.sorted = sorted.const_data_ptr<int>();
-    p.expert_ids = eids.const_data_ptr<int>();
-    p.ntpp = num_tokens_post_padded.const_data_ptr<int>();
-    p.a = reinterpret_cast<const __nv_bfloat16*>(dg.const_data_ptr());
-    p.a2 = reinterpret_cast<const __nv_bfloat16*>(du.const_data_ptr());
-    p.lda = dg.stride(0);
-    // K = hidden, N = dim: the weights' hidden rows (K) x dim columns, N-major, or transposed their dim rows (N),
-    // K-major; columns past dim read as zeros. One GEMM: w1 is the pairs' (E, 2 hidden, dim), its K tiles all first.
-    expert_map(op, "w1", &p.tm_b0, w1, form, form == sm90::kOutIn, p.b_rows_per_expert);
-    if (!one_gemm) expert_map(op, "w3", &p.tm_b1, w3, form, form == sm90::kOutIn, p.b_rows_per_expert);
-    p.k_tiles = static_cast<int>((gated ? 2 : 1) * s.hidden / sm90::BK);
-    p.k_half = one_gemm || !gated ? p.k_tiles : p.k_tiles / 2;
-    p.n_total = static_cast<int>(s.dim);
-    p.ld_out = s.dim;
-    p.tile_counter = tile_counter.mutable_data_ptr<int>();
-    const int n_tiles = static_cast<int>((s.dim + sm90::BN_DOWN - 1) / sm90::BN_DOWN);
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    with_weight_form(form, [&](auto f) {
-      constexpr int kForm = decltype(f)::value;
-      if constexpr (kForm != sm90::kInOutPairs) {  // weight_form: never pairs
-        if (deterministic) {
-          p.yslots = reinterpret_cast<__nv_bfloat16*>(result.mutable_data_ptr());
-          sm90::launch<sm90::DX_SLOTS, sm90::kActSwiGLU, kForm>(p, n_tiles, s, stream);
-        } else {
-          p.acc32 = result.mutable_data_ptr<float>();
-          sm90::launch<sm90::DX_ATOMIC, sm90::kActSwiGLU, kForm>(p, n_tiles, s, stream);
-        }
-      }
-    });
-  }
-  if (!deterministic) return result.to(at::kBFloat16);
-  // a token's slots summed in k order (fp32), the routed ones only
-  const auto ones = at::ones({s.M, s.top_k}, dg.options().dtype(at::kFloat));
-  return combine_in_k_order_cuda(result, ones, sorted, eids, num_tokens_post_padded, s);
-}
-
 void fused_moe_bf16_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w2,
                          const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                          const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, at::Tensor out,
@@ -1268,7 +1224,8 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cuda(
 // adapted GEMM: a shrink kernel (LORA_SHRINK_X over the gathered x rows, LORA_SHRINK_H over the intermediate's rows)
 // writes u = s_a z A[a, e]^T, rounded once to bf16, into a padded-row buffer (blocks BM rows, zeroed: rows of
 // all-padding warpgroups stay zero, TMA reads whole blocks), then the base GEMM with LORA_EXTENSION reads it as more
-// K tiles against B[a, e]. The backward's dH and dX stay on the unfused composition (flash_moe.cpp).
+// K tiles against B[a, e]. dX (moe_lora_grad_x) likewise, its shrink over dg | du (LORA_SHRINK_D, compact rows) and
+// its extension N-major; the backward's dH stays on the unfused composition (flash_moe.cpp).
 
 // The alignment's shape over the (expert, adapter) groups: the kernels' expert-id range and the launch rules' routed
 // slots per (group) run.
@@ -1286,19 +1243,20 @@ at::Tensor adapter_operand(const char* op, const char* name, const at::Tensor& t
   return keep.back();
 }
 
-// A map over an adapter tensor's 2-D view (n E rows, cols): boxes of B_BOX_ROWS rows x BK columns, the columns past
-// `cols` (the rank of a B, or past an A's `in`) read as zeros.
-void adapter_map(const char* op, const char* name, CUtensorMap* map, const at::Tensor& t) {
+// A map over an adapter tensor's 2-D view (n E rows, cols): boxes of box_rows x box_cols (K-major B tiles: B_BOX_ROWS
+// x BK; N-major: BK x MN_ATOM), the columns past `cols` (the rank of a B, or past an A's `in`) read as zeros.
+void adapter_map(const char* op, const char* name, CUtensorMap* map, const at::Tensor& t,
+                 int box_rows = sm90::B_BOX_ROWS, int box_cols = sm90::BK) {
   const int rc = prime_kernels::make_tmap_2d(map, t.const_data_ptr(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                                             t.size(0) * t.size(1) * t.size(2), t.size(3), t.size(3),
-                                             sm90::B_BOX_ROWS, sm90::BK);
+                                             t.size(0) * t.size(1) * t.size(2), t.size(3), t.size(3), box_rows,
+                                             box_cols);
   TORCH_CHECK(rc == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for ", name, " (CUresult ", rc, ")");
 }
 
 // The K extension's A: a map over the padded-row buffer u [blocks BM, r]: boxes of one block's BM rows x BK columns,
 // the columns past r zeros; its K tiles.
 void extension_rows(const char* op, sm90::Params& p, const at::Tensor& u) {
-  const int rc = prime_kernels::make_tmap_2d(&p.tm_ua, u.const_data_ptr(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+  const int rc = prime_kernels::make_tmap_2d(&p.tm_ua[0], u.const_data_ptr(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                                              u.size(0), u.size(1), u.size(1), sm90::BM, sm90::BK);
   TORCH_CHECK(rc == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for the LoRA rank-r rows (CUresult ", rc, ")");
   p.ext_tiles = static_cast<int>((u.size(1) + sm90::BK - 1) / sm90::BK);
@@ -1321,7 +1279,7 @@ void lora_params(sm90::Params& p, const Lora& l, const MoeShape& s, std::vector<
   p.lora_n = static_cast<int>(l.n);
   p.lora_experts = static_cast<int>(s.E);
   p.lora_scaling = keep.back().const_data_ptr<float>();
-  p.ext_tiles = 0;
+  p.ext_tiles = p.ext_split = 0;
 }
 
 // The shrink kernel over the launch's A rows (`p`: a gate/up or down GEMM's parameters, copied) against the A
@@ -1477,6 +1435,202 @@ void run_lora(const char* op, const at::Tensor& x, const Experts& w, const at::T
   });
 }
 
+// LORA_SHRINK_D over dX's A rows (`p`: its parameters, copied; compact rows of dg, then du, or of the interleaved
+// dg | du with `one_gemm`): w = s_a [dg B_gate | du B_up] into the compact `lora_rows` (B N-major: B_gate's rows in
+// the dg K tiles, B_up's r_gate columns on in the du ones; gpt-oss's pairs: one B whose rows alternate gate, up).
+void lora_shrink_d(const char* op, sm90::Params p, const Lora& l, const MoeShape& s, bool one_gemm,
+                   at::Tensor& lora_rows, const at::Tensor& sorted, const MoeShape& g, std::vector<at::Tensor>& keep,
+                   cudaStream_t stream) {
+  const int64_t rg = l.gate.rank, ru = l.up.rank;
+  if (one_gemm) {
+    keep.push_back(paired_adapter_b(l, s.E, s.hidden, lora_rows.options()));
+    adapter_map(op, "the LoRA B pairs", &p.tm_b0, keep.back(), sm90::BK, sm90::MN_ATOM);
+    p.tm_b1 = p.tm_b0;
+    p.lora_group_rows[0] = p.lora_group_rows[1] = static_cast<int>(2 * s.hidden);
+    p.ext_shift[0] = p.ext_shift[1] = 0;
+  } else {
+    const at::Tensor bg = l.gate.present() ? adapter_operand(op, "b_gate", l.gate.b, keep) : at::Tensor();
+    const at::Tensor bu = l.up.present() ? adapter_operand(op, "b_up", l.up.b, keep) : at::Tensor();
+    adapter_map(op, "b_gate", &p.tm_b0, bg.defined() ? bg : bu, sm90::BK, sm90::MN_ATOM);
+    adapter_map(op, "b_up", &p.tm_b1, bu.defined() ? bu : bg, sm90::BK, sm90::MN_ATOM);
+    p.lora_group_rows[0] = p.lora_group_rows[1] = static_cast<int>(s.hidden);
+    p.ext_shift[0] = bg.defined() ? 0 : kAbsentShift;
+    p.ext_shift[1] = bu.defined() ? -static_cast<int>(rg) : kAbsentShift;
+  }
+  p.lora_rank[0] = static_cast<int>(rg + ru);
+  p.lora_rank[1] = 0;
+  p.u_out = nullptr;
+  p.u_compact = reinterpret_cast<__nv_bfloat16*>(lora_rows.mutable_data_ptr());
+  p.ld_u = rg + ru;
+  const auto tile_counter = at::zeros({1}, sorted.options().dtype(at::kInt));
+  p.tile_counter = tile_counter.mutable_data_ptr<int>();
+  sm90::launch<sm90::LORA_SHRINK_D>(p, 1, g, stream);
+}
+
+// dX's K extension: w_gate (then w_up) of the compact `lora_rows` against A_gate (A_up), N-major.
+void grad_x_extension(const char* op, sm90::Params& p, const Lora& l, const at::Tensor& lora_rows,
+                      std::vector<at::Tensor>& keep) {
+  const int64_t rg = l.gate.rank;
+  int tiles[2] = {0, 0};
+  for (int i = 0; i < 2; ++i) {
+    const LoraPair& pair = i ? l.up : l.gate;
+    if (!pair.present()) continue;
+    const int rc = prime_kernels::make_tmap_2d(
+        &p.tm_ua[i], static_cast<const __nv_bfloat16*>(lora_rows.const_data_ptr()) + (i ? rg : 0),
+        CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, lora_rows.size(0), pair.rank, lora_rows.size(1), sm90::BM, sm90::BK);
+    TORCH_CHECK(rc == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for the LoRA rank-r rows (CUresult ", rc, ")");
+    adapter_map(op, i ? "a_up" : "a_gate", &p.tm_ub[i], adapter_operand(op, i ? "a_up" : "a_gate", pair.a, keep),
+                sm90::BK, sm90::MN_ATOM);
+    p.lora_group_rows[i] = static_cast<int>(pair.rank);
+    tiles[i] = static_cast<int>((pair.rank + sm90::BK - 1) / sm90::BK);
+  }
+  p.ext_split = tiles[0];
+  p.ext_tiles = tiles[0] + tiles[1];
+}
+
+// moe_grad_x, or with adapters (`lora_args`: scaling, a_gate, b_gate, a_up, b_up; `lora_rows` set) moe_lora_grad_x:
+// the dX GEMM over dg | du against w1 | w3 and, with adapters, its K extension: the LORA_SHRINK_D kernel writes
+// w = s_a [dg B_gate | du B_up] of the routed rows (compact, rounded once to bf16) into *lora_rows, then the dX GEMM
+// reads w_gate and w_up against A_gate and A_up (N-major) after its base K tiles.
+struct LoraArgs {
+  const at::Tensor& scaling;
+  const std::optional<at::Tensor>&a_gate, &b_gate, &a_up, &b_up;
+};
+
+at::Tensor grad_x(const char* op, const at::Tensor& grad_gate, const std::optional<at::Tensor>& grad_up_in,
+                  const at::Tensor& w1_in, const std::optional<at::Tensor>& w3_opt, const at::Tensor& sorted_token_ids,
+                  const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded, int64_t top_k,
+                  int64_t block_m, bool deterministic, int64_t num_experts, const LoraArgs* lora_args,
+                  at::Tensor* lora_rows) {
+  check_grad_x_halves(op, grad_up_in, w3_opt);
+  // not gated (relu2): dx from dg and w1 alone, the up half's operands standing in for checks and never read
+  const bool gated = w3_opt.has_value();
+  const at::Tensor &grad_up = gated ? *grad_up_in : grad_gate, &w3_in = gated ? *w3_opt : w1_in;
+  MoeShape s = check_grad_x_args(op, grad_gate, grad_up, w1_in, w3_in, sorted_token_ids, expert_ids,
+                                 num_tokens_post_padded, top_k, block_m);
+  set_global_experts(op, num_experts, s);
+  const std::optional<Lora> l =
+      lora_args == nullptr ? std::nullopt
+                           : std::optional<Lora>(check_lora(op, grad_gate, lora_args->scaling, s.E, s.dim, s.hidden,
+                                                            gated, lora_args->a_gate, lora_args->b_gate,
+                                                            lora_args->a_up, lora_args->b_up, std::nullopt,
+                                                            std::nullopt, "grad_gate"));
+  const MoeShape g = l ? group_shape(s, l->n) : s;  // the alignment's groups
+  const c10::cuda::CUDAGuard guard(grad_gate.device());
+  sm90::check_sm90(op, grad_gate);
+  // dg, du and w1, w3 each the interleaved halves of one tensor (gpt-oss's gate_up_proj): one GEMM over those, K =
+  // 2 hidden in their column order
+  const at::Tensor grad_pairs = gated ? interleaved_grads(grad_gate, grad_up) : at::Tensor();
+  const at::Tensor weight_pairs = grad_pairs.defined() ? interleaved_base(w1_in, w3_in) : at::Tensor();
+  const bool one_gemm = weight_pairs.defined() && weight_form(weight_pairs) >= 0;
+  // else read in place when their rows are whole 16-byte units at one row stride (the halves of moe_grad_gate_up's
+  // dg | du: row stride 2 hidden), else as contiguous copies
+  const bool in_place = one_gemm || (grad_gate.stride(1) == 1 && grad_up.stride(1) == 1 &&
+                                     grad_gate.stride(0) == grad_up.stride(0) && grad_gate.stride(0) % 8 == 0);
+  // one GEMM: du and w3 are never read (their views start mid-row): the pairs stand in for them
+  const auto dg = one_gemm ? grad_pairs : in_place ? grad_gate : grad_gate.contiguous();
+  const auto du = one_gemm ? grad_pairs : in_place ? grad_up : grad_up.contiguous();
+  // the weights read in place when TMA can (whole 16-byte rows, whole rows between experts), K-major when transposed
+  int form = one_gemm ? weight_form(weight_pairs) : w1_in.strides() == w3_in.strides() ? weight_form(w1_in) : -1;
+  const auto w1 = one_gemm ? weight_pairs : form < 0 ? w1_in.contiguous() : w1_in;
+  const auto w3 = one_gemm ? weight_pairs : form < 0 ? w3_in.contiguous() : w3_in;
+  if (form < 0) form = sm90::kOutIn;
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"grad_gate", &dg}, {"grad_up", &du},
+                         {"w1", &w1}, {"w3", &w3}}) {
+    sm90::check_cuda_operand(op, name, *t);
+  }
+  const auto sorted = sorted_token_ids.contiguous(), eids = expert_ids.contiguous();
+  // per slot: the combine reads the routed slots' rows only, all of which the kernel writes
+  at::Tensor result = deterministic ? at::empty({s.M * s.top_k, s.dim}, dg.options())
+                                    : at::zeros({s.M, s.dim}, dg.options().dtype(at::kFloat));
+  sm90::Params p{};
+  const CompactRows rows = compact_rows(p, sorted, eids, num_tokens_post_padded, g);
+  const auto tile_counter = at::zeros({1}, sorted.options().dtype(at::kInt));
+  const int64_t r_gate = l ? l->gate.rank : 0, r_up = l ? l->up.rank : 0;
+  if (l) {
+    *lora_rows = at::empty({s.M * s.top_k, r_gate + r_up}, dg.options());
+    if (r_gate + r_up > 0) zero_rows_past(*lora_rows, rows.count);
+  }
+  if (s.blocks > 0 && s.M > 0) {
+    p.top_k = static_cast<int>(s.top_k);
+    p.num_experts = static_cast<int>(g.E);
+    p.num_slots = static_cast<int>(s.M * s.top_k);
+    p.sorted = sorted.const_data_ptr<int>();
+    p.expert_ids = eids.const_data_ptr<int>();
+    p.ntpp = num_tokens_post_padded.const_data_ptr<int>();
+    p.a = reinterpret_cast<const __nv_bfloat16*>(dg.const_data_ptr());
+    p.a2 = reinterpret_cast<const __nv_bfloat16*>(du.const_data_ptr());
+    p.lda = dg.stride(0);
+    // K = hidden, N = dim: the weights' hidden rows (K) x dim columns, N-major, or transposed their dim rows (N),
+    // K-major; columns past dim read as zeros. One GEMM: w1 is the pairs' (E, 2 hidden, dim), its K tiles all first.
+    expert_map(op, "w1", &p.tm_b0, w1, form, form == sm90::kOutIn, p.b_rows_per_expert);
+    if (!one_gemm) expert_map(op, "w3", &p.tm_b1, w3, form, form == sm90::kOutIn, p.b_rows_per_expert);
+    p.k_tiles = static_cast<int>((gated ? 2 : 1) * s.hidden / sm90::BK);
+    p.k_half = one_gemm || !gated ? p.k_tiles : p.k_tiles / 2;
+    p.n_total = static_cast<int>(s.dim);
+    p.ld_out = s.dim;
+    p.tile_counter = tile_counter.mutable_data_ptr<int>();
+    const int n_tiles = static_cast<int>((s.dim + sm90::BN_DOWN - 1) / sm90::BN_DOWN);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    std::vector<at::Tensor> keep;
+    if (l) {
+      lora_params(p, *l, s, keep);
+      if (r_gate + r_up > 0) {
+        lora_shrink_d(op, p, *l, s, one_gemm, *lora_rows, sorted, g, keep, stream);
+        grad_x_extension(op, p, *l, *lora_rows, keep);
+      }
+    }
+    with_weight_form(form, [&](auto f) {
+      constexpr int kForm = decltype(f)::value;
+      if constexpr (kForm != sm90::kInOutPairs) {  // weight_form: never pairs
+        if (deterministic) {
+          p.yslots = reinterpret_cast<__nv_bfloat16*>(result.mutable_data_ptr());
+          if (l) {
+            sm90::launch<sm90::with_lora_extension(sm90::DX_SLOTS), sm90::kActSwiGLU, kForm>(p, n_tiles, g, stream);
+          } else {
+            sm90::launch<sm90::DX_SLOTS, sm90::kActSwiGLU, kForm>(p, n_tiles, s, stream);
+          }
+        } else {
+          p.acc32 = result.mutable_data_ptr<float>();
+          if (l) {
+            sm90::launch<sm90::with_lora_extension(sm90::DX_ATOMIC), sm90::kActSwiGLU, kForm>(p, n_tiles, g, stream);
+          } else {
+            sm90::launch<sm90::DX_ATOMIC, sm90::kActSwiGLU, kForm>(p, n_tiles, s, stream);
+          }
+        }
+      }
+    });
+  }
+  if (!deterministic) return result.to(at::kBFloat16);
+  // a token's slots summed in k order (fp32), the routed ones only
+  const auto ones = at::ones({s.M, s.top_k}, dg.options().dtype(at::kFloat));
+  return combine_in_k_order_cuda(result, ones, sorted, eids, num_tokens_post_padded, g);
+}
+
+at::Tensor moe_grad_x_cuda(const at::Tensor& grad_gate, const std::optional<at::Tensor>& grad_up,
+                           const at::Tensor& w1, const std::optional<at::Tensor>& w3,
+                           const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                           const at::Tensor& num_tokens_post_padded, int64_t top_k, int64_t block_m,
+                           bool deterministic, int64_t num_experts) {
+  return grad_x("moe_grad_x", grad_gate, grad_up, w1, w3, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
+                block_m, deterministic, num_experts, nullptr, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_lora_grad_x_cuda(
+    const at::Tensor& grad_gate, const std::optional<at::Tensor>& grad_up, const at::Tensor& w1,
+    const std::optional<at::Tensor>& w3, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+    const at::Tensor& num_tokens_post_padded, int64_t top_k, int64_t block_m, bool deterministic,
+    const at::Tensor& scaling, const std::optional<at::Tensor>& a_gate, const std::optional<at::Tensor>& b_gate,
+    const std::optional<at::Tensor>& a_up, const std::optional<at::Tensor>& b_up, int64_t num_experts) {
+  const LoraArgs lora{scaling, a_gate, b_gate, a_up, b_up};
+  at::Tensor lora_rows;
+  at::Tensor dx = grad_x("moe_lora_grad_x", grad_gate, grad_up, w1, w3, sorted_token_ids, expert_ids,
+                         num_tokens_post_padded, top_k, block_m, deterministic, num_experts, &lora, &lora_rows);
+  return {dx, lora_rows};
+}
+
+
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_lora_forward_cuda(
     const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& w3, const at::Tensor& w2,
     const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
@@ -1545,4 +1699,5 @@ TORCH_LIBRARY_IMPL(flash_moe, CUDA, m) {
   m.impl("moe_grad_x", &flash_moe::moe_grad_x_cuda);
   m.impl("moe_lora_forward", &flash_moe::moe_lora_forward_cuda);
   m.impl("moe_lora_gate_up", &flash_moe::moe_lora_gate_up_cuda);
+  m.impl("moe_lora_grad_x", &flash_moe::moe_lora_grad_x_cuda);
 }
