@@ -3,9 +3,9 @@ reference on the same bf16 inputs (reference.moe_per_expert with the adapters), 
 unfused formulation (reference.moe_lora_grouped_mm: base grouped GEMMs plus x A^T, then (.) B^T, scaled, per
 adapter); several adapters in one call, every family and layout, expert parallelism, moe_sorted, the frozen base's
 skipped weight-gradient GEMMs, compile, argument errors, and the per-expert naming helpers. CPU tests run everywhere
-(``-s`` prints the ratios); the ``@pytest.mark.gpu`` tests run the same checks on CUDA, where the forward is fused
-(csrc/cuda/fused_moe_sm90.cu) and the backward the unfused composition, and compare the fused forward ops with the CPU
-ops (the definition of the numerics) against float64."""
+(``-s`` prints the ratios); the ``@pytest.mark.gpu`` tests run the same checks on CUDA, where the forward and dX are
+fused (csrc/cuda/fused_moe_sm90.cu) and dH is the unfused composition, and compare the fused ops (forward,
+recomputation, dX) with the CPU ops (the definition of the numerics) against float64."""
 from __future__ import annotations
 
 import pytest
@@ -411,7 +411,7 @@ GPU_SHAPES = [(1024, 256, 256, 8, 2), (600, 320, 192, 5, 3)]
 @pytest.mark.kernel(KERNEL)
 def test_gpu_lora_numerics(case, shape):
     """The same rule on CUDA: the fused forward (every family and weight form: the extension's halves, relu2's whole
-    tiles, gpt-oss's pairs; ranks 8 / 16 / 64, 1 / 2 / 4 adapters), the backward's unfused ops."""
+    tiles, gpt-oss's pairs; ranks 8 / 16 / 64, 1 / 2 / 4 adapters), the fused dX, the unfused dH."""
     n, rank, family = case
     T, dim, hidden, E, top_k = shape
     t, layout = make_problem(T, dim, hidden, E, top_k, family, seed=11, device="cuda")
@@ -538,3 +538,62 @@ def test_gpu_lora_fused_ops_against_the_cpu_definition(case, deterministic):
     gate_up_args = (*args[:3], *args[4:7], args[8], args[9], args[13], *args[14:18], args[12], *args[23:25])
     recomputed = torch.ops.flash_moe.moe_lora_gate_up(*gate_up_args)
     assert torch.equal(recomputed[0], ours[1]) and torch.equal(recomputed[1], ours[2])
+
+
+def grad_x_references(args, groups, n, grad_gate, grad_up):
+    """float64 dx (per token, summed over its routed slots) and [w_gate | w_up] (w = s_a d B, unrounded) of the
+    routed slots in the alignment's order: what moe_lora_grad_x returns."""
+    x, gate, up, _, sorted_ids, *_ = args
+    top_k = args[8]
+    scaling, (a_gate, b_gate, a_up, b_up) = args[13].cpu(), args[14:18]
+    slots = sorted_ids.cpu()[sorted_ids.cpu() >= 0].long()
+    group = groups.reshape(-1)[slots].long()
+    d = lambda v: None if v is None else v.cpu().double()
+    dx = torch.zeros(x.shape, dtype=torch.float64)
+    rows = []
+    for i in range(len(slots)):
+        e, a = int(group[i]) // n, int(group[i]) % n
+        s, ws = float(scaling[a]), []
+        for w, grad, la, lb in ((gate, grad_gate, a_gate, b_gate), (up, grad_up, a_up, b_up)):
+            if grad is None:
+                continue
+            g = d(grad[i:i + 1])
+            dx[slots[i] // top_k] += (g @ d(w[e]))[0]
+            if la is not None:
+                v = s * (g @ d(lb[a, e]))
+                dx[slots[i] // top_k] += (v @ d(la[a, e]))[0]
+                ws.append(v)
+        rows.append(torch.cat(ws, 1) if ws else torch.zeros(1, 0, dtype=torch.float64))
+    return dx, torch.cat(rows)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "slots"])
+@pytest.mark.parametrize("case", OP_CASES, ids=case_id)
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+def test_gpu_lora_fused_grad_x_against_the_cpu_definition(case, deterministic):
+    """moe_lora_grad_x on CUDA (fused: the shrink over dg | du, then the dX GEMM with its K extension) and on the CPU
+    on the same inputs: dx and [w_gate | w_up] each within 1.5x the CPU op's error against float64; dg and du as moe()'s
+    backward passes them (the halves of one tensor, interleaved for gpt-oss's pairs)."""
+    n, rank, family = case
+    t, layout = make_problem(320, 256, 192, 4, 3, family, seed=19, device="cuda")
+    lora = make_lora(n, 4, 256, 192, rank, family[0] != "relu2", device="cuda",
+                     adapter_ids=torch.randint(0, n, (320,), generator=torch.Generator().manual_seed(6)).cuda())
+    args, groups = op_arguments(t, layout, family[0], lora, deterministic)
+    gated = args[2] is not None
+    slots = 320 * 3
+    dgu = torch.randn(slots, (2 if gated else 1) * 192, generator=torch.Generator().manual_seed(8)).bfloat16().cuda()
+    if not gated:
+        grad_gate, grad_up = dgu, None
+    elif layout.gate_up == "interleaved":
+        grad_gate, grad_up = dgu[:, 0::2], dgu[:, 1::2]
+    else:
+        grad_gate, grad_up = dgu[:, :192], dgu[:, 192:]
+    call = (grad_gate, grad_up, args[1], args[2], *args[4:7], args[8], args[9], deterministic, args[13],
+            *args[14:18], args[12])
+    ours = torch.ops.flash_moe.moe_lora_grad_x(*call)
+    theirs = torch.ops.flash_moe.moe_lora_grad_x(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in call])
+    ref_dx, ref_rows = grad_x_references(args, groups, n, grad_gate, grad_up)
+    label = f"gpu moe_lora_grad_x {case_id(case)} deterministic={deterministic}"
+    assert_error_ratio(f"{label} dx", ours[0].cpu(), theirs[0], ref_dx, MAX_RATIO)
+    assert_error_ratio(f"{label} lora_rows", ours[1].cpu(), theirs[1], ref_rows, MAX_RATIO)
