@@ -134,21 +134,6 @@ void for_each_block(const char* op, const at::Tensor& sorted_token_ids, const at
                        fn);
 }
 
-// h from the pre-activations g, u (fp32; u undefined when not gated): flash_moe.h's Activation.
-at::Tensor activate(const ActivationSpec& a, const at::Tensor& g, const at::Tensor& u) {
-  switch (a.kind) {
-    case Activation::kSwiGLU:
-      return at::silu(g) * u;
-    case Activation::kGptOss: {
-      const auto gc = g.clamp_max(a.limit);
-      return (u.clamp(-a.limit, a.limit) + 1) * gc * at::sigmoid(gc * a.alpha);
-    }
-    case Activation::kRelu2:
-      return at::relu(g).square();
-  }
-  TORCH_CHECK(false, "flash_moe: unknown activation");
-}
-
 // (dL/dg, dL/du) from dL/dh (fp32). The clamps pass the gradient inside their closed ranges (torch.clamp's rule) and
 // none outside; du is undefined when not gated.
 std::pair<at::Tensor, at::Tensor> activate_backward(const ActivationSpec& a, const at::Tensor& g, const at::Tensor& u,
@@ -558,10 +543,9 @@ at::Tensor moe_grad_weight_cpu(const at::Tensor& rows, const at::Tensor& source,
 
 
 // ------------------------------------------------------------------------------------------------------------------
-// LoRA adapters (flash_moe.h, "LoRA adapters on the experts"): the unfused composition, in device-generic ATen calls:
-// the CPU implementation (the definition of the numerics, which the fused CUDA forward of csrc/cuda/fused_moe_sm90.cu
-// computes with the same rounding points), and, registered for CUDA as well, moe_lora_grad_gate_up there until a fused
-// kernel exists for it (docs/notes/flash_moe.md, "LoRA adapters"). Per aligned block of group v = e * n + a: expert e's base
+// LoRA adapters (flash_moe.h, "LoRA adapters on the experts"): the unfused composition, in ATen calls: the CPU
+// implementation, the definition of the numerics, which the fused CUDA ops of csrc/cuda/fused_moe_sm90.cu compute with
+// the same rounding points (docs/notes/flash_moe.md, "LoRA adapters"). Per aligned block of group v = e * n + a: expert e's base
 // GEMMs in fp32 as the base ops compute them, plus per adapted projection the rank-r rows u = s_a (rows A[a, e]^T)
 // rounded to bf16 (the operand the fused kernels will append to the GEMM's K) and u B[a, e]^T in fp32.
 
@@ -861,10 +845,3 @@ TORCH_LIBRARY_IMPL(flash_moe, CPU, m) {
   m.impl("moe_lora_grad_x", &flash_moe::moe_lora_grad_x_impl);
 }
 
-// moe_lora_grad_gate_up runs its unfused composition (device-generic ATen calls) on CUDA too until a fused kernel
-// exists for it (docs/notes/flash_moe.md, "LoRA adapters"): correct there, not fast (a host read of the alignment and
-// small GEMMs per aligned block). The other LoRA ops' and the other ops' CUDA kernels are registered by the CUDA
-// sources (csrc/cuda/fused_moe_sm90.cu).
-TORCH_LIBRARY_IMPL(flash_moe, CUDA, m) {
-  m.impl("moe_lora_grad_gate_up", &flash_moe::moe_lora_grad_gate_up_impl);
-}

@@ -16,6 +16,7 @@ from prime_kernels_core import release
 
 CUDA_SOURCES = Path(__file__).resolve().parents[1] / "csrc" / "cuda"
 KERNEL = re.compile(r"moe_gemm_kernelILi(\d+)ELi(\d+)ELi(\d+)E")
+SHRINKS = ("LORA_SHRINK_X", "LORA_SHRINK_H", "LORA_SHRINK_D", "LORA_SHRINK_G", "LORA_SHRINK_P")
 
 
 def _enum(source: str, head: str) -> dict[str, int]:
@@ -78,17 +79,18 @@ def resources() -> dict[tuple[int, int, int], dict[str, int]]:
 
 def test_b_tiles_flip_majorness_with_transposed_weights(kernels):
     """The base K tiles' B follows the weights' form; the LoRA extension's B is the adapters' own layout whatever the
-    weights' form: K-major in the forward GEMMs (B (out, r)), N-major in dX (A (r, in)); LORA_SHRINK_D reads B_gate and
-    B_up (hidden, r) N-major."""
+    weights' form: K-major in the forward GEMMs (B (out, r)), N-major in dH and dX (A (r, in)); LORA_SHRINK_D and
+    LORA_SHRINK_G read B_gate, B_up (hidden, r) and B_down (dim, r) N-major."""
     modes, forms, flag = _modes(), _forms(), _lora_flag()
     backward = {modes["DH_SWIGLU"], modes["DX_ATOMIC"], modes["DX_SLOTS"]}
-    dx = {modes["DX_ATOMIC"], modes["DX_SLOTS"]}
+    n_major_extension = backward
+    n_major_shrinks = {modes["LORA_SHRINK_D"], modes["LORA_SHRINK_G"]}
     for (mode, act, weights), sass in kernels.items():
         wgmmas = re.findall(r"HGMMA\.64x256x16\.F32\.BF16[^;]*", sass)
         assert wgmmas, f"moe_gemm_kernel<{mode}, {act}, {weights}> has no m64n256k16 bf16 wgmma"
         base = mode & ~flag
-        n_major = base == modes["LORA_SHRINK_D"] or (base in backward) != (weights != forms["kOutIn"])
-        expected = {n_major, base in dx} if mode & flag else {n_major}
+        n_major = base in n_major_shrinks or (base in backward) != (weights != forms["kOutIn"])
+        expected = {n_major, base in n_major_extension} if mode & flag else {n_major}
         transposed_b = {".tnspB" in w for w in wgmmas}
         assert transposed_b == expected, (
             f"moe_gemm_kernel<{mode}, {act}, {weights}>: expected wgmmas with B "
@@ -120,8 +122,8 @@ def test_every_weight_form_the_host_picks_is_compiled(kernels):
 
 
 def test_every_lora_kernel_the_host_picks_is_compiled(kernels):
-    """moe_lora_forward / moe_lora_gate_up / moe_lora_grad_x: the shrinks, every gate/up mode's persistent twin with
-    the extension for every activation and form, and both down and both dX modes with it for both weight forms."""
+    """The moe_lora_* ops: the shrinks, every gate/up mode's persistent twin with the extension for every activation
+    and form, dH with it for every activation, and both down and both dX modes with it, each for both weight forms."""
     modes, forms, acts, flag = _modes(), _forms(), _activations(), _lora_flag()
     gated_acts = tuple(v for k, v in acts.items() if k != "kActRelu2")
     twins = [modes[m] | flag for m in ("GATE_UP_PERSISTENT", "GATE_UP_SAVE_PERSISTENT", "GATE_UP_AND_SAVE_PERSISTENT")]
@@ -129,8 +131,8 @@ def test_every_lora_kernel_the_host_picks_is_compiled(kernels):
     expected |= {(m, a, forms["kInOutPairs"]) for m in twins for a in gated_acts}
     expected |= {(modes[m] | flag, acts["kActSwiGLU"], w) for m in ("DOWN_ATOMIC", "DOWN_SLOTS", "DX_ATOMIC", "DX_SLOTS")
                  for w in (forms["kOutIn"], forms["kInOut"])}
-    expected |= {(modes[m], acts["kActSwiGLU"], forms["kOutIn"])
-                 for m in ("LORA_SHRINK_X", "LORA_SHRINK_H", "LORA_SHRINK_D")}
+    expected |= {(modes["DH_SWIGLU"] | flag, a, w) for a in acts.values() for w in (forms["kOutIn"], forms["kInOut"])}
+    expected |= {(modes[m], acts["kActSwiGLU"], forms["kOutIn"]) for m in SHRINKS}
     missing = expected - kernels.keys()
     assert not missing, f"LoRA instantiations missing from the sm_90a code: {sorted(missing)}"
 
@@ -139,7 +141,7 @@ def test_lora_kernels_keep_the_base_registers(resources):
     """The LoRA instantiations use the registers the base GEMMs do (all of them: one CTA of 384 threads per SM) and
     no stack or local memory."""
     modes, flag = _modes(), _lora_flag()
-    shrinks = {modes[m] for m in ("LORA_SHRINK_X", "LORA_SHRINK_H", "LORA_SHRINK_D")}
+    shrinks = {modes[m] for m in SHRINKS}
     lora = {k for k in resources if k[0] & flag or k[0] in shrinks}
     assert lora, "no LoRA instantiation in the sm_90a code"
     base_regs = {r["REG"] for k, r in resources.items() if k not in lora}

@@ -112,14 +112,15 @@ constexpr int SMEM_BYTES = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + 2
 // *_PERSISTENT: the gate/up modes' persistent twins (the host picks one per call: gate_up_persistent).
 // LORA_SHRINK_X: the LoRA shrink u = s_a x [A_gate; A_up]^T of the gathered x rows (gate and up adapters in the two
 // halves of the B tile); LORA_SHRINK_H: u = s_a h A_down^T of the intermediate's rows; LORA_SHRINK_D (dX's):
-// w = s_a [dg B_gate | du B_up] of the compact dg, du rows (K = 2 hidden as in DX, B N-major). All persistent, one
-// column tile.
+// w = s_a [dg B_gate | du B_up] of the compact dg, du rows (K = 2 hidden as in DX, B N-major); LORA_SHRINK_G (dH's):
+// v = s_a grad_out B_down of the gathered grad_out rows (B N-major); LORA_SHRINK_P (dH's): p bf16(s_a h A_down^T) of
+// the compact h rows (p: the slot's routing weight). All persistent, one column tile.
 enum Mode : int {
   GATE_UP = 0, DOWN_ATOMIC = 1, DOWN_SLOTS = 2, GATE_UP_SAVE = 3, GATE_UP_AND_SAVE = 4, DH_SWIGLU = 5, DX_ATOMIC = 6,
   DX_SLOTS = 7, GATE_UP_PERSISTENT = 8, GATE_UP_SAVE_PERSISTENT = 9, GATE_UP_AND_SAVE_PERSISTENT = 10,
-  LORA_SHRINK_X = 11, LORA_SHRINK_H = 12, LORA_SHRINK_D = 13
+  LORA_SHRINK_X = 11, LORA_SHRINK_H = 12, LORA_SHRINK_D = 13, LORA_SHRINK_G = 14, LORA_SHRINK_P = 15
 };
-// Added to a persistent gate/up, a down or a dX mode: blocks of (expert, adapter) groups, and the adapters' K
+// Added to a persistent gate/up, a down, a dH or a dX mode: blocks of (expert, adapter) groups, and the adapters' K
 // extension (Params::ext_tiles K tiles after the base ones, possibly none). A flag rather than more modes: the base modes'
 // instantiations stay what they were.
 enum ModeFlag : int { LORA_EXTENSION = 16 };
@@ -141,7 +142,8 @@ constexpr bool persistent_mode(int flagged) {
   const int mode = flagged & ~LORA_EXTENSION;
   return mode == DOWN_ATOMIC || mode == DOWN_SLOTS || mode == DX_ATOMIC || mode == DX_SLOTS || mode == DH_SWIGLU ||
          mode == GATE_UP_PERSISTENT || mode == GATE_UP_SAVE_PERSISTENT || mode == GATE_UP_AND_SAVE_PERSISTENT ||
-         mode == LORA_SHRINK_X || mode == LORA_SHRINK_H || mode == LORA_SHRINK_D;
+         mode == LORA_SHRINK_X || mode == LORA_SHRINK_H || mode == LORA_SHRINK_D || mode == LORA_SHRINK_G ||
+         mode == LORA_SHRINK_P;
 }
 // How the weights lie (the host reads it off the strides of the ops' (E, out, in) views): kOutIn, each expert's
 // (out, in) rows K-contiguous for the forward (today's form); kInOut, transposed (E, in, out); kInOutPairs, transposed
@@ -222,9 +224,10 @@ struct Params {
   // reads one B's 2 B_BOX_ROWS consecutive rows through both halves.
   // dX: the first ext_split tiles are the gate adapter's, the others the up adapter's (i = 0, 1): A from tm_ua[i] (w_i
   // of the compact rows, the block's from its first compact row; columns past r_i zeros), B N-major from tm_ub[i]
-  // (A_i's 2-D view (n E r_i, dim), boxes BK rows x MN_ATOM columns; rows past r_i meet A's zero columns).
+  // (A_i's 2-D view (n E r_i, dim), boxes BK rows x MN_ATOM columns; rows past r_i meet A's zero columns). dH: the
+  // same with i = 0 alone (v of the compact rows against A_down, (n E r, hidden)).
   // LORA_SHRINK_D reads its N-major B from tm_b0 (the dg tiles) / tm_b1 (du) at column ext_shift[0] / ext_shift[1]
-  // (B_gate at 0, B_up at -r_gate: w_up lands r_gate columns on).
+  // (B_gate at 0, B_up at -r_gate: w_up lands r_gate columns on); LORA_SHRINK_G from tm_b0 (B_down) at ext_shift[0].
   CUtensorMap tm_ua[2];
   CUtensorMap tm_ub[2];
   int ext_shift[2];
@@ -303,9 +306,11 @@ __device__ __forceinline__ float activation_grad_row(const Params& p, const floa
 
 // The shrinks' epilogue for accumulator row h of a consumer thread (padded row `row`): u = s acc, rounded once to
 // bf16, of columns [0, lora_rank[0]) of the gate half and [0, lora_rank[1]) of the up half, side by side, to u_out's
-// row (u_out set) and the row's compact row (u_compact set). Ranks are multiples of 8: whole bf16 pairs, 4-byte
-// aligned.
-__device__ __forceinline__ void store_lora_rows(const Params& p, const float* acc, int h, int quad, int row, float s) {
+// row (u_out set) and the row's compact row (u_compact set); kWeighted: bf16(weight u) instead (LORA_SHRINK_P, as the
+// CPU op scales the rounded rows by the routing weight). Ranks are multiples of 8: whole bf16 pairs, 4-byte aligned.
+template <bool kWeighted>
+__device__ __forceinline__ void store_lora_rows(const Params& p, const float* acc, int h, int quad, int row, float s,
+                                                float weight) {
   __nv_bfloat16* const padded = p.u_out != nullptr ? p.u_out + static_cast<int64_t>(row) * p.ld_u : nullptr;
   const int compact = p.u_compact != nullptr ? p.dst_rows[row] : -1;  // -1: padding
   __nv_bfloat16* const dense = compact >= 0 && compact < p.dst_limit
@@ -318,7 +323,11 @@ __device__ __forceinline__ void store_lora_rows(const Params& p, const float* ac
       const int col = 8 * j + 2 * quad;
       if (col >= rank) break;
       const int i = 4 * (j + half * BN_GU / 8) + 2 * h;
-      const uint32_t bits = bf16x2_bits(s * acc[i], s * acc[i + 1]);
+      uint32_t bits = bf16x2_bits(s * acc[i], s * acc[i + 1]);
+      if constexpr (kWeighted) {
+        const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+        bits = bf16x2_bits(weight * u.x, weight * u.y);
+      }
       if (padded != nullptr) *reinterpret_cast<uint32_t*>(padded + first + col) = bits;
       if (dense != nullptr) *reinterpret_cast<uint32_t*>(dense + first + col) = bits;
     }
@@ -348,29 +357,31 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   constexpr bool kGateUp = kMode == GATE_UP || kMode == GATE_UP_SAVE || kMode == GATE_UP_AND_SAVE;
   static_assert(WEIGHTS != kInOutPairs || (kGateUp && ACT != kActRelu2), "column pairs: the gated gate/up GEMMs only");
   constexpr bool kPairs = WEIGHTS == kInOutPairs;
-  constexpr bool kShrink = kMode == LORA_SHRINK_X || kMode == LORA_SHRINK_H;  // into the B tile's two halves
-  constexpr bool kShrinkD = kMode == LORA_SHRINK_D;
+  // shrinks with K-major B in the B tile's two halves, and with N-major B (4 atoms, shifted columns)
+  constexpr bool kShrink = kMode == LORA_SHRINK_X || kMode == LORA_SHRINK_H || kMode == LORA_SHRINK_P;
+  constexpr bool kShrinkN = kMode == LORA_SHRINK_D || kMode == LORA_SHRINK_G;
   constexpr bool kDx = kMode == DX_ATOMIC || kMode == DX_SLOTS;
   // the LoRA K extension after the base K tiles (LORA_EXTENSION)
   constexpr bool kExtension = lora_extension(MODE);
   static_assert(!kExtension || (persistent_mode(MODE) && (kGateUp || kMode == DOWN_ATOMIC || kMode == DOWN_SLOTS ||
-                                                          kDx)),
-                "the LoRA extension: persistent gate/up, down and dX GEMMs");
-  static_assert(!(kShrink || kShrinkD) || WEIGHTS == kOutIn, "the shrinks read the adapters in their own layout");
+                                                          kDx || kMode == DH_SWIGLU)),
+                "the LoRA extension: persistent gate/up, down, dH and dX GEMMs");
+  static_assert(!(kShrink || kShrinkN) || WEIGHTS == kOutIn, "the shrinks read the adapters in their own layout");
   // expert_ids hold (expert, adapter) groups
-  constexpr bool kGroups = kExtension || kShrink || kShrinkD;
-  // A's rows: compact rows of dg, then du (K = 2 hidden)
-  constexpr bool kCompactRows = kDx || kShrinkD;
+  constexpr bool kGroups = kExtension || kShrink || kShrinkN;
+  // A's rows: compact rows (dX: of dg, then du, K = 2 hidden)
+  constexpr bool kCompactRows = kDx || kMode == LORA_SHRINK_D || kMode == LORA_SHRINK_P;
   // B tile: BN_GU gate rows (or columns) + the same BN_GU up ones; the shrinks: the gate and up adapters' A rows
   constexpr bool kHalves = (kGateUp && ACT != kActRelu2 && !kPairs) || kShrink;
   constexpr bool kDh = kMode == DH_SWIGLU;
   // A rows gathered from a [tokens, dim] tensor, K = dim
-  constexpr bool kGather = kGateUp || kDh || kMode == LORA_SHRINK_X;
+  constexpr bool kGather = kGateUp || kDh || kMode == LORA_SHRINK_X || kMode == LORA_SHRINK_G;
   // B read N-major (wgmma's transposed B): where the weights' out dimension is the contiguous one for this GEMM's N
   // (LORA_SHRINK_D: B_gate, B_up are (hidden, r), K rows)
-  constexpr bool kMajorN = ((kDh || kDx) != (WEIGHTS != kOutIn)) || kShrinkD;
-  // the extension's B: the adapters' own layout, N-major for dX (A_gate, A_up: (r, dim)), else K-major
-  constexpr bool kExtMajorN = kDx;
+  constexpr bool kMajorN = ((kDh || kDx) != (WEIGHTS != kOutIn)) || kShrinkN;
+  // the extension's B: the adapters' own layout, N-major for dX and dH (A_gate, A_up: (r, dim); A_down (r, hidden)),
+  // else K-major
+  constexpr bool kExtMajorN = kDx || kDh;
   // The down GEMMs run persistent: one CTA per SM, its producer filling the ring with the next tile while the
   // consumers finish the last: their K (hidden: 12 k tiles at Qwen3, 32 at DeepSeek-V3) is too short to hide a CTA's
   // launch, ring fill and epilogue. A CTA's first tile is blockIdx.x, the next ones are claimed from a counter, so the
@@ -523,7 +534,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
             constexpr int kHalfAtoms = MN_ATOMS / 2;
             const bool up_half = kHalves && q >= kHalfAtoms;
             const int col = kHalves ? n_tile * BN_GU + (q % kHalfAtoms) * MN_ATOM : n_tile * BN + q * MN_ATOM;
-            if constexpr (kShrinkD) {  // the group's B_gate (dg tiles) or B_up (du tiles) rows, shifted columns
+            if constexpr (kShrinkN) {  // the group's B_gate (dg tiles) or B_up (du tiles) or B_down rows, shifted
               tma_load_2d(st + A_BYTES + q * (B_BYTES / MN_ATOMS), map, full_bar(stage),
                           col + p.ext_shift[second ? 1 : 0], adapter_group * p.lora_group_rows[second ? 1 : 0] + kofs);
             } else {
@@ -559,13 +570,13 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         // The LoRA K tiles: the block's u rows and the B rows of the column tile, all by TMA (thread 0); the other
         // threads' arrivals complete the stage's count (they copy nothing)
         // dX: the block's rows of w start at its first compact row (its routed rows are consecutive compact rows)
-        const int first_compact = kDx && threadIdx.x == 0 ? p.dst_rows[block * BM] : 0;
+        const int first_compact = kExtMajorN && threadIdx.x == 0 ? p.dst_rows[block * BM] : 0;
         for (int c = 0; c < p.ext_tiles; ++c) {
           const int stage = acquire_stage<STAGES>(bars, ks + p.k_tiles + c);
           const uint32_t st = base + stage * STAGE_BYTES;
           if (threadIdx.x == 0) {
             mbar_expect_tx(full_bar(stage), A_BYTES + B_BYTES);
-            if constexpr (kDx) {  // w_i's tile cc of the block; A_i's rows cc BK.. x the tile's 256 columns
+            if constexpr (kExtMajorN) {  // w_i's (dH: v's) tile cc of the block; A_i's rows cc BK.. x 256 columns
               const int i = c < p.ext_split ? 0 : 1, cc = i ? c - p.ext_split : c;
               tma_load_2d(st, &p.tm_ua[i], full_bar(stage), cc * BK, first_compact);
 #pragma unroll
@@ -718,8 +729,11 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
             if constexpr (kGated) store_cols(dst + p.n_total, [&](int j, int e) { return pre_up(h, j, e); });
           }
         }
-        if constexpr (kShrink || kShrinkD) {
-          store_lora_rows(p, acc, h, quad, block * BM + lr, __ldg(p.lora_scaling + group % p.lora_n));
+        if constexpr (kShrink || kShrinkN) {
+          const int slot = slot_of[lr];
+          const float weight = kMode == LORA_SHRINK_P && slot >= 0 ? __ldg(p.topk_weights + slot) : 1.f;
+          store_lora_rows<kMode == LORA_SHRINK_P>(p, acc, h, quad, block * BM + lr,
+                                                  __ldg(p.lora_scaling + group % p.lora_n), weight);
         }
         if constexpr (kDh) {
           const int slot = slot_of[lr];
@@ -731,7 +745,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
           dot += __shfl_xor_sync(0xffffffffu, dot, 2);
           if (routed && quad == 0) p.dot_partials[static_cast<int64_t>(n_tile) * p.num_slots + slot] = dot;
         }
-        if constexpr (!kGather && !kShrink && !kShrinkD) {
+        if constexpr (!kGather && !kShrink && !kShrinkN) {
           const int slot = slot_of[lr];
           if (slot < 0) continue;
           if constexpr (kDx) {  // dx: unweighted (dg and du carry the slot weight)
@@ -1108,74 +1122,6 @@ at::Tensor moe_gate_up_cuda(const at::Tensor& x, const at::Tensor& w1, const std
   return result;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda(
-    const at::Tensor& grad_out, const at::Tensor& w2_in, const at::Tensor& gate_up, const at::Tensor& sorted_token_ids,
-    const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights,
-    int64_t top_k, int64_t block_m, int64_t num_experts, c10::string_view activation, double alpha, double limit) {
-  const char* op = "moe_grad_gate_up";
-  const ActivationSpec act = parse_activation(op, activation, alpha, limit);
-  MoeShape s = check_grad_gate_up_args(op, grad_out, w2_in, gate_up, sorted_token_ids, expert_ids,
-                                       num_tokens_post_padded, topk_weights, top_k, block_m, act.gated());
-  set_global_experts(op, num_experts, s);
-  const c10::cuda::CUDAGuard guard(grad_out.device());
-  sm90::check_sm90(op, grad_out);
-  const auto go = grad_out.contiguous(), gu = gate_up.contiguous(), tw = topk_weights.contiguous();
-  at::Tensor w2;
-  const int form = w2_form(w2_in, w2);
-  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"grad_out", &go}, {"w2", &w2},
-                         {"gate_up", &gu}}) {
-    sm90::check_cuda_operand(op, name, *t);
-  }
-  const auto sorted = sorted_token_ids.contiguous(), eids = expert_ids.contiguous();
-  const int64_t slots = s.M * s.top_k;
-  const int64_t width = (act.gated() ? 2 : 1) * s.hidden;  // dg | du, or dg alone (g | u's layout)
-  auto grad_gate_up = at::empty({slots, width}, go.options());
-  auto weighted_h = at::empty({slots, s.hidden}, go.options());
-  const int n_tiles = static_cast<int>((s.hidden + sm90::BN - 1) / sm90::BN);
-  auto partials = at::zeros({n_tiles, slots}, go.options().dtype(at::kFloat));
-  const auto tile_counter = at::zeros({1}, sorted_token_ids.options().dtype(at::kInt));
-  sm90::Params p{};
-  const CompactRows rows = compact_rows(p, sorted, eids, num_tokens_post_padded, s);
-  p.saved = const_cast<__nv_bfloat16*>(reinterpret_cast<const __nv_bfloat16*>(gu.const_data_ptr()));
-  p.ld_saved = width;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  zero_rows_past(grad_gate_up, rows.count);
-  zero_rows_past(weighted_h, rows.count);
-  if (s.blocks > 0 && s.M > 0) {
-    p.top_k = static_cast<int>(s.top_k);
-    p.num_experts = static_cast<int>(s.E);
-    p.num_slots = static_cast<int>(slots);
-    p.sorted = sorted.const_data_ptr<int>();
-    p.expert_ids = eids.const_data_ptr<int>();
-    p.ntpp = num_tokens_post_padded.const_data_ptr<int>();
-    p.a = reinterpret_cast<const __nv_bfloat16*>(go.const_data_ptr());
-    p.lda = s.dim;
-    // K = dim, N = hidden: w2's rows (K) x hidden columns, N-major, or transposed its hidden rows (N), K-major;
-    // columns past hidden read as zeros
-    expert_map(op, "w2", &p.tm_b0, w2, form, form == sm90::kOutIn, p.b_rows_per_expert);
-    p.n_total = static_cast<int>(s.hidden);
-    p.k_tiles = static_cast<int>(s.dim / sm90::BK);
-    p.topk_weights = tw.const_data_ptr<float>();
-    p.grad_gate = reinterpret_cast<__nv_bfloat16*>(grad_gate_up.mutable_data_ptr());
-    p.grad_up = act.gated() ? p.grad_gate + s.hidden : nullptr;
-    p.ld_grad = width;
-    p.alpha = act.alpha;
-    p.limit = act.limit;
-    p.weighted_h = reinterpret_cast<__nv_bfloat16*>(weighted_h.mutable_data_ptr());
-    p.dot_partials = partials.mutable_data_ptr<float>();
-    p.tile_counter = tile_counter.mutable_data_ptr<int>();
-    with_activation(act, [&](auto a) {
-      if (form == sm90::kInOut) {
-        sm90::launch<sm90::DH_SWIGLU, decltype(a)::value, sm90::kInOut>(p, n_tiles, s, stream);
-      } else {
-        sm90::launch<sm90::DH_SWIGLU, decltype(a)::value>(p, n_tiles, s, stream);
-      }
-    });
-  }
-  // the column tiles' partial sums in tile order: the same bits on every run
-  return {grad_gate_up, weighted_h, partials.sum(0).view({s.M, s.top_k})};
-}
-
 void fused_moe_bf16_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w2,
                          const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                          const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, at::Tensor out,
@@ -1224,8 +1170,8 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cuda(
 // adapted GEMM: a shrink kernel (LORA_SHRINK_X over the gathered x rows, LORA_SHRINK_H over the intermediate's rows)
 // writes u = s_a z A[a, e]^T, rounded once to bf16, into a padded-row buffer (blocks BM rows, zeroed: rows of
 // all-padding warpgroups stay zero, TMA reads whole blocks), then the base GEMM with LORA_EXTENSION reads it as more
-// K tiles against B[a, e]. dX (moe_lora_grad_x) likewise, its shrink over dg | du (LORA_SHRINK_D, compact rows) and
-// its extension N-major; the backward's dH stays on the unfused composition (flash_moe.cpp).
+// K tiles against B[a, e]. dX (moe_lora_grad_x) and dH (moe_lora_grad_gate_up) likewise, their shrinks over dg | du
+// (LORA_SHRINK_D, compact rows) and grad_out (LORA_SHRINK_G) and their extensions N-major.
 
 // The alignment's shape over the (expert, adapter) groups: the kernels' expert-id range and the launch rules' routed
 // slots per (group) run.
@@ -1434,6 +1380,190 @@ void run_lora(const char* op, const at::Tensor& x, const Experts& w, const at::T
     }
   });
 }
+
+// dH's K extension (`p`: the dH GEMM's parameters): LORA_SHRINK_G writes v = s_a grad_out B_down (B_down N-major) into
+// lora_rows' first r columns, then the GEMM reads v (from the compact rows) against A_down (N-major).
+void grad_gate_up_extension(const char* op, sm90::Params& p, const Lora& l, const MoeShape& s, at::Tensor& lora_rows,
+                            const at::Tensor& sorted, const MoeShape& g, std::vector<at::Tensor>& keep,
+                            cudaStream_t stream) {
+  const int64_t r = l.down.rank;
+  sm90::Params q = p;
+  adapter_map(op, "b_down", &q.tm_b0, adapter_operand(op, "b_down", l.down.b, keep), sm90::BK, sm90::MN_ATOM);
+  q.tm_b1 = q.tm_b0;
+  q.lora_group_rows[0] = q.lora_group_rows[1] = static_cast<int>(s.dim);
+  q.ext_shift[0] = q.ext_shift[1] = 0;
+  q.lora_rank[0] = static_cast<int>(r);
+  q.lora_rank[1] = 0;
+  q.u_out = nullptr;
+  q.u_compact = reinterpret_cast<__nv_bfloat16*>(lora_rows.mutable_data_ptr());
+  q.ld_u = 2 * r;
+  const auto tile_counter = at::zeros({1}, sorted.options().dtype(at::kInt));
+  q.tile_counter = tile_counter.mutable_data_ptr<int>();
+  sm90::launch<sm90::LORA_SHRINK_G>(q, 1, g, stream);
+  const int rc = prime_kernels::make_tmap_2d(&p.tm_ua[0], lora_rows.const_data_ptr(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                                             lora_rows.size(0), r, lora_rows.size(1), sm90::BM, sm90::BK);
+  TORCH_CHECK(rc == 0, op, " (CUDA): cuTensorMapEncodeTiled failed for the LoRA rank-r rows (CUresult ", rc, ")");
+  adapter_map(op, "a_down", &p.tm_ub[0], adapter_operand(op, "a_down", l.down.a, keep), sm90::BK, sm90::MN_ATOM);
+  p.lora_group_rows[0] = static_cast<int>(r);
+  p.ext_tiles = p.ext_split = static_cast<int>((r + sm90::BK - 1) / sm90::BK);
+}
+
+// lora_rows' other r columns: p bf16(s_a bf16(h) A_down^T) of the routed rows, h = activation(g, u) of the saved g | u
+// `gate_up` (compact rows, recomputed in fp32 by ATen as the CPU op does, rounded to bf16), by LORA_SHRINK_P over
+// those compact rows (`p`: the dH GEMM's parameters, copied).
+void lora_weighted_h_rows(const char* op, sm90::Params p, const ActivationSpec& act, const at::Tensor& gate_up,
+                          const Lora& l, const MoeShape& s, at::Tensor& lora_rows, const at::Tensor& sorted,
+                          const MoeShape& g, std::vector<at::Tensor>& keep, cudaStream_t stream) {
+  const int64_t r = l.down.rank;
+  const auto gu = gate_up.to(at::kFloat);
+  keep.push_back(activate(act, gu.narrow(1, 0, s.hidden), act.gated() ? gu.narrow(1, s.hidden, s.hidden)
+                                                                      : at::Tensor())
+                     .to(at::kBFloat16));
+  p.a = reinterpret_cast<const __nv_bfloat16*>(keep.back().const_data_ptr());
+  p.a2 = p.a;
+  p.lda = s.hidden;
+  p.k_tiles = p.k_half = static_cast<int>(s.hidden / sm90::BK);
+  const at::Tensor a_down = adapter_operand(op, "a_down", l.down.a, keep);
+  adapter_map(op, "a_down", &p.tm_b0, a_down);
+  p.tm_b1 = p.tm_b0;
+  p.lora_group_rows[0] = p.lora_group_rows[1] = static_cast<int>(r);
+  p.lora_rank[0] = static_cast<int>(r);
+  p.lora_rank[1] = 0;
+  p.u_out = nullptr;
+  p.u_compact = reinterpret_cast<__nv_bfloat16*>(lora_rows.mutable_data_ptr()) + r;
+  p.ld_u = 2 * r;
+  const auto tile_counter = at::zeros({1}, sorted.options().dtype(at::kInt));
+  p.tile_counter = tile_counter.mutable_data_ptr<int>();
+  sm90::launch<sm90::LORA_SHRINK_P>(p, 1, g, stream);
+}
+
+// moe_grad_gate_up, or with the down adapter (`lora_args`: scaling, a_down, b_down; `lora_rows` set)
+// moe_lora_grad_gate_up: the dH GEMM with its activation-backward epilogue and, with adapters, its K extension: the
+// LORA_SHRINK_G kernel writes v = s_a grad_out B_down of the routed rows (compact, bf16) into lora_rows' first r
+// columns, the dH GEMM reads v against A_down (N-major) after its base K tiles, and LORA_SHRINK_P writes
+// p bf16(s_a h A_down^T) into the other r columns, h = bf16(activation(g, u)) recomputed from the saved g | u (ATen,
+// as the CPU op does).
+struct LoraDownArgs {
+  const at::Tensor& scaling;
+  const std::optional<at::Tensor>&a_down, &b_down;
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_gate_up(
+    const char* op, const at::Tensor& grad_out, const at::Tensor& w2_in, const at::Tensor& gate_up,
+    const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
+    const at::Tensor& topk_weights, int64_t top_k, int64_t block_m, int64_t num_experts, c10::string_view activation,
+    double alpha, double limit, const LoraDownArgs* lora_args, at::Tensor* lora_rows) {
+  const ActivationSpec act = parse_activation(op, activation, alpha, limit);
+  MoeShape s = check_grad_gate_up_args(op, grad_out, w2_in, gate_up, sorted_token_ids, expert_ids,
+                                       num_tokens_post_padded, topk_weights, top_k, block_m, act.gated());
+  set_global_experts(op, num_experts, s);
+  const std::optional<Lora> l =
+      lora_args == nullptr ? std::nullopt
+                           : std::optional<Lora>(check_lora(op, grad_out, lora_args->scaling, s.E, s.dim, s.hidden,
+                                                            act.gated(), std::nullopt, std::nullopt, std::nullopt,
+                                                            std::nullopt, lora_args->a_down, lora_args->b_down,
+                                                            "grad_out"));
+  const MoeShape g = l ? group_shape(s, l->n) : s;  // the alignment's groups
+  const c10::cuda::CUDAGuard guard(grad_out.device());
+  sm90::check_sm90(op, grad_out);
+  const auto go = grad_out.contiguous(), gu = gate_up.contiguous(), tw = topk_weights.contiguous();
+  at::Tensor w2;
+  const int form = w2_form(w2_in, w2);
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"grad_out", &go}, {"w2", &w2},
+                         {"gate_up", &gu}}) {
+    sm90::check_cuda_operand(op, name, *t);
+  }
+  const auto sorted = sorted_token_ids.contiguous(), eids = expert_ids.contiguous();
+  const int64_t slots = s.M * s.top_k;
+  const int64_t width = (act.gated() ? 2 : 1) * s.hidden;  // dg | du, or dg alone (g | u's layout)
+  auto grad_gate_up = at::empty({slots, width}, go.options());
+  auto weighted_h = at::empty({slots, s.hidden}, go.options());
+  const int n_tiles = static_cast<int>((s.hidden + sm90::BN - 1) / sm90::BN);
+  auto partials = at::zeros({n_tiles, slots}, go.options().dtype(at::kFloat));
+  const auto tile_counter = at::zeros({1}, sorted_token_ids.options().dtype(at::kInt));
+  sm90::Params p{};
+  const CompactRows rows = compact_rows(p, sorted, eids, num_tokens_post_padded, g);
+  const int64_t r_down = l ? l->down.rank : 0;
+  if (l) {
+    *lora_rows = at::empty({slots, 2 * r_down}, go.options());
+    if (r_down > 0) zero_rows_past(*lora_rows, rows.count);
+  }
+  p.saved = const_cast<__nv_bfloat16*>(reinterpret_cast<const __nv_bfloat16*>(gu.const_data_ptr()));
+  p.ld_saved = width;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  zero_rows_past(grad_gate_up, rows.count);
+  zero_rows_past(weighted_h, rows.count);
+  if (s.blocks > 0 && s.M > 0) {
+    p.top_k = static_cast<int>(s.top_k);
+    p.num_experts = static_cast<int>(g.E);
+    p.num_slots = static_cast<int>(slots);
+    p.sorted = sorted.const_data_ptr<int>();
+    p.expert_ids = eids.const_data_ptr<int>();
+    p.ntpp = num_tokens_post_padded.const_data_ptr<int>();
+    p.a = reinterpret_cast<const __nv_bfloat16*>(go.const_data_ptr());
+    p.lda = s.dim;
+    // K = dim, N = hidden: w2's rows (K) x hidden columns, N-major, or transposed its hidden rows (N), K-major;
+    // columns past hidden read as zeros
+    expert_map(op, "w2", &p.tm_b0, w2, form, form == sm90::kOutIn, p.b_rows_per_expert);
+    p.n_total = static_cast<int>(s.hidden);
+    p.k_tiles = static_cast<int>(s.dim / sm90::BK);
+    p.topk_weights = tw.const_data_ptr<float>();
+    p.grad_gate = reinterpret_cast<__nv_bfloat16*>(grad_gate_up.mutable_data_ptr());
+    p.grad_up = act.gated() ? p.grad_gate + s.hidden : nullptr;
+    p.ld_grad = width;
+    p.alpha = act.alpha;
+    p.limit = act.limit;
+    p.weighted_h = reinterpret_cast<__nv_bfloat16*>(weighted_h.mutable_data_ptr());
+    p.dot_partials = partials.mutable_data_ptr<float>();
+    p.tile_counter = tile_counter.mutable_data_ptr<int>();
+    std::vector<at::Tensor> keep;
+    if (l) {
+      lora_params(p, *l, s, keep);
+      if (r_down > 0) grad_gate_up_extension(op, p, *l, s, *lora_rows, sorted, g, keep, stream);
+    }
+    with_activation(act, [&](auto a) {
+      with_weight_form(form, [&](auto f) {
+        constexpr int kForm = decltype(f)::value;
+        if constexpr (kForm != sm90::kInOutPairs) {  // w2_form: never pairs
+          if (l) {
+            sm90::launch<sm90::with_lora_extension(sm90::DH_SWIGLU), decltype(a)::value, kForm>(p, n_tiles, g,
+                                                                                                stream);
+          } else {
+            sm90::launch<sm90::DH_SWIGLU, decltype(a)::value, kForm>(p, n_tiles, s, stream);
+          }
+        }
+      });
+    });
+    if (l && r_down > 0) lora_weighted_h_rows(op, p, act, gu, *l, s, *lora_rows, sorted, g, keep, stream);
+  }
+  // the column tiles' partial sums in tile order: the same bits on every run
+  return {grad_gate_up, weighted_h, partials.sum(0).view({s.M, s.top_k})};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_grad_gate_up_cuda(
+    const at::Tensor& grad_out, const at::Tensor& w2, const at::Tensor& gate_up, const at::Tensor& sorted_token_ids,
+    const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights,
+    int64_t top_k, int64_t block_m, int64_t num_experts, c10::string_view activation, double alpha, double limit) {
+  return grad_gate_up("moe_grad_gate_up", grad_out, w2, gate_up, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                      topk_weights, top_k, block_m, num_experts, activation, alpha, limit, nullptr, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_lora_grad_gate_up_cuda(
+    const at::Tensor& grad_out, const at::Tensor& w2, const at::Tensor& gate_up, const at::Tensor& sorted_token_ids,
+    const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights,
+    int64_t top_k, int64_t block_m, const at::Tensor& scaling, const std::optional<at::Tensor>& a_down,
+    const std::optional<at::Tensor>& b_down, int64_t num_experts, c10::string_view activation, double alpha,
+    double limit) {
+  const LoraDownArgs lora{scaling, a_down, b_down};
+  at::Tensor lora_rows;
+  auto [grad_gate_up_rows, weighted_h, grad_weights] =
+      grad_gate_up("moe_lora_grad_gate_up", grad_out, w2, gate_up, sorted_token_ids, expert_ids,
+                   num_tokens_post_padded, topk_weights, top_k, block_m, num_experts, activation, alpha, limit, &lora,
+                   &lora_rows);
+  return {grad_gate_up_rows, weighted_h, grad_weights, lora_rows};
+}
+
+
 
 // LORA_SHRINK_D over dX's A rows (`p`: its parameters, copied; compact rows of dg, then du, or of the interleaved
 // dg | du with `one_gemm`): w = s_a [dg B_gate | du B_up] into the compact `lora_rows` (B N-major: B_gate's rows in
@@ -1700,4 +1830,5 @@ TORCH_LIBRARY_IMPL(flash_moe, CUDA, m) {
   m.impl("moe_lora_forward", &flash_moe::moe_lora_forward_cuda);
   m.impl("moe_lora_gate_up", &flash_moe::moe_lora_gate_up_cuda);
   m.impl("moe_lora_grad_x", &flash_moe::moe_lora_grad_x_cuda);
+  m.impl("moe_lora_grad_gate_up", &flash_moe::moe_lora_grad_gate_up_cuda);
 }
