@@ -30,7 +30,7 @@ def unsupported_shape_reason(dim: int, hidden_dim: int, *, mxfp8: bool = False, 
     compatibility (this plugin always runs the split pair of kernels). The ops' own checks use the same words.
     LoRA adapters (``lora_rank`` given: moe(lora=...)): bf16 only, the rank a positive multiple of LORA_RANK_ALIGN
     (8), and num_local_experts * n_adapters (expert, adapter) groups at most MAX_EXPERTS (the alignment's limit).
-    On CUDA the adapters' forward and dX are fused, their dH unfused for now (moe()'s docstring).
+    On CUDA the adapters run fused (moe()'s docstring).
     """
     del split
     checks.require_int("unsupported_shape_reason", dim=dim, hidden_dim=hidden_dim)

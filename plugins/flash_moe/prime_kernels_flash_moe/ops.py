@@ -20,7 +20,7 @@ Surface (compatible with the original Blackwell flash_moe, namespace ``prime_moe
   it).
 
 - LoRA adapters on the experts: ``moe(..., lora=MoeLora(...))`` (several adapters per call; the forward fused on
-  CUDA, the backward partly: see ``moe``), ``load_adapter`` / ``export_adapter`` / ``stack_adapters``
+  CUDA: see ``moe``), ``load_adapter`` / ``export_adapter`` / ``stack_adapters``
   (prime-rl's, PEFT's and vLLM's per-expert naming).
 
 The ``torch.ops.flash_moe`` ops are forward-only: a backward through ``moe_forward``, ``moe_forward_mxfp8``,
@@ -180,10 +180,8 @@ def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | 
     dtype), x, topk_weights and the biases; the base weights' gradient GEMMs run only for base weights that require
     grad. The slots are aligned per (expert, adapter) group (E_local * n_adapters at most MAX_EXPERTS) and run the
     moe_lora_* ops. On the CPU they are the unfused definition (per aligned block: the base GEMMs plus two rank-r
-    GEMMs per adapted projection, in fp32, the rank-r rows u = s_a z A^T rounded to bf16). On CUDA the forward, its
-    recomputation and the backward's dX are fused (sm_90a): the rank-r rows from a shrink kernel, appended to the base
-    GEMM's K ([z | u] [W | B]^T); the backward's dH still runs the unfused ATen composition there (correct, not fast:
-    it reads the alignment on the host). docs/notes/flash_moe.md, "LoRA adapters". Adapters in prime-rl's / vLLM's per-expert naming:
+    GEMMs per adapted projection, in fp32, the rank-r rows u = s_a z A^T rounded to bf16). On CUDA they are fused (sm_90a):
+    the rank-r rows from a shrink kernel, appended to the base GEMM's K ([z | u] [W | B]^T). docs/notes/flash_moe.md, "LoRA adapters". Adapters in prime-rl's / vLLM's per-expert naming:
     ``load_adapter`` / ``export_adapter``.
     """
     family = make_family(activation, alpha, limit, layout, w3)

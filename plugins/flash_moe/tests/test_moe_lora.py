@@ -3,9 +3,9 @@ reference on the same bf16 inputs (reference.moe_per_expert with the adapters), 
 unfused formulation (reference.moe_lora_grouped_mm: base grouped GEMMs plus x A^T, then (.) B^T, scaled, per
 adapter); several adapters in one call, every family and layout, expert parallelism, moe_sorted, the frozen base's
 skipped weight-gradient GEMMs, compile, argument errors, and the per-expert naming helpers. CPU tests run everywhere
-(``-s`` prints the ratios); the ``@pytest.mark.gpu`` tests run the same checks on CUDA, where the forward and dX are
-fused (csrc/cuda/fused_moe_sm90.cu) and dH is the unfused composition, and compare the fused ops (forward,
-recomputation, dX) with the CPU ops (the definition of the numerics) against float64."""
+(``-s`` prints the ratios); the ``@pytest.mark.gpu`` tests run the same checks on CUDA, where the ops are fused
+(csrc/cuda/fused_moe_sm90.cu), and compare each fused op with the CPU op (the definition of the numerics) against
+float64."""
 from __future__ import annotations
 
 import pytest
@@ -411,7 +411,7 @@ GPU_SHAPES = [(1024, 256, 256, 8, 2), (600, 320, 192, 5, 3)]
 @pytest.mark.kernel(KERNEL)
 def test_gpu_lora_numerics(case, shape):
     """The same rule on CUDA: the fused forward (every family and weight form: the extension's halves, relu2's whole
-    tiles, gpt-oss's pairs; ranks 8 / 16 / 64, 1 / 2 / 4 adapters), the fused dX, the unfused dH."""
+    tiles, gpt-oss's pairs; ranks 8 / 16 / 64, 1 / 2 / 4 adapters) and backward."""
     n, rank, family = case
     T, dim, hidden, E, top_k = shape
     t, layout = make_problem(T, dim, hidden, E, top_k, family, seed=11, device="cuda")
@@ -597,3 +597,65 @@ def test_gpu_lora_fused_grad_x_against_the_cpu_definition(case, deterministic):
     label = f"gpu moe_lora_grad_x {case_id(case)} deterministic={deterministic}"
     assert_error_ratio(f"{label} dx", ours[0].cpu(), theirs[0], ref_dx, MAX_RATIO)
     assert_error_ratio(f"{label} lora_rows", ours[1].cpu(), theirs[1], ref_rows, MAX_RATIO)
+
+
+def grad_gate_up_references(args, groups, n, family, grad_out, gate_up):
+    """float64 dg | du, p h, dL/dp and [v | p s h A_down^T] (v = s grad_out B_down; unrounded) of the routed slots in
+    the alignment's order, from the saved g | u: what moe_lora_grad_gate_up returns."""
+    _, _, up, w2v, sorted_ids, *_ = args
+    tw, top_k, scaling, a_down, b_down = args[7].cpu().double(), args[8], args[13].cpu(), args[18], args[19]
+    slots = sorted_ids.cpu()[sorted_ids.cpu() >= 0].long()
+    group = groups.reshape(-1)[slots].long()
+    d = lambda v: v.cpu().double()
+    hidden = w2v.shape[2]
+    grads, weighted, rows = [], [], []
+    grad_p = torch.zeros(tw.shape, dtype=torch.float64)
+    for i in range(len(slots)):
+        e, a = int(group[i]) // n, int(group[i]) % n
+        s, p = float(scaling[a]), tw.reshape(-1)[slots[i]]
+        go = d(grad_out[slots[i] // top_k]).unsqueeze(0)
+        grad_h = go @ d(w2v[e])
+        v = s * (go @ d(b_down[a, e])) if a_down is not None else None
+        if v is not None:
+            grad_h = grad_h + v @ d(a_down[a, e])
+        g = d(gate_up[i:i + 1, :hidden]).requires_grad_()
+        u = d(gate_up[i:i + 1, hidden:]).requires_grad_() if up is not None else None
+        h = reference.activate(g, u, family)
+        dg_du = torch.autograd.grad(h, [g] + ([u] if u is not None else []), grad_h * p)
+        grads.append(torch.cat(dg_du, 1))
+        weighted.append(p * h.detach())
+        grad_p.view(-1)[slots[i]] = (grad_h * h.detach()).sum()
+        if v is not None:
+            rows.append(torch.cat([v, p * s * (h.detach() @ d(a_down[a, e]).t())], 1))
+    rows = torch.cat(rows) if rows else torch.zeros(len(slots), 0, dtype=torch.float64)
+    return torch.cat(grads), torch.cat(weighted), grad_p, rows
+
+
+@pytest.mark.parametrize("case", OP_CASES, ids=case_id)
+@pytest.mark.gpu
+@pytest.mark.kernel(KERNEL)
+def test_gpu_lora_fused_grad_gate_up_against_the_cpu_definition(case):
+    """moe_lora_grad_gate_up on CUDA (fused: the shrink over grad_out, the dH GEMM with its K extension and its
+    activation-backward epilogue, the weighted shrink over h) and on the CPU on the same inputs: dg | du, p h, dL/dp
+    and [v | p s h A_down^T] each within 1.5x the CPU op's error against float64."""
+    n, rank, family = case
+    t, layout = make_problem(320, 256, 192, 4, 3, family, seed=23, device="cuda")
+    lora = make_lora(n, 4, 256, 192, rank, family[0] != "relu2", device="cuda",
+                     adapter_ids=torch.randint(0, n, (320,), generator=torch.Generator().manual_seed(9)).cuda())
+    args, groups = op_arguments(t, layout, family[0], lora, False)
+    routed = int((args[4] >= 0).sum())
+    gen = torch.Generator().manual_seed(10)
+    gate_up = torch.zeros(320 * 3, (2 if args[2] is not None else 1) * 192)
+    gate_up[:routed] = 2 * torch.randn(routed, gate_up.shape[1], generator=gen)
+    gate_up = gate_up.bfloat16().cuda()
+    grad_out = torch.randn(320, 256, generator=gen).bfloat16().cuda()
+    call = (grad_out, args[3], gate_up, *args[4:7], args[7], args[8], args[9], args[13], args[18], args[19], args[12],
+            family[0], args[21], args[22])
+    ours = torch.ops.flash_moe.moe_lora_grad_gate_up(*call)
+    theirs = torch.ops.flash_moe.moe_lora_grad_gate_up(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in call])
+    fam = ops.make_family(family[0], args[21], args[22], layout, t["w3"])
+    refs = grad_gate_up_references(args, groups, n, fam, grad_out, gate_up)
+    label = f"gpu moe_lora_grad_gate_up {case_id(case)}"
+    for name, a, b, r in zip(("dg | du", "p h", "dL/dp", "lora_rows"), ours, theirs, refs):
+        rows = r.shape[0] if name != "dL/dp" else a.shape[0]
+        assert_error_ratio(f"{label} {name}", a.cpu()[:rows], b[:rows], r, MAX_RATIO)

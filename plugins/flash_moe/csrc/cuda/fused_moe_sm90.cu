@@ -1166,12 +1166,13 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cuda(
 }
 
 // ------------------------------------------------------------------------------------------------------------------
-// LoRA adapters, fused (moe_lora_forward, moe_lora_gate_up; the CPU ops in flash_moe.cpp define the numerics). Per
-// adapted GEMM: a shrink kernel (LORA_SHRINK_X over the gathered x rows, LORA_SHRINK_H over the intermediate's rows)
+// LoRA adapters, fused (the moe_lora_* ops; the CPU ops in flash_moe.cpp define the numerics). Per adapted GEMM of
+// the forward: a shrink kernel (LORA_SHRINK_X over the gathered x rows, LORA_SHRINK_H over the intermediate's rows)
 // writes u = s_a z A[a, e]^T, rounded once to bf16, into a padded-row buffer (blocks BM rows, zeroed: rows of
 // all-padding warpgroups stay zero, TMA reads whole blocks), then the base GEMM with LORA_EXTENSION reads it as more
 // K tiles against B[a, e]. dX (moe_lora_grad_x) and dH (moe_lora_grad_gate_up) likewise, their shrinks over dg | du
-// (LORA_SHRINK_D, compact rows) and grad_out (LORA_SHRINK_G) and their extensions N-major.
+// (LORA_SHRINK_D) and grad_out (LORA_SHRINK_G) writing the compact rank-r rows the extension then reads (a block's
+// routed rows are consecutive compact rows), their extensions N-major; dH's rows p s h A_down^T by LORA_SHRINK_P.
 
 // The alignment's shape over the (expert, adapter) groups: the kernels' expert-id range and the launch rules' routed
 // slots per (group) run.
