@@ -1,7 +1,8 @@
-"""Small-shape CUDA run of moe(lora=...)'s fused forward kernels (the shrinks over x and over h, the gate/up GEMM with
-its K extension in every weight form: halves, relu2's whole tiles, gpt-oss's pairs; the down GEMM with its extension,
-atomics and per slot; the recomputation) and the backward's ops, for compute-sanitizer (memcheck, racecheck,
-synccheck, initcheck). Exits 1 where a result differs from the CPU implementation (the definition of the numerics).
+"""Small-shape CUDA run of moe(lora=...)'s fused kernels for compute-sanitizer (memcheck, racecheck, synccheck,
+initcheck): the forward's shrinks over x and over h, the gate/up GEMM with its K extension in every weight form
+(halves, relu2's whole tiles, gpt-oss's pairs), the down GEMM with its extension (atomics and per slot), the
+recomputation; the backward's shrinks over grad_out, h and dg | du and its dH and dX GEMMs with their extensions.
+Exits 1 where a result differs from the CPU implementation (the definition of the numerics).
 
     compute-sanitizer --tool memcheck python plugins/flash_moe/tests/sanitize_moe_lora.py
 """
