@@ -121,8 +121,8 @@ enum Mode : int {
   LORA_SHRINK_X = 11, LORA_SHRINK_H = 12, LORA_SHRINK_D = 13, LORA_SHRINK_G = 14, LORA_SHRINK_P = 15
 };
 // Added to a persistent gate/up, a down, a dH or a dX mode: blocks of (expert, adapter) groups, and the adapters' K
-// extension (Params::ext_tiles K tiles after the base ones, possibly none). A flag rather than more modes: the base modes'
-// instantiations stay what they were.
+// extension (Params::ext_tiles K tiles after the base ones, possibly none). A flag rather than more modes: the base
+// modes' instantiations stay what they were.
 enum ModeFlag : int { LORA_EXTENSION = 16 };
 constexpr int persistent_twin(int mode) {
   return mode == GATE_UP ? GATE_UP_PERSISTENT : mode == GATE_UP_SAVE ? GATE_UP_SAVE_PERSISTENT
@@ -568,8 +568,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       }
       if constexpr (kExtension) {
         // The LoRA K tiles: the block's u rows and the B rows of the column tile, all by TMA (thread 0); the other
-        // threads' arrivals complete the stage's count (they copy nothing)
-        // dX: the block's rows of w start at its first compact row (its routed rows are consecutive compact rows)
+        // threads' arrivals complete the stage's count (they copy nothing). dX, dH: the block's rows of w (v) start at
+        // its first compact row (its routed rows are consecutive compact rows)
         const int first_compact = kExtMajorN && threadIdx.x == 0 ? p.dst_rows[block * BM] : 0;
         for (int c = 0; c < p.ext_tiles; ++c) {
           const int stage = acquire_stage<STAGES>(bars, ks + p.k_tiles + c);
@@ -657,7 +657,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         ring.advance();
       }
       if constexpr (kExtension) {
-        // The LoRA K tiles (TMA-written: no proxy fence), K-major whatever the base weights' form
+        // The LoRA K tiles (TMA-written: no proxy fence), B in the adapters' layout whatever the base weights' form
         for (int x = 0; x < p.ext_tiles; ++x) {
           mbar_wait(full_bar(ring.stage), ring.phase);
           const uint32_t st = base + ring.stage * STAGE_BYTES;
