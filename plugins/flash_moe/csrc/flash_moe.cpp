@@ -134,6 +134,21 @@ void for_each_block(const char* op, const at::Tensor& sorted_token_ids, const at
                        fn);
 }
 
+// h from the pre-activations g, u (fp32; u undefined when not gated): flash_moe.h's Activation.
+at::Tensor activate(const ActivationSpec& a, const at::Tensor& g, const at::Tensor& u) {
+  switch (a.kind) {
+    case Activation::kSwiGLU:
+      return at::silu(g) * u;
+    case Activation::kGptOss: {
+      const auto gc = g.clamp_max(a.limit);
+      return (u.clamp(-a.limit, a.limit) + 1) * gc * at::sigmoid(gc * a.alpha);
+    }
+    case Activation::kRelu2:
+      return at::relu(g).square();
+  }
+  TORCH_CHECK(false, "flash_moe: unknown activation");
+}
+
 // (dL/dg, dL/du) from dL/dh (fp32). The clamps pass the gradient inside their closed ranges (torch.clamp's rule) and
 // none outside; du is undefined when not gated.
 std::pair<at::Tensor, at::Tensor> activate_backward(const ActivationSpec& a, const at::Tensor& g, const at::Tensor& u,
@@ -543,11 +558,12 @@ at::Tensor moe_grad_weight_cpu(const at::Tensor& rows, const at::Tensor& source,
 
 
 // ------------------------------------------------------------------------------------------------------------------
-// LoRA adapters (flash_moe.h, "LoRA adapters on the experts"): the unfused composition, in ATen calls: the CPU
-// implementation, the definition of the numerics, which the fused CUDA ops of csrc/cuda/fused_moe_sm90.cu compute with
-// the same rounding points (docs/notes/flash_moe.md, "LoRA adapters"). Per aligned block of group v = e * n + a: expert e's base
-// GEMMs in fp32 as the base ops compute them, plus per adapted projection the rank-r rows u = s_a (rows A[a, e]^T)
-// rounded to bf16 (the operand the fused kernels will append to the GEMM's K) and u B[a, e]^T in fp32.
+// LoRA adapters (flash_moe.h, "LoRA adapters on the experts"): the unfused composition in ATen calls, the CPU
+// implementation and the definition of the numerics, which the fused CUDA ops (csrc/cuda/fused_moe_sm90.cu) compute
+// with the same rounding points (docs/notes/flash_moe.md, "LoRA adapters"). Per aligned block of group v = e * n + a:
+// expert e's base GEMMs in fp32 as the base ops compute them, plus per adapted projection the rank-r rows
+// u = s_a (rows A[a, e]^T) rounded to bf16 (the operand the fused kernels append to the GEMM's K) and u B[a, e]^T in
+// fp32.
 
 struct LoraBlock {
   int64_t expert, adapter;

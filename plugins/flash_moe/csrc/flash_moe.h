@@ -140,22 +140,6 @@ inline ActivationSpec parse_activation(const char* op, c10::string_view name, do
   return a;
 }
 
-// h from the pre-activations g, u (fp32; u undefined when not gated), in ATen ops on any device: the CPU ops'
-// definition, and the fused CUDA dH's recomputation of the bf16 h its LoRA rows need.
-inline at::Tensor activate(const ActivationSpec& a, const at::Tensor& g, const at::Tensor& u) {
-  switch (a.kind) {
-    case Activation::kSwiGLU:
-      return at::silu(g) * u;
-    case Activation::kGptOss: {
-      const auto gc = g.clamp_max(a.limit);
-      return (u.clamp(-a.limit, a.limit) + 1) * gc * at::sigmoid(gc * a.alpha);
-    }
-    case Activation::kRelu2:
-      return at::relu(g).square();
-  }
-  TORCH_CHECK(false, "flash_moe: unknown activation");
-}
-
 // fused_moe_bf16's and the mxfp8 ops' activation (SwiGLU has no constants).
 constexpr ActivationSpec kSwiGLU{Activation::kSwiGLU, 0.f, 0.f};
 

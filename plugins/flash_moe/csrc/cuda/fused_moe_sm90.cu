@@ -190,6 +190,7 @@ struct Params {
   __nv_bfloat16* grad_up;
   int64_t ld_grad;
   __nv_bfloat16* weighted_h;
+  __nv_bfloat16* h_rows;  // DH_SWIGLU with LORA_EXTENSION: h itself, bf16, compact rows (row stride n_total)
   float* dot_partials;
   // DX_*: A's second half (du rows; `a` holds dg's), K tiles per half; tm_b0 / tm_b1 map w1 / w3
   const __nv_bfloat16* a2;
@@ -240,13 +241,13 @@ __device__ __forceinline__ void fence_acc(float* d) { fence_regs<128>(d); }
 
 // DH_SWIGLU's epilogue for accumulator row h of a consumer thread: grad_h (unweighted, fp32) of slot `slot` over the
 // columns n0 + 8 j + 2 quad + e, g | u from compact row `row`; writes dg, du, p h there (activate_backward with
-// dh = p grad_h; relu2: g and dg alone) and returns this thread's part of <grad_h, h>.
+// dh = p grad_h; relu2: g and dg alone), kStoreH h as well, and returns this thread's part of <grad_h, h>.
 // Every access is 16 bytes per lane through quad_transpose (groups of 4 j). The g | u loads of kChunk groups are issued
 // before any of their stores: the compiler cannot prove the outputs do not alias g | u, so a load after a store waits
 // for it (SASS of the first version: one load pair, the math and three stores per column group, 64 DRAM round trips
 // in a row per thread and tile).
 constexpr int kChunk = 4;
-template <int ACT>
+template <int ACT, bool kStoreH>
 __device__ __forceinline__ float activation_grad_row(const Params& p, const float* acc, int h, int quad, int slot,
                                                      int row, int n0) {
   constexpr bool kGated = ACT != kActRelu2;
@@ -272,12 +273,12 @@ __device__ __forceinline__ float activation_grad_row(const Params& p, const floa
       if (n0 + 32 * g >= p.n_total) break;
       const uint4 gt = quad_transpose(g4[gg], quad), ut = kGated ? quad_transpose(u4[gg], quad) : gt;
       const uint32_t gw[4] = {gt.x, gt.y, gt.z, gt.w}, uw[4] = {ut.x, ut.y, ut.z, ut.w};
-      uint32_t dgw[4], duw[4], phw[4];
+      uint32_t dgw[4], duw[4], phw[4], hw[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const float2 gv2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gw[k]));
         const float2 uv2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&uw[k]));
-        float dg[2], du[2] = {0.f, 0.f}, ph[2];
+        float dg[2], du[2] = {0.f, 0.f}, ph[2], hs[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const float gh = acc[4 * (4 * g + k) + 2 * h + e];
@@ -285,10 +286,12 @@ __device__ __forceinline__ float activation_grad_row(const Params& p, const floa
                                                   dg[e], du[e]);
           dot += gh * hv;
           ph[e] = w * hv;
+          hs[e] = hv;
         }
         dgw[k] = bf16x2_bits(dg[0], dg[1]);
         duw[k] = bf16x2_bits(du[0], du[1]);
         phw[k] = bf16x2_bits(ph[0], ph[1]);
+        hw[k] = bf16x2_bits(hs[0], hs[1]);
       }
       const int col = 32 * g + 8 * quad;
       *reinterpret_cast<uint4*>(p.grad_gate + grad_base + col) =
@@ -299,6 +302,10 @@ __device__ __forceinline__ float activation_grad_row(const Params& p, const floa
       }
       *reinterpret_cast<uint4*>(p.weighted_h + h_base + col) =
           quad_transpose(make_uint4(phw[0], phw[1], phw[2], phw[3]), quad);
+      if constexpr (kStoreH) {  // the LoRA rows' h (LORA_SHRINK_P reads it)
+        *reinterpret_cast<uint4*>(p.h_rows + h_base + col) =
+            quad_transpose(make_uint4(hw[0], hw[1], hw[2], hw[3]), quad);
+      }
     }
   }
   return dot;
@@ -739,7 +746,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
           const int slot = slot_of[lr];
           const int row = slot >= 0 ? p.dst_rows[block * BM + lr] : -1;
           const bool routed = row >= 0 && row < p.dst_limit;
-          float dot = routed ? activation_grad_row<ACT>(p, acc, h, quad, slot, row, n_tile * BN) : 0.f;
+          float dot = routed ? activation_grad_row<ACT, kExtension>(p, acc, h, quad, slot, row, n_tile * BN) : 0.f;
           // the 4 lanes of a quad hold the row's columns: every lane takes part in the shuffles
           dot += __shfl_xor_sync(0xffffffffu, dot, 1);
           dot += __shfl_xor_sync(0xffffffffu, dot, 2);
@@ -1409,18 +1416,13 @@ void grad_gate_up_extension(const char* op, sm90::Params& p, const Lora& l, cons
   p.ext_tiles = p.ext_split = static_cast<int>((r + sm90::BK - 1) / sm90::BK);
 }
 
-// lora_rows' other r columns: p bf16(s_a bf16(h) A_down^T) of the routed rows, h = activation(g, u) of the saved g | u
-// `gate_up` (compact rows, recomputed in fp32 by ATen as the CPU op does, rounded to bf16), by LORA_SHRINK_P over
-// those compact rows (`p`: the dH GEMM's parameters, copied).
-void lora_weighted_h_rows(const char* op, sm90::Params p, const ActivationSpec& act, const at::Tensor& gate_up,
-                          const Lora& l, const MoeShape& s, at::Tensor& lora_rows, const at::Tensor& sorted,
-                          const MoeShape& g, std::vector<at::Tensor>& keep, cudaStream_t stream) {
+// lora_rows' other r columns: p bf16(s_a h A_down^T) of the routed rows, by LORA_SHRINK_P over the compact rows of
+// `h_rows` (bf16 h, from the dH epilogue; `p`: the dH GEMM's parameters, copied).
+void lora_weighted_h_rows(const char* op, sm90::Params p, const at::Tensor& h_rows, const Lora& l, const MoeShape& s,
+                          at::Tensor& lora_rows, const at::Tensor& sorted, const MoeShape& g,
+                          std::vector<at::Tensor>& keep, cudaStream_t stream) {
   const int64_t r = l.down.rank;
-  const auto gu = gate_up.to(at::kFloat);
-  keep.push_back(activate(act, gu.narrow(1, 0, s.hidden), act.gated() ? gu.narrow(1, s.hidden, s.hidden)
-                                                                      : at::Tensor())
-                     .to(at::kBFloat16));
-  p.a = reinterpret_cast<const __nv_bfloat16*>(keep.back().const_data_ptr());
+  p.a = reinterpret_cast<const __nv_bfloat16*>(h_rows.const_data_ptr());
   p.a2 = p.a;
   p.lda = s.hidden;
   p.k_tiles = p.k_half = static_cast<int>(s.hidden / sm90::BK);
@@ -1441,9 +1443,9 @@ void lora_weighted_h_rows(const char* op, sm90::Params p, const ActivationSpec& 
 // moe_grad_gate_up, or with the down adapter (`lora_args`: scaling, a_down, b_down; `lora_rows` set)
 // moe_lora_grad_gate_up: the dH GEMM with its activation-backward epilogue and, with adapters, its K extension: the
 // LORA_SHRINK_G kernel writes v = s_a grad_out B_down of the routed rows (compact, bf16) into lora_rows' first r
-// columns, the dH GEMM reads v against A_down (N-major) after its base K tiles, and LORA_SHRINK_P writes
-// p bf16(s_a h A_down^T) into the other r columns, h = bf16(activation(g, u)) recomputed from the saved g | u (ATen,
-// as the CPU op does).
+// columns, the dH GEMM reads v against A_down (N-major) after its base K tiles and stores h = bf16(activation(g, u))
+// of the saved g | u beside p h (what the CPU op recomputes), and LORA_SHRINK_P writes p bf16(s_a h A_down^T) into
+// the other r columns.
 struct LoraDownArgs {
   const at::Tensor& scaling;
   const std::optional<at::Tensor>&a_down, &b_down;
@@ -1518,9 +1520,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_gate_up(
     p.dot_partials = partials.mutable_data_ptr<float>();
     p.tile_counter = tile_counter.mutable_data_ptr<int>();
     std::vector<at::Tensor> keep;
+    at::Tensor h_rows;  // the LoRA rows' h, compact, from the dH epilogue
     if (l) {
       lora_params(p, *l, s, keep);
-      if (r_down > 0) grad_gate_up_extension(op, p, *l, s, *lora_rows, sorted, g, keep, stream);
+      if (r_down > 0) {
+        grad_gate_up_extension(op, p, *l, s, *lora_rows, sorted, g, keep, stream);
+        h_rows = at::empty({slots, s.hidden}, go.options());
+        p.h_rows = reinterpret_cast<__nv_bfloat16*>(h_rows.mutable_data_ptr());
+      }
     }
     with_activation(act, [&](auto a) {
       with_weight_form(form, [&](auto f) {
@@ -1535,7 +1542,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_gate_up(
         }
       });
     });
-    if (l && r_down > 0) lora_weighted_h_rows(op, p, act, gu, *l, s, *lora_rows, sorted, g, keep, stream);
+    if (l && r_down > 0) lora_weighted_h_rows(op, p, h_rows, *l, s, *lora_rows, sorted, g, keep, stream);
   }
   // the column tiles' partial sums in tile order: the same bits on every run
   return {grad_gate_up, weighted_h, partials.sum(0).view({s.M, s.top_k})};
