@@ -406,8 +406,15 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   const int live = kPersistent ? (ntpp <= 0 ? 0 : min(p.blocks, (ntpp - 1) / BM + 1)) : p.blocks;
   const uint32_t tiles = static_cast<uint32_t>(live) * p.n_tiles;
   if (blockIdx.x >= tiles) return;  // also the CTAs that round the grid up to whole clusters
-  // K tiles per tile: the base ones, then the LoRA extension's
-  const int k_total = kExtension ? p.k_tiles + p.ext_tiles : p.k_tiles;
+  // K tiles per tile: the base ones, then the LoRA extension's. Read from the parameters at each use, as the base
+  // modes always did: a local holding it changed their code (80-150 more instructions per kernel, measured).
+  auto k_total = [&] {
+    if constexpr (kExtension) {
+      return p.k_tiles + p.ext_tiles;
+    } else {
+      return p.k_tiles;
+    }
+  };
   // a block's group id -> its expert (the base weights' index)
   auto expert_of = [&](int group) { return kGroups ? group / p.lora_n : group; };
   // One CTA per tile: the cluster's other CTA (blockIdx.x ^ 1), when it runs the same expert's same column tile, loads
@@ -459,7 +466,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
   // allowed).
   auto release = [&](int s, int j) {
     mbar_arrive(empty_bar(s));
-    if (paired && j < k_total - STAGES) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
+    if (paired && j < k_total() - STAGES) mbar_arrive_cluster(mapa_shared(empty_bar(s), rank ^ 1u));
   };
 
   const int warpgroup = threadIdx.x / 128;
@@ -605,7 +612,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
           cp_async_mbar_arrive_noinc(full_bar(stage));
         }
       }
-      ks = (ks + k_total) % (2 * STAGES);
+      ks = (ks + k_total()) % (2 * STAGES);
     }
     drain_cp_async();
     return;
@@ -629,7 +636,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
     // get the tensor cores (DeepSeek-V3: 256 ± 16 slots per expert, so about half the experts end in a block of <= 64
     // routed rows). The skip sits outside the mainloop: a `continue` inside it made ptxas serialise the wgmmas.
     if (__all_sync(0xffffffffu, slot_of[wg * 64 + lane] < 0 && slot_of[wg * 64 + 32 + lane] < 0)) {
-      for (int kt = 0; kt < k_total; ++kt) {
+      for (int kt = 0; kt < k_total(); ++kt) {
         mbar_wait(full_bar(ring.stage), ring.phase);
         if (lane == 0) release(ring.stage, kt);
         ring.advance();
@@ -691,7 +698,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       }
       wgmma_wait<0>();
       fence_acc(acc);
-      if (lane == 0) release(prev, k_total - 1);  // the ring's next turn (persistent: the next tile) may refill it
+      if (lane == 0) release(prev, k_total() - 1);  // the ring's next turn (persistent: the next tile) may refill it
       // ------------------------------- epilogue -------------------------------
       // the tile's output columns n0 + 8 j + 2 quad + e: of each half (gate, up) with halves, else of the whole tile;
       // kPairs: n0 + 4 j + quad, gate and up alike
