@@ -202,13 +202,19 @@ if phase test; then
   # One pytest process per suite: a kernel fault poisons its CUDA context, and must not fail the other plugins' tests.
   # They run side by side where the card holds them all (an H200); on an 80 GB H100, fused_logp's 9 GiB logits
   # beside flash_moe's 22 GiB ran out of memory (session 29: two or three fused_logp tests failed with OOM, passing
-  # alone), so there one after another.
+  # alone), so there the suites of LARGE_SUITES run one after another, beside the small suites and the sanitizer
+  # runs (small shapes), which start at once.
   gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
+  large=" ${LARGE_SUITES:-plugins/fused_logp/tests plugins/flash_moe/tests} " one_by_one=()
   for suite in ${TEST_SUITES:-tests plugins/*/tests examples/*/tests}; do
     [ -e "$suite" ] || { record test "$suite" "not found"; continue; }
+    case "$large" in
+      *" ${suite%/} "*) [ "${gpu_mib:-0}" -lt 100000 ] && { one_by_one+=("$suite"); continue; };;
+    esac
     gpu_tests test "$suite" "$suite" "$out/gpu-tests-$(echo "$suite" | tr / _)" &
-    [ "${gpu_mib:-0}" -ge 100000 ] || wait $!
   done
+  ( for suite in "${one_by_one[@]}"; do gpu_tests test "$suite" "$suite" "$out/gpu-tests-$(echo "$suite" | tr / _)"
+    done ) &
 fi
 
 if phase sanitize; then
