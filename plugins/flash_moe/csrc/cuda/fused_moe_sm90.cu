@@ -357,6 +357,29 @@ __device__ __forceinline__ void tile_order(const Params& p, int cta, int blocks,
 // consecutive w1 rows (no up half), its h columns all BN of them.
 // WEIGHTS: their WeightForm; kPairs (the gate/up modes with kInOutPairs): column pair 4 j + quad of a tile holds gate
 // (register 4 j + 2 h) and up (+ 1).
+// One ring stage's K tile as wgmma k16 steps into acc, then a wait for the previous tile's: A (K-major: 16 K = 32
+// bytes a step) at a_off in the stage, B after the A tile, K-major or N-major (16 K rows = 2048 bytes a step). The
+// tile's first step overwrites acc unless `accumulate` (every tile but a block's first).
+template <bool kBMajorN>
+__device__ __forceinline__ void mma_k_tile(float (&acc)[128], uint32_t stage, uint32_t a_off, bool accumulate) {
+  const uint64_t da = smem_desc(stage + a_off);
+  const uint64_t db = kBMajorN ? smem_desc_mn(stage + A_BYTES, B_BYTES / MN_ATOMS) : smem_desc(stage + A_BYTES);
+  fence_acc(acc);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < BK / 16; ++kk) {
+    if constexpr (kBMajorN) {
+      wgmma_m64n256k16_bf16_bn(acc, da + 2 * kk, db + kk * (16 * 128 >> 4), (accumulate || kk > 0) ? 1 : 0);
+    } else {
+      wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk, (accumulate || kk > 0) ? 1 : 0);
+    }
+  }
+  wgmma_commit();
+  fence_acc(acc);
+  wgmma_wait<1>();
+  fence_acc(acc);
+}
+
 template <int MODE, int ACT, int WEIGHTS>
 __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -648,24 +671,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
       for (int kt = 0; kt < p.k_tiles; ++kt) {
         mbar_wait(full_bar(ring.stage), ring.phase);
         fence_proxy_async();  // the stage was written by cp.async (generic proxy); wgmma reads it through the async proxy
-        const uint32_t st = base + ring.stage * STAGE_BYTES;
-        // K-major tiles advance 16 K (32 bytes) per wgmma; DH_SWIGLU's N-major B 16 K rows (2048 bytes)
-        const uint64_t da = smem_desc(st + a_off);
-        const uint64_t db = kMajorN ? smem_desc_mn(st + A_BYTES, B_BYTES / MN_ATOMS) : smem_desc(st + A_BYTES);
-        fence_acc(acc);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {
-          if constexpr (kMajorN) {
-            wgmma_m64n256k16_bf16_bn(acc, da + 2 * kk, db + kk * (16 * 128 >> 4), (kt > 0 || kk > 0) ? 1 : 0);
-          } else {
-            wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
-          }
-        }
-        wgmma_commit();
-        fence_acc(acc);
-        wgmma_wait<1>();
-        fence_acc(acc);
+        mma_k_tile<kMajorN>(acc, base + ring.stage * STAGE_BYTES, a_off, kt > 0);
         if (kt > 0 && lane == 0) release(prev, kt - 1);
         prev = ring.stage;
         ring.advance();
@@ -674,23 +680,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_c
         // The LoRA K tiles (TMA-written: no proxy fence), B in the adapters' layout whatever the base weights' form
         for (int x = 0; x < p.ext_tiles; ++x) {
           mbar_wait(full_bar(ring.stage), ring.phase);
-          const uint32_t st = base + ring.stage * STAGE_BYTES;
-          const uint64_t da = smem_desc(st + a_off);
-          const uint64_t db = kExtMajorN ? smem_desc_mn(st + A_BYTES, B_BYTES / MN_ATOMS) : smem_desc(st + A_BYTES);
-          fence_acc(acc);
-          wgmma_fence();
-#pragma unroll
-          for (int kk = 0; kk < BK / 16; ++kk) {
-            if constexpr (kExtMajorN) {
-              wgmma_m64n256k16_bf16_bn(acc, da + 2 * kk, db + kk * (16 * 128 >> 4), 1);
-            } else {
-              wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk, 1);
-            }
-          }
-          wgmma_commit();
-          fence_acc(acc);
-          wgmma_wait<1>();
-          fence_acc(acc);
+          mma_k_tile<kExtMajorN>(acc, base + ring.stage * STAGE_BYTES, a_off, true);
           if (lane == 0) release(prev, p.k_tiles + x - 1);
           prev = ring.stage;
           ring.advance();
