@@ -5,7 +5,7 @@ import textwrap
 import pytest
 
 import prime_kernels
-from prime_kernels_core import registry
+from prime_kernels_core import manifest, registry
 
 DEFAULT_RECORD = object()
 # A kernel module that registers its declared ops, as a real _C would, and a shape contract.
@@ -28,6 +28,27 @@ def running_record(kernels: dict | None = None, **overrides) -> dict:
         record["kernels"][name] = {"archs": list(archs), "not_built": dict(not_built)}
     record.update(overrides)
     return record
+
+
+def _toml_value(value) -> str:
+    """A TOML value, tables inline."""
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(value)
+
+
+@pytest.fixture
+def write_manifest():
+    """Returns write(folder, table): folder/kernel.toml holding the one kernel "k" with ``table``'s keys, the
+    manifest cache cleared; the file's path."""
+    def write(folder, table: dict):
+        path = folder / "kernel.toml"
+        path.write_text('version = "0.1.0"\n[k]\n' + "".join(f"{k} = {_toml_value(v)}\n" for k, v in table.items()))
+        manifest.load.cache_clear()
+        return path
+    return write
 
 
 @pytest.fixture

@@ -29,24 +29,14 @@ GOOD = dict(description="d", namespace="ns", ops=["op"], module="m.ops", languag
                               "constexprs": {"N": 64, "FLAG": [False, True]}}])
 
 
-def _load(tmp_path, **change):
-    table = {**GOOD, **change}
-    path = tmp_path / "kernel.toml"
-    path.write_text('version = "0.1.0"\n[k]\n' + "".join(f"{k} = {_inline(v)}\n" for k, v in table.items()))
-    manifest.load.cache_clear()
-    return manifest.load(path)
+@pytest.fixture
+def load(tmp_path, write_manifest):
+    """Returns load(**change): the manifest of GOOD with ``change``'s keys."""
+    return lambda **change: manifest.load(write_manifest(tmp_path, {**GOOD, **change}))
 
 
-def _inline(value) -> str:
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_inline(v)}" for k, v in value.items()) + " }"
-    if isinstance(value, list):
-        return "[" + ", ".join(_inline(v) for v in value) + "]"
-    return json.dumps(value)
-
-
-def test_a_good_table_loads(tmp_path):
-    assert _load(tmp_path)["kernels"]["k"]["language"] == "cute-dsl"
+def test_a_good_table_loads(load):
+    assert load()["kernels"]["k"]["language"] == "cute-dsl"
 
 
 def _spec(**change):
@@ -69,15 +59,15 @@ def _spec(**change):
                                                           "boolean, or to a list of them"),
     (dict(specializations=[_spec(num_warps=4)]), "needs a function name and only the keys"),
 ])
-def test_manifest_errors_name_the_key(tmp_path, change, words):
+def test_manifest_errors_name_the_key(load, change, words):
     with pytest.raises(manifest.ManifestError, match=words.replace("[", r"\[").replace("]", r"\]")
                        .replace("(", r"\(").replace(")", r"\)").replace("{", r"\{").replace("}", r"\}")):
-        _load(tmp_path, **change)
+        load(**change)
 
 
-def test_archs_are_spelled_as_gpu_arch_takes_them(tmp_path):
+def test_archs_are_spelled_as_gpu_arch_takes_them(load):
     """Unlike Triton (which picks sm_90a itself), the DSL compiles what --gpu-arch names: 9.0 and 9.0a both load."""
-    assert _load(tmp_path, archs=["9.0", "9.0a", "12.0a"])["kernels"]["k"]["archs"] == ["9.0", "9.0a", "12.0a"]
+    assert load(archs=["9.0", "9.0a", "12.0a"])["kernels"]["k"]["archs"] == ["9.0", "9.0a", "12.0a"]
 
 
 def test_tensor_modes_are_dynamic_names_or_static_extents():
@@ -99,12 +89,11 @@ def test_dtypes_and_constexpr_lists_expand_each_specialization():
 # ---------------------------------------------------------------- the runtime: which specialization, which object
 
 @pytest.fixture
-def installed(monkeypatch, tmp_path):
+def installed(monkeypatch, tmp_path, write_manifest):
     """A package "pkcute" whose manifest is GOOD and whose record ships (function, arch, specialization) entries."""
     folder = tmp_path / "pkcute"
     folder.mkdir()
-    (folder / "kernel.toml").write_text('version = "0.1.0"\n[k]\n' + "".join(
-        f"{k} = {_inline(v)}\n" for k, v in GOOD.items()))
+    write_manifest(folder, GOOD)
     shipped = [dict(s, arch=arch, file=f"_aot/k/f-{arch}-{i}.o", prefix="f")
                for arch in ("8.0", "9.0a") for i, s in enumerate(jit_manifest.expanded(GOOD["specializations"][0]))]
     record = {"jit": True, "kernels": {"k": {"language": "cute-dsl", "archs": ["8.0", "9.0a"], "not_built": {},

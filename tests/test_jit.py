@@ -232,22 +232,10 @@ GOOD = dict(description="d", namespace="ns", ops=["op"], module="m.ops", languag
      "constexprs maps each constexpr parameter to a number or boolean"),
     (dict(functions=""), "archs asks for ahead-of-time code, so functions must name the module"),
 ])
-def test_manifest_errors_name_the_key(tmp_path, change, words):
-    table = {**GOOD, **change}
-    path = tmp_path / "kernel.toml"
-    path.write_text('version = "0.1.0"\n[k]\n' + "".join(f"{k} = {_inline(v)}\n" for k, v in table.items()))
-    manifest.load.cache_clear()
+def test_manifest_errors_name_the_key(tmp_path, write_manifest, change, words):
+    path = write_manifest(tmp_path, {**GOOD, **change})
     with pytest.raises(manifest.ManifestError, match=words.replace("[", r"\[").replace("]", r"\]")):
         manifest.load(path)
-
-
-def _inline(value) -> str:
-    """A TOML value, tables inline."""
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_inline(v)}" for k, v in value.items()) + " }"
-    if isinstance(value, list):
-        return "[" + ", ".join(_inline(v) for v in value) + "]"
-    return json.dumps(value)
 
 
 def test_dtypes_expand_each_specialization():
