@@ -340,23 +340,7 @@ __device__ __forceinline__ void store_lora_rows(const Params& p, const float* ac
     }
   }
 }
-#endif
 
-// CTA or tile number -> (aligned block, column tile) in the launch's order (Params::raster_runs).
-__device__ __forceinline__ void tile_order(const Params& p, int cta, int blocks, int& block, int& n_tile) {
-  if (p.raster_runs) {
-    raster_by_expert(cta, p.n_tiles, blocks, p.expert_ids, block, n_tile);
-  } else {
-    raster(cta, p.n_tiles, blocks, block, n_tile);
-  }
-}
-
-// Accumulator register i of a consumer thread holds row (warp * 16 + lane / 4 + 8 * ((i / 2) % 2)) and column
-// (8 * (i / 4) + 2 * (lane % 4) + i % 2) of its warpgroup's 64 x 256 tile.
-// ACT: the activation (sm90_common.cuh) of the gate/up and dH modes' epilogues; relu2's gate/up tiles are BN
-// consecutive w1 rows (no up half), its h columns all BN of them.
-// WEIGHTS: their WeightForm; kPairs (the gate/up modes with kInOutPairs): column pair 4 j + quad of a tile holds gate
-// (register 4 j + 2 h) and up (+ 1).
 // One ring stage's K tile as wgmma k16 steps into acc, then a wait for the previous tile's: A (K-major: 16 K = 32
 // bytes a step) at a_off in the stage, B after the A tile, K-major or N-major (16 K rows = 2048 bytes a step). The
 // tile's first step overwrites acc unless `accumulate` (every tile but a block's first).
@@ -379,7 +363,23 @@ __device__ __forceinline__ void mma_k_tile(float (&acc)[128], uint32_t stage, ui
   wgmma_wait<1>();
   fence_acc(acc);
 }
+#endif
 
+// CTA or tile number -> (aligned block, column tile) in the launch's order (Params::raster_runs).
+__device__ __forceinline__ void tile_order(const Params& p, int cta, int blocks, int& block, int& n_tile) {
+  if (p.raster_runs) {
+    raster_by_expert(cta, p.n_tiles, blocks, p.expert_ids, block, n_tile);
+  } else {
+    raster(cta, p.n_tiles, blocks, block, n_tile);
+  }
+}
+
+// Accumulator register i of a consumer thread holds row (warp * 16 + lane / 4 + 8 * ((i / 2) % 2)) and column
+// (8 * (i / 4) + 2 * (lane % 4) + i % 2) of its warpgroup's 64 x 256 tile.
+// ACT: the activation (sm90_common.cuh) of the gate/up and dH modes' epilogues; relu2's gate/up tiles are BN
+// consecutive w1 rows (no up half), its h columns all BN of them.
+// WEIGHTS: their WeightForm; kPairs (the gate/up modes with kInOutPairs): column pair 4 j + quad of a tile holds gate
+// (register 4 j + 2 h) and up (+ 1).
 template <int MODE, int ACT, int WEIGHTS>
 __global__ void __launch_bounds__(NUM_THREADS, 1) moe_gemm_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
